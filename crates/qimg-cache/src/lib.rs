@@ -1,0 +1,1 @@
+//! Slice-granular LRU cache policy (in progress).

@@ -1,0 +1,1 @@
+//! Async storage backends (in progress).
