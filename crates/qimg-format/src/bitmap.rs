@@ -1,1 +1,345 @@
-//! (in progress)
+//! Persistent dirty bitmaps: the bitmaps header extension (0x23852875) and the bitmap
+//! directory, enough to list bitmaps and to preserve them and the clusters they own.
+
+use crate::be::{pad8, u16_at, u32_at, u64_at};
+use crate::error::{FormatError, Result};
+use crate::extensions::EXT_BITMAPS;
+
+/// QEMU's limit on the number of bitmaps.
+pub const MAX_BITMAPS: u32 = 65535;
+/// QEMU's limit on the size of one directory entry.
+pub const MAX_DIRECTORY_ENTRY: u64 = 1024;
+/// QEMU's limit on the directory size.
+pub const MAX_DIRECTORY_SIZE: u64 = MAX_DIRECTORY_ENTRY * MAX_BITMAPS as u64;
+/// Bitmap flag: not saved consistently.
+pub const FLAG_IN_USE: u32 = 1 << 0;
+/// Bitmap flag: must track all writes.
+pub const FLAG_AUTO: u32 = 1 << 1;
+/// Bitmap flag: extra data may be ignored.
+pub const FLAG_EXTRA_DATA_COMPATIBLE: u32 = 1 << 2;
+/// Bitmap table entry bits that must be zero.
+pub const TABLE_ENTRY_RESERVED: u64 = 0xff00_0000_0000_01fe;
+
+/// The 24 bytes of the bitmaps extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BitmapsExtension {
+    /// Number of bitmaps in the directory (1..=65535).
+    pub nb_bitmaps: u32,
+    /// Size of the directory in bytes.
+    pub directory_size: u64,
+    /// Cluster-aligned file offset of the directory.
+    pub directory_offset: u64,
+}
+
+impl BitmapsExtension {
+    /// Decodes the extension data found at file offset `at`, with QEMU's checks.
+    pub fn decode(data: &[u8], at: u64, cluster_size: u64) -> Result<Self> {
+        let bad = |reason: String| FormatError::BadExtension {
+            kind: EXT_BITMAPS,
+            offset: at,
+            reason,
+        };
+        if data.len() != 24 {
+            return Err(bad(format!(
+                "bitmaps extension is {} bytes, expected 24",
+                data.len()
+            )));
+        }
+        let nb_bitmaps = u32_at(data, 0);
+        let reserved = u32_at(data, 4);
+        let directory_size = u64_at(data, 8);
+        let directory_offset = u64_at(data, 16);
+        if reserved != 0 {
+            return Err(bad(format!("reserved field is {reserved:#x}, must be 0")));
+        }
+        if nb_bitmaps == 0 || nb_bitmaps > MAX_BITMAPS {
+            return Err(bad(format!(
+                "nb_bitmaps {nb_bitmaps} is outside 1..={MAX_BITMAPS}"
+            )));
+        }
+        if directory_size > MAX_DIRECTORY_SIZE {
+            return Err(bad(format!(
+                "bitmap directory size {directory_size} exceeds {MAX_DIRECTORY_SIZE}"
+            )));
+        }
+        if cluster_size == 0 || directory_offset % cluster_size != 0 {
+            return Err(bad(format!(
+                "bitmap directory offset {directory_offset:#x} is not cluster aligned"
+            )));
+        }
+        Ok(Self {
+            nb_bitmaps,
+            directory_size,
+            directory_offset,
+        })
+    }
+
+    /// Encodes the 24 bytes.
+    pub fn encode(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[0..4].copy_from_slice(&self.nb_bitmaps.to_be_bytes());
+        b[8..16].copy_from_slice(&self.directory_size.to_be_bytes());
+        b[16..24].copy_from_slice(&self.directory_offset.to_be_bytes());
+        b
+    }
+}
+
+/// One bitmap directory entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BitmapEntry {
+    /// Cluster-aligned offset of the bitmap table.
+    pub table_offset: u64,
+    /// Number of bitmap table entries.
+    pub table_size: u32,
+    /// Flags (`FLAG_*`).
+    pub flags: u32,
+    /// Bitmap type; 1 = dirty tracking.
+    pub kind: u8,
+    /// log2 of the bytes of guest data one bit covers.
+    pub granularity_bits: u8,
+    /// Extra data, kept as read.
+    pub extra_data: Vec<u8>,
+    /// Name (not NUL-terminated).
+    pub name: Vec<u8>,
+}
+
+impl BitmapEntry {
+    /// Bytes of guest data per bit.
+    pub fn granularity(&self) -> u64 {
+        1u64.checked_shl(u32::from(self.granularity_bits))
+            .unwrap_or(0)
+    }
+
+    /// The flag names qemu-img prints (`in-use`, `auto`).
+    pub fn flag_names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.flags & FLAG_IN_USE != 0 {
+            v.push("in-use");
+        }
+        if self.flags & FLAG_AUTO != 0 {
+            v.push("auto");
+        }
+        v
+    }
+
+    /// Encoded size including padding to 8 bytes.
+    pub fn encoded_len(&self) -> usize {
+        pad8(24 + self.extra_data.len() + self.name.len())
+    }
+
+    /// Encodes the entry with its padding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.encoded_len());
+        b.extend_from_slice(&self.table_offset.to_be_bytes());
+        b.extend_from_slice(&self.table_size.to_be_bytes());
+        b.extend_from_slice(&self.flags.to_be_bytes());
+        b.push(self.kind);
+        b.push(self.granularity_bits);
+        b.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
+        b.extend_from_slice(&(self.extra_data.len() as u32).to_be_bytes());
+        b.extend_from_slice(&self.extra_data);
+        b.extend_from_slice(&self.name);
+        b.resize(self.encoded_len(), 0);
+        b
+    }
+}
+
+/// Decodes `ext.nb_bitmaps` directory entries from `dir` (the `directory_size` bytes read at
+/// `ext.directory_offset`). Each entry's errors name its own file offset.
+pub fn decode_directory(dir: &[u8], ext: &BitmapsExtension) -> Result<Vec<BitmapEntry>> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    for i in 0..ext.nb_bitmaps {
+        let at = ext.directory_offset.saturating_add(pos as u64);
+        if dir.len() - pos < 24 {
+            return Err(FormatError::Truncated {
+                what: "bitmap directory entry",
+                offset: at,
+                need: 24,
+                have: (dir.len() - pos) as u64,
+            });
+        }
+        let e = &dir[pos..];
+        let table_offset = u64_at(e, 0);
+        let table_size = u32_at(e, 8);
+        let flags = u32_at(e, 12);
+        let kind = e[16];
+        let granularity_bits = e[17];
+        let name_size = usize::from(u16_at(e, 18));
+        let extra_size = u32_at(e, 20) as usize;
+        let bad = |what: &'static str, value: u64, reason: String| FormatError::InvalidField {
+            what,
+            offset: at,
+            value,
+            reason,
+        };
+        if name_size == 0 {
+            return Err(bad(
+                "bitmap name size",
+                0,
+                format!("bitmap {i} has an empty name"),
+            ));
+        }
+        if flags & !0x7 != 0 {
+            return Err(bad(
+                "bitmap flags",
+                u64::from(flags),
+                format!("bitmap {i} has reserved flag bits {:#x} set", flags & !0x7),
+            ));
+        }
+        let len = 24usize
+            .checked_add(extra_size)
+            .and_then(|l| l.checked_add(name_size))
+            .map(pad8)
+            .unwrap_or(usize::MAX);
+        if len as u64 > MAX_DIRECTORY_ENTRY {
+            return Err(bad(
+                "bitmap directory entry size",
+                len as u64,
+                format!("bitmap {i}'s entry exceeds {MAX_DIRECTORY_ENTRY} bytes"),
+            ));
+        }
+        let body_end = 24 + extra_size + name_size;
+        if e.len() < body_end {
+            return Err(FormatError::Truncated {
+                what: "bitmap directory entry",
+                offset: at,
+                need: body_end as u64,
+                have: e.len() as u64,
+            });
+        }
+        out.push(BitmapEntry {
+            table_offset,
+            table_size,
+            flags,
+            kind,
+            granularity_bits,
+            extra_data: e[24..24 + extra_size].to_vec(),
+            name: e[24 + extra_size..body_end].to_vec(),
+        });
+        pos = (pos + len).min(dir.len());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_entry() -> impl Strategy<Value = BitmapEntry> {
+        (
+            any::<u64>(),
+            any::<u32>(),
+            0u32..8,
+            any::<u8>(),
+            any::<u8>(),
+            proptest::collection::vec(any::<u8>(), 0..40),
+            proptest::collection::vec(any::<u8>(), 1..60),
+        )
+            .prop_map(|(t, s, flags, kind, g, extra_data, name)| BitmapEntry {
+                table_offset: t,
+                table_size: s,
+                flags,
+                kind,
+                granularity_bits: g,
+                extra_data,
+                name,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn bitmap_directories_round_trip(entries in proptest::collection::vec(arb_entry(), 1..10)) {
+            let dir: Vec<u8> = entries.iter().flat_map(BitmapEntry::encode).collect();
+            let ext = BitmapsExtension {
+                nb_bitmaps: entries.len() as u32,
+                directory_size: dir.len() as u64,
+                directory_offset: 0x30000,
+            };
+            let back = BitmapsExtension::decode(&ext.encode(), 0x70, 0x10000).unwrap();
+            prop_assert_eq!(back, ext);
+            prop_assert_eq!(decode_directory(&dir, &ext).unwrap(), entries);
+        }
+
+        #[test]
+        fn decoding_arbitrary_directories_never_panics(dir in proptest::collection::vec(any::<u8>(), 0..200), n in 1u32..10) {
+            let ext = BitmapsExtension { nb_bitmaps: n, directory_size: dir.len() as u64, directory_offset: 0 };
+            let _ = decode_directory(&dir, &ext);
+        }
+    }
+
+    #[test]
+    fn a_bitmaps_extension_with_zero_bitmaps_is_refused() {
+        let ext = BitmapsExtension {
+            nb_bitmaps: 0,
+            directory_size: 8,
+            directory_offset: 0x10000,
+        };
+        let err = BitmapsExtension::decode(&ext.encode(), 0x78, 0x10000)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nb_bitmaps 0"), "{err}");
+        assert!(err.contains("0x78"), "{err}");
+    }
+
+    #[test]
+    fn a_misaligned_directory_or_reserved_field_is_refused() {
+        let mut b = BitmapsExtension {
+            nb_bitmaps: 1,
+            directory_size: 32,
+            directory_offset: 0x10200,
+        }
+        .encode();
+        let err = BitmapsExtension::decode(&b, 0, 0x10000)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("0x10200"), "{err}");
+        b[16..24].copy_from_slice(&0x20000u64.to_be_bytes());
+        b[7] = 5;
+        let err = BitmapsExtension::decode(&b, 0, 0x10000)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("reserved field is 0x5"), "{err}");
+        let err = BitmapsExtension::decode(&b[..20], 0, 0x10000)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("20 bytes"), "{err}");
+    }
+
+    #[test]
+    fn an_entry_with_reserved_flags_is_refused() {
+        let e = BitmapEntry {
+            table_offset: 0,
+            table_size: 0,
+            flags: 0x10,
+            kind: 1,
+            granularity_bits: 16,
+            extra_data: vec![],
+            name: b"b".to_vec(),
+        };
+        let ext = BitmapsExtension {
+            nb_bitmaps: 1,
+            directory_size: 32,
+            directory_offset: 0x40000,
+        };
+        let err = decode_directory(&e.encode(), &ext).unwrap_err().to_string();
+        assert!(err.contains("0x10"), "{err}");
+        assert!(err.contains("0x40000"), "{err}");
+    }
+
+    #[test]
+    fn flag_names_match_qemu_img() {
+        let e = BitmapEntry {
+            table_offset: 0,
+            table_size: 0,
+            flags: FLAG_IN_USE | FLAG_AUTO,
+            kind: 1,
+            granularity_bits: 16,
+            extra_data: vec![],
+            name: b"b".to_vec(),
+        };
+        assert_eq!(e.flag_names(), vec!["in-use", "auto"]);
+        assert_eq!(e.granularity(), 65536);
+    }
+}

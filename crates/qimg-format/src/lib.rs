@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod be;
 pub mod bitmap;
 pub mod compressed;
 pub mod error;

@@ -1,1 +1,261 @@
-//! (in progress)
+//! The internal snapshot table: variable-length entries, each 8-byte aligned.
+
+use crate::be::{pad8, u16_at, u32_at, u64_at};
+use crate::error::{FormatError, Result};
+
+/// QEMU's limit on the number of snapshots.
+pub const MAX_SNAPSHOTS: u32 = 65536;
+/// QEMU's limit on the extra data of one entry.
+pub const MAX_EXTRA_DATA: u32 = 1024;
+/// QEMU's limit on the size of the whole table.
+pub const MAX_TABLE_SIZE: u64 = 1024 * 65536;
+/// Extra data every v3 snapshot must carry (vm state size and disk size).
+pub const V3_MIN_EXTRA_DATA: u32 = 16;
+
+/// One snapshot table entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Offset of the snapshot's L1 table.
+    pub l1_table_offset: u64,
+    /// Entries in that L1 table.
+    pub l1_size: u32,
+    /// Unique ID string.
+    pub id: Vec<u8>,
+    /// Name.
+    pub name: Vec<u8>,
+    /// Creation time, seconds since the epoch.
+    pub date_sec: u32,
+    /// Creation time, nanoseconds.
+    pub date_nsec: u32,
+    /// Guest run time in nanoseconds.
+    pub vm_clock_nsec: u64,
+    /// The 32-bit VM state size field (superseded by extra data bytes 0–7 when present).
+    pub vm_state_size32: u32,
+    /// Extra data, kept byte for byte.
+    pub extra_data: Vec<u8>,
+}
+
+impl Snapshot {
+    fn extra_u64(&self, at: usize) -> Option<u64> {
+        (self.extra_data.len() >= at + 8).then(|| u64_at(&self.extra_data, at))
+    }
+
+    /// The VM state size: the 64-bit extra field when present, else the 32-bit one.
+    pub fn vm_state_size(&self) -> u64 {
+        self.extra_u64(0).unwrap_or(u64::from(self.vm_state_size32))
+    }
+
+    /// Virtual disk size when the snapshot was taken, if recorded.
+    pub fn disk_size(&self) -> Option<u64> {
+        self.extra_u64(8)
+    }
+
+    /// Record/replay instruction count, if recorded and enabled (not -1).
+    pub fn icount(&self) -> Option<u64> {
+        self.extra_u64(16).filter(|&v| v != u64::MAX)
+    }
+
+    /// Encoded size including padding.
+    pub fn encoded_len(&self) -> usize {
+        pad8(40 + self.extra_data.len() + self.id.len() + self.name.len())
+    }
+
+    /// Encodes the entry and its padding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.encoded_len());
+        b.extend_from_slice(&self.l1_table_offset.to_be_bytes());
+        b.extend_from_slice(&self.l1_size.to_be_bytes());
+        b.extend_from_slice(&(self.id.len() as u16).to_be_bytes());
+        b.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
+        b.extend_from_slice(&self.date_sec.to_be_bytes());
+        b.extend_from_slice(&self.date_nsec.to_be_bytes());
+        b.extend_from_slice(&self.vm_clock_nsec.to_be_bytes());
+        b.extend_from_slice(&self.vm_state_size32.to_be_bytes());
+        b.extend_from_slice(&(self.extra_data.len() as u32).to_be_bytes());
+        b.extend_from_slice(&self.extra_data);
+        b.extend_from_slice(&self.id);
+        b.extend_from_slice(&self.name);
+        b.resize(self.encoded_len(), 0);
+        b
+    }
+}
+
+/// Decodes `nb` entries of a snapshot table read from file offset `table_offset`.
+///
+/// `version` selects the v3 rule that every entry carries at least 16 bytes of extra data.
+/// Limits: at most 65536 entries, at most 1024 bytes of extra data per entry; an entry that
+/// runs past `bytes` is reported as truncated with its own offset.
+pub fn decode_table(
+    bytes: &[u8],
+    table_offset: u64,
+    nb: u32,
+    version: u32,
+) -> Result<Vec<Snapshot>> {
+    if nb > MAX_SNAPSHOTS {
+        return Err(FormatError::InvalidField {
+            what: "nb_snapshots",
+            offset: 60,
+            value: u64::from(nb),
+            reason: format!("at most {MAX_SNAPSHOTS} snapshots are supported"),
+        });
+    }
+    let mut out = Vec::with_capacity(nb.min(1024) as usize);
+    let mut pos = 0usize;
+    for i in 0..nb {
+        let at = table_offset.saturating_add(pos as u64);
+        let rest = &bytes[pos..];
+        let truncated = |need: usize| FormatError::Truncated {
+            what: "snapshot table entry",
+            offset: at,
+            need: need as u64,
+            have: rest.len() as u64,
+        };
+        if rest.len() < 40 {
+            return Err(truncated(40));
+        }
+        let id_len = usize::from(u16_at(rest, 12));
+        let name_len = usize::from(u16_at(rest, 14));
+        let extra_len = u32_at(rest, 36);
+        if extra_len > MAX_EXTRA_DATA {
+            return Err(FormatError::InvalidField {
+                what: "snapshot extra_data_size",
+                offset: at + 36,
+                value: u64::from(extra_len),
+                reason: format!("snapshot {i} has more than {MAX_EXTRA_DATA} bytes of extra data"),
+            });
+        }
+        if version >= 3 && extra_len < V3_MIN_EXTRA_DATA {
+            return Err(FormatError::InvalidField {
+                what: "snapshot extra_data_size",
+                offset: at + 36,
+                value: u64::from(extra_len),
+                reason: format!(
+                    "snapshot {i} of a version 3 image needs at least {V3_MIN_EXTRA_DATA} bytes of extra data"
+                ),
+            });
+        }
+        let extra_len = extra_len as usize;
+        let body = 40 + extra_len + id_len + name_len;
+        if rest.len() < body {
+            return Err(truncated(body));
+        }
+        let x = 40 + extra_len;
+        out.push(Snapshot {
+            l1_table_offset: u64_at(rest, 0),
+            l1_size: u32_at(rest, 8),
+            date_sec: u32_at(rest, 16),
+            date_nsec: u32_at(rest, 20),
+            vm_clock_nsec: u64_at(rest, 24),
+            vm_state_size32: u32_at(rest, 32),
+            extra_data: rest[40..x].to_vec(),
+            id: rest[x..x + id_len].to_vec(),
+            name: rest[x + id_len..body].to_vec(),
+        });
+        pos = (pos + pad8(body)).min(bytes.len());
+    }
+    Ok(out)
+}
+
+/// Encodes a whole table.
+pub fn encode_table(snapshots: &[Snapshot]) -> Vec<u8> {
+    snapshots.iter().flat_map(Snapshot::encode).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_snapshot() -> impl Strategy<Value = Snapshot> {
+        (
+            any::<(u64, u32, u32, u32, u64, u32)>(),
+            proptest::collection::vec(any::<u8>(), 16..64),
+            proptest::collection::vec(any::<u8>(), 0..20),
+            proptest::collection::vec(any::<u8>(), 0..40),
+        )
+            .prop_map(
+                |((l1, l1s, ds, dn, vm, vs), extra_data, id, name)| Snapshot {
+                    l1_table_offset: l1,
+                    l1_size: l1s,
+                    id,
+                    name,
+                    date_sec: ds,
+                    date_nsec: dn,
+                    vm_clock_nsec: vm,
+                    vm_state_size32: vs,
+                    extra_data,
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn snapshot_tables_round_trip(snaps in proptest::collection::vec(arb_snapshot(), 0..8)) {
+            let bytes = encode_table(&snaps);
+            prop_assert_eq!(bytes.len() % 8, 0);
+            prop_assert_eq!(decode_table(&bytes, 0x50000, snaps.len() as u32, 3).unwrap(), snaps);
+        }
+
+        #[test]
+        fn decoding_arbitrary_tables_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300), nb in 0u32..70000) {
+            let _ = decode_table(&bytes, 0, nb, 3);
+        }
+    }
+
+    fn one(extra: usize) -> Snapshot {
+        Snapshot {
+            l1_table_offset: 0x30000,
+            l1_size: 1,
+            id: b"1".to_vec(),
+            name: b"snap".to_vec(),
+            date_sec: 0,
+            date_nsec: 0,
+            vm_clock_nsec: 0,
+            vm_state_size32: 7,
+            extra_data: vec![0; extra],
+        }
+    }
+
+    #[test]
+    fn extra_data_fields_are_read() {
+        let mut s = one(24);
+        s.extra_data[0..8].copy_from_slice(&(5u64 << 32).to_be_bytes());
+        s.extra_data[8..16].copy_from_slice(&(1u64 << 30).to_be_bytes());
+        s.extra_data[16..24].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert_eq!(s.vm_state_size(), 5 << 32);
+        assert_eq!(s.disk_size(), Some(1 << 30));
+        assert_eq!(s.icount(), None);
+        assert_eq!(one(0).vm_state_size(), 7);
+    }
+
+    #[test]
+    fn too_many_snapshots_are_refused_naming_the_count() {
+        let err = decode_table(&[], 0, 65537, 3).unwrap_err().to_string();
+        assert!(err.contains("nb_snapshots 65537"), "{err}");
+    }
+
+    #[test]
+    fn v3_snapshots_without_the_mandatory_extra_data_are_refused() {
+        let b = one(8).encode();
+        let err = decode_table(&b, 0x20000, 1, 3).unwrap_err().to_string();
+        assert!(err.contains("extra_data_size 8"), "{err}");
+        assert!(err.contains("0x20024"), "{err}");
+        assert!(decode_table(&b, 0x20000, 1, 2).is_ok());
+    }
+
+    #[test]
+    fn oversized_extra_data_is_refused() {
+        let b = one(1032).encode();
+        let err = decode_table(&b, 0, 1, 3).unwrap_err().to_string();
+        assert!(err.contains("1032"), "{err}");
+    }
+
+    #[test]
+    fn a_truncated_table_names_the_entry_offset() {
+        let mut b = one(16).encode();
+        b.extend_from_slice(&one(16).encode()[..30]);
+        let len = one(16).encoded_len() as u64;
+        let err = decode_table(&b, 0x10000, 2, 3).unwrap_err().to_string();
+        assert!(err.contains(&format!("{:#x}", 0x10000 + len)), "{err}");
+    }
+}
