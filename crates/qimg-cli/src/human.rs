@@ -1,0 +1,150 @@
+//! qemu-img's human-readable `info` text.
+
+use qimg::info::ImageInfo;
+
+/// qemu's `size_to_str`: three significant digits, switching unit at 1000.
+pub fn size_to_str(v: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut i = 0;
+    while i < 6 && (v as f64) >= 1000.0 * (1u64 << (10 * i)) as f64 {
+        i += 1;
+    }
+    let x = v as f64 / (1u64 << (10 * i)) as f64;
+    format!("{} {}", g3(x), UNITS[i])
+}
+
+/// printf's `%0.3g` for 0 <= x < 1000.
+fn g3(x: f64) -> String {
+    if x == 0.0 {
+        return "0".into();
+    }
+    let digits = if x >= 1.0 {
+        x.log10().floor() as i32 + 1
+    } else {
+        x.log10().floor() as i32 + 1
+    };
+    let decimals = (3 - digits).max(0) as usize;
+    let s = format!("{x:.decimals$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+fn yes(b: &serde_json::Value) -> String {
+    match b {
+        serde_json::Value::Bool(b) => b.to_string(),
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The text `qemu-img info` prints for one image.
+pub fn info(i: &ImageInfo) -> String {
+    let mut s = String::new();
+    s += &format!("image: {}\n", i.filename);
+    s += &format!("file format: {}\n", i.format);
+    s += &format!(
+        "virtual size: {} ({} bytes)\n",
+        size_to_str(i.virtual_size),
+        i.virtual_size
+    );
+    s += &format!("disk size: {}\n", size_to_str(i.actual_size));
+    if let Some(cs) = i.cluster_size {
+        s += &format!("cluster_size: {cs}\n");
+    }
+    if let Some(b) = &i.backing_filename {
+        s += &format!("backing file: {b}");
+        if i.full_backing_filename.as_deref() != Some(b.as_str()) {
+            if let Some(f) = &i.full_backing_filename {
+                s += &format!(" (actual path: {f})");
+            }
+        }
+        s += "\n";
+    }
+    if let Some(f) = &i.backing_filename_format {
+        s += &format!("backing file format: {f}\n");
+    }
+    if i.dirty_flag {
+        s += "cleanly shut down: no\n";
+    }
+    if let Some(snaps) = &i.snapshots {
+        s += "Snapshot list:\n";
+        s += &format!(
+            "{:<10}{:<17}{:>7}{:>20}{:>13}{:>11}\n",
+            "ID", "TAG", "VM SIZE", "DATE", "VM CLOCK", "ICOUNT"
+        );
+        for sn in snaps {
+            let secs = sn.vm_clock_sec;
+            let clock = format!(
+                "{:04}:{:02}:{:02}.{:03}",
+                secs / 3600,
+                secs / 60 % 60,
+                secs % 60,
+                sn.vm_clock_nsec / 1_000_000
+            );
+            s += &format!(
+                "{:<10}{:<17}{:>7}{:>20}{:>13}{:>11}\n",
+                sn.id,
+                sn.name,
+                size_to_str(sn.vm_state_size),
+                sn.date_sec,
+                clock,
+                sn.icount
+                    .map(|c| c.to_string())
+                    .unwrap_or_else(|| "--".into())
+            );
+        }
+    }
+    if let Some(fs) = &i.format_specific {
+        if let Some(obj) = fs.data.as_object().filter(|o| !o.is_empty()) {
+            s += "Format specific information:\n";
+            for (k, v) in obj {
+                let key = k.replace('-', " ");
+                if k == "bitmaps" {
+                    s += "    bitmaps:\n";
+                    for b in v.as_array().into_iter().flatten() {
+                        s += &format!("        [{}]:\n", b["name"].as_str().unwrap_or(""));
+                        s += "            flags:\n";
+                        for (n, f) in b["flags"].as_array().into_iter().flatten().enumerate() {
+                            s += &format!("                [{n}]: {}\n", yes(f));
+                        }
+                        s += &format!("            name: {}\n", yes(&b["name"]));
+                        s += &format!("            granularity: {}\n", b["granularity"]);
+                    }
+                    continue;
+                }
+                s += &format!("    {key}: {}\n", yes(v));
+            }
+        }
+    }
+    for c in &i.children {
+        s += &format!("Child node '/{}':\n", c.name);
+        s += &format!("    filename: {}\n", c.info.filename);
+        s += "    protocol type: file\n";
+        s += &format!(
+            "    file length: {} ({} bytes)\n",
+            size_to_str(c.info.virtual_size),
+            c.info.virtual_size
+        );
+        s += &format!("    disk size: {}\n", size_to_str(c.info.actual_size));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_print_like_qemu() {
+        assert_eq!(size_to_str(1 << 30), "1 GiB");
+        assert_eq!(size_to_str(397312), "388 KiB");
+        assert_eq!(size_to_str(393728), "384 KiB");
+        assert_eq!(size_to_str(1000), "0.977 KiB");
+        assert_eq!(size_to_str(999), "999 B");
+        assert_eq!(size_to_str(0), "0 B");
+        assert_eq!(size_to_str(1_572_864), "1.5 MiB");
+    }
+}

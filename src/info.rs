@@ -1,0 +1,422 @@
+//! Reading what `qimg info` shows: header fields, snapshots, bitmaps, backing chain.
+//!
+//! Everything here opens files read-only and never writes.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use qimg_format::bitmap::decode_directory;
+use qimg_format::extensions::Cluster0;
+use qimg_format::features::{
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_CORRUPT,
+    INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
+};
+use qimg_format::header::MAGIC;
+use qimg_format::snapshot::{MAX_TABLE_SIZE, decode_table};
+use qimg_format::validate::{OpenMode, validate_cluster0};
+
+use crate::error::{Error, Result};
+
+/// Image formats qimg can open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// qcow2.
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl ImageFormat {
+    /// The qemu-img name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qcow2 => "qcow2",
+            Self::Raw => "raw",
+        }
+    }
+}
+
+/// Largest cluster 0 (2 MiB clusters).
+const MAX_CLUSTER0: u64 = 2 << 20;
+/// Deepest backing chain `info --backing-chain` follows.
+pub const MAX_CHAIN_DEPTH: usize = 64;
+
+fn open(path: &Path) -> Result<File> {
+    File::open(path).map_err(|e| Error::io(path, "open", e))
+}
+
+fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let flen = file
+        .metadata()
+        .map_err(|e| Error::io(path, "stat", e))?
+        .len();
+    let n = len.min(flen.saturating_sub(offset));
+    let mut buf = vec![0u8; n as usize];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| Error::io(path, format!("read {n} bytes at {offset:#x}"), e))?;
+    Ok(buf)
+}
+
+/// Guesses the format of an image from its first bytes: qcow2 magic, else raw.
+pub fn probe_format(path: &Path) -> Result<ImageFormat> {
+    let f = open(path)?;
+    let b = read_at_most(&f, path, 0, 4)?;
+    Ok(if b.len() == 4 && b[..] == MAGIC.to_be_bytes() {
+        ImageFormat::Qcow2
+    } else {
+        ImageFormat::Raw
+    })
+}
+
+/// The virtual size of an image of the given format.
+pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
+    match fmt {
+        ImageFormat::Raw => Ok(open(path)?
+            .metadata()
+            .map_err(|e| Error::io(path, "stat", e))?
+            .len()),
+        ImageFormat::Qcow2 => Ok(read_cluster0(path, OpenMode::ReadOnly)?.header.size),
+    }
+}
+
+/// Reads and validates cluster 0 of a qcow2 image.
+pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
+    let f = open(path)?;
+    let mut bytes = read_at_most(&f, path, 0, MAX_CLUSTER0)?;
+    // QEMU reads past EOF as zeros; a short file still has a (zero) end marker.
+    if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
+        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
+            bytes.resize(cs as usize, 0);
+        }
+    }
+    validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
+}
+
+/// One snapshot as qemu-img info shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotInfo {
+    /// Unique ID.
+    pub id: String,
+    /// Name.
+    pub name: String,
+    /// Size of the saved VM state.
+    #[serde(rename = "vm-state-size")]
+    pub vm_state_size: u64,
+    /// Creation time, seconds.
+    #[serde(rename = "date-sec")]
+    pub date_sec: u64,
+    /// Creation time, nanoseconds.
+    #[serde(rename = "date-nsec")]
+    pub date_nsec: u64,
+    /// Guest clock, seconds.
+    #[serde(rename = "vm-clock-sec")]
+    pub vm_clock_sec: u64,
+    /// Guest clock, nanoseconds.
+    #[serde(rename = "vm-clock-nsec")]
+    pub vm_clock_nsec: u64,
+    /// Record/replay instruction count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icount: Option<u64>,
+}
+
+/// One persistent bitmap as qemu-img info shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BitmapInfo {
+    /// Name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// `in-use`, `auto`.
+    pub flags: Vec<String>,
+}
+
+/// qcow2-specific information (`format-specific.data`), with qemu-img's field names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Qcow2Specific {
+    /// "0.10" or "1.1".
+    pub compat: String,
+    /// "zlib" or "zstd".
+    #[serde(rename = "compression-type")]
+    pub compression_type: String,
+    /// Lazy refcounts (v3 only).
+    #[serde(rename = "lazy-refcounts", skip_serializing_if = "Option::is_none")]
+    pub lazy_refcounts: Option<bool>,
+    /// Refcount width.
+    #[serde(rename = "refcount-bits")]
+    pub refcount_bits: u64,
+    /// Corrupt bit (v3 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub corrupt: Option<bool>,
+    /// Extended L2 entries (v3 only).
+    #[serde(rename = "extended-l2", skip_serializing_if = "Option::is_none")]
+    pub extended_l2: Option<bool>,
+    /// External data file name.
+    #[serde(rename = "data-file", skip_serializing_if = "Option::is_none")]
+    pub data_file: Option<String>,
+    /// Raw external data.
+    #[serde(rename = "data-file-raw", skip_serializing_if = "Option::is_none")]
+    pub data_file_raw: Option<bool>,
+    /// Persistent bitmaps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bitmaps: Option<Vec<BitmapInfo>>,
+}
+
+/// `format-specific` of qemu-img info.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FormatSpecific {
+    /// "qcow2" or "file".
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The data.
+    pub data: serde_json::Value,
+}
+
+/// A child node (the protocol layer under the format layer).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChildInfo {
+    /// "file" or "data-file".
+    pub name: String,
+    /// What qemu-img shows for it.
+    pub info: Box<ImageInfo>,
+}
+
+/// What `qimg info` reports, with qemu-img's JSON field names.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ImageInfo {
+    /// File name as given.
+    pub filename: String,
+    /// "qcow2", "raw" or "file".
+    pub format: String,
+    /// Virtual disk size.
+    #[serde(rename = "virtual-size")]
+    pub virtual_size: u64,
+    /// Bytes allocated on the host.
+    #[serde(rename = "actual-size")]
+    pub actual_size: u64,
+    /// Cluster size (qcow2).
+    #[serde(rename = "cluster-size", skip_serializing_if = "Option::is_none")]
+    pub cluster_size: Option<u64>,
+    /// Dirty bit.
+    #[serde(rename = "dirty-flag")]
+    pub dirty_flag: bool,
+    /// Backing file name as stored.
+    #[serde(rename = "backing-filename", skip_serializing_if = "Option::is_none")]
+    pub backing_filename: Option<String>,
+    /// Backing file name resolved against the image's directory.
+    #[serde(
+        rename = "full-backing-filename",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub full_backing_filename: Option<String>,
+    /// Backing format from the header extension.
+    #[serde(
+        rename = "backing-filename-format",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub backing_filename_format: Option<String>,
+    /// Encrypted images only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encrypted: Option<bool>,
+    /// Internal snapshots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshots: Option<Vec<SnapshotInfo>>,
+    /// Format-specific details.
+    #[serde(rename = "format-specific", skip_serializing_if = "Option::is_none")]
+    pub format_specific: Option<FormatSpecific>,
+    /// Child nodes.
+    pub children: Vec<ChildInfo>,
+}
+
+fn lossy(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn file_info(path: &Path, name: &str) -> Result<ImageInfo> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "stat", e))?;
+    Ok(ImageInfo {
+        filename: name.to_string(),
+        format: "file".into(),
+        virtual_size: meta.len().next_multiple_of(512),
+        actual_size: meta.blocks() * 512,
+        cluster_size: None,
+        dirty_flag: false,
+        backing_filename: None,
+        full_backing_filename: None,
+        backing_filename_format: None,
+        encrypted: None,
+        snapshots: None,
+        format_specific: Some(FormatSpecific {
+            kind: "file".into(),
+            data: serde_json::json!({}),
+        }),
+        children: Vec::new(),
+    })
+}
+
+/// Gathers `qemu-img info` for one image. `name` is the file name as the user gave it
+/// (reported verbatim); `fmt` forces a format, else it is probed.
+pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
+    let name = path.to_string_lossy().into_owned();
+    let fmt = match fmt {
+        Some(f) => f,
+        None => probe_format(path)?,
+    };
+    let file = file_info(path, &name)?;
+    if fmt == ImageFormat::Raw {
+        return Ok(ImageInfo {
+            format: "raw".into(),
+            virtual_size: std::fs::metadata(path)
+                .map_err(|e| Error::io(path, "stat", e))?
+                .len(),
+            format_specific: None,
+            children: vec![ChildInfo {
+                name: "file".into(),
+                info: Box::new(file.clone()),
+            }],
+            ..file
+        });
+    }
+    let c0 = read_cluster0(path, OpenMode::ReadOnly)?;
+    let h = &c0.header;
+    let f = open(path)?;
+    let cs = 1u64 << h.cluster_bits;
+
+    let snapshots = if h.nb_snapshots > 0 {
+        let raw = read_at_most(&f, path, h.snapshots_offset, MAX_TABLE_SIZE)?;
+        let list = decode_table(&raw, h.snapshots_offset, h.nb_snapshots, h.version)
+            .map_err(|e| Error::format(path, e))?;
+        Some(
+            list.iter()
+                .map(|s| SnapshotInfo {
+                    id: lossy(&s.id),
+                    name: lossy(&s.name),
+                    vm_state_size: s.vm_state_size(),
+                    date_sec: u64::from(s.date_sec),
+                    date_nsec: u64::from(s.date_nsec),
+                    vm_clock_sec: s.vm_clock_nsec / 1_000_000_000,
+                    vm_clock_nsec: s.vm_clock_nsec % 1_000_000_000,
+                    icount: s.icount(),
+                })
+                .collect(),
+        )
+    } else {
+        None
+    };
+
+    let v3 = h.version >= 3;
+    let bitmaps = match c0.bitmaps() {
+        Some(ext) if v3 && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 => {
+            let dir = read_at_most(&f, path, ext.directory_offset, ext.directory_size)?;
+            let list = decode_directory(&dir, ext).map_err(|e| Error::format(path, e))?;
+            Some(
+                list.iter()
+                    .map(|b| BitmapInfo {
+                        name: lossy(&b.name),
+                        granularity: b.granularity(),
+                        flags: b.flag_names().into_iter().map(String::from).collect(),
+                    })
+                    .collect(),
+            )
+        }
+        _ => None,
+    };
+    let has_data_file = h.incompatible_features & INCOMPAT_DATA_FILE != 0;
+    let spec = Qcow2Specific {
+        compat: if v3 { "1.1" } else { "0.10" }.into(),
+        compression_type: h
+            .compression_type()
+            .map(|c| c.name())
+            .unwrap_or("zlib")
+            .into(),
+        lazy_refcounts: v3.then_some(h.compatible_features & COMPAT_LAZY_REFCOUNTS != 0),
+        refcount_bits: u64::from(h.refcount_bits().unwrap_or(16)),
+        corrupt: v3.then_some(h.incompatible_features & INCOMPAT_CORRUPT != 0),
+        extended_l2: v3.then_some(h.extended_l2()),
+        data_file: c0.data_file().filter(|_| v3).map(lossy),
+        data_file_raw: (v3 && has_data_file)
+            .then_some(h.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0),
+        bitmaps,
+    };
+    let backing_filename = c0.backing_file.as_deref().map(lossy);
+    let full_backing_filename = backing_filename.as_deref().map(|b| {
+        crate::create::resolve_backing(Path::new(&name), b)
+            .to_string_lossy()
+            .into_owned()
+    });
+    let mut children = vec![ChildInfo {
+        name: "file".into(),
+        info: Box::new(file.clone()),
+    }];
+    if let Some(d) = c0.data_file() {
+        let full = crate::create::resolve_backing(path, &lossy(d));
+        if let Ok(info) = file_info(&full, &full.to_string_lossy()) {
+            children.push(ChildInfo {
+                name: "data-file".into(),
+                info: Box::new(info),
+            });
+        }
+    }
+    Ok(ImageInfo {
+        filename: name,
+        format: "qcow2".into(),
+        virtual_size: h.size,
+        actual_size: file.actual_size,
+        cluster_size: Some(cs),
+        dirty_flag: h.incompatible_features & INCOMPAT_DIRTY != 0,
+        backing_filename,
+        full_backing_filename,
+        backing_filename_format: c0.backing_format().map(lossy),
+        encrypted: (h.crypt_method != 0).then_some(true),
+        snapshots,
+        format_specific: Some(FormatSpecific {
+            kind: "qcow2".into(),
+            data: serde_json::to_value(&spec).unwrap_or_default(),
+        }),
+        children,
+    })
+}
+
+/// `info --backing-chain`: the image and every backing file below it, top first.
+///
+/// A chain deeper than [`MAX_CHAIN_DEPTH`] or one that loops back on itself is an error.
+pub fn backing_chain(path: &Path, fmt: Option<ImageFormat>) -> Result<Vec<ImageInfo>> {
+    let mut out: Vec<ImageInfo> = Vec::new();
+    let mut seen: Vec<PathBuf> = Vec::new();
+    let mut cur = path.to_path_buf();
+    let mut cur_fmt = fmt;
+    loop {
+        let canon = std::fs::canonicalize(&cur).map_err(|e| Error::io(&cur, "open", e))?;
+        if seen.contains(&canon) {
+            return Err(Error::InvalidOption(format!(
+                "{}: backing chain loops back to {}",
+                path.display(),
+                cur.display()
+            )));
+        }
+        if out.len() >= MAX_CHAIN_DEPTH {
+            return Err(Error::InvalidOption(format!(
+                "{}: backing chain is deeper than {MAX_CHAIN_DEPTH} images",
+                path.display()
+            )));
+        }
+        seen.push(canon);
+        let info = image_info(&cur, cur_fmt)?;
+        let next = info.full_backing_filename.clone();
+        let next_fmt = match info.backing_filename_format.as_deref() {
+            Some("raw") => Some(ImageFormat::Raw),
+            Some("qcow2") => Some(ImageFormat::Qcow2),
+            _ => None,
+        };
+        out.push(info);
+        match next {
+            Some(n) => {
+                cur = PathBuf::from(n);
+                cur_fmt = next_fmt;
+            }
+            None => return Ok(out),
+        }
+    }
+}
