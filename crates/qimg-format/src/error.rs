@@ -22,7 +22,9 @@ pub enum FormatError {
         have: u64,
     },
     /// The first four bytes are not `QFI\xfb`.
-    #[error("not a qcow2 image: magic at offset 0x0 is {found:#010x}, expected 0x514649fb (\"QFI\\xfb\")")]
+    #[error(
+        "not a qcow2 image: magic at offset 0x0 is {found:#010x}, expected 0x514649fb (\"QFI\\xfb\")"
+    )]
     BadMagic {
         /// The magic found.
         found: u32,
@@ -78,7 +80,9 @@ pub enum FormatError {
         names: String,
     },
     /// An extended L2 entry whose bitmap is impossible.
-    #[error("extended L2 entry at offset {offset:#x} is invalid: {reason} (entry {entry:#018x}, bitmap {bitmap:#018x})")]
+    #[error(
+        "extended L2 entry at offset {offset:#x} is invalid: {reason} (entry {entry:#018x}, bitmap {bitmap:#018x})"
+    )]
     InvalidSubclusterBitmap {
         /// File offset of the entry.
         offset: u64,
@@ -105,6 +109,16 @@ pub enum FormatError {
         /// What was being computed.
         what: &'static str,
         /// Details including the values involved.
+        reason: String,
+    },
+    /// A value passed in by the caller (not read from a file) is outside what the format allows.
+    #[error("invalid {what} {value:#x}: {reason}")]
+    InvalidArgument {
+        /// What the value is (e.g. "L2 slice size").
+        what: &'static str,
+        /// The value passed.
+        value: u64,
+        /// Why it is refused.
         reason: String,
     },
 }
