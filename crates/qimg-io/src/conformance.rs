@@ -9,11 +9,11 @@
 //! Must run inside a tokio runtime (the concurrency case spawns tasks); a multi-threaded one
 //! makes that case meaningful.
 //!
-//! ```ignore
-//! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-//! async fn my_backend_conforms() {
-//!     qimg_io::conformance::run_all(|| MyBackend::new()).await;
-//! }
+//! ```no_run
+//! # async fn example() {
+//! // In a #[tokio::test(flavor = "multi_thread")] of a backend:
+//! qimg_io::conformance::run_all(qimg_io::MemStorage::new).await;
+//! # }
 //! ```
 
 use std::io::{ErrorKind, IoSlice};

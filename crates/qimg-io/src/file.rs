@@ -55,6 +55,7 @@ pub struct FileOptions {
     create_new: bool,
     truncate: bool,
     direct: bool,
+    no_fallocate: bool,
     blocking: BlockingStrategy,
 }
 
@@ -101,6 +102,14 @@ impl FileOptions {
         self
     }
 
+    /// Whether to use `fallocate` where the file system supports it (the default). With
+    /// `false`, `write_zeroes` always writes zeros, `discard` does nothing and `allocate`
+    /// reserves nothing, as on a file system without `fallocate`.
+    pub fn fallocate(mut self, yes: bool) -> Self {
+        self.no_fallocate = !yes;
+        self
+    }
+
     /// Opens `path` with these options.
     pub fn open(&self, path: impl AsRef<Path>) -> Result<FileStorage> {
         let path = path.as_ref();
@@ -117,7 +126,13 @@ impl FileOptions {
             path: path.to_path_buf(),
             source,
         })?;
-        FileStorage::from_file(file, self.blocking)
+        let s = FileStorage::from_file(file, self.blocking)?;
+        if self.no_fallocate {
+            for flag in [&s.inner.zero_range, &s.inner.punch_hole, &s.inner.reserve] {
+                flag.store(false, Ordering::Relaxed);
+            }
+        }
+        Ok(s)
     }
 }
 

@@ -61,6 +61,19 @@ async fn file_storage_on_the_blocking_pool_conforms() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_storage_without_fallocate_conforms() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    run_all(files(&dir, FileOptions::new().fallocate(false))).await;
+    run_all(files(
+        &dir,
+        FileOptions::new()
+            .fallocate(false)
+            .blocking(BlockingStrategy::SpawnBlocking),
+    ))
+    .await;
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn file_storage_conforms_on_a_current_thread_runtime() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -98,6 +111,11 @@ async fn file_storage_with_o_direct_conforms() {
         FileOptions::new()
             .direct(true)
             .blocking(BlockingStrategy::SpawnBlocking),
+    ))
+    .await;
+    run_all(files(
+        &dir,
+        FileOptions::new().direct(true).fallocate(false),
     ))
     .await;
 }
