@@ -413,23 +413,20 @@ impl SliceCache {
     /// discards them, since writing them would scribble on a free cluster.
     ///
     /// If any slice of the table is pinned nothing is removed and
-    /// [`CacheError::Pinned`] names it.
+    /// [`CacheError::Pinned`] names the lowest-indexed pinned one.
     pub fn remove(&mut self, table: u64) -> Result<Vec<DirtySlice>, CacheError> {
-        let mut keys = Vec::new();
-        for (key, entry) in self.slices.iter() {
-            if key.table == table {
-                if entry.pins > 0 {
-                    return Err(CacheError::Pinned {
-                        key: *key,
-                        pins: entry.pins,
-                    });
-                }
-                keys.push(*key);
-            }
-        }
+        let mut keys: Vec<(SliceKey, u32)> = self
+            .slices
+            .iter()
+            .filter(|(key, _)| key.table == table)
+            .map(|(key, entry)| (*key, entry.pins))
+            .collect();
         keys.sort_unstable();
+        if let Some(&(key, pins)) = keys.iter().find(|(_, pins)| *pins > 0) {
+            return Err(CacheError::Pinned { key, pins });
+        }
         let mut dirty = Vec::new();
-        for key in keys {
+        for (key, _) in keys {
             let Some(entry) = self.slices.pop(&key) else {
                 continue;
             };
