@@ -281,6 +281,8 @@ impl SliceCache {
         self.lru_unpinned()
     }
 
+    /// Scans from the least recently used end, skipping pinned slices: O(1)
+    /// unless many slices are pinned at once.
     fn lru_unpinned(&self) -> Option<SliceKey> {
         if self.pinned >= self.slices.len() {
             return None;
@@ -328,7 +330,7 @@ impl SliceCache {
             if let Some(entry) = self.slices.pop(&victim) {
                 self.evictions = self.evictions.saturating_add(1);
                 if entry.dirty {
-                    self.dirty -= 1;
+                    self.dirty = self.dirty.saturating_sub(1);
                     self.dirty_evictions = self.dirty_evictions.saturating_add(1);
                     evicted = Some(DirtySlice {
                         key: victim,
@@ -403,7 +405,7 @@ impl SliceCache {
             return Ok(false);
         }
         entry.dirty = false;
-        self.dirty -= 1;
+        self.dirty = self.dirty.saturating_sub(1);
         Ok(true)
     }
 
@@ -431,7 +433,7 @@ impl SliceCache {
                 continue;
             };
             if entry.dirty {
-                self.dirty -= 1;
+                self.dirty = self.dirty.saturating_sub(1);
                 dirty.push(DirtySlice {
                     key,
                     data: entry.data,
@@ -471,7 +473,7 @@ impl SliceCache {
             .ok_or(CacheError::NotPinned { key })?;
         entry.pins = pins;
         if pins == 0 {
-            self.pinned -= 1;
+            self.pinned = self.pinned.saturating_sub(1);
         }
         Ok(pins)
     }
