@@ -104,6 +104,28 @@ async fn len<S: Storage>(s: &S) -> u64 {
     s.len().await.expect("len")
 }
 
+/// Panics, naming `what` and the first differing byte, unless `actual == expected` (without
+/// printing whole buffers).
+#[track_caller]
+fn same(actual: &[u8], expected: &[u8], what: &str) {
+    if actual.len() != expected.len() {
+        panic!(
+            "{what}: {} bytes where {} were expected",
+            actual.len(),
+            expected.len()
+        );
+    }
+    if let Some(i) = actual.iter().zip(expected).position(|(a, e)| a != e) {
+        let n = actual.iter().zip(expected).filter(|(a, e)| a != e).count();
+        panic!(
+            "{what}: byte {i} is {:#04x}, expected {:#04x} ({n} of {} bytes differ)",
+            actual[i],
+            expected[i],
+            actual.len()
+        );
+    }
+}
+
 fn zeros(len: u64) -> Vec<u8> {
     vec![0; len as usize]
 }
@@ -116,14 +138,18 @@ pub async fn write_then_read_back<S: Storage>(s: &S) {
     let data = pattern(s, 3 * b, 1);
     write(s, &data, b).await;
     assert_eq!(len(s).await, 4 * b);
-    assert_eq!(read(s, b, 3 * b).await, &*data);
-    assert_eq!(read(s, 2 * b, b).await, &data[b as usize..2 * b as usize]);
+    same(&read(s, b, 3 * b).await, &data, "read(s, b, 3 * b)");
+    same(
+        &read(s, 2 * b, b).await,
+        &data[b as usize..2 * b as usize],
+        "read(s, 2 * b, b)",
+    );
     // Overwrite the middle block.
     let other = pattern(s, b, 2);
     write(s, &other, 2 * b).await;
     let mut expect = data.to_vec();
     expect[b as usize..2 * b as usize].copy_from_slice(&other);
-    assert_eq!(read(s, b, 3 * b).await, expect);
+    same(&read(s, b, 3 * b).await, &expect, "read(s, b, 3 * b)");
     assert_eq!(len(s).await, 4 * b, "overwrite keeps the length");
     // Empty reads and writes are no-ops, even past the end.
     s.write_at(&[], 100 * b).await.expect("empty write");
@@ -137,8 +163,8 @@ pub async fn writes_past_the_end_grow_and_leave_zeros<S: Storage>(s: &S) {
     let data = pattern(s, b, 3);
     write(s, &data, 4 * b).await;
     assert_eq!(len(s).await, 5 * b);
-    assert_eq!(read(s, 0, 4 * b).await, zeros(4 * b));
-    assert_eq!(read(s, 4 * b, b).await, &*data);
+    same(&read(s, 0, 4 * b).await, &zeros(4 * b), "read(s, 0, 4 * b)");
+    same(&read(s, 4 * b, b).await, &data, "read(s, 4 * b, b)");
 }
 
 /// Odd offsets and lengths, on backends that take them.
@@ -149,12 +175,16 @@ pub async fn unaligned_writes_and_reads<S: Storage>(s: &S) {
     let data: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8 + 1).collect();
     write(s, &data, 7).await;
     assert_eq!(len(s).await, 1007);
-    assert_eq!(read(s, 0, 7).await, zeros(7));
-    assert_eq!(read(s, 7, 1000).await, data);
-    assert_eq!(read(s, 500, 3).await, &data[493..496]);
+    same(&read(s, 0, 7).await, &zeros(7), "read(s, 0, 7)");
+    same(&read(s, 7, 1000).await, &data, "read(s, 7, 1000)");
+    same(&read(s, 500, 3).await, &data[493..496], "read(s, 500, 3)");
     write(s, b"xyz", 1006).await;
     assert_eq!(len(s).await, 1009);
-    assert_eq!(read(s, 1005, 4).await, [data[998], b'x', b'y', b'z']);
+    same(
+        &read(s, 1005, 4).await,
+        &[data[998], b'x', b'y', b'z'],
+        "read(s, 1005, 4)",
+    );
 }
 
 /// Vectored writes put their segments one after another, across more segments than one
@@ -169,7 +199,11 @@ pub async fn vectored_writes_land_in_order<S: Storage>(s: &S) {
     s.write_vectored_at(&iov, b).await.expect("vectored write");
     assert_eq!(len(s).await, 4 * b);
     for (i, seg) in segs.iter().enumerate() {
-        assert_eq!(read(s, b * (1 + i as u64), b).await, &**seg, "segment {i}");
+        same(
+            &read(s, b * (1 + i as u64), b).await,
+            seg,
+            &format!("segment {i}"),
+        );
     }
     s.write_vectored_at(&[], 50 * b)
         .await
@@ -186,7 +220,7 @@ pub async fn vectored_writes_land_in_order<S: Storage>(s: &S) {
         .expect("long vectored write");
     let back = read(s, 0, n * seg_len).await;
     let expect: Vec<u8> = many.iter().flat_map(|x| x.iter().copied()).collect();
-    assert!(back == expect, "1100-segment vectored write reads back");
+    same(&back, &expect, "1100-segment vectored write");
 }
 
 /// Past the end: `read_at` fails with UnexpectedEof, `read_at_most` stops short,
@@ -216,24 +250,24 @@ pub async fn reads_past_the_end<S: Storage>(s: &S) {
     let mut most = buf(s, 2 * b);
     let n = s.read_at_most(&mut most, b).await.expect("read_at_most");
     assert_eq!(n as u64, b);
-    assert_eq!(&most[..n], &data[b as usize..]);
+    same(&most[..n], &data[b as usize..], "&most[..n]");
     assert_eq!(s.read_at_most(&mut most, 10 * b).await.expect("at_most"), 0);
 
     let mut zf = pattern(s, 2 * b, 9);
     s.read_at_zero_fill(&mut zf, b).await.expect("zero fill");
-    assert_eq!(&zf[..b as usize], &data[b as usize..]);
-    assert_eq!(&zf[b as usize..], zeros(b));
+    same(&zf[..b as usize], &data[b as usize..], "&zf[..b as usize]");
+    same(&zf[b as usize..], &zeros(b), "&zf[b as usize..]");
     let mut zf = pattern(s, b, 9);
     s.read_at_zero_fill(&mut zf, 100 * b)
         .await
         .expect("zero fill beyond");
-    assert_eq!(&*zf, zeros(b));
+    same(&zf, &zeros(b), "&*zf");
     assert_eq!(len(s).await, 2 * b, "reads never change the length");
 
     if unaligned_ok(s) {
         let mut odd = vec![0xee; 10];
         s.read_at_zero_fill(&mut odd, 2 * b - 3).await.expect("odd");
-        assert_eq!(&odd[..3], &data[2 * b as usize - 3..]);
+        same(&odd[..3], &data[2 * b as usize - 3..], "&odd[..3]");
         assert_eq!(&odd[3..], &[0; 7]);
     }
 }
@@ -245,16 +279,24 @@ pub async fn write_zeroes_inside_and_over_the_end<S: Storage>(s: &S) {
     write(s, &data, 0).await;
     s.write_zeroes(b, 2 * b).await.expect("zero inside");
     assert_eq!(len(s).await, 4 * b, "zeroing inside keeps the length");
-    assert_eq!(read(s, 0, b).await, &data[..b as usize]);
-    assert_eq!(read(s, b, 2 * b).await, zeros(2 * b));
-    assert_eq!(read(s, 3 * b, b).await, &data[3 * b as usize..]);
+    same(&read(s, 0, b).await, &data[..b as usize], "read(s, 0, b)");
+    same(&read(s, b, 2 * b).await, &zeros(2 * b), "read(s, b, 2 * b)");
+    same(
+        &read(s, 3 * b, b).await,
+        &data[3 * b as usize..],
+        "read(s, 3 * b, b)",
+    );
 
     s.write_zeroes(3 * b, 3 * b)
         .await
         .expect("zero over the end");
     assert_eq!(len(s).await, 6 * b, "zeroing over the end grows");
-    assert_eq!(read(s, 3 * b, 3 * b).await, zeros(3 * b));
-    assert_eq!(read(s, 0, b).await, &data[..b as usize]);
+    same(
+        &read(s, 3 * b, 3 * b).await,
+        &zeros(3 * b),
+        "read(s, 3 * b, 3 * b)",
+    );
+    same(&read(s, 0, b).await, &data[..b as usize], "read(s, 0, b)");
 
     s.write_zeroes(100 * b, 0).await.expect("empty zeroing");
     assert_eq!(len(s).await, 6 * b, "empty zeroing does not grow");
@@ -262,14 +304,19 @@ pub async fn write_zeroes_inside_and_over_the_end<S: Storage>(s: &S) {
     // A large range, to cover chunked fallbacks.
     s.write_zeroes(8 * b, 4 << 20).await.expect("large zeroing");
     assert_eq!(len(s).await, 8 * b + (4 << 20));
-    assert_eq!(read(s, 8 * b + (2 << 20), b).await, zeros(b));
+    same(
+        &read(s, 8 * b + (2 << 20), b).await,
+        &zeros(b),
+        "read(s, 8 * b + (2 << 20), b)",
+    );
 
     if unaligned_ok(s) {
         write(s, &[0xaa; 10], 0).await;
         s.write_zeroes(3, 4).await.expect("odd zeroing");
-        assert_eq!(
-            read(s, 0, 10).await,
-            [0xaa, 0xaa, 0xaa, 0, 0, 0, 0, 0xaa, 0xaa, 0xaa]
+        same(
+            &read(s, 0, 10).await,
+            &[0xaa, 0xaa, 0xaa, 0, 0, 0, 0, 0xaa, 0xaa, 0xaa],
+            "read(s, 0, 10)",
         );
     }
 }
@@ -285,20 +332,22 @@ pub async fn discard_reads_back_zeros_or_leaves_data<S: Storage>(s: &S) {
     let (lo, hi) = (b, total - b);
     let outcome = s.discard(lo, hi - lo).await.expect("discard");
     assert_eq!(len(s).await, total, "discard keeps the length");
-    assert_eq!(
-        read(s, 0, lo).await,
+    same(
+        &read(s, 0, lo).await,
         &data[..lo as usize],
-        "before the range"
+        "before the range",
     );
-    assert_eq!(
-        read(s, hi, b).await,
+    same(
+        &read(s, hi, b).await,
         &data[hi as usize..],
-        "after the range"
+        "after the range",
     );
     let middle = read(s, lo, hi - lo).await;
     match outcome {
-        DiscardOutcome::Deallocated => assert!(middle == zeros(hi - lo), "discarded reads zero"),
-        DiscardOutcome::Ignored => assert!(middle == data[lo as usize..hi as usize]),
+        DiscardOutcome::Deallocated => same(&middle, &zeros(hi - lo), "discarded range"),
+        DiscardOutcome::Ignored => {
+            same(&middle, &data[lo as usize..hi as usize], "ignored discard")
+        }
     }
     s.discard(total, 10 * b)
         .await
@@ -321,11 +370,15 @@ pub async fn allocate_keeps_data_and_reports_length<S: Storage>(s: &S) {
     match s.allocate(b, 3 * b).await.expect("allocate over the end") {
         AllocateOutcome::Reserved => {
             assert_eq!(len(s).await, 4 * b, "reserved range is inside the length");
-            assert_eq!(read(s, 2 * b, 2 * b).await, zeros(2 * b));
+            same(
+                &read(s, 2 * b, 2 * b).await,
+                &zeros(2 * b),
+                "read(s, 2 * b, 2 * b)",
+            );
         }
         AllocateOutcome::NotReserved => assert_eq!(len(s).await, 2 * b),
     }
-    assert_eq!(read(s, 0, 2 * b).await, &*data, "allocate keeps data");
+    same(&read(s, 0, 2 * b).await, &data, "allocate keeps data");
     assert_eq!(
         s.allocate(100 * b, 0).await.expect("empty allocate"),
         AllocateOutcome::NotReserved
@@ -337,14 +390,18 @@ pub async fn set_len_grows_and_shrinks<S: Storage>(s: &S) {
     let b = blk(s);
     s.set_len(3 * b).await.expect("grow");
     assert_eq!(len(s).await, 3 * b);
-    assert_eq!(read(s, 0, 3 * b).await, zeros(3 * b));
+    same(&read(s, 0, 3 * b).await, &zeros(3 * b), "read(s, 0, 3 * b)");
     let data = pattern(s, 3 * b, 8);
     write(s, &data, 0).await;
     s.set_len(b).await.expect("shrink");
     assert_eq!(len(s).await, b);
-    assert_eq!(read(s, 0, b).await, &data[..b as usize]);
+    same(&read(s, 0, b).await, &data[..b as usize], "read(s, 0, b)");
     s.set_len(3 * b).await.expect("grow again");
-    assert_eq!(read(s, b, 2 * b).await, zeros(2 * b), "shrunk data is gone");
+    same(
+        &read(s, b, 2 * b).await,
+        &zeros(2 * b),
+        "shrunk data is gone",
+    );
     s.set_len(0).await.expect("to zero");
     assert_eq!(len(s).await, 0);
     assert!(s.is_empty().await.expect("is_empty"));
@@ -364,13 +421,13 @@ pub async fn huge_sparse_lengths_work<S: Storage>(s: &S) {
     let big = 2u64 << 40;
     s.set_len(big).await.expect("set_len 2 TiB");
     assert_eq!(len(s).await, big);
-    assert_eq!(read(s, big / 2, b).await, zeros(b));
+    same(&read(s, big / 2, b).await, &zeros(b), "read(s, big / 2, b)");
     let data = pattern(s, b, 11);
     write(s, &data, big - b).await;
-    assert_eq!(read(s, big - b, b).await, &*data);
+    same(&read(s, big - b, b).await, &data, "read(s, big - b, b)");
     let outcome = s.discard(0, big).await.expect("discard 2 TiB");
     if outcome == DiscardOutcome::Deallocated {
-        assert_eq!(read(s, big - b, b).await, zeros(b));
+        same(&read(s, big - b, b).await, &zeros(b), "read(s, big - b, b)");
     }
     s.set_len(0).await.expect("shrink from 2 TiB");
     assert_eq!(len(s).await, 0);
@@ -384,7 +441,7 @@ pub async fn flush_keeps_data<S: Storage>(s: &S) {
     write(s, &data, 0).await;
     s.write_zeroes(2 * b, b).await.expect("zeroes");
     s.flush().await.expect("flush");
-    assert_eq!(read(s, 0, 2 * b).await, &*data);
+    same(&read(s, 0, 2 * b).await, &data, "read(s, 0, 2 * b)");
     assert_eq!(len(s).await, 3 * b);
 }
 
@@ -478,10 +535,10 @@ pub async fn misaligned_requests_fail_when_alignment_is_required<S: Storage>(s: 
         );
     }
     assert_eq!(len(s).await, 2 * b);
-    assert_eq!(
-        read(s, 0, 2 * b).await,
-        &*data,
-        "misaligned requests change nothing"
+    same(
+        &read(s, 0, 2 * b).await,
+        &data,
+        "misaligned requests change nothing",
     );
 }
 
@@ -516,7 +573,11 @@ pub async fn concurrent_disjoint_writes<S: Storage + 'static>(s: Arc<S>) {
             if i % 4 == 0 {
                 expect[..b as usize].fill(0);
             }
-            assert!(read(&*s, 2 * i * b, 2 * b).await == expect, "block {i}");
+            same(
+                &read(&*s, 2 * i * b, 2 * b).await,
+                &expect,
+                &format!("block {i}"),
+            );
         }));
     }
     for h in handles {
