@@ -195,7 +195,7 @@ impl CreateOptions {
                 self.preallocation.name()
             ));
         }
-        if self.backing_file.is_some() && self.backing_fmt.is_none() && !self.unsafe_backing {
+        if self.backing_file.is_some() && self.backing_fmt.is_none() {
             return bad("backing_fmt: Backing file specified without backing format".into());
         }
         if let Some(size) = self.size {
@@ -494,6 +494,7 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
         };
         df.set_len(len)
             .map_err(|e| Error::io(&dpath, format!("set length to {len}"), e))?;
+        allocate_first_block(&df, &dpath, len)?;
         if matches!(
             opts.preallocation,
             Preallocation::Falloc | Preallocation::Full
@@ -517,10 +518,22 @@ pub fn create_raw(
     let file = open_new(path)?;
     file.set_len(size)
         .map_err(|e| Error::io(path, format!("set length to {size}"), e))?;
+    allocate_first_block(&file, path, size)?;
     if matches!(prealloc, Preallocation::Falloc | Preallocation::Full) {
         fill(&file, path, &[(0, size)], prealloc, size, progress)?;
     }
     file.sync_all().map_err(|e| Error::io(path, "fsync", e))
+}
+
+/// Writes zeros over the first 4 KiB of a new raw file, as QEMU does so that the first block
+/// is allocated and O_DIRECT alignment can be probed on it later.
+fn allocate_first_block(file: &File, path: &Path, len: u64) -> Result<()> {
+    let n = len.min(4096);
+    if n > 0 {
+        file.write_all_at(&vec![0u8; n as usize], 0)
+            .map_err(|e| Error::io(path, format!("write {n} zero bytes at 0x0"), e))?;
+    }
+    Ok(())
 }
 
 fn open_new(path: &Path) -> Result<File> {

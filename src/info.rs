@@ -144,24 +144,24 @@ pub struct Qcow2Specific {
     /// Lazy refcounts (v3 only).
     #[serde(rename = "lazy-refcounts", skip_serializing_if = "Option::is_none")]
     pub lazy_refcounts: Option<bool>,
+    /// Persistent bitmaps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bitmaps: Option<Vec<BitmapInfo>>,
     /// Refcount width.
     #[serde(rename = "refcount-bits")]
     pub refcount_bits: u64,
-    /// Corrupt bit (v3 only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub corrupt: Option<bool>,
-    /// Extended L2 entries (v3 only).
-    #[serde(rename = "extended-l2", skip_serializing_if = "Option::is_none")]
-    pub extended_l2: Option<bool>,
     /// External data file name.
     #[serde(rename = "data-file", skip_serializing_if = "Option::is_none")]
     pub data_file: Option<String>,
     /// Raw external data.
     #[serde(rename = "data-file-raw", skip_serializing_if = "Option::is_none")]
     pub data_file_raw: Option<bool>,
-    /// Persistent bitmaps.
+    /// Corrupt bit (v3 only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub bitmaps: Option<Vec<BitmapInfo>>,
+    pub corrupt: Option<bool>,
+    /// Extended L2 entries (v3 only).
+    #[serde(rename = "extended-l2", skip_serializing_if = "Option::is_none")]
+    pub extended_l2: Option<bool>,
 }
 
 /// `format-specific` of qemu-img info.
@@ -346,19 +346,10 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
             .to_string_lossy()
             .into_owned()
     });
-    let mut children = vec![ChildInfo {
+    let children = vec![ChildInfo {
         name: "file".into(),
         info: Box::new(file.clone()),
     }];
-    if let Some(d) = c0.data_file() {
-        let full = crate::create::resolve_backing(path, &lossy(d));
-        if let Ok(info) = file_info(&full, &full.to_string_lossy()) {
-            children.push(ChildInfo {
-                name: "data-file".into(),
-                info: Box::new(info),
-            });
-        }
-    }
     Ok(ImageInfo {
         filename: name,
         format: "qcow2".into(),

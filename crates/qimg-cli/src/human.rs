@@ -32,6 +32,29 @@ fn g3(x: f64) -> String {
     }
 }
 
+/// `%Y-%m-%d %H:%M:%S` of a Unix time, in UTC (qemu-img prints local time; the two agree
+/// when TZ is UTC).
+fn utc_date(secs: u64) -> String {
+    let days = secs / 86400;
+    let rem = secs % 86400;
+    // Civil-from-days (proleptic Gregorian), days since 1970-01-01.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
 fn yes(b: &serde_json::Value) -> String {
     match b {
         serde_json::Value::Bool(b) => b.to_string(),
@@ -72,8 +95,8 @@ pub fn info(i: &ImageInfo) -> String {
     if let Some(snaps) = &i.snapshots {
         s += "Snapshot list:\n";
         s += &format!(
-            "{:<10}{:<17}{:>7}{:>20}{:>13}{:>11}\n",
-            "ID", "TAG", "VM SIZE", "DATE", "VM CLOCK", "ICOUNT"
+            "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+            "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
         );
         for sn in snaps {
             let secs = sn.vm_clock_sec;
@@ -85,11 +108,11 @@ pub fn info(i: &ImageInfo) -> String {
                 sn.vm_clock_nsec / 1_000_000
             );
             s += &format!(
-                "{:<10}{:<17}{:>7}{:>20}{:>13}{:>11}\n",
+                "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
                 sn.id,
                 sn.name,
                 size_to_str(sn.vm_state_size),
-                sn.date_sec,
+                utc_date(sn.date_sec),
                 clock,
                 sn.icount
                     .map(|c| c.to_string())
@@ -104,8 +127,8 @@ pub fn info(i: &ImageInfo) -> String {
                 let key = k.replace('-', " ");
                 if k == "bitmaps" {
                     s += "    bitmaps:\n";
-                    for b in v.as_array().into_iter().flatten() {
-                        s += &format!("        [{}]:\n", b["name"].as_str().unwrap_or(""));
+                    for (n, b) in v.as_array().into_iter().flatten().enumerate() {
+                        s += &format!("        [{n}]:\n");
                         s += "            flags:\n";
                         for (n, f) in b["flags"].as_array().into_iter().flatten().enumerate() {
                             s += &format!("                [{n}]: {}\n", yes(f));
@@ -136,6 +159,13 @@ pub fn info(i: &ImageInfo) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dates_print_in_utc() {
+        assert_eq!(utc_date(0), "1970-01-01 00:00:00");
+        assert_eq!(utc_date(1_795_284_590), "2026-11-21 18:09:50");
+        assert_eq!(utc_date(951_782_400), "2000-02-29 00:00:00");
+    }
 
     #[test]
     fn sizes_print_like_qemu() {

@@ -157,7 +157,8 @@ fn run_create(a: CreateArgs) -> Result<()> {
         }
         let size = qimg::create::effective_size(path, &o).with_context(|| file.clone())?;
         if !a.quiet {
-            println!("{}", opts::formatting_line(&file, "raw", &o, &given, size));
+            let shown = o.size.unwrap_or(size);
+            println!("{}", opts::formatting_line(&file, "raw", &o, &given, shown));
         }
         qimg::create::create_raw(path, size, o.preallocation, &mut progress)
             .with_context(|| file.clone())?;
@@ -168,7 +169,7 @@ fn run_create(a: CreateArgs) -> Result<()> {
     if !a.quiet {
         println!(
             "{}",
-            opts::formatting_line(&file, "qcow2", &o, &given, size)
+            opts::formatting_line(&file, "qcow2", &o, &given, o.size.unwrap_or(size))
         );
     }
     create(path, &o, &mut progress).with_context(|| file.clone())?;
