@@ -260,7 +260,7 @@ fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
         0
     };
     let order = rb_order(opts.refcount_bits);
-    let per_block = cs * 8 >> order;
+    let per_block = (cs * 8) >> order;
     let mut layout = Layout {
         cluster_size: cs,
         reftable_clusters: 1,
@@ -417,7 +417,7 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
         let off = (layout.refblocks_at() + i) * cs;
         table[(i * 8) as usize..(i * 8 + 8) as usize].copy_from_slice(&off.to_be_bytes());
     }
-    let per_block = cs * 8 >> order;
+    let per_block = (cs * 8) >> order;
     let mut block = vec![0u8; cs as usize];
     for i in 0..layout.refblocks {
         block.fill(0);

@@ -18,11 +18,7 @@ fn g3(x: f64) -> String {
     if x == 0.0 {
         return "0".into();
     }
-    let digits = if x >= 1.0 {
-        x.log10().floor() as i32 + 1
-    } else {
-        x.log10().floor() as i32 + 1
-    };
+    let digits = x.log10().floor() as i32 + 1;
     let decimals = (3 - digits).max(0) as usize;
     let s = format!("{x:.decimals$}");
     if s.contains('.') {

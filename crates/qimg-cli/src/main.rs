@@ -26,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Create a new image: qimg create [-f qcow2] [-b BACKING [-F FMT]] [-o OPT=VAL,...] [-q] FILE [SIZE]
+    /// Create a new image: `qimg create [-f qcow2] [-b BACKING [-F FMT]] [-o OPT=VAL,...] [-q] FILE [SIZE]`
     Create(CreateArgs),
     /// Show information about an image (read-only).
     Info(InfoArgs),

@@ -15,6 +15,7 @@ pub mod compressed;
 pub mod error;
 pub mod extensions;
 pub mod features;
+pub mod fuzz;
 pub mod geometry;
 pub mod header;
 pub mod l1;
