@@ -629,6 +629,25 @@ mod tests {
     }
 
     #[test]
+    fn full_preallocation_reports_progress_up_to_the_whole_data_size() {
+        let dir = std::env::temp_dir().join(format!("qimg-progress-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.qcow2");
+        let opts = CreateOptions {
+            size: Some(20 << 20),
+            preallocation: Preallocation::Full,
+            ..Default::default()
+        };
+        let mut calls = Vec::new();
+        create(&path, &opts, &mut |d, t| calls.push((d, t))).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(calls.first(), Some(&(0, 20 << 20)));
+        assert_eq!(calls.last(), Some(&(20 << 20, 20 << 20)));
+        assert!(calls.len() >= 3, "{calls:?}");
+        assert!(calls.windows(2).all(|w| w[0].0 <= w[1].0));
+    }
+
+    #[test]
     fn every_rule_names_its_option() {
         let cases: Vec<(CreateOptions, &str)> = vec![
             (
