@@ -285,9 +285,21 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
     let cs = 1u64 << h.cluster_bits;
 
     let snapshots = if h.nb_snapshots > 0 {
-        let raw = read_at_most(&f, path, h.snapshots_offset, MAX_TABLE_SIZE)?;
-        let list = decode_table(&raw, h.snapshots_offset, h.nb_snapshots, h.version)
-            .map_err(|e| Error::format(path, e))?;
+        // Entries are variable-length: read a little, and more only while the table needs it
+        // (never past QEMU's 64 MiB limit or the end of the file).
+        let flen = f.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
+        let mut want = 64 << 10;
+        let list = loop {
+            let raw = read_at_most(&f, path, h.snapshots_offset, want)?;
+            match decode_table(&raw, h.snapshots_offset, h.nb_snapshots, h.version) {
+                Err(qimg_format::FormatError::Truncated { .. })
+                    if want < MAX_TABLE_SIZE && h.snapshots_offset.saturating_add(want) < flen =>
+                {
+                    want = (want * 4).min(MAX_TABLE_SIZE);
+                }
+                r => break r.map_err(|e| Error::format(path, e))?,
+            }
+        };
         Some(
             list.iter()
                 .map(|s| SnapshotInfo {

@@ -140,3 +140,43 @@ fn human_info_matches_qemu_img_line_for_line_on_plain_images() {
         assert_eq!(ours, theirs, "{name}");
     }
 }
+
+#[test]
+fn info_on_damaged_images_fails_cleanly_naming_the_problem() {
+    if !have_qemu("info_on_damaged_images_fails_cleanly_naming_the_problem") {
+        return;
+    }
+    let s = Scratch::new("damaged");
+    ok(
+        "qemu-img",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "img.qcow2", "64M"]),
+    );
+    let good = std::fs::read(s.path("img.qcow2")).unwrap();
+    let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
+    cases.push(("truncated", good[..50].to_vec(), "truncated"));
+    let mut snaps = good.clone();
+    snaps[60..64].copy_from_slice(&1000u32.to_be_bytes());
+    snaps[64..72].copy_from_slice(&0x7000_0000u64.to_be_bytes());
+    cases.push(("snapshots past EOF", snaps, "snapshot table entry"));
+    let mut ext = good.clone();
+    ext[116..120].copy_from_slice(&0x00ff_ffffu32.to_be_bytes());
+    cases.push(("extension too long", ext, "0x6803f857"));
+    let mut bits = good.clone();
+    bits[20..24].copy_from_slice(&30u32.to_be_bytes());
+    cases.push(("cluster_bits 30", bits, "cluster_bits 30"));
+    for (what, bytes, want) in cases {
+        std::fs::write(s.path("bad.qcow2"), &bytes).unwrap();
+        let o = qimg(&s.0, &["info", "-f", "qcow2", "--output=json", "bad.qcow2"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{what}: {err}"
+        );
+        assert_eq!(
+            std::fs::read(s.path("bad.qcow2")).unwrap(),
+            bytes,
+            "{what}: file changed"
+        );
+    }
+}
