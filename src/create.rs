@@ -16,6 +16,7 @@ use qimg_format::features::{
     AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_DATA_FILE, INCOMPAT_EXTENDED_L2,
     qemu_feature_table,
 };
+use qimg_format::geometry::RefcountGeometry;
 use qimg_format::header::{CompressionType, Header};
 use qimg_format::refcount;
 use qimg_format::validate::{MAX_L1_BYTES, l1_entries_for};
@@ -259,26 +260,21 @@ fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
     } else {
         0
     };
-    let order = rb_order(opts.refcount_bits);
-    let per_block = (cs * 8) >> order;
-    let mut layout = Layout {
+    // Refcount table and blocks must cover everything, themselves included.
+    let rg = RefcountGeometry::new(bits, rb_order(opts.refcount_bits))
+        .map_err(|e| Error::InvalidOption(format!("refcount_bits {}: {e}", opts.refcount_bits)))?;
+    let others = 1 + l1_clusters + prealloc_clusters;
+    let meta = rg
+        .refcount_metadata_for(others)
+        .map_err(|e| Error::InvalidOption(format!("size {size}: {e}")))?;
+    let layout = Layout {
         cluster_size: cs,
-        reftable_clusters: 1,
-        refblocks: 1,
+        reftable_clusters: meta.table_clusters.max(1),
+        refblocks: meta.block_clusters.max(1),
         l1_entries,
         l1_clusters,
         prealloc_clusters,
     };
-    // Grow the refcount structures until they cover everything including themselves.
-    loop {
-        let blocks = layout.total().div_ceil(per_block).max(1);
-        let table = (blocks * 8).div_ceil(cs).max(1);
-        if blocks == layout.refblocks && table == layout.reftable_clusters {
-            break;
-        }
-        layout.refblocks = blocks;
-        layout.reftable_clusters = table;
-    }
     if layout.reftable_clusters * cs > qimg_format::validate::MAX_REFTABLE_BYTES {
         return Err(Error::InvalidOption(format!(
             "size {size}: the refcount table would exceed 8 MiB (try a larger cluster size or refcount_bits)"
