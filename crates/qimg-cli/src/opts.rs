@@ -243,7 +243,13 @@ pub fn formatting_line(
     size: u64,
 ) -> String {
     let mut parts = vec![format!("fmt={fmt}")];
-    let onoff = |b: bool| if b { "on" } else { "off" }.to_string();
+    // Boolean options print as typed when given, else as on/off.
+    let flag = |key: &str, value: bool| {
+        given
+            .get(key)
+            .map(String::from)
+            .unwrap_or_else(|| if value { "on" } else { "off" }.to_string())
+    };
     if fmt == "raw" {
         if let Some(p) = given.get("preallocation") {
             parts.push(format!("preallocation={p}"));
@@ -254,20 +260,15 @@ pub fn formatting_line(
     parts.push(format!("cluster_size={}", opts.cluster_size));
     parts.push(format!(
         "extended_l2={}",
-        given
-            .get("extended_l2")
-            .map(String::from)
-            .unwrap_or_else(|| onoff(opts.extended_l2))
+        flag("extended_l2", opts.extended_l2)
     ));
     if let Some(p) = given.get("preallocation") {
         parts.push(format!("preallocation={p}"));
     }
     parts.push(format!("compression_type={}", opts.compression_type.name()));
     parts.push(format!("size={size}"));
-    for k in ["compat"] {
-        if let Some(v) = given.get(k) {
-            parts.push(format!("{k}={v}"));
-        }
+    if let Some(v) = given.get("compat") {
+        parts.push(format!("compat={v}"));
     }
     if let Some(b) = &opts.backing_file {
         parts.push(format!("backing_file={b}"));
@@ -283,10 +284,7 @@ pub fn formatting_line(
     }
     parts.push(format!(
         "lazy_refcounts={}",
-        given
-            .get("lazy_refcounts")
-            .map(String::from)
-            .unwrap_or_else(|| onoff(opts.lazy_refcounts))
+        flag("lazy_refcounts", opts.lazy_refcounts)
     ));
     parts.push(format!("refcount_bits={}", opts.refcount_bits));
     format!("Formatting '{file}', {}", parts.join(" "))
