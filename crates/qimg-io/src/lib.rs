@@ -10,9 +10,14 @@
 //!   ([`BlockingStrategy`]).
 //! * [`MemStorage`]: a sparse in-memory file for tests, optionally enforcing O_DIRECT-style
 //!   alignment.
+//! * [`FaultyStorage`]: a wrapper over any backend for crash and error tests. It counts
+//!   operations, fails chosen ones with `EIO` or `ENOSPC`, tears writes, and simulates power
+//!   loss: [`FaultController::power_cut`] returns what the disk could hold after a crash (the
+//!   last flushed contents plus some, all or none of the unflushed modifications, per
+//!   [`CrashPolicy`]).
 //!
-//! An io_uring backend and a fault-injecting backend come later; every backend passes the same
-//! conformance suite (`qimg_io::conformance`, behind the `conformance` feature).
+//! An io_uring backend comes later; every backend passes the same conformance suite
+//! (`qimg_io::conformance`, behind the `conformance` feature).
 //!
 //! ## The contract in brief
 //!
@@ -43,12 +48,17 @@ mod aligned;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod error;
+mod faulty;
 mod file;
 mod mem;
 mod storage;
 
 pub use aligned::AlignedBuf;
 pub use error::{MAX_OFFSET, Op, Result, StorageError};
+pub use faulty::{
+    CRASH_SECTOR, CrashPolicy, FaultAction, FaultController, FaultPlan, FaultyStorage, OpCounts,
+    OpFilter,
+};
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
 pub use mem::MemStorage;
 pub use storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};

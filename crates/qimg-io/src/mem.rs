@@ -185,6 +185,52 @@ impl MemStorage {
         out
     }
 
+    /// An independent copy: the same contents and settings, but later modifications of either
+    /// are not seen by the other (unlike [`Clone`], which shares the contents). Copies only
+    /// the allocated chunks, so sparse storages stay cheap.
+    pub fn deep_copy(&self) -> MemStorage {
+        MemStorage {
+            read_only: self.read_only,
+            request_alignment: self.request_alignment,
+            mem_alignment: self.mem_alignment,
+            ..self.copy_contents()
+        }
+    }
+
+    /// An independent copy of the contents, writable and accepting any alignment.
+    pub(crate) fn copy_contents(&self) -> MemStorage {
+        let g = self.lock();
+        MemStorage {
+            inner: Arc::new(Mutex::new(Inner {
+                len: g.len,
+                chunks: g.chunks.clone(),
+            })),
+            ..MemStorage::new()
+        }
+    }
+
+    /// Writes `data` at `offset`, growing as needed, ignoring read-only and alignment settings.
+    /// The caller guarantees `offset + data.len()` is at most [`MAX_OFFSET`](crate::MAX_OFFSET).
+    pub(crate) fn apply_write(&self, data: &[u8], offset: u64) {
+        self.lock().write(data, offset);
+    }
+
+    /// Zeroes the part of the range below the current length, without growing.
+    pub(crate) fn apply_zero(&self, offset: u64, len: u64) {
+        self.lock().zero(offset, len);
+    }
+
+    /// Grows the length to `end` if it is shorter.
+    pub(crate) fn apply_grow(&self, end: u64) {
+        let mut g = self.lock();
+        g.len = g.len.max(end);
+    }
+
+    /// Truncates or extends to `len`.
+    pub(crate) fn apply_set_len(&self, len: u64) {
+        self.lock().set_len(len);
+    }
+
     /// Bytes of memory currently holding data (a multiple of the 64 KiB chunk size).
     pub fn allocated_bytes(&self) -> u64 {
         self.lock().chunks.len() as u64 * CHUNK

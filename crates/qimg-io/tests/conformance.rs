@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use qimg_io::conformance::{assert_futures_are_send, run_all};
-use qimg_io::{BlockingStrategy, FileOptions, FileStorage, MemStorage, Storage};
+use qimg_io::{BlockingStrategy, FaultyStorage, FileOptions, FileStorage, MemStorage, Storage};
 
 /// A factory of fresh, empty files in one temporary directory.
 fn files(dir: &tempfile::TempDir, opts: FileOptions) -> impl Fn() -> FileStorage + '_ {
@@ -22,8 +22,9 @@ fn files(dir: &tempfile::TempDir, opts: FileOptions) -> impl Fn() -> FileStorage
 
 /// Compile-time: the futures of the concrete backends are `Send`.
 #[allow(dead_code)]
-fn concrete_futures_are_send(f: &FileStorage, m: &MemStorage) {
+fn concrete_futures_are_send(f: &FileStorage, m: &MemStorage, ff: &FaultyStorage<FileStorage>) {
     assert_futures_are_send(f);
+    assert_futures_are_send(ff);
     assert_futures_are_send(m);
     assert_futures_are_send(&std::sync::Arc::new(m.clone()));
     fn spawnable<T: Send + 'static>(_: T) {}
@@ -118,4 +119,23 @@ async fn file_storage_with_o_direct_conforms() {
         FileOptions::new().direct(true).fallocate(false),
     ))
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faulty_storage_without_faults_conforms() {
+    run_all(|| FaultyStorage::in_memory(&[])).await;
+    run_all(|| {
+        FaultyStorage::with_baseline(
+            MemStorage::new().with_alignment(4096, 512),
+            &MemStorage::new(),
+        )
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let make = files(&dir, FileOptions::new());
+    run_all(|| FaultyStorage::with_baseline(make(), &MemStorage::new())).await;
+    if supports_direct(&dir) {
+        let make = files(&dir, FileOptions::new().direct(true));
+        run_all(|| FaultyStorage::with_baseline(make(), &MemStorage::new())).await;
+    }
 }
