@@ -39,6 +39,50 @@ pub enum Error {
         /// The missing feature.
         what: String,
     },
+    /// A storage operation of the engine failed.
+    #[error("{path}: {source}")]
+    Storage {
+        /// The file (image, data file or backing file).
+        path: PathBuf,
+        /// What failed, with operation, offset and length.
+        #[source]
+        source: qimg_io::StorageError,
+    },
+    /// A write-side request on an image opened read-only.
+    #[error("{path}: the image is open read-only")]
+    ReadOnly {
+        /// The image file.
+        path: PathBuf,
+    },
+    /// A request reaches outside the virtual disk.
+    #[error("{path}: request of {len} bytes at offset {offset} is outside the virtual disk of {size} bytes")]
+    OutOfRange {
+        /// The image file.
+        path: PathBuf,
+        /// First byte of the request.
+        offset: u64,
+        /// Length of the request.
+        len: u64,
+        /// Virtual disk size.
+        size: u64,
+    },
+    /// The image's metadata is inconsistent (found while using it, not while decoding it).
+    #[error("{path}: {what}")]
+    Corrupt {
+        /// The image file.
+        path: PathBuf,
+        /// What is inconsistent, with offsets.
+        what: String,
+    },
+    /// The cache options cannot be applied to this image.
+    #[error("{path}: {source}")]
+    Cache {
+        /// The image file.
+        path: PathBuf,
+        /// What is wrong with the options.
+        #[source]
+        source: qimg_cache::CacheError,
+    },
 }
 
 impl Error {
@@ -51,6 +95,20 @@ impl Error {
             path: path.into(),
             op: op.into(),
             source,
+        }
+    }
+
+    pub(crate) fn storage(path: impl Into<PathBuf>, source: qimg_io::StorageError) -> Self {
+        Self::Storage {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn corrupt(path: impl Into<PathBuf>, what: impl Into<String>) -> Self {
+        Self::Corrupt {
+            path: path.into(),
+            what: what.into(),
         }
     }
 

@@ -23,10 +23,23 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod blocking;
+pub mod compress;
 pub mod create;
 pub mod error;
+mod image;
 pub mod info;
+mod lock;
+mod meta;
+mod rebuild;
+mod rw;
 
+pub use blocking::BlockingImage;
 pub use error::{Error, Result};
+pub use image::{
+    Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
+};
+pub use qimg_cache::{CacheOptions, CacheStats};
+pub use qimg_io as io;
 /// The on-disk format crate, re-exported.
 pub use qimg_format as format;

@@ -2,6 +2,8 @@
 //! commands, comparing qemu-img JSON.
 #![allow(dead_code)]
 
+pub mod engine;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,7 +62,10 @@ impl Drop for Scratch {
 
 /// The qimg binary under test.
 pub fn qimg_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_qimg"))
+    PathBuf::from(
+        option_env!("CARGO_BIN_EXE_qimg")
+            .expect("the qimg binary is only built for the qimg-cli package's tests"),
+    )
 }
 
 /// Runs `prog args` in `dir`.

@@ -1,0 +1,100 @@
+//! The blocking facade: the same engine, driven by a private current-thread tokio runtime.
+//!
+//! For command-line tools, fuzzers and embedders without an async runtime. Each call blocks
+//! the calling thread until the request completes. Do not call these from inside an async
+//! task (tokio refuses to block inside a runtime); use [`crate::Image`] there.
+
+use std::path::Path;
+
+use qimg_io::FileStorage;
+use tokio::runtime::{Builder, Runtime};
+
+use crate::error::{Error, Result};
+use crate::image::{Image, OpenOptions, Stats};
+
+/// A blocking handle to an image on files.
+#[derive(Debug)]
+pub struct BlockingImage {
+    image: Option<Image<FileStorage>>,
+    rt: Runtime,
+}
+
+impl BlockingImage {
+    /// Opens the image at `path` (see [`Image::open`]).
+    pub fn open(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
+        let rt = Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| Error::io(path.as_ref(), "start the I/O runtime", e))?;
+        let image = rt.block_on(Image::open(path.as_ref(), opts))?;
+        Ok(Self {
+            image: Some(image),
+            rt,
+        })
+    }
+
+    fn image(&self) -> &Image<FileStorage> {
+        // Only `close` takes the image, and it consumes `self`.
+        self.image.as_ref().expect("image present until close")
+    }
+
+    /// The async image underneath.
+    pub fn as_async(&self) -> &Image<FileStorage> {
+        self.image()
+    }
+
+    /// The virtual disk size in bytes.
+    pub fn size(&self) -> u64 {
+        self.image().size()
+    }
+
+    /// See [`Image::read`].
+    pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.rt.block_on(self.image().read(buf, offset))
+    }
+
+    /// See [`Image::write`].
+    pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.rt.block_on(self.image().write(buf, offset))
+    }
+
+    /// See [`Image::write_zeroes`].
+    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.rt.block_on(self.image().write_zeroes(offset, len))
+    }
+
+    /// See [`Image::discard`].
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.rt.block_on(self.image().discard(offset, len))
+    }
+
+    /// See [`Image::flush`].
+    pub fn flush(&self) -> Result<()> {
+        self.rt.block_on(self.image().flush())
+    }
+
+    /// See [`Image::resize`].
+    pub fn resize(&self, new_size: u64) -> Result<()> {
+        self.rt.block_on(self.image().resize(new_size))
+    }
+
+    /// See [`Image::stats`].
+    pub fn stats(&self) -> Stats {
+        self.rt.block_on(self.image().stats())
+    }
+
+    /// Flushes and closes (see [`Image::close`]).
+    pub fn close(mut self) -> Result<()> {
+        let image = self.image.take().expect("image present until close");
+        self.rt.block_on(image.close())
+    }
+}
+
+impl Drop for BlockingImage {
+    fn drop(&mut self) {
+        if let Some(image) = self.image.take() {
+            // Best effort: a caller who needs the error calls `close`.
+            let _ = self.rt.block_on(image.close());
+        }
+    }
+}
