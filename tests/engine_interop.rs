@@ -1,0 +1,241 @@
+//! Images written by QEMU read back byte-identical in qimg, and qimg's writes over what QEMU
+//! made (compressed clusters, internal snapshots, external data files) keep them consistent.
+
+mod common;
+
+use common::engine::*;
+use common::{Scratch, have_qemu, ok, run};
+use qimg::{Image, OpenOptions};
+use std::path::Path;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+
+fn qemu_io(dir: &Path, file: &str, cmds: &[&str]) {
+    let mut args: Vec<&str> = vec!["-f", "qcow2"];
+    for c in cmds {
+        args.push("-c");
+        args.push(c);
+    }
+    args.push(file);
+    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+}
+
+async fn read_all(path: &Path) -> Vec<u8> {
+    let img = Image::open(path, &OpenOptions::read_only()).await.unwrap();
+    let mut buf = vec![0u8; img.size() as usize];
+    img.read(&mut buf, 0).await.unwrap();
+    img.close().await.unwrap();
+    buf
+}
+
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// qemu-io commands touching subclusters, unaligned ranges, zero writes (with and without
+/// unmap) and discards.
+const QEMU_IO_SCRIPT: &[&str] = &[
+    "write -P 0x11 0 4k",
+    "write -P 0x22 6k 3000",
+    "write -P 0x33 65000 70000",
+    "write -z 128k 64k",
+    "write -P 0x44 200k 512",
+    "write -z 201k 2k",
+    "write -P 0x55 300k 256k",
+    "discard 320k 128k",
+    "write -z -u 600k 128k",
+    "write -P 0x66 1023k 3k",
+    "write -P 0x77 3m 2m",
+    "discard 3m 1m",
+    "write -P 0x78 7m 1m",
+];
+
+#[tokio::test]
+async fn images_written_by_qemu_io_read_back_identically() {
+    if !have_qemu("images_written_by_qemu_io_read_back_identically") {
+        return;
+    }
+    let shapes = [
+        "extended_l2=on,cluster_size=64k",
+        "extended_l2=on,cluster_size=128k",
+        "extended_l2=on,cluster_size=32k,refcount_bits=1",
+        "extended_l2=on,cluster_size=2M",
+        "cluster_size=64k",
+        "cluster_size=4k,refcount_bits=64",
+        "compat=0.10",
+    ];
+    for opts in shapes {
+        for with_backing in [false, true] {
+            let dir = Scratch::new("qemu-io");
+            let backing = if with_backing {
+                // A backing file shorter than the overlay, written by qemu-io too.
+                qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 6 * MIB, None);
+                qemu_io(&dir.0, "base.qcow2", &["write -P 0xb1 0 6m", "write -z 1m 64k"]);
+                Some(("base.qcow2", "qcow2"))
+            } else {
+                None
+            };
+            qemu_create(&dir.0, "top.qcow2", opts, 8 * MIB, backing);
+            qemu_io(&dir.0, "top.qcow2", QEMU_IO_SCRIPT);
+            let expected = qemu_raw(&dir.0, "top.qcow2");
+            let got = read_all(&dir.path("top.qcow2")).await;
+            assert_eq!(
+                first_difference(&got, &expected),
+                None,
+                "{opts}, backing {with_backing}: qimg reads differently from qemu-img"
+            );
+        }
+    }
+}
+
+fn compressible(len: usize) -> Vec<u8> {
+    // Text-like runs, some zero clusters, and a stretch of noise that does not compress.
+    let mut out = Vec::with_capacity(len);
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for i in 0..len {
+        let block = i / 65536;
+        let b = match block % 5 {
+            0 | 3 => b"qcow2 subclusters compress well. "[i % 33],
+            1 => 0,
+            2 => {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            }
+            _ => (i / 700) as u8,
+        };
+        out.push(b);
+    }
+    out
+}
+
+#[tokio::test]
+async fn compressed_images_read_back_and_take_writes() {
+    if !have_qemu("compressed_images_read_back_and_take_writes") {
+        return;
+    }
+    for (ctype, extra) in [
+        ("zlib", ""),
+        ("zstd", ""),
+        ("zlib", ",extended_l2=on"),
+        ("zstd", ",extended_l2=on,cluster_size=32k"),
+    ] {
+        let what = format!("{ctype}{extra}");
+        let dir = Scratch::new("compressed");
+        let data = compressible((3 * MIB + 5 * KIB) as usize);
+        std::fs::write(dir.path("src.raw"), &data).unwrap();
+        let o = format!("compression_type={ctype}{extra}");
+        ok(
+            "qemu-img convert -c",
+            &common::qemu_img(
+                &dir.0,
+                &["convert", "-c", "-f", "raw", "-O", "qcow2", "-o", &o, "src.raw", "c.qcow2"],
+            ),
+        );
+        let check = common::qemu_img(&dir.0, &["check", "--output=json", "c.qcow2"]);
+        let v: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
+        let compressed = v["compressed-clusters"].as_u64().unwrap_or(0);
+        assert!(compressed >= 20, "{what}: only {compressed} compressed clusters: {v}");
+        let got = read_all(&dir.path("c.qcow2")).await;
+        assert_eq!(first_difference(&got, &data), None, "{what}: decompressed data differs");
+
+        // Writes over compressed clusters decompress into fresh clusters; zeroing and
+        // discarding whole compressed clusters frees them.
+        let mut model = data.clone();
+        let img = Image::open(dir.path("c.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
+        let cs = img.cluster_size();
+        let patch = pattern(7, 0, 3000);
+        for at in [100u64, cs * 3 + 5, cs * 7 - 1500] {
+            img.write(&patch, at).await.unwrap();
+            model[at as usize..at as usize + patch.len()].copy_from_slice(&patch);
+        }
+        img.write_zeroes(cs * 10, cs * 2).await.unwrap();
+        model[(cs * 10) as usize..(cs * 12) as usize].fill(0);
+        img.discard(cs * 14, cs).await.unwrap();
+        model[(cs * 14) as usize..(cs * 15) as usize].fill(0);
+        let mut back = vec![0u8; model.len()];
+        img.read(&mut back, 0).await.unwrap();
+        assert_eq!(first_difference(&back, &model), None, "{what}: after writes");
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "c.qcow2", &what);
+        assert_same_as_model(&dir.0, "c.qcow2", &model, &what);
+    }
+}
+
+#[tokio::test]
+async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() {
+    if !have_qemu("clusters_shared_with_an_internal_snapshot_are_never_written_in_place") {
+        return;
+    }
+    for opts in ["cluster_size=64k", "extended_l2=on,cluster_size=64k"] {
+        let dir = Scratch::new("snapshot");
+        qemu_create(&dir.0, "s.qcow2", opts, 4 * MIB, None);
+        qemu_io(&dir.0, "s.qcow2", &["write -P 0x5a 0 4m", "write -z 1m 64k"]);
+        ok(
+            "qemu-img snapshot -c",
+            &common::qemu_img(&dir.0, &["snapshot", "-c", "before", "s.qcow2"]),
+        );
+        let before = qemu_raw(&dir.0, "s.qcow2");
+        let img = Image::open(dir.path("s.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
+        let mut model = before.clone();
+        for (i, at) in [0u64, 70 * KIB, 2 * MIB + 3, 4 * MIB - 4 * KIB].into_iter().enumerate() {
+            let data = pattern(i as u64, at, 4096);
+            img.write(&data, at).await.unwrap();
+            model[at as usize..at as usize + 4096].copy_from_slice(&data);
+        }
+        img.discard(3 * MIB, 64 * KIB).await.unwrap();
+        model[(3 * MIB) as usize..(3 * MIB + 64 * KIB) as usize].fill(0);
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "s.qcow2", opts);
+        assert_same_as_model(&dir.0, "s.qcow2", &model, opts);
+        // The snapshot still holds the old contents.
+        ok(
+            "qemu-img convert -l",
+            &common::qemu_img(
+                &dir.0,
+                &["convert", "-l", "snapshot.name=before", "-O", "raw", "s.qcow2", "snap.raw"],
+            ),
+        );
+        let snap = std::fs::read(dir.path("snap.raw")).unwrap();
+        assert_eq!(first_difference(&snap, &before), None, "{opts}: snapshot changed");
+    }
+}
+
+#[tokio::test]
+async fn external_data_files_are_written_in_place() {
+    if !have_qemu("external_data_files_are_written_in_place") {
+        return;
+    }
+    for raw in ["off", "on"] {
+        let dir = Scratch::new("datafile");
+        let opts = format!("data_file=d.raw,data_file_raw={raw},extended_l2=on");
+        qemu_create(&dir.0, "x.qcow2", &opts, 2 * MIB, None);
+        qemu_io(&dir.0, "x.qcow2", &["write -P 0x21 0 100k"]);
+        let mut model = qemu_raw(&dir.0, "x.qcow2");
+        let img = Image::open(dir.path("x.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
+        let data = pattern(3, 0, 5000);
+        img.write(&data, 150_000).await.unwrap();
+        model[150_000..155_000].copy_from_slice(&data);
+        img.write_zeroes(0, 64 * KIB).await.unwrap();
+        model[..64 * KIB as usize].fill(0);
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "x.qcow2", &opts);
+        assert_same_as_model(&dir.0, "x.qcow2", &model, &opts);
+        if raw == "on" {
+            // The data file alone is the disk.
+            let d = std::fs::read(dir.path("d.raw")).unwrap();
+            assert_eq!(first_difference(&d[..model.len()], &model), None, "raw data file");
+        }
+    }
+}
