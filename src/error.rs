@@ -55,7 +55,9 @@ pub enum Error {
         path: PathBuf,
     },
     /// A request reaches outside the virtual disk.
-    #[error("{path}: request of {len} bytes at offset {offset} is outside the virtual disk of {size} bytes")]
+    #[error(
+        "{path}: request of {len} bytes at offset {offset} is outside the virtual disk of {size} bytes"
+    )]
     OutOfRange {
         /// The image file.
         path: PathBuf,

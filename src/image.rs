@@ -202,12 +202,25 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 impl<S: Storage + 'static> Image<S> {
     /// Opens the image at `path` through `opener`, which also opens its backing chain and
     /// external data file.
-    pub async fn open_with(path: &Path, opts: &OpenOptions, opener: &dyn Opener<S>) -> Result<Self> {
+    pub async fn open_with(
+        path: &Path,
+        opts: &OpenOptions,
+        opener: &dyn Opener<S>,
+    ) -> Result<Self> {
         let file = opener
             .open(path, opts.writable)
             .map_err(|e| Error::storage(path, e))?;
         let mut seen = Vec::new();
-        open_chain(file, path.to_path_buf(), opts, Some(opener), None, 0, &mut seen).await
+        open_chain(
+            file,
+            path.to_path_buf(),
+            opts,
+            Some(opener),
+            None,
+            0,
+            &mut seen,
+        )
+        .await
     }
 
     /// Opens an image held in `file` (named `name` in errors and for resolving relative
@@ -271,7 +284,8 @@ fn open_chain<'a, S: Storage + 'static>(
         if opts.writable && h.nb_snapshots > 0 && h.refcount_order == 0 {
             // Shared clusters cannot be counted with 1-bit refcounts; qemu refuses too.
         }
-        let geo = Geometry::new(h.cluster_bits, h.extended_l2()).map_err(|e| Error::format(&path, e))?;
+        let geo =
+            Geometry::new(h.cluster_bits, h.extended_l2()).map_err(|e| Error::format(&path, e))?;
         let rgeo = RefcountGeometry::new(h.cluster_bits, h.refcount_order)
             .map_err(|e| Error::format(&path, e))?;
         let external = h.incompatible_features & INCOMPAT_DATA_FILE != 0;
@@ -332,9 +346,7 @@ fn open_chain<'a, S: Storage + 'static>(
                 if depth + 1 > MAX_BACKING_DEPTH {
                     return Err(Error::Unsupported {
                         path,
-                        what: format!(
-                            "backing chain deeper than {MAX_BACKING_DEPTH} images"
-                        ),
+                        what: format!("backing chain deeper than {MAX_BACKING_DEPTH} images"),
                     });
                 }
                 let name = String::from_utf8_lossy(name).into_owned();
@@ -412,10 +424,9 @@ fn open_chain<'a, S: Storage + 'static>(
             inner.prepare_for_writing(&c0.header).await?;
         }
         if !opts.no_clean_timer {
-            if let (Some(interval), Ok(handle)) = (
-                inner.clean_interval,
-                tokio::runtime::Handle::try_current(),
-            ) {
+            if let (Some(interval), Ok(handle)) =
+                (inner.clean_interval, tokio::runtime::Handle::try_current())
+            {
                 spawn_cleaner(&handle, Arc::downgrade(&inner), interval);
             }
         }

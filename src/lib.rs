@@ -40,6 +40,6 @@ pub use image::{
     Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
 };
 pub use qimg_cache::{CacheOptions, CacheStats};
-pub use qimg_io as io;
 /// The on-disk format crate, re-exported.
 pub use qimg_format as format;
+pub use qimg_io as io;

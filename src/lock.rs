@@ -96,10 +96,16 @@ mod tests {
             let _g = l2.lock(3, 4, true).await;
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiter.is_finished(), "exclusive lock granted over shared holders");
+        assert!(
+            !waiter.is_finished(),
+            "exclusive lock granted over shared holders"
+        );
         drop(a);
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiter.is_finished(), "exclusive lock granted while one holder remains");
+        assert!(
+            !waiter.is_finished(),
+            "exclusive lock granted while one holder remains"
+        );
         drop(_b);
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await

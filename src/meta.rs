@@ -93,7 +93,8 @@ impl Meta {
                     ),
                 )
             })?;
-        let l1 = l1::decode_table(&raw, cs, h.l1_table_offset).map_err(|e| Error::format(path, e))?;
+        let l1 =
+            l1::decode_table(&raw, cs, h.l1_table_offset).map_err(|e| Error::format(path, e))?;
         let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
         let mut raw = vec![0u8; rt_bytes as usize];
         file.read_at_zero_fill(&mut raw, h.refcount_table_offset)
@@ -184,12 +185,10 @@ impl<S: Storage> Inner<S> {
         };
         let (key, idx) = self.l2_position(m, table.0, guest);
         self.load(m, Which::L2, key).await?;
-        let now = self.now();
         let es = self.geo.l2_entry_size() as usize;
-        let slice = m
-            .l2
-            .get(key, now)
-            .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
+        let slice =
+            m.l2.peek(key)
+                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
         let at = self.slice_location_l2(key, m.l2_slice) + (idx * es) as u64;
         AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at)
             .map_err(|e| self.fmt_err(e))
@@ -201,22 +200,28 @@ impl<S: Storage> Inner<S> {
 
     /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or
     /// un-sharing) its L2 table first.
-    pub(crate) async fn set_entry(&self, m: &mut Meta, guest: u64, entry: &AnyL2Entry) -> Result<()> {
+    pub(crate) async fn set_entry(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+        entry: &AnyL2Entry,
+    ) -> Result<()> {
         let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
         let table = self.ensure_l2(m, l1i).await?;
         let (key, idx) = self.l2_position(m, table, guest);
         self.load(m, Which::L2, key).await?;
         let now = self.now();
-        let slice = m
-            .l2
-            .get_mut(key, now)
-            .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
+        let slice =
+            m.l2.get_mut(key, now)
+                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
         write_entry(slice, idx, entry).map_err(|e| self.fmt_err(e))
     }
 
     /// Makes sure the slice `key` is cached, writing back a dirty victim first.
     pub(crate) async fn load(&self, m: &mut Meta, which: Which, key: SliceKey) -> Result<()> {
-        if m.cache(which).contains(key) {
+        // A counted lookup: hits and misses in the statistics come from here.
+        let now = self.now();
+        if m.cache(which).get(key, now).is_some() {
             return Ok(());
         }
         let size = m.cache(which).slice_size();
@@ -248,7 +253,10 @@ impl<S: Storage> Inner<S> {
     async fn write_evicted(&self, m: &mut Meta, which: Which, d: DirtySlice) -> Result<()> {
         self.honour_dependencies(m, which).await?;
         let at = self.slice_location(m, which, d.key);
-        self.file.write_at(&d.data, at).await.map_err(|e| self.st(e))
+        self.file
+            .write_at(&d.data, at)
+            .await
+            .map_err(|e| self.st(e))
     }
 
     /// Before writing any slice of `which`: flush what it depends on.
@@ -275,7 +283,10 @@ impl<S: Storage> Inner<S> {
             let Some(data) = m.cache(which).peek(entry.key).map(<[u8]>::to_vec) else {
                 continue;
             };
-            self.file.write_at(&data, at).await.map_err(|e| self.st(e))?;
+            self.file
+                .write_at(&data, at)
+                .await
+                .map_err(|e| self.st(e))?;
             m.cache(which)
                 .mark_clean(entry)
                 .map_err(|e| self.cache_err(e))?;
@@ -370,16 +381,19 @@ impl<S: Storage> Inner<S> {
         }
         let key = SliceKey::new(block, 0);
         self.load(m, Which::Refcount, key).await?;
-        let now = self.now();
-        let data = m
-            .rc
-            .get(key, now)
-            .ok_or_else(|| Error::corrupt(&self.path, "refcount block vanished"))?;
+        let data =
+            m.rc.peek(key)
+                .ok_or_else(|| Error::corrupt(&self.path, "refcount block vanished"))?;
         refcount::get(data, self.rgeo.refcount_order(), index).map_err(|e| self.fmt_err(e))
     }
 
     /// Adds `delta` (+1 or -1) to the refcount of `cluster`; returns the new value.
-    pub(crate) async fn update_refcount(&self, m: &mut Meta, cluster: u64, delta: i64) -> Result<u64> {
+    pub(crate) async fn update_refcount(
+        &self,
+        m: &mut Meta,
+        cluster: u64,
+        delta: i64,
+    ) -> Result<u64> {
         self.mark_dirty_if_lazy(m).await?;
         let (mut block, mut index) = self.refblock_of(m, cluster);
         if block == 0 {
@@ -402,10 +416,9 @@ impl<S: Storage> Inner<S> {
         let max = self.rgeo.max_refcount();
         let now = self.now();
         let path = &self.path;
-        let data = m
-            .rc
-            .get_mut(key, now)
-            .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?;
+        let data =
+            m.rc.get_mut(key, now)
+                .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?;
         let old = refcount::get(data, order, index).map_err(|e| Error::format(path, e))?;
         let new = if delta >= 0 {
             old.checked_add(delta as u64).filter(|&v| v <= max)
@@ -433,9 +446,13 @@ impl<S: Storage> Inner<S> {
         'search: loop {
             let mut start = m.free_hint;
             let mut c = start;
+            // The first free cluster seen: everything below it (from the hint) is in use.
+            let mut first_free = None;
             while c - start < n {
                 if self.refcount(m, c).await? != 0 {
                     start = c + 1;
+                } else if first_free.is_none() {
+                    first_free = Some(c);
                 }
                 c += 1;
             }
@@ -456,9 +473,10 @@ impl<S: Storage> Inner<S> {
                 self.update_refcount(m, k, 1).await?;
                 m.pending_punch.remove(&k);
             }
-            if start == m.free_hint {
-                m.free_hint = start + n;
-            }
+            m.free_hint = match first_free {
+                Some(f) if f < start => f,
+                _ => start + n,
+            };
             m.end_cluster = m.end_cluster.max(start + n);
             return Ok(start * cs);
         }
@@ -497,13 +515,17 @@ impl<S: Storage> Inner<S> {
         let mut block = vec![0u8; cs as usize];
         refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
         let at = first * cs;
-        self.file.write_at(&block, at).await.map_err(|e| self.st(e))?;
+        self.file
+            .write_at(&block, at)
+            .await
+            .map_err(|e| self.st(e))?;
         self.file.flush().await.map_err(|e| self.st(e))?;
         self.file
             .write_at(&at.to_be_bytes(), m.reftable_offset + index * 8)
             .await
             .map_err(|e| self.st(e))?;
-        self.file.flush().await.map_err(|e| self.st(e))?;
+        // The entry becomes durable with the next flush, which comes before any L2 entry
+        // that relies on the block (the L2 cache depends on the refcount cache).
         m.reftable[index as usize] = at;
         m.end_cluster = m.end_cluster.max(first + 1);
         if first == m.free_hint {
@@ -514,17 +536,20 @@ impl<S: Storage> Inner<S> {
 
     /// Moves the refcount table to the end of the file with room for `min_entries` blocks,
     /// creating blocks that cover the new table itself.
-    fn grow_reftable<'a>(
-        &'a self,
-        m: &'a mut Meta,
-        min_entries: u64,
-    ) -> BoxFuture<'a, Result<()>> {
+    fn grow_reftable<'a>(&'a self, m: &'a mut Meta, min_entries: u64) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let cs = self.geo.cluster_size();
             let start = m.end_cluster.max(m.free_hint);
             // Leave room to grow: half as much again.
             let want = min_entries.max(m.reftable.len() as u64 * 3 / 2);
-            let plan = plan_refcount_area(&m.reftable, start, start, want, cs, self.rgeo.refblock_entries());
+            let plan = plan_refcount_area(
+                &m.reftable,
+                start,
+                start,
+                want,
+                cs,
+                self.rgeo.refblock_entries(),
+            );
             if plan.table_clusters * cs / 8 > qimg_format::validate::MAX_REFTABLE_BYTES / 8 {
                 return Err(Error::corrupt(
                     &self.path,
@@ -559,7 +584,10 @@ impl<S: Storage> Inner<S> {
             self.write_back(m, Which::Refcount).await?;
             let table_at = plan.table_offset(cs);
             let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
-            self.file.write_at(&bytes, table_at).await.map_err(|e| self.st(e))?;
+            self.file
+                .write_at(&bytes, table_at)
+                .await
+                .map_err(|e| self.st(e))?;
             self.file.flush().await.map_err(|e| self.st(e))?;
             let mut hdr = [0u8; 12];
             hdr[..8].copy_from_slice(&table_at.to_be_bytes());
@@ -585,7 +613,10 @@ impl<S: Storage> Inner<S> {
         let entry = *m.l1.get(l1i).ok_or_else(|| {
             Error::corrupt(
                 &self.path,
-                format!("L1 index {l1i} is past the L1 table ({} entries)", m.l1.len()),
+                format!(
+                    "L1 index {l1i} is past the L1 table ({} entries)",
+                    m.l1.len()
+                ),
             )
         })?;
         if let (Some(off), true) = (entry.l2_offset, entry.copied) {
@@ -602,7 +633,10 @@ impl<S: Storage> Inner<S> {
                 .await
                 .map_err(|e| self.st(e))?;
         }
-        self.file.write_at(&content, new).await.map_err(|e| self.st(e))?;
+        self.file
+            .write_at(&content, new)
+            .await
+            .map_err(|e| self.st(e))?;
         if !self.lazy {
             self.write_back(m, Which::Refcount).await?;
         }

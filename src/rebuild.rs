@@ -122,9 +122,7 @@ impl<S: Storage> Inner<S> {
         let order = self.rgeo.refcount_order();
         let max = self.rgeo.max_refcount();
         let refs = self.count_references(m).await?;
-        let start = m
-            .end_cluster
-            .max(refs.max_cluster().map_or(0, |c| c + 1));
+        let start = m.end_cluster.max(refs.max_cluster().map_or(0, |c| c + 1));
         let area = plan_refcount_area(&[], 0, start, 1, cs, e);
         let end = area.end();
         let mut table = vec![0u64; (area.table_clusters * cs / 8) as usize];
@@ -152,7 +150,10 @@ impl<S: Storage> Inner<S> {
                 refcount::set(&mut block, order, c % e, value)
                     .map_err(|e| Error::format(&self.path, e))?;
             }
-            self.file.write_at(&block, at).await.map_err(|e| self.st(e))?;
+            self.file
+                .write_at(&block, at)
+                .await
+                .map_err(|e| self.st(e))?;
         }
         let table_at = area.table_offset(cs);
         let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();

@@ -91,7 +91,7 @@ impl<S: Storage> Inner<S> {
 
     fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {
         let bits = self.geo.cluster_bits();
-        (offset >> bits, (offset + len.max(1) - 1 >> bits) + 1)
+        (offset >> bits, ((offset + len.max(1) - 1) >> bits) + 1)
     }
 
     fn ensure_open(&self, m: &Meta) -> Result<()> {
@@ -160,7 +160,10 @@ impl<S: Storage> Inner<S> {
                 SubclusterState::Compressed => {
                     if inflated.is_none() {
                         let L2Entry::Compressed(d) = *entry.entry() else {
-                            return Err(Error::corrupt(&self.path, "compressed state without descriptor"));
+                            return Err(Error::corrupt(
+                                &self.path,
+                                "compressed state without descriptor",
+                            ));
                         };
                         inflated = Some(self.read_compressed(&d, gc).await?);
                     }
@@ -265,7 +268,11 @@ impl<S: Storage> Inner<S> {
                     end: cs,
                     bitmap: None,
                     relink: true,
-                    freed: if external { None } else { old_reference(&other) },
+                    freed: if external {
+                        None
+                    } else {
+                        old_reference(&other)
+                    },
                 },
             },
             AnyL2Entry::Extended(x) => {
@@ -279,7 +286,11 @@ impl<S: Storage> Inner<S> {
                         let normal = |sc: usize| {
                             x.state(SubclusterIndex(sc as u32)) == SubclusterState::Normal
                         };
-                        let start = if a % scs != 0 && !normal(fsc) { fsc * scs } else { a };
+                        let start = if a % scs != 0 && !normal(fsc) {
+                            fsc * scs
+                        } else {
+                            a
+                        };
                         let end = if b % scs != 0 && !normal(lsc) {
                             (lsc + 1) * scs
                         } else {
@@ -306,7 +317,10 @@ impl<S: Storage> Inner<S> {
                         relink: true,
                         freed: Some(Freed::Compressed(d)),
                     },
-                    L2Entry::Normal { host, copied: false } => {
+                    L2Entry::Normal {
+                        host,
+                        copied: false,
+                    } => {
                         // A shared cluster: carry every allocated subcluster over.
                         let (lo, hi) = if bm.alloc != 0 {
                             (fsc.min(lowest(bm.alloc)), lsc.max(highest(bm.alloc)))
@@ -561,7 +575,11 @@ impl<S: Storage> Inner<S> {
 
     /// Extended entry with a new bitmap; a host cluster left without allocated subclusters is
     /// unlinked (and returned to be freed).
-    fn unlink_if_empty(&self, entry: L2Entry, bitmap: SubclusterBitmap) -> (AnyL2Entry, Option<Freed>) {
+    fn unlink_if_empty(
+        &self,
+        entry: L2Entry,
+        bitmap: SubclusterBitmap,
+    ) -> (AnyL2Entry, Option<Freed>) {
         match entry {
             L2Entry::Normal { host, .. } if bitmap.alloc == 0 => (
                 AnyL2Entry::Extended(ExtendedL2Entry {
@@ -570,7 +588,13 @@ impl<S: Storage> Inner<S> {
                 }),
                 Some(Freed::Cluster(host.0)),
             ),
-            other => (AnyL2Entry::Extended(ExtendedL2Entry { entry: other, bitmap }), None),
+            other => (
+                AnyL2Entry::Extended(ExtendedL2Entry {
+                    entry: other,
+                    bitmap,
+                }),
+                None,
+            ),
         }
     }
 
@@ -622,12 +646,17 @@ impl<S: Storage> Inner<S> {
         self.ensure_open(&m)?;
         let old = self.lookup(&mut m, gc).await?;
         let (new, freed) = match old {
-            AnyL2Entry::Standard(e) => (AnyL2Entry::Standard(L2Entry::Unallocated), old_reference(&e)),
+            AnyL2Entry::Standard(e) => (
+                AnyL2Entry::Standard(L2Entry::Unallocated),
+                old_reference(&e),
+            ),
             AnyL2Entry::Extended(x) => {
                 let mask = sc_mask(first, end);
                 match x.entry {
                     L2Entry::Compressed(_) if mask != ALL => return Ok(()),
-                    L2Entry::Compressed(d) => (self.unallocated_entry(), Some(Freed::Compressed(d))),
+                    L2Entry::Compressed(d) => {
+                        (self.unallocated_entry(), Some(Freed::Compressed(d)))
+                    }
                     entry => self.unlink_if_empty(entry, x.bitmap.with_unallocated(mask)),
                 }
             }

@@ -15,14 +15,25 @@ async fn writes_read_back_and_the_image_checks_clean() {
     if !have_qemu("writes_read_back_and_the_image_checks_clean") {
         return;
     }
-    for opts in ["extended_l2=on,cluster_size=128k", "cluster_size=64k", "compat=0.10,cluster_size=4k"] {
+    for opts in [
+        "extended_l2=on,cluster_size=128k",
+        "cluster_size=64k",
+        "compat=0.10,cluster_size=4k",
+    ] {
         let dir = Scratch::new("basic");
         qemu_create(&dir.0, "a.qcow2", opts, 8 * MIB, None);
-        let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write()).await.unwrap();
+        let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
         let mut model = vec![0u8; 8 * MIB as usize];
-        for (i, (at, len)) in [(0u64, 512usize), (1000, 70000), (3 * MIB - 7, 9000), (8 * MIB - 100, 100)]
-            .into_iter()
-            .enumerate()
+        for (i, (at, len)) in [
+            (0u64, 512usize),
+            (1000, 70000),
+            (3 * MIB - 7, 9000),
+            (8 * MIB - 100, 100),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let data = pattern(i as u64, at, len);
             img.write(&data, at).await.unwrap();
@@ -35,4 +46,372 @@ async fn writes_read_back_and_the_image_checks_clean() {
         assert_clean(&dir.0, "a.qcow2", opts);
         assert_same_as_model(&dir.0, "a.qcow2", &model, opts);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aligned_subcluster_writes_over_a_full_backing_file_copy_nothing() {
+    if !have_qemu("aligned_subcluster_writes_over_a_full_backing_file_copy_nothing") {
+        return;
+    }
+    let dir = Scratch::new("cow");
+    let size = 16 * MIB;
+    let backing = pattern(0xBA5E, 0, size as usize);
+    std::fs::write(dir.path("base.raw"), &backing).unwrap();
+    qemu_create(
+        &dir.0,
+        "sub.qcow2",
+        "extended_l2=on,cluster_size=128k",
+        size,
+        Some(("base.raw", "raw")),
+    );
+    qemu_create(
+        &dir.0,
+        "std.qcow2",
+        "cluster_size=128k",
+        size,
+        Some(("base.raw", "raw")),
+    );
+    let mut model = backing.clone();
+    let sub = Image::open(dir.path("sub.qcow2"), &OpenOptions::read_write())
+        .await
+        .unwrap();
+    let std = Image::open(dir.path("std.qcow2"), &OpenOptions::read_write())
+        .await
+        .unwrap();
+    // Pseudo-random 4 KiB-aligned offsets, a few landing in the same cluster.
+    let mut x = 12345u64;
+    for i in 0..200u64 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let at = (x >> 20) % (size / (4 * KIB)) * 4 * KIB;
+        let data = pattern(i, at, 4096);
+        sub.write(&data, at).await.unwrap();
+        std.write(&data, at).await.unwrap();
+        model[at as usize..at as usize + 4096].copy_from_slice(&data);
+    }
+    let s = sub.stats().await;
+    assert_eq!(
+        s.cow_bytes, 0,
+        "4 KiB-aligned writes on 4 KiB subclusters copied {} bytes",
+        s.cow_bytes
+    );
+    assert!(s.clusters_allocated > 0);
+    let standard = std.stats().await;
+    assert!(
+        standard.cow_bytes >= standard.clusters_allocated * (124 * KIB),
+        "standard clusters copy the rest of each cluster: {standard:?}"
+    );
+    // A 2 KiB write into an untouched subcluster copies exactly the other 2 KiB of it.
+    let at = 8 * MIB + 64 * KIB + 1024;
+    let data = pattern(999, at, 2048);
+    sub.write(&data, at).await.unwrap();
+    model[at as usize..at as usize + 2048].copy_from_slice(&data);
+    assert_eq!(sub.stats().await.cow_bytes, 2048);
+    std.close().await.unwrap();
+    let mut back = vec![0u8; size as usize];
+    sub.read(&mut back, 0).await.unwrap();
+    assert!(back == model, "contents differ from the model");
+    sub.close().await.unwrap();
+    assert_clean(&dir.0, "sub.qcow2", "subclusters");
+    assert_same_as_model(&dir.0, "sub.qcow2", &model, "subclusters");
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_slices_are_dropped_after_the_clean_interval() {
+    if !have_qemu("idle_slices_are_dropped_after_the_clean_interval") {
+        return;
+    }
+    for interval in [0u64, 2] {
+        let dir = Scratch::new("clean");
+        qemu_create(
+            &dir.0,
+            "c.qcow2",
+            "extended_l2=on,cluster_size=64k",
+            64 * MIB,
+            None,
+        );
+        let mut opts = OpenOptions::read_write();
+        opts.cache.cache_clean_interval = Some(interval);
+        let img = Image::open(dir.path("c.qcow2"), &opts).await.unwrap();
+        for i in 0..32u64 {
+            img.write(&pattern(i, 0, 4096), i * 2 * MIB).await.unwrap();
+        }
+        let busy = img.stats().await;
+        assert!(
+            busy.l2_cache.entries > 0 && busy.refcount_cache.entries > 0,
+            "{busy:?}"
+        );
+        // Idle for more than two intervals (the clock is paused and advances by itself).
+        tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+        let idle = img.stats().await;
+        if interval == 0 {
+            assert_eq!(
+                idle.l2_cache.entries, busy.l2_cache.entries,
+                "disabled timer dropped slices"
+            );
+        } else {
+            assert_eq!(idle.l2_cache.entries, 0, "L2 slices left: {idle:?}");
+            assert_eq!(
+                idle.refcount_cache.entries, 0,
+                "refcount blocks left: {idle:?}"
+            );
+            assert_eq!(idle.l2_cache.bytes_held, 0);
+            // Still correct after the slices were dropped (dirty ones were written first).
+            let mut buf = vec![0u8; 4096];
+            img.read(&mut buf, 6 * MIB).await.unwrap();
+            assert_eq!(buf, pattern(3, 0, 4096));
+        }
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "c.qcow2", "after the clean timer");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_tasks_leave_a_serialisable_result() {
+    if !have_qemu("sixty_four_concurrent_tasks_leave_a_serialisable_result") {
+        return;
+    }
+    for opts in ["extended_l2=on,cluster_size=64k", "cluster_size=64k"] {
+        let dir = Scratch::new("concurrent");
+        let size = 32 * MIB;
+        std::fs::write(dir.path("base.raw"), pattern(0xB, 0, size as usize)).unwrap();
+        qemu_create(&dir.0, "m.qcow2", opts, size, Some(("base.raw", "raw")));
+        let img = Image::open(dir.path("m.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
+        // Private regions of 200 KiB (unaligned), and one shared range every task writes.
+        let private = |k: u64| (k * 300 * KIB + 1000, 200 * KIB as usize);
+        let shared = (25 * MIB + 3000, 150 * KIB as usize);
+        let mut tasks = Vec::new();
+        for k in 0..64u64 {
+            let img = img.clone();
+            tasks.push(tokio::spawn(async move {
+                let (at, len) = private(k);
+                // In pieces, interleaved with the shared writes of others.
+                for piece in 0..4u64 {
+                    let p = at + piece * (len as u64 / 4);
+                    img.write(&pattern(k, p, len / 4), p).await.unwrap();
+                    if piece == 1 {
+                        img.write(&pattern(1000 + k, shared.0, shared.1), shared.0)
+                            .await
+                            .unwrap();
+                    }
+                }
+                if k % 8 == 0 {
+                    img.flush().await.unwrap();
+                }
+                let mut back = vec![0u8; len];
+                img.read(&mut back, at).await.unwrap();
+                assert!(
+                    back == pattern(k, at, len),
+                    "task {k} reads back something else"
+                );
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let mut model = pattern(0xB, 0, size as usize);
+        for k in 0..64u64 {
+            let (at, len) = private(k);
+            model[at as usize..at as usize + len].copy_from_slice(&pattern(k, at, len));
+        }
+        let mut got = vec![0u8; shared.1];
+        img.read(&mut got, shared.0).await.unwrap();
+        let winner = (0..64u64)
+            .find(|k| got == pattern(1000 + k, shared.0, shared.1))
+            .unwrap_or_else(|| panic!("{opts}: the shared range is a mix of several writes"));
+        model[shared.0 as usize..shared.0 as usize + shared.1].copy_from_slice(&got);
+        let _ = winner;
+        let mut all = vec![0u8; size as usize];
+        img.read(&mut all, 0).await.unwrap();
+        assert!(
+            all == model,
+            "{opts}: contents differ from the serial model"
+        );
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "m.qcow2", opts);
+        assert_same_as_model(&dir.0, "m.qcow2", &model, opts);
+    }
+}
+
+fn header_u32(path: &std::path::Path, at: usize) -> u32 {
+    let b = std::fs::read(path).unwrap();
+    u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+#[tokio::test]
+async fn the_refcount_table_grows_when_the_file_outgrows_it() {
+    if !have_qemu("the_refcount_table_grows_when_the_file_outgrows_it") {
+        return;
+    }
+    // 512-byte clusters with 64-bit refcounts: one table cluster covers 2 MiB of file.
+    let dir = Scratch::new("reftable");
+    qemu_create(
+        &dir.0,
+        "g.qcow2",
+        "cluster_size=512,refcount_bits=64",
+        6 * MIB,
+        None,
+    );
+    assert_eq!(header_u32(&dir.path("g.qcow2"), 56), 1);
+    let img = Image::open(dir.path("g.qcow2"), &OpenOptions::read_write())
+        .await
+        .unwrap();
+    let data = pattern(5, 0, 5 * MIB as usize);
+    img.write(&data, 123).await.unwrap();
+    img.close().await.unwrap();
+    assert!(
+        header_u32(&dir.path("g.qcow2"), 56) > 1,
+        "the refcount table did not grow"
+    );
+    let mut model = vec![0u8; 6 * MIB as usize];
+    model[123..123 + data.len()].copy_from_slice(&data);
+    assert_clean(&dir.0, "g.qcow2", "grown refcount table");
+    assert_same_as_model(&dir.0, "g.qcow2", &model, "grown refcount table");
+}
+
+#[tokio::test]
+async fn a_dirty_image_is_repaired_when_opened_read_write() {
+    if !have_qemu("a_dirty_image_is_repaired_when_opened_read_write") {
+        return;
+    }
+    let dir = Scratch::new("dirty");
+    let path = dir.path("d.qcow2");
+    qemu_create(
+        &dir.0,
+        "d.qcow2",
+        "lazy_refcounts=on,extended_l2=on",
+        8 * MIB,
+        None,
+    );
+    let img = Image::open(&path, &OpenOptions::read_write())
+        .await
+        .unwrap();
+    let data = pattern(1, 0, 3 * MIB as usize);
+    img.write(&data, 512 * KIB).await.unwrap();
+    img.flush().await.unwrap();
+    // A crash: the handle goes away without close, so the dirty bit stays set.
+    drop(img);
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes[79] & 1, 1, "lazy refcounts did not set the dirty bit");
+    // Make the refcounts really stale: zero the refcount block's entries for data clusters.
+    let reftable = u64::from_be_bytes(bytes[48..56].try_into().unwrap());
+    let block = u64::from_be_bytes(
+        bytes[reftable as usize..reftable as usize + 8]
+            .try_into()
+            .unwrap(),
+    );
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::os::unix::fs::FileExt::write_at(&f, &[0u8; 64], block + 16).unwrap();
+    drop(f);
+    let o = common::qemu_img(&dir.0, &["check", "--output=json", "d.qcow2"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["corruptions"].as_u64().unwrap_or(0) > 0,
+        "tampering did not show: {v}"
+    );
+
+    let img = Image::open(&path, &OpenOptions::read_write())
+        .await
+        .unwrap();
+    let mut back = vec![0u8; data.len()];
+    img.read(&mut back, 512 * KIB).await.unwrap();
+    assert!(back == data);
+    img.close().await.unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap()[79] & 1,
+        0,
+        "dirty bit left set"
+    );
+    assert_clean(&dir.0, "d.qcow2", "repaired");
+    let mut model = vec![0u8; 8 * MIB as usize];
+    model[512 * KIB as usize..512 * KIB as usize + data.len()].copy_from_slice(&data);
+    assert_same_as_model(&dir.0, "d.qcow2", &model, "repaired");
+}
+
+#[tokio::test]
+async fn a_corrupt_image_opens_read_only_but_not_read_write() {
+    if !have_qemu("a_corrupt_image_opens_read_only_but_not_read_write") {
+        return;
+    }
+    let dir = Scratch::new("corrupt");
+    let path = dir.path("c.qcow2");
+    qemu_create(&dir.0, "c.qcow2", "cluster_size=64k", MIB, None);
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::os::unix::fs::FileExt::write_at(&f, &[2u8], 79).unwrap();
+    drop(f);
+    let err = Image::open(&path, &OpenOptions::read_write())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("corrupt"), "{err}");
+    let img = Image::open(&path, &OpenOptions::read_only()).await.unwrap();
+    let mut buf = [1u8; 512];
+    img.read(&mut buf, 0).await.unwrap();
+    assert_eq!(buf, [0u8; 512]);
+    assert!(matches!(
+        img.write(&buf, 0).await,
+        Err(qimg::Error::ReadOnly { .. })
+    ));
+}
+
+#[tokio::test]
+async fn resize_grows_the_l1_table_and_the_new_area_is_writable() {
+    if !have_qemu("resize_grows_the_l1_table_and_the_new_area_is_writable") {
+        return;
+    }
+    let dir = Scratch::new("resize");
+    qemu_create(&dir.0, "r.qcow2", "cluster_size=4k", MIB, None);
+    let img = Image::open(dir.path("r.qcow2"), &OpenOptions::read_write())
+        .await
+        .unwrap();
+    img.write(&pattern(1, 0, 10_000), 5).await.unwrap();
+    let new_size = 40 * MIB + 512;
+    img.resize(new_size).await.unwrap();
+    assert!(img.resize(MIB).await.is_err(), "shrinking must be refused");
+    img.write(&pattern(2, 0, 9000), new_size - 9000)
+        .await
+        .unwrap();
+    img.close().await.unwrap();
+    let v = info(&dir.0, "r.qcow2");
+    assert_eq!(v["virtual-size"].as_u64(), Some(new_size));
+    let mut model = vec![0u8; new_size as usize];
+    model[5..10_005].copy_from_slice(&pattern(1, 0, 10_000));
+    model[(new_size - 9000) as usize..].copy_from_slice(&pattern(2, 0, 9000));
+    assert_clean(&dir.0, "r.qcow2", "resized");
+    assert_same_as_model(&dir.0, "r.qcow2", &model, "resized");
+}
+
+#[tokio::test]
+async fn a_backing_chain_that_loops_is_refused() {
+    if !have_qemu("a_backing_chain_that_loops_is_refused") {
+        return;
+    }
+    let dir = Scratch::new("loop");
+    qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
+    qemu_create(
+        &dir.0,
+        "b.qcow2",
+        "cluster_size=64k",
+        MIB,
+        Some(("a.qcow2", "qcow2")),
+    );
+    common::ok(
+        "qemu-img rebase -u",
+        &common::qemu_img(
+            &dir.0,
+            &["rebase", "-u", "-F", "qcow2", "-b", "b.qcow2", "a.qcow2"],
+        ),
+    );
+    let err = Image::open(dir.path("b.qcow2"), &OpenOptions::read_only())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("loops"), "{err}");
+    // Without following the backing file it opens.
+    let opts = OpenOptions {
+        no_backing: true,
+        ..OpenOptions::read_only()
+    };
+    Image::open(dir.path("b.qcow2"), &opts).await.unwrap();
 }

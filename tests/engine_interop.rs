@@ -74,7 +74,11 @@ async fn images_written_by_qemu_io_read_back_identically() {
             let backing = if with_backing {
                 // A backing file shorter than the overlay, written by qemu-io too.
                 qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 6 * MIB, None);
-                qemu_io(&dir.0, "base.qcow2", &["write -P 0xb1 0 6m", "write -z 1m 64k"]);
+                qemu_io(
+                    &dir.0,
+                    "base.qcow2",
+                    &["write -P 0xb1 0 6m", "write -z 1m 64k"],
+                );
                 Some(("base.qcow2", "qcow2"))
             } else {
                 None
@@ -134,15 +138,24 @@ async fn compressed_images_read_back_and_take_writes() {
             "qemu-img convert -c",
             &common::qemu_img(
                 &dir.0,
-                &["convert", "-c", "-f", "raw", "-O", "qcow2", "-o", &o, "src.raw", "c.qcow2"],
+                &[
+                    "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", &o, "src.raw", "c.qcow2",
+                ],
             ),
         );
         let check = common::qemu_img(&dir.0, &["check", "--output=json", "c.qcow2"]);
         let v: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
         let compressed = v["compressed-clusters"].as_u64().unwrap_or(0);
-        assert!(compressed >= 20, "{what}: only {compressed} compressed clusters: {v}");
+        assert!(
+            compressed >= 20,
+            "{what}: only {compressed} compressed clusters: {v}"
+        );
         let got = read_all(&dir.path("c.qcow2")).await;
-        assert_eq!(first_difference(&got, &data), None, "{what}: decompressed data differs");
+        assert_eq!(
+            first_difference(&got, &data),
+            None,
+            "{what}: decompressed data differs"
+        );
 
         // Writes over compressed clusters decompress into fresh clusters; zeroing and
         // discarding whole compressed clusters frees them.
@@ -162,7 +175,11 @@ async fn compressed_images_read_back_and_take_writes() {
         model[(cs * 14) as usize..(cs * 15) as usize].fill(0);
         let mut back = vec![0u8; model.len()];
         img.read(&mut back, 0).await.unwrap();
-        assert_eq!(first_difference(&back, &model), None, "{what}: after writes");
+        assert_eq!(
+            first_difference(&back, &model),
+            None,
+            "{what}: after writes"
+        );
         img.close().await.unwrap();
         assert_clean(&dir.0, "c.qcow2", &what);
         assert_same_as_model(&dir.0, "c.qcow2", &model, &what);
@@ -177,7 +194,11 @@ async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() 
     for opts in ["cluster_size=64k", "extended_l2=on,cluster_size=64k"] {
         let dir = Scratch::new("snapshot");
         qemu_create(&dir.0, "s.qcow2", opts, 4 * MIB, None);
-        qemu_io(&dir.0, "s.qcow2", &["write -P 0x5a 0 4m", "write -z 1m 64k"]);
+        qemu_io(
+            &dir.0,
+            "s.qcow2",
+            &["write -P 0x5a 0 4m", "write -z 1m 64k"],
+        );
         ok(
             "qemu-img snapshot -c",
             &common::qemu_img(&dir.0, &["snapshot", "-c", "before", "s.qcow2"]),
@@ -187,7 +208,10 @@ async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() 
             .await
             .unwrap();
         let mut model = before.clone();
-        for (i, at) in [0u64, 70 * KIB, 2 * MIB + 3, 4 * MIB - 4 * KIB].into_iter().enumerate() {
+        for (i, at) in [0u64, 70 * KIB, 2 * MIB + 3, 4 * MIB - 4 * KIB]
+            .into_iter()
+            .enumerate()
+        {
             let data = pattern(i as u64, at, 4096);
             img.write(&data, at).await.unwrap();
             model[at as usize..at as usize + 4096].copy_from_slice(&data);
@@ -202,11 +226,23 @@ async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() 
             "qemu-img convert -l",
             &common::qemu_img(
                 &dir.0,
-                &["convert", "-l", "snapshot.name=before", "-O", "raw", "s.qcow2", "snap.raw"],
+                &[
+                    "convert",
+                    "-l",
+                    "snapshot.name=before",
+                    "-O",
+                    "raw",
+                    "s.qcow2",
+                    "snap.raw",
+                ],
             ),
         );
         let snap = std::fs::read(dir.path("snap.raw")).unwrap();
-        assert_eq!(first_difference(&snap, &before), None, "{opts}: snapshot changed");
+        assert_eq!(
+            first_difference(&snap, &before),
+            None,
+            "{opts}: snapshot changed"
+        );
     }
 }
 
@@ -235,7 +271,11 @@ async fn external_data_files_are_written_in_place() {
         if raw == "on" {
             // The data file alone is the disk.
             let d = std::fs::read(dir.path("d.raw")).unwrap();
-            assert_eq!(first_difference(&d[..model.len()], &model), None, "raw data file");
+            assert_eq!(
+                first_difference(&d[..model.len()], &model),
+                None,
+                "raw data file"
+            );
         }
     }
 }

@@ -84,23 +84,25 @@ fn shape() -> impl Strategy<Value = Shape> {
         any::<bool>(),
         any::<bool>(),
     )
-        .prop_map(|(cluster_bits, ext, refcount_bits, flavour, backing, small_cache, sparse)| {
-            // Extended L2 needs clusters of at least 16 KiB; version 2 has neither extended
-            // L2, other refcount widths nor lazy refcounts.
-            let extended = ext && cluster_bits >= 14;
-            let v2 = flavour % 5 == 0 && !extended;
-            let lazy = flavour % 3 == 0 && !v2;
-            Shape {
-                cluster_bits,
-                extended,
-                refcount_bits: if v2 { 16 } else { refcount_bits },
-                v2,
-                backing,
-                small_cache,
-                sparse,
-                lazy,
-            }
-        })
+        .prop_map(
+            |(cluster_bits, ext, refcount_bits, flavour, backing, small_cache, sparse)| {
+                // Extended L2 needs clusters of at least 16 KiB; version 2 has neither extended
+                // L2, other refcount widths nor lazy refcounts.
+                let extended = ext && cluster_bits >= 14;
+                let v2 = flavour % 5 == 0 && !extended;
+                let lazy = flavour % 3 == 0 && !v2;
+                Shape {
+                    cluster_bits,
+                    extended,
+                    refcount_bits: if v2 { 16 } else { refcount_bits },
+                    v2,
+                    backing,
+                    small_cache,
+                    sparse,
+                    lazy,
+                }
+            },
+        )
 }
 
 #[derive(Debug, Clone)]
@@ -124,7 +126,12 @@ struct RawOp {
 }
 
 fn raw_op() -> impl Strategy<Value = RawOp> {
-    (any::<u8>(), (any::<u8>(), any::<u16>(), any::<u16>()), (any::<u8>(), any::<u16>()), any::<u64>())
+    (
+        any::<u8>(),
+        (any::<u8>(), any::<u16>(), any::<u16>()),
+        (any::<u8>(), any::<u16>()),
+        any::<u64>(),
+    )
         .prop_map(|(kind, start, len, seed)| RawOp {
             kind,
             start,
@@ -201,7 +208,15 @@ impl World {
                     "qemu-img convert",
                     &common::qemu_img(
                         &dir.0,
-                        &["convert", "-f", "raw", "-O", "qcow2", "base.raw", "base.qcow2"],
+                        &[
+                            "convert",
+                            "-f",
+                            "raw",
+                            "-O",
+                            "qcow2",
+                            "base.raw",
+                            "base.qcow2",
+                        ],
                     ),
                 );
                 std::fs::remove_file(dir.path("base.raw")).unwrap();
@@ -281,7 +296,9 @@ async fn run(shape: Shape, raw: Vec<RawOp>) -> Result<(), TestCaseError> {
                 w.model[at as usize..(at + len) as usize].copy_from_slice(&data);
             }
             Op::Zero { at, len } => {
-                img.write_zeroes(at, len).await.map_err(|e| fail_op(&op, e))?;
+                img.write_zeroes(at, len)
+                    .await
+                    .map_err(|e| fail_op(&op, e))?;
                 w.model[at as usize..(at + len) as usize].fill(0);
             }
             Op::Discard { at, len } => {

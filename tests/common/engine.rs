@@ -32,14 +32,21 @@ pub fn assert_clean(dir: &Path, file: &str, what: &str) {
         let n = v.get(field).and_then(|x| x.as_u64()).unwrap_or(0);
         assert_eq!(n, 0, "{what}: qemu-img check reports {field}={n}: {v}");
     }
-    assert!(o.status.success(), "{what}: qemu-img check exit {:?}: {v}", o.status.code());
+    assert!(
+        o.status.success(),
+        "{what}: qemu-img check exit {:?}: {v}",
+        o.status.code()
+    );
 }
 
 /// Writes `model` as a raw file and runs `qemu-img compare` against the image.
 pub fn assert_same_as_model(dir: &Path, file: &str, model: &[u8], what: &str) {
     let raw = dir.join("model.raw");
     std::fs::write(&raw, model).unwrap();
-    let o = qemu_img(dir, &["compare", "-f", "qcow2", "-F", "raw", file, "model.raw"]);
+    let o = qemu_img(
+        dir,
+        &["compare", "-f", "qcow2", "-F", "raw", file, "model.raw"],
+    );
     assert!(
         o.status.success(),
         "{what}: qemu-img compare says the image differs from the model: {}{}",
@@ -62,14 +69,18 @@ pub fn qemu_raw(dir: &Path, file: &str) -> Vec<u8> {
 
 /// The `qemu-img info --output=json` of a file.
 pub fn info(dir: &Path, file: &str) -> serde_json::Value {
-    json("qemu-img info", &qemu_img(dir, &["info", "--output=json", file]))
+    json(
+        "qemu-img info",
+        &qemu_img(dir, &["info", "--output=json", file]),
+    )
 }
 
 /// A deterministic byte pattern for offset `at` with seed `seed`.
 pub fn pattern(seed: u64, at: u64, len: usize) -> Vec<u8> {
     (0..len as u64)
         .map(|i| {
-            let x = (at + i).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
+            let x = (at + i).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
             (x >> 29) as u8 | 1
         })
         .collect()
