@@ -29,6 +29,7 @@ pub mod create;
 pub mod error;
 mod image;
 pub mod info;
+pub mod map;
 mod lock;
 mod meta;
 mod rebuild;
@@ -36,6 +37,7 @@ mod rw;
 
 pub use blocking::BlockingImage;
 pub use error::{Error, Result};
+pub use map::{Extent, ExtentKind};
 pub use image::{
     Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
 };

@@ -415,3 +415,40 @@ async fn a_backing_chain_that_loops_is_refused() {
     };
     Image::open(dir.path("b.qcow2"), &opts).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
+    if !have_qemu("a_backing_chain_deeper_than_the_limit_is_refused_clearly") {
+        return;
+    }
+    let dir = Scratch::new("deep");
+    qemu_create(&dir.0, "0.qcow2", "cluster_size=64k", MIB, None);
+    let depth = qimg::MAX_BACKING_DEPTH + 1;
+    for i in 1..=depth {
+        let below = format!("{}.qcow2", i - 1);
+        qemu_create(
+            &dir.0,
+            &format!("{i}.qcow2"),
+            "cluster_size=64k",
+            MIB,
+            Some((&below, "qcow2")),
+        );
+    }
+    // Exactly at the limit it opens and reads through the whole chain.
+    let at_limit = Image::open(
+        dir.path(&format!("{}.qcow2", depth - 1)),
+        &OpenOptions::read_only(),
+    )
+    .await
+    .unwrap();
+    let mut buf = [1u8; 512];
+    at_limit.read(&mut buf, 0).await.unwrap();
+    assert_eq!(buf, [0u8; 512]);
+    let err = Image::open(
+        dir.path(&format!("{depth}.qcow2")),
+        &OpenOptions::read_only(),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("deeper than 64"), "{err}");
+}

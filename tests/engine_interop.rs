@@ -279,3 +279,79 @@ async fn external_data_files_are_written_in_place() {
         }
     }
 }
+
+#[tokio::test]
+async fn map_extents_point_at_the_bytes_a_read_returns() {
+    if !have_qemu("map_extents_point_at_the_bytes_a_read_returns") {
+        return;
+    }
+    for opts in ["extended_l2=on,cluster_size=64k", "cluster_size=64k"] {
+        let dir = Scratch::new("map");
+        qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 6 * MIB, None);
+        qemu_io(&dir.0, "base.qcow2", &["write -P 0xb1 0 6m"]);
+        qemu_create(
+            &dir.0,
+            "top.qcow2",
+            opts,
+            8 * MIB,
+            Some(("base.qcow2", "qcow2")),
+        );
+        qemu_io(&dir.0, "top.qcow2", QEMU_IO_SCRIPT);
+        let img = Image::open(dir.path("top.qcow2"), &OpenOptions::read_only())
+            .await
+            .unwrap();
+        let extents = img.map(0, img.size()).await.unwrap();
+        let file = std::fs::read(dir.path("top.qcow2")).unwrap();
+        let mut covered = 0;
+        let mut data_extents = 0;
+        for e in &extents {
+            assert_eq!(e.start, covered, "{opts}: extents must tile the range");
+            covered += e.length;
+            let mut guest = vec![0u8; e.length as usize];
+            img.read(&mut guest, e.start).await.unwrap();
+            match e.kind {
+                qimg::ExtentKind::Data { host_offset } => {
+                    data_extents += 1;
+                    let host = &file[host_offset as usize..(host_offset + e.length) as usize];
+                    assert!(
+                        host == guest.as_slice(),
+                        "{opts}: data extent {e:?} maps elsewhere"
+                    );
+                }
+                qimg::ExtentKind::Zero { .. } => {
+                    assert!(
+                        guest.iter().all(|&b| b == 0),
+                        "{opts}: zero extent {e:?} is not zero"
+                    )
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(covered, img.size());
+        assert!(
+            data_extents >= 5,
+            "{opts}: only {data_extents} data extents"
+        );
+        // qemu-img map agrees on where the top image's own data is.
+        let v = common::json(
+            "qemu-img map",
+            &common::qemu_img(&dir.0, &["map", "--output=json", "top.qcow2"]),
+        );
+        for q in v.as_array().unwrap() {
+            if q["depth"] == 0 && q["data"] == true {
+                let start = q["start"].as_u64().unwrap();
+                let len = q["length"].as_u64().unwrap();
+                let off = q["offset"].as_u64().unwrap();
+                let mine = img.map(start, len).await.unwrap();
+                let mut pos = start;
+                for e in mine {
+                    let qimg::ExtentKind::Data { host_offset } = e.kind else {
+                        panic!("{opts}: qemu maps {start:#x}+{len:#x} as data, qimg says {e:?}");
+                    };
+                    assert_eq!(host_offset, off + (pos - start), "{opts}: {e:?}");
+                    pos += e.length;
+                }
+            }
+        }
+    }
+}

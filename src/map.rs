@@ -1,0 +1,167 @@
+//! [`Image::map`]: where each part of a guest range lives, from cached metadata.
+//!
+//! This is the read side of the data path a VMM can drive itself: for [`ExtentKind::Data`]
+//! extents it may read the host file (or the external data file) directly at `host_offset`,
+//! for zero extents fill zeros, and for unallocated ones go to the backing chain (or zeros).
+//! The mapping is a snapshot: a write, write-zeroes or discard issued after `map` returned
+//! may change it, so a caller that mixes its own I/O with qimg's writes must order them.
+
+use qimg_format::compressed::CompressedDescriptor;
+use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
+use qimg_format::units::SubclusterIndex;
+use qimg_io::Storage;
+
+use crate::error::Result;
+use crate::image::{Image, Inner};
+
+/// What one extent of a guest range is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExtentKind {
+    /// Guest data stored at `host_offset` (in the external data file when the image has one).
+    Data {
+        /// Host byte offset of the extent's first byte.
+        host_offset: u64,
+    },
+    /// Reads as zeros. `host_offset` is set when host space stays reserved for it.
+    Zero {
+        /// Host byte offset of the reserved space, if any.
+        host_offset: Option<u64>,
+    },
+    /// Not allocated in this image: reads from the backing chain, or zeros without one.
+    /// `host_offset` is set when host space is reserved for it (preallocation).
+    Unallocated {
+        /// Host byte offset of the reserved space, if any.
+        host_offset: Option<u64>,
+    },
+    /// Part of a compressed cluster (`offset_in_cluster` into its inflated bytes).
+    Compressed {
+        /// The cluster's descriptor.
+        descriptor: CompressedDescriptor,
+        /// Where the extent starts inside the inflated cluster.
+        offset_in_cluster: u64,
+    },
+}
+
+/// A run of guest bytes with one [`ExtentKind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Extent {
+    /// First guest byte.
+    pub start: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// What it is.
+    pub kind: ExtentKind,
+}
+
+impl Extent {
+    /// Whether `next` continues this extent (adjacent, same kind, contiguous host bytes).
+    fn continues(&self, next: &Extent) -> bool {
+        if self.start + self.length != next.start {
+            return false;
+        }
+        let contiguous = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a + self.length == b,
+            _ => false,
+        };
+        match (self.kind, next.kind) {
+            (ExtentKind::Data { host_offset: a }, ExtentKind::Data { host_offset: b }) => {
+                a + self.length == b
+            }
+            (ExtentKind::Zero { host_offset: a }, ExtentKind::Zero { host_offset: b }) => {
+                contiguous(a, b)
+            }
+            (
+                ExtentKind::Unallocated { host_offset: a },
+                ExtentKind::Unallocated { host_offset: b },
+            ) => contiguous(a, b),
+            _ => false,
+        }
+    }
+}
+
+fn push(out: &mut Vec<Extent>, e: Extent) {
+    if let Some(last) = out.last_mut() {
+        if last.continues(&e) {
+            last.length += e.length;
+            return;
+        }
+    }
+    out.push(e);
+}
+
+impl<S: Storage> Inner<S> {
+    async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.check_range(offset, len)?;
+        let mut out = Vec::new();
+        if len == 0 {
+            return Ok(out);
+        }
+        let cs = self.geo.cluster_size();
+        let scs = self.geo.subcluster_size();
+        let bits = self.geo.cluster_bits();
+        let _guard = self
+            .locks
+            .lock(offset >> bits, ((offset + len - 1) >> bits) + 1, false)
+            .await;
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let gc = at - at % cs;
+            let entry = {
+                let mut m = self.meta.lock().await;
+                self.lookup(&mut m, gc).await?
+            };
+            let cluster_end = (gc + cs).min(end);
+            while at < cluster_end {
+                let within = at - gc;
+                let sc = SubclusterIndex((within / scs) as u32);
+                let run_end = if matches!(entry, AnyL2Entry::Standard(_)) {
+                    cluster_end
+                } else {
+                    (gc + (within / scs + 1) * scs).min(cluster_end)
+                };
+                let host = entry.entry().host_cluster().map(|h| h.0 + within);
+                let kind = match entry.state(sc) {
+                    SubclusterState::Normal => ExtentKind::Data {
+                        host_offset: host.unwrap_or(0),
+                    },
+                    SubclusterState::ZeroAlloc => ExtentKind::Zero { host_offset: host },
+                    SubclusterState::ZeroPlain => ExtentKind::Zero { host_offset: None },
+                    SubclusterState::UnallocatedAlloc => {
+                        ExtentKind::Unallocated { host_offset: host }
+                    }
+                    SubclusterState::UnallocatedPlain => {
+                        ExtentKind::Unallocated { host_offset: None }
+                    }
+                    SubclusterState::Compressed => match *entry.entry() {
+                        L2Entry::Compressed(descriptor) => ExtentKind::Compressed {
+                            descriptor,
+                            offset_in_cluster: within,
+                        },
+                        _ => ExtentKind::Unallocated { host_offset: None },
+                    },
+                };
+                push(
+                    &mut out,
+                    Extent {
+                        start: at,
+                        length: run_end - at,
+                        kind,
+                    },
+                );
+                at = run_end;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// The extents of `[offset, offset + len)` in this image (not its backing chain), merged
+    /// where adjacent extents have the same kind and contiguous host bytes. Compressed
+    /// extents are reported per cluster.
+    pub async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.inner.map(offset, len).await
+    }
+}
