@@ -389,6 +389,14 @@ fn open_chain<'a, S: Storage + 'static>(
             _ => None,
         };
 
+        if opts.writable && backing.is_none() && c0.backing_file.is_some() {
+            // Copy-on-write would fill new clusters with zeros instead of the backing data.
+            return Err(Error::InvalidOption(format!(
+                "{}: the image has a backing file that was not opened; it cannot be opened \
+                 for writing without it",
+                path.display()
+            )));
+        }
         let facts = ImageFacts {
             virtual_size: h.size,
             cluster_size: geo.cluster_size(),

@@ -452,3 +452,25 @@ async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
     .unwrap_err();
     assert!(err.to_string().contains("deeper than 64"), "{err}");
 }
+
+#[tokio::test]
+async fn an_overlay_cannot_be_written_without_its_backing_file() {
+    if !have_qemu("an_overlay_cannot_be_written_without_its_backing_file") {
+        return;
+    }
+    let dir = Scratch::new("nobacking");
+    qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
+    qemu_create(
+        &dir.0,
+        "b.qcow2",
+        "cluster_size=64k",
+        MIB,
+        Some(("a.qcow2", "qcow2")),
+    );
+    let opts = OpenOptions {
+        no_backing: true,
+        ..OpenOptions::read_write()
+    };
+    let err = Image::open(dir.path("b.qcow2"), &opts).await.unwrap_err();
+    assert!(err.to_string().contains("backing file"), "{err}");
+}
