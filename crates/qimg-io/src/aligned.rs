@@ -38,6 +38,16 @@ impl AlignedBuf {
         })
     }
 
+    /// An empty buffer (for requests that carry no data).
+    pub(crate) fn empty() -> Self {
+        AlignedBuf {
+            storage: Vec::new(),
+            start: 0,
+            len: 0,
+            align: 1,
+        }
+    }
+
     /// A buffer holding a copy of `data`, starting on a multiple of `align`.
     ///
     /// Returns `None` under the same conditions as [`AlignedBuf::zeroed`].

@@ -143,16 +143,29 @@ pub enum StorageError {
         #[source]
         source: io::Error,
     },
+    /// The io_uring backend cannot run here: setting up a ring (or its completion thread)
+    /// failed, for example on a kernel without io_uring, under a seccomp filter, with the
+    /// `kernel.io_uring_disabled` sysctl set, or past the locked-memory limit. The file backend
+    /// still works.
+    #[error("io_uring is unavailable")]
+    UringUnavailable {
+        /// The underlying error (the `io_uring_setup` failure, typically `ENOSYS` or `EPERM`).
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl StorageError {
     /// The closest [`io::ErrorKind`]: the kind of the operating system's error for
-    /// [`StorageError::Io`] and [`StorageError::Open`], `UnexpectedEof` for a short read,
+    /// [`StorageError::Io`], [`StorageError::Open`] and [`StorageError::UringUnavailable`],
+    /// `UnexpectedEof` for a short read,
     /// `InvalidInput` for out-of-range and misaligned requests, `PermissionDenied` for writes to
     /// read-only storage.
     pub fn kind(&self) -> io::ErrorKind {
         match self {
-            StorageError::Io { source, .. } | StorageError::Open { source, .. } => source.kind(),
+            StorageError::Io { source, .. }
+            | StorageError::Open { source, .. }
+            | StorageError::UringUnavailable { source } => source.kind(),
             StorageError::OutOfRange { .. } | StorageError::Misaligned { .. } => {
                 io::ErrorKind::InvalidInput
             }
@@ -161,7 +174,8 @@ impl StorageError {
         }
     }
 
-    /// The operation that failed, or `None` for [`StorageError::Open`].
+    /// The operation that failed, or `None` for [`StorageError::Open`] and
+    /// [`StorageError::UringUnavailable`].
     pub fn op(&self) -> Option<Op> {
         match self {
             StorageError::Io { op, .. }
@@ -169,16 +183,16 @@ impl StorageError {
             | StorageError::Misaligned { op, .. }
             | StorageError::ReadOnly { op, .. } => Some(*op),
             StorageError::UnexpectedEof { .. } => Some(Op::Read),
-            StorageError::Open { .. } => None,
+            StorageError::Open { .. } | StorageError::UringUnavailable { .. } => None,
         }
     }
 
     /// The operating system's error number, if the failure came from a system call.
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
-            StorageError::Io { source, .. } | StorageError::Open { source, .. } => {
-                source.raw_os_error()
-            }
+            StorageError::Io { source, .. }
+            | StorageError::Open { source, .. }
+            | StorageError::UringUnavailable { source } => source.raw_os_error(),
             _ => None,
         }
     }
@@ -224,6 +238,18 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert_eq!(range_end(Op::Read, MAX_OFFSET, 0).unwrap(), MAX_OFFSET);
         assert!(range_end(Op::Read, MAX_OFFSET, 1).is_err());
+    }
+
+    #[test]
+    fn uring_unavailable_says_so_and_keeps_the_errno() {
+        let e = StorageError::UringUnavailable {
+            source: io::Error::from_raw_os_error(1),
+        };
+        assert_eq!(e.to_string(), "io_uring is unavailable");
+        assert_eq!(e.op(), None);
+        assert_eq!(e.raw_os_error(), Some(1));
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]

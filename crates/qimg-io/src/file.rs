@@ -128,9 +128,7 @@ impl FileOptions {
         })?;
         let s = FileStorage::from_file(file, self.blocking)?;
         if self.no_fallocate {
-            for flag in [&s.inner.zero_range, &s.inner.punch_hole, &s.inner.reserve] {
-                flag.store(false, Ordering::Relaxed);
-            }
+            s.disable_fallocate();
         }
         Ok(s)
     }
@@ -441,6 +439,18 @@ impl FileStorage {
     /// Whether modifications are refused (the file was opened read-only).
     pub fn is_read_only(&self) -> bool {
         self.inner.read_only
+    }
+
+    /// Stops using `fallocate`, as [`FileOptions::fallocate`] with `false` does (shared by
+    /// clones).
+    pub(crate) fn disable_fallocate(&self) {
+        for flag in [
+            &self.inner.zero_range,
+            &self.inner.punch_hole,
+            &self.inner.reserve,
+        ] {
+            flag.store(false, Ordering::Relaxed);
+        }
     }
 
     /// Whether the file was opened with O_DIRECT.

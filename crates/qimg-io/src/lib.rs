@@ -16,14 +16,20 @@
 //!   last flushed contents plus some, all or none of the unflushed modifications, per
 //!   [`CrashPolicy`]).
 //!
-//! An io_uring backend comes later; every backend passes the same conformance suite
-//! (`qimg_io::conformance`, behind the `conformance` feature).
+//! * [`UringStorage`] (Linux): a file or block device driven through io_uring, with many
+//!   requests in flight at once, falling back to the [`FileStorage`] code path for opcodes
+//!   the kernel lacks. Opening fails with [`StorageError::UringUnavailable`] where io_uring is
+//!   disabled or missing; use [`FileStorage`] there.
+//!
+//! Every backend passes the same conformance suite (`qimg_io::conformance`, behind the
+//! `conformance` feature).
 //!
 //! ## The contract in brief
 //!
 //! The full contract is on [`Storage`]. In short:
 //!
-//! * Futures are `Send` and need no particular executor.
+//! * Futures are `Send` and need no particular executor (the io_uring backend collects
+//!   completions on its own thread and wakes tasks through their wakers).
 //! * [`Storage::read_at`] fills the whole buffer or fails with
 //!   [`StorageError::UnexpectedEof`]; [`Storage::read_at_zero_fill`] reads past the end as
 //!   zeros (for short backing files).
@@ -38,9 +44,33 @@
 //!
 //! ## Unsafe code
 //!
-//! None yet: the file backend uses `nix`'s safe wrappers and [`AlignedBuf`] aligns by
-//! over-allocating. The io_uring backend will need `unsafe`; it will be the only module
-//! allowed it, each block with a `// SAFETY:` proof.
+//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring.rs`, allowed
+//! with `#[allow(unsafe_code)]` on the module); the file backend uses `nix`'s safe wrappers and
+//! [`AlignedBuf`] aligns by over-allocating. Each block has a `// SAFETY:` comment; in short:
+//!
+//! 1. **`unsafe impl Send for Iovec`** (the `iovec` handed to `READV`/`WRITEV`). `libc::iovec`
+//!    is `!Send` only because it holds a raw pointer; ours points into the bounce buffer of
+//!    the same request, is dereferenced only by the kernel, and moves with that buffer.
+//! 2. **`completion_shared()` in `Shared::reap`**. It requires that no other view of the
+//!    completion queue exists at the same time. It is called only with the ring's driver
+//!    mutex held (the function takes `&mut Driver`, which only the mutex guard provides), and
+//!    the view is dropped before the function returns.
+//! 3. **`submission_shared()` in `Shared::unsubmitted`**: the same argument for the
+//!    submission queue.
+//! 4. **`Shared::push`** (an `unsafe fn`) wraps `submission_shared()` (exclusive as above)
+//!    and `SubmissionQueue::push`, passing on the latter's contract to its callers: the entry's
+//!    memory and descriptor must stay valid until its completion is reaped.
+//! 5. **`push` of a request in `Request::step`**. The entry points only into the request's
+//!    bounce buffer and boxed `iovec`, which were moved into the request's slot *before* the
+//!    pointers were taken (moving them moves no heap block) and lengths are capped at the
+//!    buffer's. A slot is emptied only after the completion with its index was reaped: by its
+//!    future (state `Done`), by the reaper if the future was dropped (state `Abandoned`), and
+//!    the ring and slots are dropped only after the completion thread (and `Drop for Shared`)
+//!    saw no slot left with the kernel. Dropping a future early therefore cannot free memory
+//!    the kernel still writes to or reads from. The descriptor belongs to the storage's
+//!    [`FileStorage`], which lives as long as the ring.
+//! 6. **`push` of the shutdown no-op in `Drop for Owner`**: a `NOP` entry carries no pointer
+//!    and no descriptor.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -52,6 +82,9 @@ mod faulty;
 mod file;
 mod mem;
 mod storage;
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+mod uring;
 
 pub use aligned::AlignedBuf;
 pub use error::{MAX_OFFSET, Op, Result, StorageError};
@@ -62,3 +95,5 @@ pub use faulty::{
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
 pub use mem::MemStorage;
 pub use storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
+#[cfg(target_os = "linux")]
+pub use uring::{UringOptions, UringStorage};
