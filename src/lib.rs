@@ -29,18 +29,18 @@ pub mod create;
 pub mod error;
 mod image;
 pub mod info;
-pub mod map;
 mod lock;
+pub mod map;
 mod meta;
 mod rebuild;
 mod rw;
 
 pub use blocking::BlockingImage;
 pub use error::{Error, Result};
-pub use map::{Extent, ExtentKind};
 pub use image::{
     Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
 };
+pub use map::{Extent, ExtentKind};
 pub use qimg_cache::{CacheOptions, CacheStats};
 /// The on-disk format crate, re-exported.
 pub use qimg_format as format;
