@@ -39,6 +39,13 @@ enum Target {
     New,
 }
 
+/// The two requests that drop data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unmap {
+    Zero,
+    Discard,
+}
+
 /// What one write does to one cluster.
 #[derive(Debug, Clone, Copy)]
 struct WritePlan {
@@ -479,6 +486,15 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(crate) async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, Unmap::Zero).await
+    }
+
+    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, Unmap::Discard).await
+    }
+
+    /// Write-zeroes and discard: cluster by cluster, with the whole range held exclusively.
+    async fn unmap(&self, offset: u64, len: u64, how: Unmap) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
         if len == 0 {
@@ -487,7 +503,10 @@ impl<S: Storage> Inner<S> {
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
         for (gc, a, n, _) in self.pieces(offset, len) {
-            self.zero_chunk(gc, a, a + n).await?;
+            match how {
+                Unmap::Zero => self.zero_chunk(gc, a, a + n).await?,
+                Unmap::Discard => self.discard_chunk(gc, a, a + n).await?,
+            }
         }
         Ok(())
     }
@@ -619,20 +638,6 @@ impl<S: Storage> Inner<S> {
             .await
             .map(|_| ())
             .map_err(|e| Error::storage(path, e))
-    }
-
-    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let (first, end) = self.cluster_span(offset, len);
-        let _guard = self.locks.lock(first, end, true).await;
-        for (gc, a, n, _) in self.pieces(offset, len) {
-            self.discard_chunk(gc, a, a + n).await?;
-        }
-        Ok(())
     }
 
     async fn discard_chunk(&self, gc: u64, a: usize, b: usize) -> Result<()> {
