@@ -62,10 +62,10 @@ impl Drop for Scratch {
 
 /// The qimg binary under test.
 pub fn qimg_bin() -> PathBuf {
-    PathBuf::from(
-        option_env!("CARGO_BIN_EXE_qimg")
-            .expect("the qimg binary is only built for the qimg-cli package's tests"),
-    )
+    match option_env!("CARGO_BIN_EXE_qimg") {
+        Some(path) => PathBuf::from(path),
+        None => panic!("the qimg binary is only built for the qimg-cli package's tests"),
+    }
 }
 
 /// Runs `prog args` in `dir`.
