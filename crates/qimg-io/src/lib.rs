@@ -20,6 +20,9 @@
 //!   requests in flight at once, falling back to the [`FileStorage`] code path for opcodes
 //!   the kernel lacks. Opening fails with [`StorageError::UringUnavailable`] where io_uring is
 //!   disabled or missing; use [`FileStorage`] there.
+//! * [`BounceStorage`]: a wrapper that makes an O_DIRECT backend accept any request, bouncing
+//!   unaligned ones through aligned buffers (read-modify-write for writes, ordered by block
+//!   range locks).
 //!
 //! Every backend passes the same conformance suite (`qimg_io::conformance`, behind the
 //! `conformance` feature).
@@ -75,6 +78,7 @@
 #![warn(missing_docs)]
 
 mod aligned;
+mod bounce;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod error;
@@ -87,6 +91,7 @@ mod storage;
 mod uring;
 
 pub use aligned::AlignedBuf;
+pub use bounce::BounceStorage;
 pub use error::{MAX_OFFSET, Op, Result, StorageError};
 pub use faulty::{
     CRASH_SECTOR, CrashPolicy, FaultAction, FaultController, FaultPlan, FaultyStorage, OpCounts,
