@@ -1,0 +1,498 @@
+//! The engine on io_uring: `UringStorage` buffered, and `BounceStorage` over `UringStorage` and
+//! `FileStorage` with O_DIRECT (every metadata and guest request of any size and offset goes
+//! through the bounce layer), opened through `Image::open_with` with an opener closure so that
+//! backing files use the same backend.
+//!
+//! * A seeded random sequence of writes, write-zeroes, discards, reads, flushes and reopens
+//!   against a flat model, on extended-L2 and standard images over a backing file; then
+//!   `qemu-img check` must be clean and `qemu-img compare` must find the image equal to the
+//!   model.
+//! * Multi-queue stress: 4 queues (image handles) of 8 tasks each, on a ring of 64 entries,
+//!   writing, zeroing, discarding and flushing private ranges and one shared range; private
+//!   ranges must read back exactly, the shared range must equal one task's last operation as a
+//!   whole, and `qemu-img check` must be clean.
+//!
+//! Where io_uring is unavailable or the scratch file system refuses O_DIRECT, the affected
+//! backend prints "skipped: ..." and the test goes on with the others.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::{Scratch, have_qemu};
+use common::engine::*;
+use qimg::{Image, OpenOptions, Opener};
+use qimg_io::{
+    BounceStorage, FileOptions, FileStorage, Storage, StorageError, UringOptions, UringStorage,
+};
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+/// The ring size (queue depth) of every UringStorage here.
+const DEPTH: u32 = 64;
+
+fn uring_buffered(path: &Path, writable: bool) -> Result<UringStorage, StorageError> {
+    UringOptions::new()
+        .read_write(writable)
+        .entries(DEPTH)
+        .open(path)
+}
+
+fn uring_direct(path: &Path, writable: bool) -> Result<BounceStorage<UringStorage>, StorageError> {
+    let u = UringOptions::new()
+        .read_write(writable)
+        .direct(true)
+        .entries(DEPTH)
+        .open(path)?;
+    Ok(BounceStorage::new(u))
+}
+
+fn file_direct(path: &Path, writable: bool) -> Result<BounceStorage<FileStorage>, StorageError> {
+    let f = FileOptions::new()
+        .read_write(writable)
+        .direct(true)
+        .open(path)?;
+    Ok(BounceStorage::new(f))
+}
+
+/// Whether `opener` works on a file in `dir` (printing why not when it does not).
+fn usable<S: Storage>(dir: &Scratch, name: &str, opener: &dyn Opener<S>) -> bool {
+    let probe = dir.path(&format!("probe-{name}"));
+    std::fs::write(&probe, vec![0u8; 4096]).unwrap();
+    let r = opener.open(&probe, true);
+    let _ = std::fs::remove_file(&probe);
+    match r {
+        Ok(_) => true,
+        Err(e @ StorageError::UringUnavailable { .. }) => {
+            let reason = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+            println!("skipped {name}: io_uring unavailable: {reason}");
+            false
+        }
+        Err(e) => {
+            let reason = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+            println!("skipped {name}: O_DIRECT unsupported: {e}: {reason}");
+            false
+        }
+    }
+}
+
+/// xorshift64*: a small seeded generator, so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// What a discard of `[at, at+len)` does to `model` (covering guest bytes from `base`): whole
+/// subclusters (the last one counting as whole when the range reaches the end of the disk) fall
+/// through to the backing file; partial ones keep their data.
+fn discard_model(
+    model: &mut [u8],
+    base: u64,
+    backing: &[u8],
+    scs: u64,
+    size: u64,
+    at: u64,
+    len: u64,
+) {
+    let end = at + len;
+    let mut s = at.div_ceil(scs) * scs;
+    while s < size {
+        let e = (s + scs).min(size);
+        if e > end {
+            break;
+        }
+        for b in s..e {
+            if b >= base && b < base + model.len() as u64 {
+                model[(b - base) as usize] = backing.get(b as usize).copied().unwrap_or(0);
+            }
+        }
+        s += scs;
+    }
+}
+
+struct Shape {
+    opts: &'static str,
+    cluster: u64,
+    extended: bool,
+    qcow2_backing: bool,
+}
+
+impl Shape {
+    fn scs(&self) -> u64 {
+        if self.extended {
+            self.cluster / 32
+        } else {
+            self.cluster
+        }
+    }
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        opts: "cluster_size=64k,extended_l2=on",
+        cluster: 64 * KIB,
+        extended: true,
+        qcow2_backing: false,
+    },
+    Shape {
+        opts: "cluster_size=4k",
+        cluster: 4 * KIB,
+        extended: false,
+        qcow2_backing: true,
+    },
+];
+
+/// Creates `img.qcow2` of `size` over a backing file holding a pattern over its first two
+/// thirds (raw, or converted to qcow2), and returns the backing contents.
+fn make_image(dir: &Scratch, shape: &Shape, size: u64) -> Vec<u8> {
+    let bsize = (size * 2 / 3) / 512 * 512;
+    let backing = pattern(0xBAC4, 0, bsize as usize);
+    std::fs::write(dir.path("base.raw"), &backing).unwrap();
+    if shape.qcow2_backing {
+        common::ok(
+            "qemu-img convert",
+            &common::qemu_img(
+                &dir.0,
+                &[
+                    "convert",
+                    "-f",
+                    "raw",
+                    "-O",
+                    "qcow2",
+                    "base.raw",
+                    "base.qcow2",
+                ],
+            ),
+        );
+        std::fs::remove_file(dir.path("base.raw")).unwrap();
+        qemu_create(
+            &dir.0,
+            "img.qcow2",
+            shape.opts,
+            size,
+            Some(("base.qcow2", "qcow2")),
+        );
+    } else {
+        qemu_create(
+            &dir.0,
+            "img.qcow2",
+            shape.opts,
+            size,
+            Some(("base.raw", "raw")),
+        );
+    }
+    backing
+}
+
+async fn random_ops<S: Storage + 'static>(
+    name: &str,
+    opener: &dyn Opener<S>,
+    shape: &Shape,
+    seed: u64,
+) {
+    let dir = Scratch::new("uring-model");
+    let what = format!("{name} {} seed {seed}", shape.opts);
+    let cs = shape.cluster;
+    let scs = shape.scs();
+    let size = (6 * cs + cs / 2).max(3 * MIB + cs / 2);
+    let backing = make_image(&dir, shape, size);
+    let mut model = vec![0u8; size as usize];
+    model[..backing.len()].copy_from_slice(&backing);
+    let path = dir.path("img.qcow2");
+    let opts = OpenOptions::read_write();
+    let open = || Image::open_with(&path, &opts, opener);
+    let mut img = open().await.unwrap_or_else(|e| panic!("{what}: open: {e}"));
+    let mut rng = Rng(seed);
+    for step in 0..70 {
+        let sub = rng.below(size.div_ceil(scs));
+        let within = match rng.below(4) {
+            0 => 0,
+            1 => rng.below(scs / 512) * 512,
+            _ => rng.below(scs),
+        };
+        let at = (sub * scs + within).min(size - 1);
+        let len = match rng.below(5) {
+            0 => scs,
+            1 => scs * (1 + rng.below(40)),
+            2 => 1 + rng.below(4096),
+            _ => 1 + rng.below(3 * cs),
+        };
+        let len = len.min(size - at).max(1);
+        let (a, e) = (at as usize, (at + len) as usize);
+        let ctx = |op: &str, err: qimg::Error| {
+            format!("{what}: step {step}: {op} {at:#x}+{len:#x}: {err}")
+        };
+        match rng.below(16) {
+            0..=5 => {
+                let data = pattern(seed ^ step, at, len as usize);
+                img.write(&data, at)
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("write", err)));
+                model[a..e].copy_from_slice(&data);
+            }
+            6..=7 => {
+                img.write_zeroes(at, len)
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("write_zeroes", err)));
+                model[a..e].fill(0);
+            }
+            8..=10 => {
+                img.discard(at, len)
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("discard", err)));
+                discard_model(&mut model, 0, &backing, scs, size, at, len);
+            }
+            11..=12 => {
+                let mut buf = vec![0u8; len as usize];
+                img.read(&mut buf, at)
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("read", err)));
+                assert!(
+                    buf == model[a..e],
+                    "{what}: step {step}: read {at:#x}+{len:#x} differs from the model"
+                );
+            }
+            13..=14 => img
+                .flush()
+                .await
+                .unwrap_or_else(|err| panic!("{}", ctx("flush", err))),
+            _ => {
+                img.close()
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("close", err)));
+                img = open()
+                    .await
+                    .unwrap_or_else(|err| panic!("{}", ctx("reopen", err)));
+            }
+        }
+    }
+    let mut all = vec![0u8; size as usize];
+    img.read(&mut all, 0).await.unwrap();
+    if let Some(i) = all.iter().zip(&model).position(|(x, y)| x != y) {
+        panic!("{what}: full read differs from the model first at {i:#x}");
+    }
+    img.close().await.unwrap();
+    drop(img);
+    assert_clean(&dir.0, "img.qcow2", &what);
+    assert_same_as_model(&dir.0, "img.qcow2", &model, &what);
+}
+
+async fn model_on<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>) {
+    let probe = Scratch::new("uring-probe");
+    if !usable(&probe, name, opener) {
+        return;
+    }
+    for shape in &SHAPES {
+        for seed in 1..=3 {
+            random_ops(name, opener, shape, seed * 0x1234_5678_9abc).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_operations_match_a_flat_model_on_uring_buffered() {
+    if !have_qemu("random_operations_match_a_flat_model_on_uring_buffered") {
+        return;
+    }
+    model_on("uring", &uring_buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_operations_match_a_flat_model_on_bounced_uring_direct() {
+    if !have_qemu("random_operations_match_a_flat_model_on_bounced_uring_direct") {
+        return;
+    }
+    model_on("bounce(uring O_DIRECT)", &uring_direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_operations_match_a_flat_model_on_bounced_file_direct() {
+    if !have_qemu("random_operations_match_a_flat_model_on_bounced_file_direct") {
+        return;
+    }
+    model_on("bounce(file O_DIRECT)", &file_direct).await;
+}
+
+const QUEUES: u64 = 4;
+const TASKS_PER_QUEUE: u64 = 8;
+
+/// One task's operation on the shared range, to tell which task wrote it last.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum SharedOp {
+    Write(u64),
+    Zero,
+}
+
+async fn stress<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>, shape: &Shape) {
+    let dir = Scratch::new("uring-stress");
+    let what = format!("{name} {}", shape.opts);
+    let size = 16 * MIB;
+    let backing = Arc::new(make_image(&dir, shape, size));
+    let scs = shape.scs();
+    let img = Image::open_with(&dir.path("img.qcow2"), &OpenOptions::read_write(), opener)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: open: {e}"));
+    // Private ranges of 200 KiB + 1000 bytes at unaligned offsets, and one shared range.
+    let private = |k: u64| (k * 400 * KIB + 1000, 200 * KIB + 1000);
+    let shared = (13 * MIB + 3000, 150 * KIB);
+    let mut tasks = Vec::new();
+    for q in 0..QUEUES {
+        // A queue: its own handle on the shared image.
+        let queue = img.clone();
+        for t in 0..TASKS_PER_QUEUE {
+            let img = queue.clone();
+            let backing = Arc::clone(&backing);
+            let what = what.clone();
+            let k = q * TASKS_PER_QUEUE + t;
+            tasks.push(tokio::spawn(async move {
+                let (base, plen) = private(k);
+                let mut mine: Vec<u8> = (base..base + plen)
+                    .map(|b| backing.get(b as usize).copied().unwrap_or(0))
+                    .collect();
+                let mut rng = Rng(0xC0FFEE ^ (k + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let mut last_shared = None;
+                for step in 0..16u64 {
+                    let at = base + rng.below(plen);
+                    let len = 1 + rng.below((base + plen - at).min(3 * scs));
+                    let (a, e) = ((at - base) as usize, (at - base + len) as usize);
+                    match rng.below(6) {
+                        0 | 1 => {
+                            let data = pattern(k * 100 + step, at, len as usize);
+                            img.write(&data, at)
+                                .await
+                                .unwrap_or_else(|err| panic!("{what}: task {k} write: {err}"));
+                            mine[a..e].copy_from_slice(&data);
+                        }
+                        2 => {
+                            img.write_zeroes(at, len).await.unwrap_or_else(|err| {
+                                panic!("{what}: task {k} write_zeroes: {err}")
+                            });
+                            mine[a..e].fill(0);
+                        }
+                        3 => {
+                            img.discard(at, len)
+                                .await
+                                .unwrap_or_else(|err| panic!("{what}: task {k} discard: {err}"));
+                            discard_model(&mut mine, base, &backing, scs, size, at, len);
+                        }
+                        4 => img
+                            .flush()
+                            .await
+                            .unwrap_or_else(|err| panic!("{what}: task {k} flush: {err}")),
+                        _ => {
+                            let op = if rng.below(3) == 0 {
+                                SharedOp::Zero
+                            } else {
+                                SharedOp::Write(k)
+                            };
+                            match op {
+                                SharedOp::Zero => img.write_zeroes(shared.0, shared.1).await,
+                                SharedOp::Write(k) => {
+                                    img.write(
+                                        &pattern(1000 + k, shared.0, shared.1 as usize),
+                                        shared.0,
+                                    )
+                                    .await
+                                }
+                            }
+                            .unwrap_or_else(|err| panic!("{what}: task {k} shared {op:?}: {err}"));
+                            last_shared = Some(op);
+                        }
+                    }
+                }
+                let mut back = vec![0u8; plen as usize];
+                img.read(&mut back, base).await.unwrap();
+                if let Some(i) = back.iter().zip(&mine).position(|(x, y)| x != y) {
+                    panic!(
+                        "{what}: task {k} reads back something else first at {:#x}",
+                        base + i as u64
+                    );
+                }
+                (k, mine, last_shared)
+            }));
+        }
+    }
+    let mut model = vec![0u8; size as usize];
+    model[..backing.len()].copy_from_slice(&backing);
+    let mut candidates = Vec::new();
+    for t in tasks {
+        let (k, mine, last) = t.await.expect("stress task");
+        let (base, plen) = private(k);
+        model[base as usize..(base + plen) as usize].copy_from_slice(&mine);
+        candidates.extend(last);
+    }
+    let mut got = vec![0u8; shared.1 as usize];
+    img.read(&mut got, shared.0).await.unwrap();
+    let winner = candidates.iter().find(|op| match op {
+        SharedOp::Zero => got.iter().all(|&b| b == 0),
+        SharedOp::Write(k) => got == pattern(1000 + k, shared.0, shared.1 as usize),
+    });
+    if candidates.is_empty() {
+        let orig = &model[shared.0 as usize..(shared.0 + shared.1) as usize];
+        assert!(
+            got == orig,
+            "{what}: nobody wrote the shared range, yet it changed"
+        );
+    } else {
+        assert!(
+            winner.is_some(),
+            "{what}: the shared range is not any task's last operation as a whole ({} candidates)",
+            candidates.len()
+        );
+        model[shared.0 as usize..(shared.0 + shared.1) as usize].copy_from_slice(&got);
+    }
+    let mut all = vec![0u8; size as usize];
+    img.read(&mut all, 0).await.unwrap();
+    if let Some(i) = all.iter().zip(&model).position(|(x, y)| x != y) {
+        panic!("{what}: contents differ from the model first at {i:#x}");
+    }
+    img.close().await.unwrap();
+    drop(img);
+    assert_clean(&dir.0, "img.qcow2", &what);
+    assert_same_as_model(&dir.0, "img.qcow2", &model, &what);
+}
+
+async fn stress_on<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>) {
+    let probe = Scratch::new("uring-probe");
+    if !usable(&probe, name, opener) {
+        return;
+    }
+    for shape in &SHAPES {
+        stress(name, opener, shape).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_queues_of_eight_tasks_on_uring_buffered() {
+    if !have_qemu("four_queues_of_eight_tasks_on_uring_buffered") {
+        return;
+    }
+    stress_on("uring", &uring_buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_queues_of_eight_tasks_on_bounced_uring_direct() {
+    if !have_qemu("four_queues_of_eight_tasks_on_bounced_uring_direct") {
+        return;
+    }
+    stress_on("bounce(uring O_DIRECT)", &uring_direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_queues_of_eight_tasks_on_bounced_file_direct() {
+    if !have_qemu("four_queues_of_eight_tasks_on_bounced_file_direct") {
+        return;
+    }
+    stress_on("bounce(file O_DIRECT)", &file_direct).await;
+}
