@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod blocking;
+pub mod check;
 pub mod compress;
 pub mod create;
 pub mod error;

@@ -1,6 +1,7 @@
 //! `qimg`: create and inspect qcow2 images; option names, output and exit codes follow
 //! `qemu-img` so that habits and scripts carry over.
 
+mod check;
 mod human;
 mod opts;
 
@@ -30,6 +31,8 @@ enum Cmd {
     Create(CreateArgs),
     /// Show information about an image (read-only).
     Info(InfoArgs),
+    /// Check an image for consistency, optionally repairing it: `qimg check [-r leaks|all] [--output human|json] FILE`
+    Check(check::CheckArgs),
 }
 
 #[derive(clap::Args)]
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Create(a) => run_create(a),
         Cmd::Info(a) => run_info(a),
+        Cmd::Check(a) => return check::run_check(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,202 @@
+//! `qimg check [-f qcow2] [-r leaks|all] [--output human|json] [-q] [-U] FILE`: qemu-img
+//! check's options, messages, JSON and exit codes (0 clean, 1 check not completed,
+//! 2 corruptions, 3 leaks only, 63 format without checks).
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::process::ExitCode;
+
+use qimg::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
+use qimg::info::{ImageFormat, probe_format};
+
+/// Arguments of `qimg check`.
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    /// Image format: qcow2 (probed when absent; other formats have no checks).
+    #[arg(short = 'f')]
+    fmt: Option<String>,
+    /// Repair: `leaks` frees leaked clusters, `all` also repairs corruptions.
+    #[arg(short = 'r', long = "repair")]
+    repair: Option<String>,
+    /// Output format: human or json.
+    #[arg(long, default_value = "human")]
+    output: String,
+    /// Quiet: print no report (diagnostics still go to stderr).
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Accepted for qemu-img compatibility (qimg takes no locks); not allowed with -r.
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// The image.
+    filename: Option<String>,
+}
+
+fn fail(msg: &str, code: u8) -> ExitCode {
+    eprintln!("qimg: {msg}");
+    ExitCode::from(code)
+}
+
+/// Runs `qimg check`, returning qemu-img check's exit code.
+pub fn run_check(a: CheckArgs) -> ExitCode {
+    let repair = match a.repair.as_deref() {
+        None => None,
+        Some("leaks") => Some(Repair::Leaks),
+        Some("all") => Some(Repair::All),
+        Some(other) => {
+            return fail(
+                &format!("--repair (-r) expects 'leaks' or 'all' not '{other}'"),
+                1,
+            );
+        }
+    };
+    let json = match a.output.as_str() {
+        "human" => false,
+        "json" => true,
+        other => {
+            return fail(
+                &format!("--output expects 'human' or 'json' not '{other}'"),
+                1,
+            );
+        }
+    };
+    let Some(file) = a.filename else {
+        return fail("Expecting one image file name", 1);
+    };
+    let path = Path::new(&file);
+    let fmt = match a.fmt.as_deref() {
+        Some("qcow2") => ImageFormat::Qcow2,
+        Some("raw") => ImageFormat::Raw,
+        Some(other) => return fail(&format!("Unknown file format '{other}'"), 1),
+        None => match probe_format(path) {
+            Ok(f) => f,
+            Err(e) => return fail(&format!("Could not open '{file}': {e}"), 1),
+        },
+    };
+    if a.force_share && repair.is_some() {
+        return fail(
+            &format!(
+                "Could not open '{file}': force-share=on can only be used with read-only images"
+            ),
+            1,
+        );
+    }
+    if fmt == ImageFormat::Raw {
+        return fail("This image format does not support checks", 63);
+    }
+
+    let human = !json && !a.quiet;
+    let tty = !a.quiet && std::io::stderr().is_terminal();
+    let mut progress_shown = false;
+    let mut on_event = |e: CheckEvent<'_>| match e {
+        CheckEvent::Message(m) => {
+            if progress_shown {
+                eprint!("\r\x1b[K");
+                progress_shown = false;
+            }
+            eprintln!("{m}");
+        }
+        CheckEvent::Repaired {
+            leaks_fixed,
+            corruptions_fixed,
+        } => {
+            if human {
+                print!(
+                    "The following inconsistencies were found and repaired:\n\n    \
+                     {leaks_fixed} leaked clusters\n    {corruptions_fixed} corruptions\n\n\
+                     Double checking the fixed image now...\n"
+                );
+                let _ = std::io::stdout().flush();
+            }
+        }
+        CheckEvent::Progress { done, total } => {
+            if tty && total > 0 {
+                eprint!("\r    ({:.2}/100%)", done as f64 * 100.0 / total as f64);
+                progress_shown = done < total;
+                if done >= total {
+                    eprint!("\r\x1b[K");
+                }
+            }
+        }
+    };
+    let report = match check(path, &CheckOptions { repair }, &mut on_event) {
+        Ok(r) => r,
+        Err(e) => return fail(&format!("Could not open '{file}': {e}"), 1),
+    };
+    if progress_shown {
+        eprint!("\r\x1b[K");
+    }
+    if let Some(why) = &report.failure {
+        return fail(&format!("Check failed: {why}"), 1);
+    }
+    if !a.quiet {
+        if json {
+            print!("{}", json_text(&report));
+        } else {
+            print!("{}", human_text(&report));
+        }
+    }
+    if report.check_errors > 0 {
+        return fail("Check failed", 1);
+    }
+    ExitCode::from(report.exit_code())
+}
+
+/// The report as qemu-img prints it: a flat object indented by four spaces, then a newline.
+fn json_text(r: &CheckReport) -> String {
+    let text =
+        serde_json::to_string_pretty(r).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    let mut out = String::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("  ") {
+            out.push_str("    ");
+            out.push_str(rest);
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// qemu-img's `dump_human_image_check`.
+fn human_text(r: &CheckReport) -> String {
+    let mut s = String::new();
+    if r.corruptions == 0 && r.leaks == 0 && r.check_errors == 0 {
+        s.push_str("No errors were found on the image.\n");
+    } else {
+        if r.corruptions > 0 {
+            s.push_str(&format!(
+                "\n{} errors were found on the image.\nData may be corrupted, or further \
+                 writes to the image may corrupt it.\n",
+                r.corruptions
+            ));
+        }
+        if r.leaks > 0 {
+            s.push_str(&format!(
+                "\n{} leaked clusters were found on the image.\nThis means waste of disk \
+                 space, but no harm to data.\n",
+                r.leaks
+            ));
+        }
+        if r.check_errors > 0 {
+            s.push_str(&format!(
+                "\n{} internal errors have occurred during the check.\n",
+                r.check_errors
+            ));
+        }
+    }
+    if r.total_clusters != 0 && r.allocated_clusters != 0 {
+        s.push_str(&format!(
+            "{}/{} = {:.2}% allocated, {:.2}% fragmented, {:.2}% compressed clusters\n",
+            r.allocated_clusters,
+            r.total_clusters,
+            r.allocated_clusters as f64 * 100.0 / r.total_clusters as f64,
+            r.fragmented_clusters as f64 * 100.0 / r.allocated_clusters as f64,
+            r.compressed_clusters as f64 * 100.0 / r.allocated_clusters as f64,
+        ));
+    }
+    if r.image_end_offset != 0 {
+        s.push_str(&format!("Image end offset: {}\n", r.image_end_offset));
+    }
+    s
+}
