@@ -41,7 +41,7 @@
 //! (QEMU rewrites the whole snapshot table), refcount overflows, compressed clusters in an
 //! image with an external data file are made to read as zeros only with `Repair::All`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -58,7 +58,7 @@ use qimg_format::l2::{
     L2E_OFFSET_MASK, L2E_STD_RESERVED_MASK, QCOW_OFLAG_COMPRESSED, QCOW_OFLAG_ZERO,
 };
 use qimg_format::refcount::{self, REFT_OFFSET_MASK, REFT_RESERVED_MASK};
-use qimg_format::validate::{MAX_L1_BYTES, MAX_REFTABLE_BYTES, OpenMode};
+use qimg_format::validate::{MAX_L1_BYTES, MAX_REFTABLE_BYTES, OpenMode, validate_cluster0};
 
 use crate::error::{Error, Result};
 
@@ -178,7 +178,7 @@ pub fn check(
     opts: &CheckOptions,
     events: &mut dyn FnMut(CheckEvent<'_>),
 ) -> Result<CheckReport> {
-    let c0 = crate::info::read_cluster0(path, OpenMode::Check)?;
+    let c0 = read_cluster0(path)?;
     let writable = opts.repair.is_some();
     let mut ck = Checker::open(path, &c0, writable, events)?;
     let fix = match opts.repair {
@@ -229,6 +229,32 @@ pub fn check(
     report.filename = name;
     report.format = "qcow2".into();
     Ok(report)
+}
+
+/// Cluster 0, validated as QEMU opens an image for a check: the snapshot table pointer is
+/// not looked at (the check reads and validates it itself, and `-r all` may repair it).
+fn read_cluster0(path: &Path) -> Result<Cluster0> {
+    const MAX_CLUSTER0: u64 = 2 << 20;
+    let f = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+    let len = f.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
+    let mut bytes = vec![0u8; len.clamp(512, MAX_CLUSTER0) as usize];
+    let n = len.min(MAX_CLUSTER0) as usize;
+    f.read_exact_at(&mut bytes[..n], 0)
+        .map_err(|e| Error::io(path, format!("read {n} bytes at 0x0"), e))?;
+    if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
+        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
+            bytes.resize(cs as usize, 0);
+        }
+    }
+    let mut masked = bytes.clone();
+    if masked.len() >= 72 {
+        masked[60..72].fill(0);
+    }
+    validate_cluster0(&masked, OpenMode::Check).map_err(|e| Error::format(path, e))?;
+    // The same bytes again, snapshot pointer included (nothing else depends on it).
+    let mut c0 = Cluster0::decode(&bytes).map_err(|e| Error::format(path, e))?;
+    c0.header.nb_snapshots = 0;
+    Ok(c0)
 }
 
 fn failed(filename: String, f: Fail) -> CheckReport {
@@ -381,6 +407,18 @@ impl Refs {
         self.big.clear();
     }
 
+    /// The parts of `[from, to)` that lie in allocated chunks, ascending (at most one per
+    /// chunk: [`nonzero_in`](Self::nonzero_in) on each returns at most `CHUNK` clusters).
+    fn windows(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
+        if from >= to {
+            return Vec::new();
+        }
+        self.chunks
+            .range(from / CHUNK..=(to - 1) / CHUNK)
+            .map(|(&k, _)| (from.max(k * CHUNK), to.min((k + 1) * CHUNK)))
+            .collect()
+    }
+
     /// Clusters in `[from, to)` with a non-zero count, ascending.
     fn nonzero_in(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
@@ -442,6 +480,8 @@ const MAX_SNAPSHOTS: u32 = 65536;
 const SNAPSHOT_HEADER: u64 = 40;
 /// QEMU's known snapshot extra data (vm state size, disk size, icount).
 const KNOWN_EXTRA: u64 = 24;
+/// Clusters past the end of the file remembered as referenced by uncounted ranges.
+const BEYOND_EOF_WINDOW: u64 = 4096;
 
 /// `%#x` as C prints it: `0` for zero.
 fn c_hex(v: u64) -> String {
@@ -471,6 +511,8 @@ struct Snap {
 }
 
 enum ZeroFix {
+    /// The L2 table is also used as something else: not touched.
+    Shared,
     Done,
     Overlap,
     Failed,
@@ -505,6 +547,19 @@ struct Checker<'a> {
     bitmaps: Option<(u64, u64, u32)>,
     crypto: Option<(u64, u64)>,
     refs: Refs,
+    /// Clusters just past the end of the file that entries refer to although their ranges
+    /// were not counted (past the end): a rebuild must not place its structure there.
+    beyond_eof: BTreeSet<u64>,
+    /// How often each cluster is used as (part of) an L1 or L2 table in the current walk.
+    table_uses: HashMap<u64, u64>,
+    /// With `-r all`: the clusters of tables referenced as nothing else (from a silent walk
+    /// before the repairing one). Entries are only rewritten inside those, so that a table
+    /// that is also guest data or other metadata is never changed.
+    exclusive: Option<HashSet<u64>>,
+    /// The silent walk: messages and progress are not reported, and repairs are only
+    /// pretended (nothing is written), so that the references corrupt entries would lose are
+    /// not counted.
+    mute: bool,
     cache: HashMap<u64, Vec<u8>>,
     signaled_corruption: bool,
     events: &'a mut dyn FnMut(CheckEvent<'_>),
@@ -565,6 +620,10 @@ impl<'a> Checker<'a> {
             bitmaps: None,
             crypto: None,
             refs: Refs::default(),
+            beyond_eof: BTreeSet::new(),
+            table_uses: HashMap::new(),
+            exclusive: None,
+            mute: false,
             cache: HashMap::new(),
             signaled_corruption: false,
             events,
@@ -614,6 +673,9 @@ impl<'a> Checker<'a> {
     // ----- I/O -----
 
     fn msg(&mut self, s: String) {
+        if self.mute {
+            return;
+        }
         (self.events)(CheckEvent::Message(&s));
     }
 
@@ -646,6 +708,9 @@ impl<'a> Checker<'a> {
     }
 
     fn write(&mut self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        if self.mute {
+            return Ok(());
+        }
         if !self.writable {
             return Err(std::io::Error::other("the image is open read-only"));
         }
@@ -966,7 +1031,34 @@ impl<'a> Checker<'a> {
         res.total_clusters = self.size_to_clusters(self.total_sectors * 512);
         self.refs.clear();
         self.refs.size = nb_clusters;
+        self.beyond_eof.clear();
         let mut rebuild = false;
+        self.exclusive = None;
+        if fix.errors {
+            // A silent walk that changes nothing finds the tables that are safe to edit.
+            let signaled = self.signaled_corruption;
+            let incompatible = self.incompatible;
+            let l1 = self.l1.clone();
+            self.mute = true;
+            let walked = self.calculate_refcounts(&mut Res::default(), fix, &mut rebuild);
+            self.mute = false;
+            self.signaled_corruption = signaled;
+            self.incompatible = incompatible;
+            self.l1 = l1;
+            rebuild = false;
+            if walked.is_ok() {
+                let exclusive = self
+                    .table_uses
+                    .iter()
+                    .filter(|&(&c, &n)| self.refs.get(c) == n)
+                    .map(|(&c, _)| c)
+                    .collect();
+                self.exclusive = Some(exclusive);
+            }
+            self.refs.clear();
+            self.refs.size = nb_clusters;
+            self.beyond_eof.clear();
+        }
         self.calculate_refcounts(res, fix, &mut rebuild)?;
         let pre_compare = *res;
         let mut highest = 0u64;
@@ -1028,6 +1120,7 @@ impl<'a> Checker<'a> {
         fix: Fix,
         rebuild: &mut bool,
     ) -> std::result::Result<(), Fail> {
+        self.table_uses.clear();
         self.inc_refcounts(res, 0, self.cs);
         self.check_refcounts_l1(res, self.l1_offset, self.l1_size, true, fix, true)?;
         if self.data_file && self.nb_snapshots > 0 {
@@ -1083,6 +1176,14 @@ impl<'a> Checker<'a> {
                  cluster or more: offset {offset:#x} size {size:#x}"
             ));
             res.corruptions += 1;
+            let end_cluster = self.file_len.div_ceil(self.cs);
+            let window = end_cluster.saturating_sub(1)..end_cluster + BEYOND_EOF_WINDOW;
+            let last = (offset.saturating_add(size - 1) / self.cs).min(window.end);
+            for k in (offset / self.cs).max(window.start)..=last {
+                if window.contains(&k) {
+                    self.beyond_eof.insert(k);
+                }
+            }
             return false;
         }
         let first = offset / self.cs;
@@ -1112,6 +1213,9 @@ impl<'a> Checker<'a> {
     }
 
     fn progress(&mut self, done: u64, total: u64) {
+        if self.mute {
+            return;
+        }
         (self.events)(CheckEvent::Progress { done, total });
     }
 
@@ -1128,7 +1232,9 @@ impl<'a> Checker<'a> {
             return Ok(());
         }
         let bytes = u64::from(l1_size) * 8;
-        self.inc_refcounts(res, l1_offset, bytes);
+        if self.inc_refcounts(res, l1_offset, bytes) {
+            self.note_table(l1_offset, bytes);
+        }
         let table = match self.read_words(l1_offset, bytes) {
             Ok(t) => t,
             Err(e) => {
@@ -1194,7 +1300,9 @@ impl<'a> Checker<'a> {
                     }
                 }
             }
-            self.inc_refcounts(res, l2_offset, self.cs);
+            if self.inc_refcounts(res, l2_offset, self.cs) {
+                self.note_table(l2_offset, self.cs);
+            }
             if l2_offset % self.cs != 0 {
                 self.msg(format!(
                     "ERROR l2_offset={l2_offset:x}: Table is not cluster aligned; L1 entry corrupted"
@@ -1209,6 +1317,33 @@ impl<'a> Checker<'a> {
         Ok(())
     }
 
+    fn note_table(&mut self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        for c in offset / self.cs..=(offset + len - 1) / self.cs {
+            *self.table_uses.entry(c).or_insert(0) += 1;
+        }
+    }
+
+    /// Whether the table entry at `at` may be rewritten by the repairing walk: its cluster is
+    /// used only as a table.
+    fn may_edit(&self, at: u64) -> bool {
+        self.mute
+            || self
+                .exclusive
+                .as_ref()
+                .is_some_and(|s| s.contains(&(at / self.cs)))
+    }
+
+    /// After a whole walk: whether the table in `[offset, offset + len)` is referenced as
+    /// nothing else.
+    fn only_table(&self, offset: u64, len: u64) -> bool {
+        len > 0
+            && (offset / self.cs..=(offset + len - 1) / self.cs)
+                .all(|c| self.table_uses.get(&c).copied().unwrap_or(0) == self.refs.get(c))
+    }
+
     /// Writes an L1 entry (a repair beyond QEMU's); false when refused or failed.
     fn write_l1_entry(
         &mut self,
@@ -1217,7 +1352,7 @@ impl<'a> Checker<'a> {
         ign: Area,
         active_index: Option<usize>,
     ) -> bool {
-        if self.overlaps(ign, at, 8).is_some() {
+        if !self.may_edit(at) || self.overlaps(ign, at, 8).is_some() {
             return false;
         }
         if self.write(&value.to_be_bytes(), at).is_err() || self.sync().is_err() {
@@ -1266,7 +1401,7 @@ impl<'a> Checker<'a> {
         } else {
             Area::InactiveL2
         };
-        if self.overlaps(ign, at, self.entry_size).is_some() {
+        if !self.may_edit(at) || self.overlaps(ign, at, self.entry_size).is_some() {
             return false;
         }
         self.write_l2_entry_unchecked(at, entry, bitmap)
@@ -1292,6 +1427,9 @@ impl<'a> Checker<'a> {
         } else {
             Area::InactiveL2
         };
+        if !self.may_edit(at) {
+            return ZeroFix::Shared;
+        }
         if self.overlaps(ign, at, self.entry_size).is_some() {
             return ZeroFix::Overlap;
         }
@@ -1481,6 +1619,12 @@ impl<'a> Checker<'a> {
                                         );
                                         res.check_errors += 1;
                                     }
+                                    ZeroFix::Shared => {
+                                        self.msg(format!(
+                                            "ERROR: not repaired: the L2 table at {:#x} is also                                              used as something else",
+                                            l2_offset
+                                        ));
+                                    }
                                 }
                             }
                         } else if fix.errors
@@ -1636,23 +1780,11 @@ impl<'a> Checker<'a> {
                     "{} refcount block {i} is outside image",
                     if fix.errors { "Repairing" } else { "ERROR" }
                 ));
+                // QEMU grows the file to cover the block, which then reads as zeros and so
+                // always needs a rebuild anyway; a garbage offset would grow the file by
+                // terabytes. qimg rebuilds without growing the file.
                 if fix.errors {
-                    match self.grow_file(offset) {
-                        Ok(()) if cluster < self.refs.size => {
-                            res.corruptions -= 1;
-                            res.corruptions_fixed += 1;
-                            self.inc_refcounts(res, offset, self.cs);
-                            continue;
-                        }
-                        Ok(()) => {
-                            *rebuild = true;
-                            self.msg(format!("ERROR could not resize image: {EINVAL}"));
-                        }
-                        Err(e) => {
-                            *rebuild = true;
-                            self.msg(format!("ERROR could not resize image: {e}"));
-                        }
-                    }
+                    *rebuild = true;
                 }
                 continue;
             }
@@ -1666,21 +1798,6 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        Ok(())
-    }
-
-    /// Grows the file to cover the cluster at `offset` (a refcount block outside the image).
-    fn grow_file(&mut self, offset: u64) -> std::result::Result<(), String> {
-        if offset > i64::MAX as u64 - self.cs {
-            return Err(EINVAL.into());
-        }
-        let len = offset + self.cs;
-        if len > self.file_len {
-            self.file.set_len(len).map_err(|e| strerror(&e))?;
-            self.file_len = len;
-        }
-        let nb = self.size_to_clusters(self.file_len);
-        self.refs.size = self.refs.size.max(nb);
         Ok(())
     }
 
@@ -1701,9 +1818,11 @@ impl<'a> Checker<'a> {
             let raw = self.reftable.get(j as usize).copied().unwrap_or(0);
             let block = raw & REFT_OFFSET_MASK;
             if block == 0 {
-                for (c, r2) in self.refs.nonzero_in(lo, hi) {
-                    *highest = c;
-                    self.mismatch(res, fix, rebuild, c, 0, r2, None);
+                for (a, b) in self.refs.windows(lo, hi) {
+                    for (c, r2) in self.refs.nonzero_in(a, b) {
+                        *highest = c;
+                        self.mismatch(res, fix, rebuild, c, 0, r2, None);
+                    }
                 }
                 continue;
             }
@@ -1847,6 +1966,8 @@ impl<'a> Checker<'a> {
             };
             if (refcount == 1) != (l1_entry & QCOW_OFLAG_COPIED != 0) {
                 res.corruptions += 1;
+                // Never rewrite a table that is also something else (guest data, metadata).
+                let repair = repair && self.only_table(self.l1_offset, u64::from(self.l1_size) * 8);
                 self.msg(format!(
                     "{} OFLAG_COPIED L2 cluster: l1_index={i} l1_entry={l1_entry:x} refcount={refcount}",
                     if repair { "Repairing" } else { "ERROR" }
@@ -1874,6 +1995,7 @@ impl<'a> Checker<'a> {
                 return Err(io_fail(&e));
             }
             let mut dirty = 0i64;
+            let repair = repair && l2_offset % cs == 0 && self.only_table(l2_offset, cs);
             for j in 0..(cs as usize / es) {
                 let entry =
                     u64::from_be_bytes(table[j * es..j * es + 8].try_into().unwrap_or([0; 8]));
@@ -1984,11 +2106,11 @@ impl<'a> Checker<'a> {
         {
             return Some("active L2 table");
         }
-        if self
-            .reftable
-            .iter()
-            .any(|&e| e & REFT_OFFSET_MASK != 0 && hit(e & REFT_OFFSET_MASK, cs))
-        {
+        if self.reftable.iter().any(|&e| {
+            // An unaligned offset cannot be a refcount block (QEMU refuses to read it).
+            let o = e & REFT_OFFSET_MASK;
+            o != 0 && o % cs == 0 && hit(o, cs)
+        }) {
             return Some("refcount block");
         }
         if let Some((o, l, _)) = self.bitmaps {
@@ -2031,8 +2153,10 @@ impl<'a> Checker<'a> {
     fn encode_block(&self, j: u64) -> Vec<u8> {
         let mut block = vec![0u8; self.cs as usize];
         let e = self.entries;
-        for (c, v) in self.refs.nonzero_in(j * e, (j + 1) * e) {
-            let _ = refcount::set(&mut block, self.order, c - j * e, v.min(self.refcount_max));
+        for (a, b) in self.refs.windows(j * e, (j + 1) * e) {
+            for (c, v) in self.refs.nonzero_in(a, b) {
+                let _ = refcount::set(&mut block, self.order, c - j * e, v.min(self.refcount_max));
+            }
         }
         block
     }
@@ -2093,7 +2217,7 @@ impl<'a> Checker<'a> {
     fn rebuild_refcount_structure(&mut self, res: &mut Res) -> std::result::Result<(), Fail> {
         self.cache.clear();
         let cs = self.cs;
-        let mut avoid = BTreeSet::new();
+        let mut avoid = self.beyond_eof.clone();
         let rt_clusters = (self.reftable.len() as u64 * 8).div_ceil(cs);
         for k in 0..rt_clusters {
             avoid.insert(self.reftable_offset / cs + k);

@@ -87,6 +87,7 @@ pub fn run_check(a: CheckArgs) -> ExitCode {
     let human = !json && !a.quiet;
     let tty = !a.quiet && std::io::stderr().is_terminal();
     let mut progress_shown = false;
+    let mut last_progress: Option<std::time::Instant> = None;
     let mut on_event = |e: CheckEvent<'_>| match e {
         CheckEvent::Message(m) => {
             if progress_shown {
@@ -110,17 +111,26 @@ pub fn run_check(a: CheckArgs) -> ExitCode {
         }
         CheckEvent::Progress { done, total } => {
             if tty && total > 0 {
-                eprint!("\r    ({:.2}/100%)", done as f64 * 100.0 / total as f64);
-                progress_shown = done < total;
                 if done >= total {
-                    eprint!("\r\x1b[K");
+                    if progress_shown {
+                        eprint!("\r\x1b[K");
+                        progress_shown = false;
+                    }
+                } else if last_progress.is_none_or(|t| t.elapsed().as_millis() >= 100) {
+                    last_progress = Some(std::time::Instant::now());
+                    eprint!("\r    ({:.2}/100%)", done as f64 * 100.0 / total as f64);
+                    progress_shown = true;
                 }
             }
         }
     };
     let report = match check(path, &CheckOptions { repair }, &mut on_event) {
         Ok(r) => r,
-        Err(e) => return fail(&format!("Could not open '{file}': {e}"), 1),
+        Err(e) => {
+            let e = e.to_string();
+            let e = e.strip_prefix(&format!("{file}: ")).unwrap_or(&e);
+            return fail(&format!("Could not open '{file}': {e}"), 1);
+        }
     };
     if progress_shown {
         eprint!("\r\x1b[K");
