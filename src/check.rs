@@ -31,15 +31,25 @@
 //! * a non-zero subcluster bitmap of a compressed entry is cleared (QEMU ignores it on reads);
 //! * subclusters marked both allocated and zero become zero (QEMU refuses to read the whole
 //!   cluster), and allocation bits of an unallocated entry become zero bits;
-//! * entries QEMU cannot read at all — a data cluster at an unaligned offset, or a data or
-//!   compressed cluster lying one cluster or more past the end of the file — are made to read
-//!   as zeros (as QEMU itself does for unaligned preallocated clusters), and an L1 entry whose
-//!   L2 table is unaligned or past the end of the file is cleared;
-//! * the refcount structure is rebuilt without reusing the clusters of the damaged one.
+//! * entries QEMU cannot read at all (a data cluster at an unaligned offset, a data or
+//!   compressed cluster lying one cluster or more past the end of the file, a compressed
+//!   cluster in an image with an external data file) are made to read as zeros, as QEMU itself
+//!   does for unaligned preallocated clusters; an L1 entry whose L2 table is unaligned or past
+//!   the end of the file is cleared;
+//! * the refcount structure is rebuilt without reusing the clusters of the damaged one (QEMU
+//!   may try to and fail), and a refcount block past the end of the file leads to a rebuild
+//!   instead of growing the file to reach it.
+//!
+//! Entries are only ever rewritten inside tables used as nothing but tables: a silent walk
+//! before the repairing one (pretending the repairs, so that references from entries about to
+//! be cleared do not count) finds them. An L2 table that is also guest data or other metadata
+//! is left alone, even where QEMU would rewrite it.
+//!
+//! A dirty bit stays set when corruptions remain (QEMU clears it when it closes the image).
 //!
 //! Not repaired (reported, as QEMU does): snapshot table entries with too little extra data
-//! (QEMU rewrites the whole snapshot table), refcount overflows, compressed clusters in an
-//! image with an external data file are made to read as zeros only with `Repair::All`.
+//! and snapshots with too much (QEMU rewrites the whole snapshot table), refcount overflows,
+//! an active L1 table past the end of the file.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
@@ -445,8 +455,8 @@ impl Refs {
         for (&k, ch) in self.chunks.range(from / CHUNK..=(to - 1) / CHUNK) {
             let base = k * CHUNK;
             let start = from.saturating_sub(base) as usize;
-            for (i, &v) in ch.iter().enumerate().skip(start) {
-                let c = base + i as u64;
+            for (i, &v) in ch.get(start..).unwrap_or(&[]).iter().enumerate() {
+                let c = base + (start + i) as u64;
                 if c >= to {
                     return None;
                 }
@@ -2144,6 +2154,11 @@ impl<'a> Checker<'a> {
             self.refs.size = cluster + count - contiguous;
         }
         let start = cluster - contiguous;
+        if first_gap {
+            // No free cluster from *first_free up to `start`: the next search may begin here
+            // (same result as QEMU's, without rescanning the image for every refcount block).
+            *first_free = (*first_free).max(start);
+        }
         for k in start..start + count {
             self.refs.set(k, 1);
         }
