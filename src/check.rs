@@ -1732,7 +1732,15 @@ impl<'a> Checker<'a> {
             let mut done = 0;
             while done < size {
                 let n = (size - done).min(PIECE);
-                let words = match self.read_words(bm.table_offset + done * 8, n * 8) {
+                let at = bm
+                    .table_offset
+                    .checked_add(done * 8)
+                    .filter(|&a| a <= i64::MAX as u64);
+                let read = match at {
+                    Some(at) => self.read_words(at, n * 8),
+                    None => Err(std::io::Error::from_raw_os_error(22)),
+                };
+                let words = match read {
                     Ok(w) => w,
                     Err(e) => {
                         res.corruptions += 1;
