@@ -21,8 +21,8 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::{Scratch, have_qemu};
 use common::engine::*;
+use common::{Scratch, have_qemu};
 use qimg::{Image, OpenOptions, Opener};
 use qimg_io::{
     BounceStorage, FileOptions, FileStorage, Storage, StorageError, UringOptions, UringStorage,
