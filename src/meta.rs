@@ -583,27 +583,41 @@ impl<S: Storage> Inner<S> {
             }
             self.write_back(m, Which::Refcount).await?;
             let table_at = plan.table_offset(cs);
-            let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
-            self.file
-                .write_at(&bytes, table_at)
-                .await
-                .map_err(|e| self.st(e))?;
-            self.file.flush().await.map_err(|e| self.st(e))?;
-            let mut hdr = [0u8; 12];
-            hdr[..8].copy_from_slice(&table_at.to_be_bytes());
-            hdr[8..].copy_from_slice(&(plan.table_clusters as u32).to_be_bytes());
-            self.file.write_at(&hdr, 48).await.map_err(|e| self.st(e))?;
-            self.file.flush().await.map_err(|e| self.st(e))?;
             let old_at = m.reftable_offset;
             let old_clusters = (m.reftable.len() as u64 * 8).div_ceil(cs);
-            m.reftable = table;
-            m.reftable_offset = table_at;
+            self.install_reftable(m, table, table_at, plan.table_clusters)
+                .await?;
             m.end_cluster = m.end_cluster.max(end);
             if m.free_hint >= start {
                 m.free_hint = end;
             }
             self.free_clusters(m, old_at, old_clusters).await
         })
+    }
+
+    /// Writes `table` at `table_at`, flushes, and switches the header to it (synchronously):
+    /// the blocks it points at must already be on disk.
+    pub(crate) async fn install_reftable(
+        &self,
+        m: &mut Meta,
+        table: Vec<u64>,
+        table_at: u64,
+        clusters: u64,
+    ) -> Result<()> {
+        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
+        self.file
+            .write_at(&bytes, table_at)
+            .await
+            .map_err(|e| self.st(e))?;
+        self.file.flush().await.map_err(|e| self.st(e))?;
+        let mut hdr = [0u8; 12];
+        hdr[..8].copy_from_slice(&table_at.to_be_bytes());
+        hdr[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
+        self.file.write_at(&hdr, 48).await.map_err(|e| self.st(e))?;
+        self.file.flush().await.map_err(|e| self.st(e))?;
+        m.reftable = table;
+        m.reftable_offset = table_at;
+        Ok(())
     }
 
     // ----- L1 / L2 tables -----

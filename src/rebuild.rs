@@ -155,20 +155,8 @@ impl<S: Storage> Inner<S> {
                 .await
                 .map_err(|e| self.st(e))?;
         }
-        let table_at = area.table_offset(cs);
-        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
-        self.file
-            .write_at(&bytes, table_at)
-            .await
-            .map_err(|e| self.st(e))?;
-        self.file.flush().await.map_err(|e| self.st(e))?;
-        let mut hdr = [0u8; 12];
-        hdr[..8].copy_from_slice(&table_at.to_be_bytes());
-        hdr[8..].copy_from_slice(&(area.table_clusters as u32).to_be_bytes());
-        self.file.write_at(&hdr, 48).await.map_err(|e| self.st(e))?;
-        self.file.flush().await.map_err(|e| self.st(e))?;
-        m.reftable = table;
-        m.reftable_offset = table_at;
+        self.install_reftable(m, table, area.table_offset(cs), area.table_clusters)
+            .await?;
         let budget = m.rc.capacity() as u64 * cs;
         m.rc = SliceCache::new(budget, cs).map_err(|source| Error::Cache {
             path: self.path.clone(),
