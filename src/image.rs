@@ -281,9 +281,6 @@ fn open_chain<'a, S: Storage + 'static>(
                     .into(),
             });
         }
-        if opts.writable && h.nb_snapshots > 0 && h.refcount_order == 0 {
-            // Shared clusters cannot be counted with 1-bit refcounts; qemu refuses too.
-        }
         let geo =
             Geometry::new(h.cluster_bits, h.extended_l2()).map_err(|e| Error::format(&path, e))?;
         let rgeo = RefcountGeometry::new(h.cluster_bits, h.refcount_order)

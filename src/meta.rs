@@ -189,13 +189,9 @@ impl<S: Storage> Inner<S> {
         let slice =
             m.l2.peek(key)
                 .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
-        let at = self.slice_location_l2(key, m.l2_slice) + (idx * es) as u64;
+        let at = self.slice_location(m, Which::L2, key) + (idx * es) as u64;
         AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at)
             .map_err(|e| self.fmt_err(e))
-    }
-
-    fn slice_location_l2(&self, key: SliceKey, slice: u64) -> u64 {
-        key.table + u64::from(key.slice) * slice
     }
 
     /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or

@@ -236,6 +236,12 @@ async fn sixty_four_concurrent_tasks_leave_a_serialisable_result() {
     }
 }
 
+/// Overwrites bytes of an image file in place (damage made at test time).
+fn poke(path: &std::path::Path, at: u64, bytes: &[u8]) {
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    std::os::unix::fs::FileExt::write_at(&f, bytes, at).unwrap();
+}
+
 fn header_u32(path: &std::path::Path, at: usize) -> u32 {
     let b = std::fs::read(path).unwrap();
     u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
@@ -303,9 +309,7 @@ async fn a_dirty_image_is_repaired_when_opened_read_write() {
             .try_into()
             .unwrap(),
     );
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    std::os::unix::fs::FileExt::write_at(&f, &[0u8; 64], block + 16).unwrap();
-    drop(f);
+    poke(&path, block + 16, &[0u8; 64]);
     let o = common::qemu_img(&dir.0, &["check", "--output=json", "d.qcow2"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(
@@ -339,9 +343,7 @@ async fn a_corrupt_image_opens_read_only_but_not_read_write() {
     let dir = Scratch::new("corrupt");
     let path = dir.path("c.qcow2");
     qemu_create(&dir.0, "c.qcow2", "cluster_size=64k", MIB, None);
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    std::os::unix::fs::FileExt::write_at(&f, &[2u8], 79).unwrap();
-    drop(f);
+    poke(&path, 79, &[2u8]);
     let err = Image::open(&path, &OpenOptions::read_write())
         .await
         .unwrap_err();
