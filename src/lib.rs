@@ -28,6 +28,7 @@ pub mod check;
 pub mod compress;
 pub mod create;
 pub mod error;
+pub mod fuzzing;
 mod image;
 pub mod info;
 mod lock;

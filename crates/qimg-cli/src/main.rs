@@ -1,8 +1,11 @@
 //! `qimg`: create and inspect qcow2 images; option names, output and exit codes follow
 //! `qemu-img` so that habits and scripts carry over.
 
+mod bench;
 mod check;
+mod convert;
 mod human;
+mod map;
 mod opts;
 
 use std::io::IsTerminal;
@@ -33,6 +36,12 @@ enum Cmd {
     Info(InfoArgs),
     /// Check an image for consistency, optionally repairing it: `qimg check [-r leaks|all] [--output human|json] FILE`
     Check(check::CheckArgs),
+    /// Show where the data of an image lives: `qimg map [--output human|json] FILE`
+    Map(map::MapArgs),
+    /// Convert an image: `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-c] [-p] SRC DST`
+    Convert(convert::ConvertArgs),
+    /// Measure I/O performance: `qimg bench [-c COUNT] [-d DEPTH] [-w] ... FILE`
+    Bench(bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -92,6 +101,9 @@ fn main() -> ExitCode {
         Cmd::Create(a) => run_create(a),
         Cmd::Info(a) => run_info(a),
         Cmd::Check(a) => return check::run_check(a),
+        Cmd::Map(a) => return map::run_map(a),
+        Cmd::Convert(a) => return convert::run_convert(a),
+        Cmd::Bench(a) => return bench::run_bench(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

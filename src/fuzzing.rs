@@ -1,0 +1,1 @@
+//! Entry points for the cargo-fuzz targets (placeholder: being written).
