@@ -535,6 +535,16 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.write(buf, offset).await
     }
 
+    /// Writes one whole guest cluster compressed with the image's compression type (zlib or
+    /// zstd), as `qemu-img convert -c` does: `offset` must be cluster aligned and `data` one
+    /// cluster long, or shorter only for the last cluster of a disk whose size is not a
+    /// multiple of the cluster size. Several compressed clusters share a host cluster. Data
+    /// that does not shrink is stored uncompressed. Images with an external data file cannot
+    /// hold compressed clusters.
+    pub async fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.inner.write_compressed(offset, data).await
+    }
+
     /// Makes `len` bytes at `offset` read as zeros: whole subclusters (clusters without
     /// extended L2) only change metadata, partial ones are written with zeros.
     pub async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {

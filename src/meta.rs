@@ -69,6 +69,9 @@ pub(crate) struct Meta {
     pub(crate) pending_punch: BTreeSet<u64>,
     pub(crate) closed: bool,
     pub(crate) snapshots: (u64, u32),
+    /// Where the next compressed cluster may go: the first unused byte of the host cluster
+    /// compressed writes are packing into (QEMU packs them the same way).
+    pub(crate) compressed_tail: Option<u64>,
 }
 
 impl Meta {
@@ -125,6 +128,7 @@ impl Meta {
             pending_punch: BTreeSet::new(),
             closed: false,
             snapshots: (h.snapshots_offset, h.nb_snapshots),
+            compressed_tail: None,
         })
     }
 
@@ -137,7 +141,7 @@ impl Meta {
 }
 
 impl<S: Storage> Inner<S> {
-    fn fmt_err(&self, e: qimg_format::FormatError) -> Error {
+    pub(crate) fn fmt_err(&self, e: qimg_format::FormatError) -> Error {
         Error::format(&self.path, e)
     }
 
@@ -485,6 +489,9 @@ impl<S: Storage> Inner<S> {
         let first = offset / cs;
         for c in first..first + n {
             if self.update_refcount(m, c, -1).await? == 0 {
+                if m.compressed_tail.is_some_and(|t| t / cs == c) {
+                    m.compressed_tail = None;
+                }
                 self.counters.clusters_freed.fetch_add(1, Ordering::Relaxed);
                 m.free_hint = m.free_hint.min(c);
                 let _ = m.l2.remove(c * cs);

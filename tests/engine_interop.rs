@@ -187,6 +187,69 @@ async fn compressed_images_read_back_and_take_writes() {
 }
 
 #[tokio::test]
+async fn clusters_qimg_compresses_check_clean_and_read_back() {
+    if !have_qemu("clusters_qimg_compresses_check_clean_and_read_back") {
+        return;
+    }
+    for (opts, size) in [
+        ("compression_type=zlib", 3 * MIB + 5 * KIB),
+        ("compression_type=zstd", 3 * MIB),
+        ("compression_type=zlib,extended_l2=on", 3 * MIB + 5 * KIB),
+        (
+            "compression_type=zstd,extended_l2=on,cluster_size=32k",
+            3 * MIB,
+        ),
+        ("compat=0.10,cluster_size=4k", 2 * MIB + 512),
+    ] {
+        let dir = Scratch::new("qimg-compressed");
+        qemu_create(&dir.0, "c.qcow2", opts, size, None);
+        let data = compressible(size as usize);
+        let img = Image::open(dir.path("c.qcow2"), &OpenOptions::read_write())
+            .await
+            .unwrap();
+        let cs = img.cluster_size();
+        let mut at = 0;
+        while at < size {
+            let n = cs.min(size - at) as usize;
+            let chunk = &data[at as usize..at as usize + n];
+            if chunk.iter().any(|&b| b != 0) {
+                img.write_compressed(at, chunk).await.unwrap();
+            }
+            at += cs;
+        }
+        // Misuse is refused without touching anything.
+        assert!(img.write_compressed(1, &data[..cs as usize]).await.is_err());
+        assert!(img.write_compressed(0, &data[..100]).await.is_err());
+        let mut model = data.clone();
+        // Overwrite, recompress, zero and discard some of them: packed host clusters are
+        // shared, so each reference must be counted and released exactly once.
+        let patch = pattern(3, 0, 5000);
+        img.write(&patch, cs + 7).await.unwrap();
+        model[(cs + 7) as usize..(cs + 7) as usize + 5000].copy_from_slice(&patch);
+        let again = vec![0x5au8; cs as usize];
+        img.write_compressed(3 * cs, &again).await.unwrap();
+        model[(3 * cs) as usize..(4 * cs) as usize].copy_from_slice(&again);
+        img.write_zeroes(5 * cs, 2 * cs).await.unwrap();
+        model[(5 * cs) as usize..(7 * cs) as usize].fill(0);
+        img.discard(8 * cs, cs).await.unwrap();
+        model[(8 * cs) as usize..(9 * cs) as usize].fill(0);
+        let mut back = vec![0u8; model.len()];
+        img.read(&mut back, 0).await.unwrap();
+        assert_eq!(first_difference(&back, &model), None, "{opts}: read back");
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "c.qcow2", opts);
+        assert_same_as_model(&dir.0, "c.qcow2", &model, opts);
+        let v = info(&dir.0, "c.qcow2");
+        let check = common::qemu_img(&dir.0, &["check", "--output=json", "c.qcow2"]);
+        let c: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
+        let compressed = c["compressed-clusters"].as_u64().unwrap_or(0);
+        assert!(compressed >= 10, "{opts}: {compressed} compressed: {c}");
+        let used = v["actual-size"].as_u64().unwrap_or(u64::MAX);
+        assert!(used < size, "{opts}: {used} bytes on disk for {size}");
+    }
+}
+
+#[tokio::test]
 async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() {
     if !have_qemu("clusters_shared_with_an_internal_snapshot_are_never_written_in_place") {
         return;
