@@ -2,6 +2,9 @@
 //! `qemu-img` so that habits and scripts carry over.
 
 mod bench;
+mod bench_hist;
+mod bench_parse;
+mod bench_run;
 mod check;
 mod convert;
 mod human;
