@@ -372,7 +372,10 @@ async fn status_inner(
             name,
             prealloc,
         } => {
-            let extents = img.map(start, len).await?;
+            let extents = img
+                .map(start, len)
+                .await
+                .map_err(|e| anyhow!("Could not read file metadata: {e}"))?;
             for x in extents {
                 match x.kind {
                     ExtentKind::Data { host_offset } => match prealloc {
