@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod faults;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
