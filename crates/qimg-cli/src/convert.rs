@@ -1,16 +1,672 @@
-//! `qimg convert` (placeholder: being written).
+//! `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-c] [-p] [-q] [-U] [-n] [-S SIZE]
+//! [-m N] [-W] SRC DST`: copies the guest view of an image (its backing chain flattened, as
+//! `qemu-img convert` without `-B`) into a new raw or qcow2 image created with every `create`
+//! option.
+//!
+//! Zeros are never written: ranges the source maps as zero (zero clusters, unallocated
+//! clusters over nothing, holes of raw or preallocated files) are skipped without reading,
+//! and data that is read is checked for all-zero blocks at the target's allocation unit (its
+//! subcluster, or `-S` bytes, 4 KiB by default, for raw) before it is written. The copy runs in
+//! 2 MiB chunks with `-m` (default 8) chunks in flight. With `-c` every non-zero cluster is
+//! written compressed (the engine stores a cluster that does not shrink uncompressed).
+//! With `-n` the target must exist and zero ranges are zeroed explicitly.
 
+use std::collections::VecDeque;
+use std::path::Path;
 use std::process::ExitCode;
+
+use anyhow::{Context, Result, anyhow, bail};
+use qimg::create::{CreateOptions, create, create_raw};
+use qimg::info::{ImageFormat, probe_format};
+use qimg::io::{FileStorage, Storage};
+use qimg::{Image, OpenOptions};
+use tokio::sync::oneshot;
+use tokio::task::JoinSet;
+
+use crate::map::{Layer, lib_msg, open_chain, os_msg, status};
+use crate::opts;
 
 /// Arguments of `qimg convert`.
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// The image.
-    filename: String,
+    /// Source format: qcow2 or raw (probed when absent).
+    #[arg(short = 'f')]
+    src_fmt: Option<String>,
+    /// Output format: raw (the default, as qemu-img) or qcow2.
+    #[arg(short = 'O')]
+    out_fmt: Option<String>,
+    /// Options of the new image, comma separated, as for `create`; `-o help` lists them.
+    #[arg(short = 'o', action = clap::ArgAction::Append)]
+    options: Vec<String>,
+    /// Compress every data cluster of the (qcow2) output.
+    #[arg(short = 'c')]
+    compress: bool,
+    /// Show progress.
+    #[arg(short = 'p')]
+    progress: bool,
+    /// Quiet: no progress.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Accepted for qemu-img compatibility: qimg opens the source read-only without locks.
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// Do not create the output: write into the existing image (zeros are written too).
+    #[arg(short = 'n')]
+    no_create: bool,
+    /// Smallest run of zero bytes left unwritten (multiple of 512; 0 writes everything).
+    #[arg(short = 'S')]
+    sparse: Option<String>,
+    /// Chunks copied in parallel (1 to 16, default 8).
+    #[arg(short = 'm')]
+    parallel: Option<String>,
+    /// Write chunks in any order (faster; the target's clusters may not follow guest order).
+    #[arg(short = 'W')]
+    out_of_order: bool,
+    /// Backing file of the output (not supported: the chain is always flattened).
+    #[arg(short = 'B')]
+    backing: Option<String>,
+    /// Source and destination.
+    #[arg(allow_hyphen_values = false)]
+    files: Vec<String>,
 }
+
+/// Guest bytes per copy chunk (a multiple of every cluster size).
+const CHUNK: u64 = 2 << 20;
+/// Guest bytes whose status is asked at once when planning.
+const WINDOW: u64 = 1 << 30;
 
 /// Runs `qimg convert`.
 pub fn run_convert(a: ConvertArgs) -> ExitCode {
-    eprintln!("qimg convert: not yet implemented ({})", a.filename);
-    ExitCode::from(1)
+    match convert(a) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("qimg: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Where the guest data is read from.
+#[derive(Clone)]
+enum Source {
+    Qcow2(Image<FileStorage>),
+    Raw(FileStorage),
+}
+
+impl Source {
+    async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        match self {
+            Source::Qcow2(img) => img.read(buf, offset).await.map_err(|e| anyhow!("{e}")),
+            Source::Raw(f) => f
+                .read_at_zero_fill(buf, offset)
+                .await
+                .map_err(|e| anyhow!("{e}")),
+        }
+    }
+}
+
+/// Where it is written.
+#[derive(Clone)]
+enum Target {
+    Qcow2(Image<FileStorage>),
+    Raw(FileStorage),
+}
+
+impl Target {
+    async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        match self {
+            Target::Qcow2(img) => img.write(buf, offset).await.map_err(|e| anyhow!("{e}")),
+            Target::Raw(f) => f.write_at(buf, offset).await.map_err(|e| anyhow!("{e}")),
+        }
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        match self {
+            Target::Qcow2(img) => img
+                .write_zeroes(offset, len)
+                .await
+                .map_err(|e| anyhow!("{e}")),
+            Target::Raw(f) => f
+                .write_zeroes(offset, len)
+                .await
+                .map(|_| ())
+                .map_err(|e| anyhow!("{e}")),
+        }
+    }
+
+    async fn write_compressed(&self, buf: &[u8], offset: u64) -> Result<()> {
+        match self {
+            Target::Qcow2(img) => img
+                .write_compressed(offset, buf)
+                .await
+                .map_err(|e| anyhow!("{e}")),
+            Target::Raw(_) => bail!("Compression not supported for this file format"),
+        }
+    }
+
+    async fn finish(&self) -> Result<()> {
+        match self {
+            Target::Qcow2(img) => img.close().await.map_err(|e| anyhow!("{e}")),
+            Target::Raw(f) => f.flush().await.map_err(|e| anyhow!("{e}")),
+        }
+    }
+}
+
+/// How chunks are written.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Virtual size of the copy.
+    size: u64,
+    /// Zero detection granularity (0: none, write everything).
+    gran: u64,
+    /// Write compressed clusters of this size (0: no compression).
+    compress_cluster: u64,
+    /// The target may hold old data: zero ranges are zeroed.
+    zero_target: bool,
+    /// Source zero ranges are copied as data (`-S 0`).
+    all_data: bool,
+    /// Chunks in flight.
+    parallel: usize,
+    /// Chunks write in guest order.
+    in_order: bool,
+}
+
+/// One chunk of work: data ranges to copy and (with `-n`) zero ranges to clear.
+struct Job {
+    start: u64,
+    end: u64,
+    data: Vec<(u64, u64)>,
+    zeros: Vec<(u64, u64)>,
+}
+
+fn push_range(v: &mut Vec<(u64, u64)>, start: u64, end: u64) {
+    if let Some(last) = v.last_mut() {
+        if last.1 >= start {
+            last.1 = last.1.max(end);
+            return;
+        }
+    }
+    v.push((start, end));
+}
+
+/// Writes the maximal runs of non-zero `gran` blocks of `buf` (at guest `offset`); with
+/// `zero_target`, zero blocks are zeroed in the target.
+async fn write_nonzero(
+    dst: &Target,
+    buf: &[u8],
+    offset: u64,
+    gran: u64,
+    zero_target: bool,
+) -> Result<()> {
+    let gran = gran as usize;
+    let mut at = 0usize;
+    while at < buf.len() {
+        let block_is_zero = |i: usize| {
+            let end = (i + gran).min(buf.len());
+            buf[i..end].iter().all(|&b| b == 0)
+        };
+        let zero = block_is_zero(at);
+        let mut end = (at + gran).min(buf.len());
+        while end < buf.len() && block_is_zero(end) == zero {
+            end = (end + gran).min(buf.len());
+        }
+        let off = offset + at as u64;
+        if !zero {
+            dst.write(&buf[at..end], off)
+                .await
+                .with_context(|| format!("error while writing at byte {off}"))?;
+        } else if zero_target {
+            dst.write_zeroes(off, (end - at) as u64)
+                .await
+                .with_context(|| format!("error while writing at byte {off}"))?;
+        }
+        at = end;
+    }
+    Ok(())
+}
+
+/// Copies one chunk; returns the data bytes it covered (for progress). The chunk is read at
+/// once; with `turn`, writing waits until the previous chunk has written (in-order writes keep
+/// the target's clusters in guest order, as qemu-img without `-W`), and `done` tells the next.
+async fn run_job(
+    src: Source,
+    dst: Target,
+    job: Job,
+    plan: Plan,
+    turn: Option<oneshot::Receiver<()>>,
+    done: Option<oneshot::Sender<()>>,
+) -> Result<u64> {
+    let unit = if plan.compress_cluster > 0 {
+        plan.compress_cluster
+    } else {
+        plan.gran.max(1)
+    };
+    let limit = job.end.min(plan.size);
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    let mut covered = 0;
+    for &(s, e) in &job.data {
+        covered += e - s;
+        let s = (s - s % unit).max(job.start);
+        let e = e.next_multiple_of(unit).min(limit);
+        push_range(&mut ranges, s, e);
+    }
+    let mut bufs = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        let mut buf = vec![0u8; (e - s) as usize];
+        src.read(&mut buf, s)
+            .await
+            .with_context(|| format!("error while reading at byte {s}"))?;
+        bufs.push((s, buf));
+    }
+    if let Some(turn) = turn {
+        // An error in the previous chunk drops its sender; that error is reported anyway.
+        let _ = turn.await;
+    }
+    for &(s, e) in &job.zeros {
+        dst.write_zeroes(s, e - s)
+            .await
+            .with_context(|| format!("error while writing at byte {s}"))?;
+    }
+    for (s, buf) in bufs {
+        if plan.compress_cluster > 0 {
+            let cs = plan.compress_cluster as usize;
+            for (i, cluster) in buf.chunks(cs).enumerate() {
+                let off = s + (i * cs) as u64;
+                if cluster.iter().all(|&b| b == 0) {
+                    if plan.zero_target {
+                        dst.write_zeroes(off, cluster.len() as u64)
+                            .await
+                            .with_context(|| format!("error while writing at byte {off}"))?;
+                    }
+                    continue;
+                }
+                dst.write_compressed(cluster, off)
+                    .await
+                    .with_context(|| format!("error while writing at byte {off}"))?;
+            }
+        } else if plan.gran > 0 {
+            write_nonzero(&dst, &buf, s, plan.gran, plan.zero_target).await?;
+        } else {
+            dst.write(&buf, s)
+                .await
+                .with_context(|| format!("error while writing at byte {s}"))?;
+        }
+    }
+    if let Some(done) = done {
+        let _ = done.send(());
+    }
+    Ok(covered)
+}
+
+/// Progress printed as qemu-img does: `    (12.34/100%)\r` on stdout, at every whole percent.
+struct Progress {
+    on: bool,
+    total: u64,
+    done: u64,
+    last: f64,
+}
+
+impl Progress {
+    fn print(&self, pct: f64) {
+        use std::io::Write;
+        print!("    ({pct:3.2}/100%)\r");
+        let _ = std::io::stdout().flush();
+    }
+
+    fn start(&mut self) {
+        if self.on {
+            self.print(0.0);
+        }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.done += n;
+        if !self.on || self.total == 0 {
+            return;
+        }
+        let pct = (self.done as f64 * 100.0 / self.total as f64).min(100.0);
+        if pct - self.last >= 1.0 || (pct >= 100.0 && self.last < 100.0) {
+            self.last = pct;
+            self.print(pct);
+        }
+    }
+
+    fn end(&mut self) {
+        if self.on {
+            self.print(100.0);
+            println!();
+        }
+    }
+}
+
+fn parse_fmt(s: &str) -> Result<ImageFormat> {
+    match s {
+        "qcow2" => Ok(ImageFormat::Qcow2),
+        "raw" => Ok(ImageFormat::Raw),
+        _ => bail!("Unknown file format '{s}'"),
+    }
+}
+
+fn convert(a: ConvertArgs) -> Result<()> {
+    let _ = a.force_share;
+    let out_name = a.out_fmt.clone().unwrap_or_else(|| "raw".to_string());
+    let out_fmt = parse_fmt(&out_name)?;
+    let pairs: Vec<String> = a.options.iter().flat_map(|o| opts::split_opts(o)).collect();
+    if pairs.iter().any(|p| p == "help" || p == "?") {
+        print!("{}", opts::help_text(&out_name));
+        return Ok(());
+    }
+    if a.backing.is_some() {
+        bail!("a backing file for the output (-B) is not supported: the chain is flattened");
+    }
+    if a.compress && out_fmt != ImageFormat::Qcow2 {
+        bail!("Compression not supported for this file format");
+    }
+    let sparse = match &a.sparse {
+        None => 4096,
+        Some(s) => match opts::parse_size(s) {
+            Some(v) if v % 512 == 0 && v <= 16 << 20 => v,
+            _ => bail!(
+                "Invalid buffer size for sparse output specified. Valid sizes are multiples of \
+                 512 up to 16777216. Select 0 to disable sparse detection (fully allocates output)."
+            ),
+        },
+    };
+    let parallel = match &a.parallel {
+        None => 8,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if (1..=16).contains(&n) => n,
+            _ => bail!("Invalid number of coroutines specified. Must be between 1 and 16."),
+        },
+    };
+    let [src_file, dst_file] = a.files.as_slice() else {
+        if a.files.len() < 2 {
+            bail!("Must specify image file name");
+        }
+        bail!("qimg convert takes one source and one destination");
+    };
+    let src_path = Path::new(src_file);
+    let dst_path = Path::new(dst_file);
+
+    // The output's options, parsed and checked before anything is opened or created.
+    let mut co = CreateOptions::default();
+    let mut given = opts::Given::default();
+    opts::apply(&mut co, &mut given, &pairs, &out_name)?;
+    if co.backing_file.is_some() {
+        bail!(
+            "a backing file for the output (-o backing_file) is not supported: the chain is \
+             flattened"
+        );
+    }
+    if a.no_create && !pairs.is_empty() {
+        bail!("-o has no effect with -n (the output is not created)");
+    }
+
+    let src_fmt = match a.src_fmt.as_deref() {
+        Some(f) => parse_fmt(f)
+            .map_err(|_| anyhow!("Could not open '{src_file}': Unknown driver '{f}'"))?,
+        None => probe_format(src_path)
+            .map_err(|e| anyhow!("Could not open '{src_file}': {}", lib_msg(&e, src_file)))?,
+    };
+
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(1, 4);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .context("cannot start the I/O runtime")?;
+    rt.block_on(async move {
+        let layers = open_chain(src_path, src_file, src_fmt).await?;
+        let size = layers[0].size();
+        refuse_overwriting_source(&layers, dst_path, dst_file)?;
+        let source = match &layers[0] {
+            Layer::Qcow2 { img, .. } => Source::Qcow2(img.clone()),
+            Layer::Raw(_) => Source::Raw(
+                FileStorage::open(src_path)
+                    .map_err(|e| anyhow!("Could not open '{src_file}': {e}"))?,
+            ),
+        };
+
+        let target = if a.no_create {
+            open_target(dst_path, dst_file, out_fmt, size).await?
+        } else {
+            let mut nop = |_: u64, _: u64| {};
+            if out_fmt == ImageFormat::Raw {
+                create_raw(dst_path, size, co.preallocation, &mut nop).map_err(|e| {
+                    anyhow!(
+                        "{dst_file}: error while converting raw: {}",
+                        lib_msg(&e, dst_file)
+                    )
+                })?;
+            } else {
+                co.size = Some(size);
+                co.validate()
+                    .and_then(|()| create(dst_path, &co, &mut nop).map(|_| ()))
+                    .map_err(|e| {
+                        anyhow!(
+                            "{dst_file}: error while converting qcow2: {}",
+                            lib_msg(&e, dst_file)
+                        )
+                    })?;
+            }
+            open_target(dst_path, dst_file, out_fmt, size).await?
+        };
+
+        let (gran, compress_cluster) = match &target {
+            Target::Qcow2(img) if a.compress => (sparse, img.cluster_size()),
+            Target::Qcow2(img) if sparse > 0 => (img.subcluster_size(), 0),
+            _ => (sparse, 0),
+        };
+        let plan = Plan {
+            size,
+            gran,
+            compress_cluster,
+            zero_target: a.no_create,
+            all_data: sparse == 0,
+            parallel,
+            // Compressed clusters are packed wherever they land; compress them in parallel.
+            in_order: !a.out_of_order && compress_cluster == 0,
+        };
+        let mut progress = Progress {
+            on: a.progress && !a.quiet,
+            total: 0,
+            done: 0,
+            last: 0.0,
+        };
+        if progress.on {
+            progress.total = data_bytes(&layers, size, plan.all_data).await?;
+        }
+        progress.start();
+        copy(&layers, source, target.clone(), plan, &mut progress).await?;
+        target
+            .finish()
+            .await
+            .with_context(|| format!("error while closing '{dst_file}'"))?;
+        progress.end();
+        Ok(())
+    })
+}
+
+/// Refuses an output that is the source or a file of its chain (creating it would destroy the
+/// data being read).
+fn refuse_overwriting_source(layers: &[Layer], dst: &Path, file: &str) -> Result<()> {
+    let Ok(dst) = std::fs::canonicalize(dst) else {
+        return Ok(());
+    };
+    for l in layers {
+        for p in l.files() {
+            if std::fs::canonicalize(&p).is_ok_and(|p| p == dst) {
+                bail!(
+                    "Could not open '{file}': the output is the source image or a file of its \
+                     backing chain"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn open_target(path: &Path, file: &str, fmt: ImageFormat, size: u64) -> Result<Target> {
+    if let Err(e) = std::fs::metadata(path) {
+        bail!("Could not open '{file}': {}", os_msg(&e));
+    }
+    let t = match fmt {
+        ImageFormat::Qcow2 => {
+            let o = OpenOptions {
+                no_clean_timer: true,
+                ..OpenOptions::read_write()
+            };
+            let img = Image::open(path, &o)
+                .await
+                .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
+            if img.size() < size {
+                bail!("output file is smaller than input file");
+            }
+            Target::Qcow2(img)
+        }
+        ImageFormat::Raw => {
+            let f = FileStorage::options()
+                .read_write(true)
+                .open(path)
+                .map_err(|e| anyhow!("Could not open '{file}': {e}"))?;
+            let len = f.len().await.map_err(|e| anyhow!("{file}: {e}"))?;
+            if len < size {
+                bail!("output file is smaller than input file");
+            }
+            Target::Raw(f)
+        }
+    };
+    Ok(t)
+}
+
+/// Cuts the source's status into chunk jobs, in order: every chunk with data (or, with
+/// `zeros`, zero ranges). `all_data` treats zero ranges as data (`-S 0`).
+struct Jobs<'a> {
+    layers: &'a [Layer],
+    size: u64,
+    all_data: bool,
+    zeros: bool,
+    at: u64,
+    current: Option<Job>,
+    ready: VecDeque<Job>,
+}
+
+impl<'a> Jobs<'a> {
+    fn new(layers: &'a [Layer], size: u64, all_data: bool, zeros: bool) -> Self {
+        Self {
+            layers,
+            size,
+            all_data,
+            zeros,
+            at: 0,
+            current: None,
+            ready: VecDeque::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<Job>> {
+        loop {
+            if let Some(j) = self.ready.pop_front() {
+                return Ok(Some(j));
+            }
+            if self.at >= self.size {
+                return Ok(self.current.take());
+            }
+            let n = WINDOW.min(self.size - self.at);
+            let mut entries = Vec::new();
+            status(self.layers, 0, self.at, n, &mut entries).await?;
+            self.at += n;
+            for e in &entries {
+                let is_data = self.all_data || !e.zero;
+                if !is_data && !self.zeros {
+                    continue;
+                }
+                let end = e.start + e.length;
+                let mut s = e.start;
+                while s < end {
+                    let chunk = s - s % CHUNK;
+                    let ce = (chunk + CHUNK).min(end);
+                    if self.current.as_ref().is_some_and(|j| j.start != chunk) {
+                        self.ready.extend(self.current.take());
+                    }
+                    let j = self.current.get_or_insert_with(|| Job {
+                        start: chunk,
+                        end: chunk + CHUNK,
+                        data: Vec::new(),
+                        zeros: Vec::new(),
+                    });
+                    if is_data {
+                        push_range(&mut j.data, s, ce);
+                    } else {
+                        push_range(&mut j.zeros, s, ce);
+                    }
+                    s = ce;
+                }
+            }
+        }
+    }
+}
+
+/// The data bytes the copy will read (the progress total).
+async fn data_bytes(layers: &[Layer], size: u64, all_data: bool) -> Result<u64> {
+    let mut jobs = Jobs::new(layers, size, all_data, false);
+    let mut total = 0;
+    while let Some(j) = jobs.next().await? {
+        total += j.data.iter().map(|(s, e)| e - s).sum::<u64>();
+    }
+    Ok(total)
+}
+
+fn joined(r: Option<std::result::Result<Result<u64>, tokio::task::JoinError>>) -> Result<u64> {
+    match r {
+        None => Ok(0),
+        Some(Ok(r)) => r,
+        Some(Err(e)) => Err(anyhow!("copy task failed: {e}")),
+    }
+}
+
+async fn copy(
+    layers: &[Layer],
+    source: Source,
+    target: Target,
+    plan: Plan,
+    progress: &mut Progress,
+) -> Result<()> {
+    let mut set: JoinSet<Result<u64>> = JoinSet::new();
+    let mut jobs = Jobs::new(layers, plan.size, plan.all_data, plan.zero_target);
+    let r: Result<()> = async {
+        let mut prev: Option<oneshot::Receiver<()>> = None;
+        while let Some(job) = jobs.next().await? {
+            while set.len() >= plan.parallel {
+                progress.add(joined(set.join_next().await)?);
+            }
+            let (turn, done) = if plan.in_order {
+                let (tx, rx) = oneshot::channel();
+                (prev.replace(rx), Some(tx))
+            } else {
+                (None, None)
+            };
+            set.spawn(run_job(
+                source.clone(),
+                target.clone(),
+                job,
+                plan,
+                turn,
+                done,
+            ));
+        }
+        while !set.is_empty() {
+            progress.add(joined(set.join_next().await)?);
+        }
+        Ok(())
+    }
+    .await;
+    if r.is_err() {
+        set.abort_all();
+        while set.join_next().await.is_some() {}
+    }
+    r
 }

@@ -58,17 +58,25 @@ const STEP: u64 = 1 << 30;
 
 /// One line of the map, with qemu-img's fields.
 #[derive(Debug, Clone)]
-struct Entry {
-    start: u64,
-    length: u64,
-    depth: usize,
-    present: bool,
-    zero: bool,
-    data: bool,
-    compressed: bool,
-    offset: Option<u64>,
+pub(crate) struct Entry {
+    /// First guest byte.
+    pub(crate) start: u64,
+    /// Length in bytes.
+    pub(crate) length: u64,
+    /// Index in the backing chain of the image the status comes from.
+    pub(crate) depth: usize,
+    /// Allocated at that depth (not a read-through to zeros).
+    pub(crate) present: bool,
+    /// Reads as zeros.
+    pub(crate) zero: bool,
+    /// Holds data (possibly also reading as zeros: a hole of a preallocated file).
+    pub(crate) data: bool,
+    /// A compressed cluster.
+    pub(crate) compressed: bool,
+    /// Host offset.
+    pub(crate) offset: Option<u64>,
     /// The file `offset` points into (set only with an offset, as QEMU does).
-    file: Option<Rc<str>>,
+    pub(crate) file: Option<Rc<str>>,
 }
 
 impl Entry {
@@ -124,19 +132,37 @@ fn hex16(v: u64) -> String {
 }
 
 /// One image of the chain, with what the walk needs from it.
-enum Layer {
+pub(crate) enum Layer {
+    /// A qcow2 image.
     Qcow2 {
+        /// The open image.
         img: Image<FileStorage>,
+        /// Its external data file, if any.
+        data_file: Option<PathBuf>,
         /// Name of the file host offsets point into (data file or image file).
         name: Rc<str>,
         /// The host file, when the image is metadata-preallocated (holes read as zeros).
         prealloc: Option<HostFile>,
     },
+    /// A raw image.
     Raw(HostFile),
 }
 
 impl Layer {
-    fn size(&self) -> u64 {
+    /// The files this layer reads (the image file and its data file, if any).
+    pub(crate) fn files(&self) -> Vec<PathBuf> {
+        match self {
+            Layer::Qcow2 { img, data_file, .. } => {
+                let mut v = vec![img.path().to_path_buf()];
+                v.extend(data_file.clone());
+                v
+            }
+            Layer::Raw(f) => vec![f.path.clone()],
+        }
+    }
+
+    /// The virtual size as QEMU sees it (raw files round up to 512 bytes).
+    pub(crate) fn size(&self) -> u64 {
         match self {
             Layer::Qcow2 { img, .. } => img.size(),
             Layer::Raw(f) => f.len.next_multiple_of(512),
@@ -145,8 +171,9 @@ impl Layer {
 }
 
 /// A file whose data extents and holes are asked from the file system.
-struct HostFile {
+pub(crate) struct HostFile {
     file: File,
+    path: PathBuf,
     name: Rc<str>,
     /// The file length in bytes.
     len: u64,
@@ -154,12 +181,18 @@ struct HostFile {
 
 impl HostFile {
     fn open(path: &Path, name: Rc<str>) -> Result<Self> {
-        let file = File::open(path).with_context(|| format!("Could not open '{name}'"))?;
+        let file =
+            File::open(path).map_err(|e| anyhow!("Could not open '{name}': {}", os_msg(&e)))?;
         let len = file
             .metadata()
-            .with_context(|| format!("Could not stat '{name}'"))?
+            .map_err(|e| anyhow!("Could not stat '{name}': {}", os_msg(&e)))?
             .len();
-        Ok(Self { file, name, len })
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            name,
+            len,
+        })
     }
 
     /// Splits `[start, end)` into (start, length, is_data) runs, as file-posix's block status
@@ -267,7 +300,7 @@ fn metadata_preallocated(path: &Path) -> bool {
 }
 
 /// Opens the image and lists the layers of its chain, top first.
-async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Layer>> {
+pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Layer>> {
     if fmt == ImageFormat::Raw {
         return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
     }
@@ -275,29 +308,27 @@ async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Lay
         no_clean_timer: true,
         ..OpenOptions::read_only()
     };
-    let img = Image::open(path, &opts).await.map_err(|e| {
-        let e = e.to_string();
-        let e = e
-            .strip_prefix(&format!("{file}: "))
-            .map(str::to_string)
-            .unwrap_or(e);
-        anyhow!("Could not open '{file}': {e}")
-    })?;
+    let img = Image::open(path, &opts)
+        .await
+        .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
     let mut layers = Vec::new();
     let mut next = Some(img);
     while let Some(img) = next.take() {
         let c0 = read_cluster0(img.path(), qimg::format::validate::OpenMode::ReadOnly)?;
-        let (name, host_path): (Rc<str>, PathBuf) = match c0.data_file() {
-            Some(n) => {
-                let n = String::from_utf8_lossy(n).into_owned();
-                let p = qimg::create::resolve_backing(img.path(), &n);
-                (Rc::from(n.as_str()), p)
-            }
+        let data_file = c0
+            .data_file()
+            .map(|n| String::from_utf8_lossy(n).into_owned());
+        let (name, host_path): (Rc<str>, PathBuf) = match &data_file {
+            Some(n) => (
+                Rc::from(n.as_str()),
+                qimg::create::resolve_backing(img.path(), n),
+            ),
             None => (
                 Rc::from(img.path().display().to_string().as_str()),
                 img.path().to_path_buf(),
             ),
         };
+        let data_file = data_file.map(|_| host_path.clone());
         let prealloc = if metadata_preallocated(img.path()) {
             Some(HostFile::open(&host_path, name.clone())?)
         } else {
@@ -316,6 +347,7 @@ async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Lay
         };
         layers.push(Layer::Qcow2 {
             img,
+            data_file,
             name,
             prealloc,
         });
@@ -327,7 +359,7 @@ async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Lay
 }
 
 /// Appends the entries of `[start, start + len)` as seen from layer `depth` down.
-async fn status(
+pub(crate) async fn status(
     layers: &[Layer],
     depth: usize,
     start: u64,
@@ -371,6 +403,7 @@ async fn status_inner(
             img,
             name,
             prealloc,
+            ..
         } => {
             let extents = img
                 .map(start, len)
@@ -477,9 +510,8 @@ fn map(a: MapArgs) -> Result<()> {
         Some("qcow2") => ImageFormat::Qcow2,
         Some("raw") => ImageFormat::Raw,
         Some(other) => bail!("Could not open '{file}': Unknown driver '{other}'"),
-        None => {
-            probe_format(path).map_err(|e| anyhow!("Could not open '{file}': {}", io_msg(&e)))?
-        }
+        None => probe_format(path)
+            .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)))?,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -499,18 +531,26 @@ fn map(a: MapArgs) -> Result<()> {
     })
 }
 
-/// The error text of a library error without the leading file name.
-fn io_msg(e: &qimg::Error) -> String {
+/// An OS error as C's `strerror` words it ("No such file or directory", without Rust's
+/// " (os error 2)").
+pub(crate) fn os_msg(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// The error text of a library error without the leading file name `file`.
+pub(crate) fn lib_msg(e: &qimg::Error, file: &str) -> String {
     match e {
-        qimg::Error::Io { source, .. } => {
-            let s = source.to_string();
-            // "No such file or directory (os error 2)" -> QEMU's strerror text.
-            match s.find(" (os error") {
-                Some(i) => s[..i].to_string(),
-                None => s,
-            }
+        qimg::Error::Io { source, .. } => os_msg(source),
+        other => {
+            let s = other.to_string();
+            s.strip_prefix(&format!("{file}: "))
+                .map(str::to_string)
+                .unwrap_or(s)
         }
-        other => other.to_string(),
     }
 }
 
