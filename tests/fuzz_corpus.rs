@@ -1,1 +1,236 @@
-//! (placeholder: being written)
+//! Replays the committed seed corpus of every fuzz target (`fuzz/corpus/<target>/`, made by
+//! `fuzz/make-corpus.sh` from qemu-img images) and every saved finding
+//! (`fuzz/regressions/<target>/`) through the functions the cargo-fuzz targets call, and
+//! checks that the seeds are what the script means them to be (valid slices, images that open
+//! and read, clean and damaged images, operation sequences).
+
+use std::path::PathBuf;
+
+use qimg::format::fuzz as ffuzz;
+use qimg::fuzzing;
+
+fn dir(kind: &str, target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz")
+        .join(kind)
+        .join(target)
+}
+
+/// The files of `fuzz/<kind>/<target>/`, sorted by name; none when the directory is missing.
+fn files(kind: &str, target: &str) -> Vec<(String, Vec<u8>)> {
+    let d = dir(kind, target);
+    let Ok(entries) = std::fs::read_dir(&d) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, Vec<u8>)> = entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
+    let v = files("corpus", target);
+    assert!(
+        !v.is_empty(),
+        "{}: no seeds (run fuzz/make-corpus.sh)",
+        dir("corpus", target).display()
+    );
+    v
+}
+
+/// Runs `f` on every input, naming the input when it panics.
+fn replay(target: &str, inputs: &[(String, Vec<u8>)], f: impl Fn(&[u8])) {
+    for (name, data) in inputs {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(data)));
+        if let Err(e) = r {
+            let msg = e
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| e.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            panic!("{target}/{name}: {msg}");
+        }
+    }
+}
+
+fn regressions(target: &str, f: impl Fn(&[u8])) {
+    replay(target, &files("regressions", target), f);
+}
+
+#[test]
+fn header_seeds_replay() {
+    replay("header", &seeds("header"), ffuzz::header_and_extensions);
+}
+
+#[test]
+fn l2_slice_seeds_replay_and_decode() {
+    let seeds = seeds("l2_slice");
+    assert!(seeds.len() >= 15, "{} L2 slices", seeds.len());
+    replay("l2_slice", &seeds, ffuzz::l2_slice);
+    let mut extended = 0;
+    for (name, data) in &seeds {
+        let (ctx, base) = ffuzz::l2_context(data[0]);
+        let entries = qimg::format::l2::decode_slice(&data[1..], &ctx, base)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            entries
+                .iter()
+                .any(|e| *e.entry() != qimg::format::l2::L2Entry::Unallocated),
+            "{name}: no allocated entry"
+        );
+        extended += usize::from(ctx.geometry.extended_l2());
+    }
+    assert!(extended >= 3, "{extended} extended slices");
+}
+
+#[test]
+fn refcount_block_seeds_replay_for_every_width() {
+    let seeds = seeds("refcount_block");
+    replay("refcount_block", &seeds, ffuzz::refcount_block);
+    let mut orders = [false; 7];
+    for (name, data) in seeds.iter().filter(|(n, _)| !n.ends_with("-table")) {
+        let order = usize::from(data[0] % 8);
+        let values = qimg::format::refcount::decode_block(&data[1..], order as u32)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(values.iter().take(3).all(|&v| v >= 1), "{name}: {values:?}");
+        orders[order] = true;
+    }
+    assert_eq!(orders, [true; 7], "refcount orders with a seed");
+}
+
+/// Seeds the engine cannot read yet (each has an ignored test below).
+const KNOWN_UNREADABLE: &[&str] = &["comp4k-zstd"];
+
+/// Opens a seed read-only from memory and reads the first `len` bytes.
+fn read_seed(name: &str, data: &[u8], len: u64) -> qimg::Result<Vec<u8>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let opts = qimg::OpenOptions {
+            no_clean_timer: true,
+            ..qimg::OpenOptions::read_only()
+        };
+        let s = qimg::io::MemStorage::from_bytes(data);
+        let img = qimg::Image::from_storage(s, name, &opts, None, None).await?;
+        let mut buf = vec![0u8; img.size().min(len) as usize];
+        img.read(&mut buf, 0).await?;
+        Ok(buf)
+    })
+}
+
+/// Finding (open_read seed `comp4k-zstd`, made by `qemu-img convert -c -o
+/// compression_type=zstd`): zstd clusters that share a sector with the next compressed cluster
+/// do not read. `compress::unzstd` fills the cluster, then feeds the rest of the input (the
+/// next cluster's frame) to the decoder to see whether the frame inflates further; the decoder
+/// starts on the next frame, produces output, and the read fails with "zstd frame inflates
+/// beyond the cluster size". QEMU (`qcow2_zstd_decompress`) stops when the cluster is full
+/// and only requires the frame to be complete (`ZSTD_decompressStream` returned 0).
+#[test]
+#[ignore = "finding: zstd clusters sharing a sector do not read (src/compress.rs)"]
+fn finding_zstd_clusters_sharing_a_sector_read() {
+    let data = std::fs::read(dir("corpus", "open_read").join("comp4k-zstd")).unwrap();
+    let buf = read_seed("comp4k-zstd", &data, 64 << 10).unwrap();
+    assert!(buf.iter().all(|&b| b == 0x5a));
+}
+
+#[test]
+fn open_read_seeds_replay_and_open() {
+    let seeds = seeds("open_read");
+    assert!(seeds.len() >= 15);
+    replay("open_read", &seeds, fuzzing::open_read);
+    for (name, data) in seeds
+        .iter()
+        .filter(|(n, _)| !KNOWN_UNREADABLE.contains(&n.as_str()))
+    {
+        let buf =
+            read_seed(name, data, fuzzing::READ_WINDOW).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            buf.iter().any(|&b| b != 0),
+            "{name}: no data in the first MiB"
+        );
+    }
+}
+
+#[test]
+fn check_seeds_replay_clean_images_stay_clean_damaged_ones_are_repaired() {
+    let seeds = seeds("check");
+    assert!(seeds.len() >= 15);
+    let mut damaged = 0;
+    for (name, data) in &seeds {
+        let [before, repaired, after] = fuzzing::check(data);
+        let (before, repaired, after) = (
+            before.unwrap_or_else(|e| panic!("{name}: {e}")),
+            repaired.unwrap_or_else(|e| panic!("{name}: {e}")),
+            after.unwrap_or_else(|e| panic!("{name}: {e}")),
+        );
+        let found = before.corruptions + before.leaks;
+        // The lazy refcounts image is dirty: a check finds the leaks of its last write.
+        if name.starts_with("std4k-") || name.starts_with("ext16k-") || name == "lazy4k" {
+            assert!(found > 0, "{name}: nothing found: {before:?}");
+            damaged += 1;
+            assert!(
+                repaired.corruptions_fixed + repaired.leaks_fixed > 0,
+                "{name}: nothing repaired: {repaired:?}"
+            );
+        } else {
+            assert_eq!(found, 0, "{name}: {before:?}");
+        }
+        assert_eq!(
+            (after.corruptions, after.leaks, after.check_errors),
+            (0, 0, 0),
+            "{name}: after repair: {after:?}"
+        );
+    }
+    assert!(damaged >= 7, "{damaged} damaged images");
+}
+
+#[test]
+fn ops_seeds_replay() {
+    let seeds = seeds("ops");
+    for (name, data) in &seeds {
+        let (_, ops) = fuzzing::decode_ops(data).unwrap();
+        assert!(ops.len() >= 5, "{name}: {} operations", ops.len());
+    }
+    replay("ops", &seeds, fuzzing::ops);
+}
+
+#[test]
+fn regressions_header() {
+    regressions("header", ffuzz::header_and_extensions);
+}
+
+#[test]
+fn regressions_l2_slice() {
+    regressions("l2_slice", ffuzz::l2_slice);
+}
+
+#[test]
+fn regressions_refcount_block() {
+    regressions("refcount_block", ffuzz::refcount_block);
+}
+
+#[test]
+fn regressions_open_read() {
+    regressions("open_read", fuzzing::open_read);
+}
+
+#[test]
+fn regressions_ops() {
+    regressions("ops", fuzzing::ops);
+}
+
+#[test]
+fn regressions_check() {
+    regressions("check", |d| {
+        let _ = fuzzing::check(d);
+    });
+}
