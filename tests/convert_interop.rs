@@ -1,1 +1,576 @@
-//! (placeholder: being written)
+//! `qimg convert` checked with qemu-img: every output compares equal to its source with
+//! `qemu-img compare`, qcow2 outputs pass `qemu-img check`, compressed outputs are compressed
+//! in `qemu-img map`, zeros are never written (sparse raw, few clusters allocated), every
+//! create option applies to the output, progress looks like qemu-img's, and bad input is
+//! refused with a clear message and exit code 1.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use common::engine::pattern;
+use common::{Scratch, have_qemu, json, ok, qemu_img, qimg, run};
+
+const MIB: u64 = 1 << 20;
+
+fn qemu_io(dir: &Path, fmt: &str, file: &str, cmds: &[&str]) {
+    let mut args: Vec<&str> = vec!["-f", fmt];
+    for c in cmds {
+        args.push("-c");
+        args.push(c);
+    }
+    args.push(file);
+    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+}
+
+fn create(dir: &Path, fmt: &str, opts: &str, extra: &[&str], file: &str, size: &str) {
+    let mut args = vec!["create", "-q", "-f", fmt];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    args.extend(extra);
+    args.push(file);
+    if !size.is_empty() {
+        args.push(size);
+    }
+    ok("qemu-img create", &qemu_img(dir, &args));
+}
+
+/// `qimg convert ARGS`, which must succeed; returns stdout.
+fn convert(dir: &Path, args: &[&str]) -> String {
+    let mut a = vec!["convert"];
+    a.extend(args);
+    ok(&format!("qimg {a:?}"), &qimg(dir, &a))
+}
+
+fn assert_same(dir: &Path, a: &str, b: &str) {
+    let o = qemu_img(dir, &["compare", a, b]);
+    assert!(
+        o.status.success(),
+        "qemu-img compare {a} {b}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn assert_clean(dir: &Path, file: &str) {
+    let v = json(
+        &format!("qemu-img check {file}"),
+        &qemu_img(dir, &["check", "--output=json", file]),
+    );
+    for k in ["corruptions", "leaks", "check-errors"] {
+        assert_eq!(
+            v.get(k).and_then(|x| x.as_u64()).unwrap_or(0),
+            0,
+            "{file}: {v}"
+        );
+    }
+}
+
+fn info(dir: &Path, file: &str) -> serde_json::Value {
+    json(
+        "qemu-img info",
+        &qemu_img(dir, &["info", "--output=json", file]),
+    )
+}
+
+fn map(dir: &Path, file: &str) -> Vec<serde_json::Value> {
+    json(
+        "qemu-img map",
+        &qemu_img(dir, &["map", "--output=json", file]),
+    )
+    .as_array()
+    .cloned()
+    .unwrap_or_default()
+}
+
+/// Guest bytes `qemu-img map` reports as data present in the image itself (depth 0).
+fn allocated_data(dir: &Path, file: &str) -> u64 {
+    map(dir, file)
+        .iter()
+        .filter(|e| e["data"] == true && e["depth"] == 0 && e["zero"] == false)
+        .map(|e| e["length"].as_u64().unwrap())
+        .sum()
+}
+
+/// Incompressible bytes (xorshift64*).
+fn noise(len: usize) -> Vec<u8> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
+        })
+        .collect()
+}
+
+fn allocated_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+/// A three-deep chain made by qemu: raw base (shorter), qcow2 middle, qcow2 top, with data
+/// patterns, zero clusters and discards at every level. Returns the top's name.
+fn qemu_chain(d: &Path) -> &'static str {
+    create(d, "raw", "", &[], "base.raw", "6M");
+    qemu_io(
+        d,
+        "raw",
+        "base.raw",
+        &["write -P 1 0 1M", "write -P 2 5M 512k"],
+    );
+    create(
+        d,
+        "qcow2",
+        "",
+        &["-b", "base.raw", "-F", "raw"],
+        "mid.qcow2",
+        "12M",
+    );
+    qemu_io(
+        d,
+        "qcow2",
+        "mid.qcow2",
+        &[
+            "write -P 3 512k 1M",
+            "write -z 5M 128k",
+            "write -P 4 8M 64k",
+            "write -P 0 9M 1M",
+        ],
+    );
+    create(
+        d,
+        "qcow2",
+        "extended_l2=on",
+        &["-b", "mid.qcow2", "-F", "qcow2"],
+        "top.qcow2",
+        "16M",
+    );
+    qemu_io(
+        d,
+        "qcow2",
+        "top.qcow2",
+        &[
+            "write -P 5 4k 4k",
+            "write -z 600k 200k",
+            "write -P 6 8200k 100k",
+            "write -P 7 15M 1M",
+            "discard 15M 64k",
+        ],
+    );
+    "top.qcow2"
+}
+
+#[test]
+fn round_trip_qcow2_raw_extended_standard() {
+    if !have_qemu("round_trip_qcow2_raw_extended_standard") {
+        return;
+    }
+    let s = Scratch::new("conv-roundtrip");
+    let d = &s.0;
+    let src = qemu_chain(d);
+    let before = std::fs::read(d.join(src)).unwrap();
+
+    convert(d, &["-O", "raw", src, "a.raw"]);
+    assert_same(d, src, "a.raw");
+    assert_eq!(std::fs::metadata(d.join("a.raw")).unwrap().len(), 16 * MIB);
+
+    convert(
+        d,
+        &[
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "extended_l2=on,cluster_size=128k",
+            "a.raw",
+            "b.qcow2",
+        ],
+    );
+    assert_same(d, src, "b.qcow2");
+    assert_clean(d, "b.qcow2");
+    let i = info(d, "b.qcow2");
+    assert_eq!(i["cluster-size"], 128 * 1024);
+    assert_eq!(i["format-specific"]["data"]["extended-l2"], true, "{i}");
+    assert!(i.get("backing-filename").is_none());
+
+    convert(d, &["-O", "qcow2", "b.qcow2", "c.qcow2"]);
+    assert_same(d, src, "c.qcow2");
+    assert_clean(d, "c.qcow2");
+    let i = info(d, "c.qcow2");
+    assert_eq!(i["cluster-size"], 65536);
+    assert_eq!(i["format-specific"]["data"]["extended-l2"], false, "{i}");
+
+    // Straight from the chain to qcow2 too, and with every flag spelled out.
+    convert(
+        d,
+        &[
+            "-f", "qcow2", "-O", "qcow2", "-U", "-q", "-m", "3", src, "d.qcow2",
+        ],
+    );
+    assert_same(d, src, "d.qcow2");
+    assert_clean(d, "d.qcow2");
+    convert(
+        d,
+        &["-W", "-O", "qcow2", "-o", "compat=0.10", src, "v2.qcow2"],
+    );
+    assert_same(d, src, "v2.qcow2");
+    assert_clean(d, "v2.qcow2");
+    assert_eq!(
+        info(d, "v2.qcow2")["format-specific"]["data"]["compat"],
+        "0.10"
+    );
+
+    // The source chain is untouched, and the outputs hold only data (the 1 MiB of zeros
+    // written as data in the middle image is not copied).
+    assert_eq!(std::fs::read(d.join(src)).unwrap(), before);
+    let data = allocated_data(d, "c.qcow2");
+    assert!(data <= 5 * MIB, "{data} bytes of data allocated");
+}
+
+#[test]
+fn compressed_outputs_zlib_and_zstd() {
+    if !have_qemu("compressed_outputs_zlib_and_zstd") {
+        return;
+    }
+    let s = Scratch::new("conv-compress");
+    let d = &s.0;
+    create(d, "qcow2", "", &[], "src.qcow2", "5M");
+    // Compressible patterns, an incompressible cluster, zeros and an odd tail.
+    qemu_io(
+        d,
+        "qcow2",
+        "src.qcow2",
+        &["write -P 1 0 1M", "write -P 2 2M 192k", "write -z 3M 1M"],
+    );
+    let img =
+        qimg::BlockingImage::open(d.join("src.qcow2"), &qimg::OpenOptions::read_write()).unwrap();
+    img.write(&noise(65536), 4 * MIB + 65536).unwrap();
+    img.close().unwrap();
+    for (name, opts) in [
+        ("zlib.qcow2", "compression_type=zlib"),
+        ("zstd.qcow2", "compression_type=zstd"),
+        ("zstd-ext.qcow2", "compression_type=zstd,extended_l2=on"),
+    ] {
+        convert(d, &["-c", "-O", "qcow2", "-o", opts, "src.qcow2", name]);
+        assert_same(d, "src.qcow2", name);
+        assert_clean(d, name);
+        let want = opts.split(',').next().unwrap().split('=').nth(1).unwrap();
+        assert_eq!(
+            info(d, name)["format-specific"]["data"]["compression-type"],
+            want
+        );
+        let m = map(d, name);
+        let compressed: u64 = m
+            .iter()
+            .filter(|e| e["compressed"] == true)
+            .map(|e| e["length"].as_u64().unwrap())
+            .sum();
+        assert!(
+            compressed >= MIB + 192 * 1024,
+            "{name}: {compressed} compressed bytes: {m:?}"
+        );
+        // The random cluster does not shrink: it is stored as plain data.
+        let plain = m.iter().any(|e| {
+            e["compressed"] == false
+                && e["data"] == true
+                && e["start"].as_u64().unwrap() <= 4 * MIB + 65536
+                && e["start"].as_u64().unwrap() + e["length"].as_u64().unwrap() >= 4 * MIB + 131072
+        });
+        assert!(
+            plain,
+            "{name}: the incompressible cluster is not plain data: {m:?}"
+        );
+        let len = std::fs::metadata(d.join(name)).unwrap().len();
+        assert!(len < 1024 * 1024, "{name} is {len} bytes");
+    }
+    // Compressed back to plain.
+    convert(d, &["-O", "qcow2", "zstd.qcow2", "plain.qcow2"]);
+    assert_same(d, "src.qcow2", "plain.qcow2");
+    assert_clean(d, "plain.qcow2");
+    assert!(
+        map(d, "plain.qcow2")
+            .iter()
+            .all(|e| e["compressed"] == false)
+    );
+}
+
+#[test]
+fn zeros_are_never_written() {
+    if !have_qemu("zeros_are_never_written") {
+        return;
+    }
+    let s = Scratch::new("conv-zeros");
+    let d = &s.0;
+    // 1 GiB, 3 MiB of data, 10 MiB of zeros written as data, zero clusters.
+    create(d, "qcow2", "", &[], "big.qcow2", "1G");
+    qemu_io(
+        d,
+        "qcow2",
+        "big.qcow2",
+        &[
+            "write -P 1 0 1M",
+            "write -P 0 100M 10M",
+            "write -z 200M 100M",
+            "write -P 2 700M 2M",
+            "write -P 3 1023M 4k",
+        ],
+    );
+    let data = 3 * MIB + 4096;
+    convert(d, &["-O", "qcow2", "big.qcow2", "out.qcow2"]);
+    assert_same(d, "big.qcow2", "out.qcow2");
+    assert_clean(d, "out.qcow2");
+    let got = allocated_data(d, "out.qcow2");
+    assert!(
+        (data..=data + 64 * 1024).contains(&got),
+        "{got} bytes of data allocated"
+    );
+    let size = std::fs::metadata(d.join("out.qcow2")).unwrap().len();
+    assert!(size < 4 * MIB, "output is {size} bytes");
+
+    // Subcluster granularity: 4 KiB pieces land in 4 KiB subclusters.
+    convert(
+        d,
+        &[
+            "-O",
+            "qcow2",
+            "-o",
+            "extended_l2=on,cluster_size=128k",
+            "big.qcow2",
+            "ext.qcow2",
+        ],
+    );
+    assert_same(d, "big.qcow2", "ext.qcow2");
+    assert_clean(d, "ext.qcow2");
+    assert_eq!(allocated_data(d, "ext.qcow2"), data);
+
+    // Raw output is sparse: holes instead of zeros.
+    convert(d, &["big.qcow2", "out.raw"]);
+    assert_same(d, "big.qcow2", "out.raw");
+    let a = allocated_bytes(&d.join("out.raw"));
+    assert_eq!(std::fs::metadata(d.join("out.raw")).unwrap().len(), 1 << 30);
+    assert!(a <= data + 64 * 1024, "raw output allocates {a} bytes");
+
+    // -S 0 writes everything.
+    create(d, "qcow2", "", &[], "small.qcow2", "4M");
+    qemu_io(d, "qcow2", "small.qcow2", &["write -P 1 0 64k"]);
+    convert(d, &["-S", "0", "-O", "qcow2", "small.qcow2", "full.qcow2"]);
+    assert_same(d, "small.qcow2", "full.qcow2");
+    assert_eq!(allocated_data(d, "full.qcow2"), 4 * MIB);
+}
+
+#[test]
+fn raw_sources_and_qimg_made_images() {
+    if !have_qemu("raw_sources_and_qimg_made_images") {
+        return;
+    }
+    let s = Scratch::new("conv-raw");
+    let d = &s.0;
+    // A raw file with holes and an odd size (read as rounded up to 512, like qemu).
+    let f = std::fs::File::create(d.join("src.raw")).unwrap();
+    f.set_len(3 * MIB + 1000).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &pattern(1, 0, 70_000), MIB).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &pattern(2, 0, 1000), 3 * MIB).unwrap();
+    drop(f);
+    convert(d, &["-O", "qcow2", "src.raw", "a.qcow2"]);
+    assert_same(d, "src.raw", "a.qcow2");
+    assert_clean(d, "a.qcow2");
+    assert_eq!(info(d, "a.qcow2")["virtual-size"], 3 * MIB + 1024);
+    convert(d, &["-O", "raw", "a.qcow2", "b.raw"]);
+    assert_same(d, "src.raw", "b.raw");
+
+    // An image written by the qimg library, converted with options qemu then reads.
+    ok(
+        "qimg create",
+        &qimg(
+            d,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on,cluster_size=64k",
+                "q.qcow2",
+                "8M",
+            ],
+        ),
+    );
+    let img =
+        qimg::BlockingImage::open(d.join("q.qcow2"), &qimg::OpenOptions::read_write()).unwrap();
+    img.write(&pattern(3, 0, 5000), 12_345).unwrap();
+    img.write(&pattern(4, 0, MIB as usize), 3 * MIB).unwrap();
+    img.write_zeroes(3 * MIB + 4096, 8192).unwrap();
+    img.close().unwrap();
+    for (name, opts) in [
+        ("p-meta.qcow2", "preallocation=metadata"),
+        ("p-falloc.qcow2", "preallocation=falloc,cluster_size=4k"),
+        ("rb1.qcow2", "refcount_bits=1,lazy_refcounts=on"),
+        ("df.qcow2", "data_file=df.data"),
+    ] {
+        convert(d, &["-O", "qcow2", "-o", opts, "q.qcow2", name]);
+        assert_same(d, "q.qcow2", name);
+        assert_clean(d, name);
+    }
+}
+
+#[test]
+fn into_an_existing_image_with_n() {
+    if !have_qemu("into_an_existing_image_with_n") {
+        return;
+    }
+    let s = Scratch::new("conv-n");
+    let d = &s.0;
+    let src = qemu_chain(d);
+    create(d, "qcow2", "", &[], "old.qcow2", "16M");
+    qemu_io(d, "qcow2", "old.qcow2", &["write -P 9 0 16M"]);
+    convert(d, &["-n", "-O", "qcow2", src, "old.qcow2"]);
+    assert_same(d, src, "old.qcow2");
+    assert_clean(d, "old.qcow2");
+    std::fs::write(d.join("old.raw"), vec![0xa5u8; 16 << 20]).unwrap();
+    convert(d, &["-n", src, "old.raw"]);
+    assert_same(d, src, "old.raw");
+}
+
+#[test]
+fn progress_is_printed_like_qemu_img() {
+    if !have_qemu("progress_is_printed_like_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("conv-progress");
+    let d = &s.0;
+    create(d, "qcow2", "", &[], "src.qcow2", "64M");
+    qemu_io(
+        d,
+        "qcow2",
+        "src.qcow2",
+        &["write -P 1 0 20M", "write -P 2 40M 10M"],
+    );
+    let out = convert(d, &["-p", "-O", "qcow2", "src.qcow2", "a.qcow2"]);
+    let want = ok(
+        "qemu-img convert -p",
+        &qemu_img(d, &["convert", "-p", "-O", "qcow2", "src.qcow2", "b.qcow2"]),
+    );
+    for text in [&out, &want] {
+        assert!(text.starts_with("    (0.00/100%)\r"), "{text:?}");
+        assert!(text.ends_with("    (100.00/100%)\r\n"), "{text:?}");
+    }
+    let steps = out.split('\r').count();
+    assert!(steps > 10, "only {steps} progress updates: {out:?}");
+    assert_same(d, "src.qcow2", "a.qcow2");
+    // -q silences it; without -p nothing is printed.
+    assert_eq!(
+        convert(d, &["-p", "-q", "-O", "qcow2", "src.qcow2", "c.qcow2"]),
+        ""
+    );
+    assert_eq!(convert(d, &["-O", "qcow2", "src.qcow2", "e.qcow2"]), "");
+}
+
+#[test]
+fn bad_input_is_refused_clearly() {
+    if !have_qemu("bad_input_is_refused_clearly") {
+        return;
+    }
+    let s = Scratch::new("conv-bad");
+    let d = &s.0;
+    create(d, "qcow2", "", &[], "src.qcow2", "4M");
+    qemu_io(d, "qcow2", "src.qcow2", &["write -P 1 0 64k"]);
+    let before = std::fs::read(d.join("src.qcow2")).unwrap();
+    let fails = |args: &[&str], needle: &str| {
+        let mut a = vec!["convert"];
+        a.extend(args);
+        let o = qimg(d, &a);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    };
+    fails(
+        &["-O", "qcow2", "missing.qcow2", "x.qcow2"],
+        "Could not open 'missing.qcow2': No such file or directory",
+    );
+    fails(
+        &["-O", "vmdk", "src.qcow2", "x"],
+        "Unknown file format 'vmdk'",
+    );
+    fails(&["-f", "vmdk", "src.qcow2", "x"], "Unknown driver 'vmdk'");
+    fails(
+        &["-O", "qcow2", "-o", "bogus=1", "src.qcow2", "x"],
+        "Invalid parameter 'bogus'",
+    );
+    fails(
+        &["-O", "qcow2", "-o", "cluster_size=3k", "src.qcow2", "x"],
+        "Cluster size must be a power of two",
+    );
+    fails(
+        &[
+            "-O",
+            "qcow2",
+            "-o",
+            "extended_l2=on,compat=0.10",
+            "src.qcow2",
+            "x",
+        ],
+        "Extended L2 entries are only supported with compatibility level 1.1",
+    );
+    fails(
+        &["-c", "-O", "raw", "src.qcow2", "x"],
+        "Compression not supported for this file format",
+    );
+    fails(
+        &["-S", "100", "src.qcow2", "x"],
+        "Invalid buffer size for sparse output",
+    );
+    fails(
+        &["-m", "0", "src.qcow2", "x"],
+        "Invalid number of coroutines",
+    );
+    fails(&["src.qcow2"], "Must specify image file name");
+    fails(
+        &["-n", "-O", "qcow2", "src.qcow2", "none.qcow2"],
+        "Could not open 'none.qcow2': No such file or directory",
+    );
+    create(d, "qcow2", "", &[], "tiny.qcow2", "1M");
+    fails(
+        &["-n", "-O", "qcow2", "src.qcow2", "tiny.qcow2"],
+        "output file is smaller than input file",
+    );
+    fails(
+        &["-B", "src.qcow2", "-O", "qcow2", "src.qcow2", "x"],
+        "not supported",
+    );
+    // Never overwrite the source (or a file of its chain) while reading it.
+    fails(
+        &["-O", "qcow2", "src.qcow2", "./src.qcow2"],
+        "the output is the source image",
+    );
+    create(
+        d,
+        "qcow2",
+        "",
+        &["-b", "src.qcow2", "-F", "qcow2"],
+        "top.qcow2",
+        "",
+    );
+    fails(
+        &["-O", "raw", "top.qcow2", "src.qcow2"],
+        "the output is the source image or a file of its backing chain",
+    );
+    assert_eq!(std::fs::read(d.join("src.qcow2")).unwrap(), before);
+    // A damaged source: an L2 table offset that is not aligned.
+    let mut bytes = before.clone();
+    let l1 = u64::from_be_bytes(bytes[40..48].try_into().unwrap()) as usize;
+    bytes[l1..l1 + 8].copy_from_slice(&((1u64 << 63) | 0x50200).to_be_bytes());
+    std::fs::write(d.join("bad.qcow2"), &bytes).unwrap();
+    fails(
+        &["-O", "raw", "bad.qcow2", "y.raw"],
+        "Could not open 'bad.qcow2'",
+    );
+    // -o help lists the options and converts nothing.
+    let help = convert(d, &["-O", "qcow2", "-o", "help", "src.qcow2", "z"]);
+    assert!(help.contains("extended_l2"), "{help}");
+    assert!(!d.join("z").exists());
+}
