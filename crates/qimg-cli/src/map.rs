@@ -143,6 +143,9 @@ pub(crate) enum Layer {
         name: Rc<str>,
         /// The host file, when the image is metadata-preallocated (holes read as zeros).
         prealloc: Option<HostFile>,
+        /// The L1 table as stored, to skip the ranges of empty entries without a lookup per
+        /// cluster (`None` if it could not be read: every range is then looked up).
+        l1: Option<L1>,
     },
     /// A raw image.
     Raw(HostFile),
@@ -251,6 +254,57 @@ impl HostFile {
     }
 }
 
+/// An image's L1 table: which guest ranges have no L2 table at all.
+pub(crate) struct L1 {
+    /// Guest bytes one entry covers.
+    span: u64,
+    /// L2 table offsets (0: none).
+    tables: Vec<u64>,
+}
+
+impl L1 {
+    /// Mask of the L2 table offset in an L1 entry.
+    const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+
+    fn read(path: &Path) -> Option<Self> {
+        let c0 = read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly).ok()?;
+        let h = &c0.header;
+        let geo = qimg::format::geometry::Geometry::new(h.cluster_bits, h.extended_l2()).ok()?;
+        let file = File::open(path).ok()?;
+        let mut raw = vec![0u8; usize::try_from(h.l1_size).ok()?.checked_mul(8)?];
+        file.read_exact_at(&mut raw, h.l1_table_offset).ok()?;
+        let tables = raw
+            .chunks_exact(8)
+            .map(|b| u64::from_be_bytes(b.try_into().unwrap_or([0; 8])) & Self::OFFSET_MASK)
+            .collect();
+        Some(Self {
+            span: geo.l2_coverage(),
+            tables,
+        })
+    }
+
+    /// Splits `[start, end)` at entry boundaries into (start, end, has_table) runs, adjacent
+    /// runs without a table merged.
+    fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
+        let mut out: Vec<(u64, u64, bool)> = Vec::new();
+        let mut at = start;
+        while at < end {
+            let i = at / self.span;
+            let e = ((i + 1) * self.span).min(end);
+            let has = self
+                .tables
+                .get(usize::try_from(i).unwrap_or(usize::MAX))
+                .is_none_or(|&t| t != 0);
+            match out.last_mut() {
+                Some(last) if !has && !last.2 => last.1 = e,
+                _ => out.push((at, e, has)),
+            }
+            at = e;
+        }
+        out
+    }
+}
+
 /// QEMU's `qcow2_detect_metadata_preallocation`: whether the image file refcounts at least
 /// `max(allocated * 10 / 9, allocated + 2)` clusters, `allocated` being the clusters the file
 /// system really holds. Errors count as "no", as in QEMU.
@@ -345,9 +399,11 @@ pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Res
             )?),
             None => None,
         };
+        let l1 = L1::read(img.path());
         layers.push(Layer::Qcow2 {
             img,
             data_file,
+            l1,
             name,
             prealloc,
         });
@@ -403,12 +459,29 @@ async fn status_inner(
             img,
             name,
             prealloc,
+            l1,
             ..
         } => {
-            let extents = img
-                .map(start, len)
-                .await
-                .map_err(|e| anyhow!("Could not read file metadata: {e}"))?;
+            let mut extents = Vec::new();
+            let runs = match l1 {
+                Some(l1) => l1.runs(start, start + len),
+                None => vec![(start, start + len, true)],
+            };
+            for (s, e, has_table) in runs {
+                if has_table {
+                    extents.extend(
+                        img.map(s, e - s)
+                            .await
+                            .map_err(|e| anyhow!("Could not read file metadata: {e}"))?,
+                    );
+                } else {
+                    extents.push(qimg::Extent {
+                        start: s,
+                        length: e - s,
+                        kind: ExtentKind::Unallocated { host_offset: None },
+                    });
+                }
+            }
             for x in extents {
                 match x.kind {
                     ExtentKind::Data { host_offset } => match prealloc {
