@@ -50,6 +50,18 @@ fn inflate(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
         .map_err(|e| fail(format!("zlib: {e}")))?;
     let produced = d.total_out();
     if produced == out.len() as u64 {
+        if status != Status::StreamEnd {
+            // The stream did not end with the cluster: see whether it has more to give.
+            let rest = &input[d.total_in() as usize..];
+            let mut spill = [0u8; 64];
+            let _ = d.decompress(rest, &mut spill, FlushDecompress::Finish);
+            if d.total_out() > produced {
+                return Err(fail(format!(
+                    "zlib stream inflates beyond the cluster size of {} bytes",
+                    out.len()
+                )));
+            }
+        }
         return Ok(());
     }
     match status {
@@ -74,6 +86,15 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
         dec.run(&mut inb, &mut outb)
             .map_err(|e| fail(format!("zstd: {e}")))?;
         if outb.pos() == want {
+            // More output from the same input means the data is larger than a cluster.
+            let mut spill = [0u8; 64];
+            let mut sb = OutBuffer::around(&mut spill[..]);
+            let _ = dec.run(&mut inb, &mut sb);
+            if sb.pos() > 0 {
+                return Err(fail(format!(
+                    "zstd frame inflates beyond the cluster size of {want} bytes"
+                )));
+            }
             return Ok(());
         }
         if inb.pos() == in_before && outb.pos() == out_before {
@@ -154,6 +175,21 @@ mod tests {
             .collect();
         assert!(compress(CompressionType::Zlib, &noise, 4095).is_none());
         assert!(compress(CompressionType::Zstd, &noise, 4095).is_none());
+    }
+
+    #[test]
+    fn data_larger_than_a_cluster_is_an_error() {
+        for kind in [CompressionType::Zlib, CompressionType::Zstd] {
+            let big = sample(8192);
+            let packed = compress(kind, &big, 8192).unwrap();
+            let mut out = vec![0u8; 4096];
+            let e = decompress(kind, &packed, &mut out).unwrap_err();
+            assert!(e.to_string().contains("beyond the cluster size"), "{kind:?}: {e}");
+            // Exactly one cluster still works.
+            let mut out = vec![0u8; 8192];
+            decompress(kind, &packed, &mut out).unwrap();
+            assert_eq!(out, big);
+        }
     }
 
     #[test]

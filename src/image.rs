@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -59,6 +59,11 @@ pub struct OpenOptions {
     /// Do not spawn the cache-clean timer task even when a tokio runtime is running; call
     /// [`Image::clean_idle_caches`] yourself.
     pub no_clean_timer: bool,
+    /// Refuse backing file and external data file names stored in the image that are
+    /// absolute or climb out of the image's directory with `..`. Set this when the image comes
+    /// from an untrusted source: otherwise its header can make qimg open any file the process
+    /// can read (`/etc/shadow` as a raw backing file, say) and expose it to the guest.
+    pub confine_names: bool,
 }
 
 impl OpenOptions {
@@ -153,6 +158,8 @@ pub(crate) struct Inner<S: Storage> {
     pub(crate) counters: Counters,
     pub(crate) epoch: tokio::time::Instant,
     pub(crate) clean_interval: Option<Duration>,
+    /// Corruption was found while writing: further writes are refused.
+    pub(crate) marked_corrupt: AtomicBool,
 }
 
 /// Opens the files an image refers to (backing files, external data files) as storages of the
@@ -314,7 +321,9 @@ fn open_chain<'a, S: Storage + 'static>(
             let name = match (&opts.data_file, c0.data_file()) {
                 (Some(p), _) => p.clone(),
                 (None, Some(n)) => {
-                    crate::create::resolve_backing(&path, &String::from_utf8_lossy(n))
+                    let n = String::from_utf8_lossy(n);
+                    confined(opts, &path, "external data file", &n)?;
+                    crate::create::resolve_backing(&path, &n)
                 }
                 (None, None) => PathBuf::new(),
             };
@@ -347,6 +356,7 @@ fn open_chain<'a, S: Storage + 'static>(
                     });
                 }
                 let name = String::from_utf8_lossy(name).into_owned();
+                confined(opts, &path, "backing file", &name)?;
                 let bpath = crate::create::resolve_backing(&path, &name);
                 let fmt = match c0.backing_format() {
                     Some(b"raw") => crate::info::ImageFormat::Raw,
@@ -403,7 +413,7 @@ fn open_chain<'a, S: Storage + 'static>(
             path: path.clone(),
             source,
         })?;
-        let meta = Meta::load(&file, &path, h, &geo, &resolved).await?;
+        let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
         let inner = Arc::new(Inner {
             file,
             data_file,
@@ -423,6 +433,7 @@ fn open_chain<'a, S: Storage + 'static>(
             counters: Counters::default(),
             epoch: tokio::time::Instant::now(),
             clean_interval: resolved.clean_interval,
+            marked_corrupt: AtomicBool::new(false),
             path,
         });
         if opts.writable {
@@ -437,6 +448,29 @@ fn open_chain<'a, S: Storage + 'static>(
         }
         Ok(Image { inner })
     })
+}
+
+/// With [`OpenOptions::confine_names`], refuses a stored file name that is absolute or
+/// contains a `..` component (or is a protocol-style name such as `nbd:...` or `json:{...}`).
+fn confined(opts: &OpenOptions, image: &Path, what: &str, name: &str) -> Result<()> {
+    if !opts.confine_names {
+        return Ok(());
+    }
+    let p = Path::new(name);
+    let escapes = p.is_absolute()
+        || p.components().any(|c| matches!(c, std::path::Component::ParentDir))
+        || name.starts_with("json:")
+        || name.is_empty();
+    if escapes {
+        return Err(Error::Unsupported {
+            path: image.to_path_buf(),
+            what: format!(
+                "{what} name {name:?} is absolute or leaves the image's directory, and \
+                 names are confined (OpenOptions::confine_names)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn spawn_cleaner<S: Storage + 'static>(
@@ -469,7 +503,7 @@ async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Res
         .await
         .map_err(|e| Error::storage(path, e))?;
     if let Ok(h) = Header::decode(&bytes) {
-        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0 as u64) {
+        if let Some(cs) = h.cluster_size().filter(|&c| (512..=MAX_CLUSTER0 as u64).contains(&c)) {
             bytes.resize(cs as usize, 0);
         }
     }
@@ -630,6 +664,14 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(crate) fn check_writable(&self) -> Result<()> {
+        if self.marked_corrupt.load(Ordering::Acquire) {
+            return Err(Error::Corrupt {
+                path: self.path.clone(),
+                what: "the image was marked corrupt after an inconsistency was found; \
+                       writes are refused (run qimg check -r all)"
+                    .into(),
+            });
+        }
         if self.writable {
             Ok(())
         } else {
@@ -642,6 +684,13 @@ impl<S: Storage> Inner<S> {
     /// Read-write open: repair a dirty image, drop autoclear bits we do not maintain.
     async fn prepare_for_writing(&self, h: &Header) -> Result<()> {
         let mut m = self.meta.lock().await;
+        if let Some((a, b)) = m.overlap.first_conflict() {
+            let what = format!(
+                "metadata overlap: {} at {:#x}..{:#x} and {} at {:#x}..{:#x} share host bytes",
+                a.region, a.start, a.end, b.region, b.start, b.end
+            );
+            return Err(self.signal_corruption(&mut m, what).await);
+        }
         if h.incompatible_features & INCOMPAT_DIRTY != 0 {
             self.rebuild_refcounts(&mut m).await?;
             m.dirty_on_disk = true;

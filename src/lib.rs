@@ -34,6 +34,7 @@ pub mod info;
 mod lock;
 pub mod map;
 mod meta;
+mod overlap;
 mod rebuild;
 mod rw;
 

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use qimg_cache::{DirtySlice, ResolvedCache, SliceCache, SliceKey};
-use qimg_format::features::INCOMPAT_DIRTY;
+use qimg_format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use qimg_format::geometry::Geometry;
 use qimg_format::header::Header;
 use qimg_format::l1::{self, L1Entry};
@@ -23,6 +23,7 @@ use qimg_io::Storage;
 
 use crate::error::{Error, Result};
 use crate::image::Inner;
+use crate::overlap::{OverlapIndex, Region, Writing};
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -72,6 +73,9 @@ pub(crate) struct Meta {
     /// Where the next compressed cluster may go: the first unused byte of the host cluster
     /// compressed writes are packing into (QEMU packs them the same way).
     pub(crate) compressed_tail: Option<u64>,
+    /// Where the metadata is, for the overlap checks before every write.
+    pub(crate) overlap: OverlapIndex,
+    cluster_size: u64,
 }
 
 impl Meta {
@@ -81,6 +85,7 @@ impl Meta {
         h: &Header,
         geo: &Geometry,
         cache: &ResolvedCache,
+        writable: bool,
     ) -> Result<Self> {
         let cs = geo.cluster_size();
         let l1_bytes = u64::from(h.l1_size) * 8;
@@ -113,7 +118,36 @@ impl Meta {
             source,
         };
         let len = file.len().await.map_err(|e| Error::storage(path, e))?;
-        Ok(Self {
+        let mut overlap = OverlapIndex::new(cs);
+        overlap.insert(Region::Header, 0, cs);
+        overlap.insert(Region::ActiveL1, h.l1_table_offset, l1_bytes);
+        for e in &l1 {
+            if let Some(t) = e.l2_offset {
+                overlap.insert(Region::ActiveL2, t.0, cs);
+            }
+        }
+        if writable && h.nb_snapshots > 0 {
+            let want = len
+                .saturating_sub(h.snapshots_offset)
+                .min(qimg_format::snapshot::MAX_TABLE_SIZE) as usize;
+            let mut raw = vec![0u8; want];
+            file.read_at_zero_fill(&mut raw, h.snapshots_offset)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
+            let snaps = qimg_format::snapshot::decode_table(
+                &raw,
+                h.snapshots_offset,
+                h.nb_snapshots,
+                h.version,
+            )
+            .map_err(|e| Error::format(path, e))?;
+            let table_len: u64 = snaps.iter().map(|s| s.encoded_len() as u64).sum();
+            overlap.insert(Region::SnapshotTable, h.snapshots_offset, table_len);
+            for s in &snaps {
+                overlap.insert(Region::SnapshotL1, s.l1_table_offset, u64::from(s.l1_size) * 8);
+            }
+        }
+        let mut meta = Self {
             l1,
             l1_offset: h.l1_table_offset,
             reftable,
@@ -129,7 +163,24 @@ impl Meta {
             closed: false,
             snapshots: (h.snapshots_offset, h.nb_snapshots),
             compressed_tail: None,
-        })
+            overlap,
+            cluster_size: cs,
+        };
+        meta.index_refcounts();
+        Ok(meta)
+    }
+
+    /// Re-indexes the refcount table and every block it points at (after it moved).
+    pub(crate) fn index_refcounts(&mut self) {
+        let cs = self.cluster_size;
+        self.overlap.remove_all(Region::RefcountTable);
+        self.overlap.remove_all(Region::RefcountBlock);
+        let table_len = (self.reftable.len() as u64 * 8).div_ceil(cs) * cs;
+        self.overlap
+            .insert(Region::RefcountTable, self.reftable_offset, table_len);
+        for &b in &self.reftable {
+            self.overlap.insert(Region::RefcountBlock, b, cs);
+        }
     }
 
     pub(crate) fn cache(&mut self, which: Which) -> &mut SliceCache {
@@ -143,6 +194,54 @@ impl Meta {
 impl<S: Storage> Inner<S> {
     pub(crate) fn fmt_err(&self, e: qimg_format::FormatError) -> Error {
         Error::format(&self.path, e)
+    }
+
+    /// Refuses a write of `len` bytes at `at` in the image file that would land on metadata
+    /// other than `writing`'s own structure (QEMU's `cached` overlap check), marking the image
+    /// corrupt.
+    pub(crate) async fn guard_write(
+        &self,
+        m: &mut Meta,
+        at: u64,
+        len: u64,
+        writing: Writing,
+    ) -> Result<()> {
+        let Some(hit) = m.overlap.find(at, len, writing) else {
+            return Ok(());
+        };
+        let what = match writing {
+            Writing::Data => "guest data".to_string(),
+            Writing::Own(r, s) => format!("an update of {r} at {s:#x}"),
+        };
+        Err(self
+            .signal_corruption(
+                m,
+                format!(
+                    "metadata overlap: {what} ({len} bytes at host offset {at:#x}) would                      overwrite {} at {:#x}..{:#x}; the write was refused",
+                    hit.region, hit.start, hit.end
+                ),
+            )
+            .await)
+    }
+
+    /// Reports corruption found while using the image. A writable image is marked corrupt on
+    /// disk (incompatible bit 1) and refuses further writes, as QEMU does; `qimg check -r all`
+    /// repairs it and clears the mark.
+    pub(crate) async fn signal_corruption(&self, m: &mut Meta, what: String) -> Error {
+        if self.writable && !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+            let bits = m.incompatible | INCOMPAT_CORRUPT;
+            // Best effort: the error below is what matters if this write fails too.
+            if self.write_incompatible(m, bits).await.is_ok() {
+                return Error::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("{what}; the image is now marked corrupt"),
+                };
+            }
+        }
+        Error::Corrupt {
+            path: self.path.clone(),
+            what,
+        }
     }
 
     fn cache_err(&self, source: qimg_cache::CacheError) -> Error {
@@ -194,8 +293,11 @@ impl<S: Storage> Inner<S> {
             m.l2.peek(key)
                 .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
         let at = self.slice_location(m, Which::L2, key) + (idx * es) as u64;
-        AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at)
-            .map_err(|e| self.fmt_err(e))
+        match AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at) {
+            Ok(e) => Ok(e),
+            Err(e) if self.writable => Err(self.signal_corruption(m, e.to_string()).await),
+            Err(e) => Err(self.fmt_err(e)),
+        }
     }
 
     /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or
@@ -227,18 +329,24 @@ impl<S: Storage> Inner<S> {
         let size = m.cache(which).slice_size();
         let mut buf = vec![0u8; size];
         let at = self.slice_location(m, which, key);
-        self.file.read_at(&mut buf, at).await.map_err(|e| {
-            Error::corrupt(
-                &self.path,
-                format!(
-                    "{} at {at:#x} cannot be read: {e}",
-                    match which {
-                        Which::L2 => "L2 table slice",
-                        Which::Refcount => "refcount block",
-                    }
-                ),
-            )
-        })?;
+        if let Err(e) = self.file.read_at(&mut buf, at).await {
+            let what = format!(
+                "{} at {at:#x} cannot be read: {e}",
+                match which {
+                    Which::L2 => "L2 table slice",
+                    Which::Refcount => "refcount block",
+                }
+            );
+            let past_end = self
+                .file
+                .len()
+                .await
+                .is_ok_and(|len| at.saturating_add(size as u64) > len);
+            if past_end && self.writable {
+                return Err(self.signal_corruption(m, what).await);
+            }
+            return Err(Error::corrupt(&self.path, what));
+        }
         let now = self.now();
         let evicted = m
             .cache(which)
@@ -250,9 +358,18 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    fn own(which: Which, key: SliceKey) -> Writing {
+        match which {
+            Which::L2 => Writing::Own(Region::ActiveL2, key.table),
+            Which::Refcount => Writing::Own(Region::RefcountBlock, key.table),
+        }
+    }
+
     async fn write_evicted(&self, m: &mut Meta, which: Which, d: DirtySlice) -> Result<()> {
         self.honour_dependencies(m, which).await?;
         let at = self.slice_location(m, which, d.key);
+        self.guard_write(m, at, d.data.len() as u64, Self::own(which, d.key))
+            .await?;
         self.file
             .write_at(&d.data, at)
             .await
@@ -283,6 +400,8 @@ impl<S: Storage> Inner<S> {
             let Some(data) = m.cache(which).peek(entry.key).map(<[u8]>::to_vec) else {
                 continue;
             };
+            self.guard_write(m, at, data.len() as u64, Self::own(which, entry.key))
+                .await?;
             self.file
                 .write_at(&data, at)
                 .await
@@ -334,6 +453,10 @@ impl<S: Storage> Inner<S> {
         let punches = std::mem::take(&mut m.pending_punch);
         let cs = self.geo.cluster_size();
         for c in punches {
+            if m.overlap.find(c * cs, cs, Writing::Data).is_some() {
+                // A freed cluster that is still metadata: the refcounts are wrong. Keep it.
+                continue;
+            }
             // Advisory: a failed punch only costs space.
             let _ = self.file.discard(c * cs, cs).await;
         }
@@ -518,13 +641,18 @@ impl<S: Storage> Inner<S> {
         let mut block = vec![0u8; cs as usize];
         refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
         let at = first * cs;
+        self.guard_write(m, at, cs, Writing::Data).await?;
+        let entry_at = m.reftable_offset + index * 8;
+        let own = Writing::Own(Region::RefcountTable, m.reftable_offset);
+        self.guard_write(m, entry_at, 8, own).await?;
         self.file
             .write_at(&block, at)
             .await
             .map_err(|e| self.st(e))?;
         self.file.flush().await.map_err(|e| self.st(e))?;
+        m.overlap.insert(Region::RefcountBlock, at, cs);
         self.file
-            .write_at(&at.to_be_bytes(), m.reftable_offset + index * 8)
+            .write_at(&at.to_be_bytes(), entry_at)
             .await
             .map_err(|e| self.st(e))?;
         // The entry becomes durable with the next flush, which comes before any L2 entry
@@ -572,8 +700,10 @@ impl<S: Storage> Inner<S> {
                 for c in (j * e).max(start)..((j + 1) * e).min(end) {
                     refcount::set(&mut block, order, c % e, 1).map_err(|e| self.fmt_err(e))?;
                 }
+                let at = (start + k as u64) * cs;
+                self.guard_write(m, at, cs, Writing::Data).await?;
                 self.file
-                    .write_at(&block, (start + k as u64) * cs)
+                    .write_at(&block, at)
                     .await
                     .map_err(|e| self.st(e))?;
             }
@@ -608,6 +738,8 @@ impl<S: Storage> Inner<S> {
         clusters: u64,
     ) -> Result<()> {
         let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
+        self.guard_write(m, table_at, bytes.len() as u64, Writing::Data)
+            .await?;
         self.file
             .write_at(&bytes, table_at)
             .await
@@ -620,6 +752,7 @@ impl<S: Storage> Inner<S> {
         self.file.flush().await.map_err(|e| self.st(e))?;
         m.reftable = table;
         m.reftable_offset = table_at;
+        m.index_refcounts();
         Ok(())
     }
 
@@ -650,6 +783,7 @@ impl<S: Storage> Inner<S> {
                 .await
                 .map_err(|e| self.st(e))?;
         }
+        self.guard_write(m, new, cs, Writing::Data).await?;
         self.file
             .write_at(&content, new)
             .await
@@ -663,7 +797,9 @@ impl<S: Storage> Inner<S> {
             copied: true,
         };
         self.write_l1_entry(m, l1i).await?;
+        m.overlap.insert(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
+            m.overlap.remove(Region::ActiveL2, old.0);
             self.file.flush().await.map_err(|e| self.st(e))?;
             let _ = m.l2.remove(old.0);
             self.free_clusters(m, old.0, 1).await?;
@@ -671,10 +807,13 @@ impl<S: Storage> Inner<S> {
         Ok(new)
     }
 
-    async fn write_l1_entry(&self, m: &Meta, l1i: usize) -> Result<()> {
+    async fn write_l1_entry(&self, m: &mut Meta, l1i: usize) -> Result<()> {
         let raw = m.l1[l1i].encode().to_be_bytes();
+        let at = m.l1_offset + l1i as u64 * 8;
+        let own = Writing::Own(Region::ActiveL1, m.l1_offset);
+        self.guard_write(m, at, 8, own).await?;
         self.file
-            .write_at(&raw, m.l1_offset + l1i as u64 * 8)
+            .write_at(&raw, at)
             .await
             .map_err(|e| self.st(e))
     }
@@ -692,6 +831,8 @@ impl<S: Storage> Inner<S> {
         l1.resize(entries as usize, L1Entry::UNALLOCATED);
         let mut raw = l1::encode_table(&l1);
         raw.resize((clusters * cs) as usize, 0);
+        self.guard_write(m, at, raw.len() as u64, Writing::Data)
+            .await?;
         self.file.write_at(&raw, at).await.map_err(|e| self.st(e))?;
         if !self.lazy {
             self.write_back(m, Which::Refcount).await?;
@@ -706,6 +847,8 @@ impl<S: Storage> Inner<S> {
         let old_clusters = (m.l1.len() as u64 * 8).div_ceil(cs);
         m.l1 = l1;
         m.l1_offset = at;
+        m.overlap.remove_all(Region::ActiveL1);
+        m.overlap.insert(Region::ActiveL1, at, entries * 8);
         if old_clusters > 0 && old_at != 0 {
             self.free_clusters(m, old_at, old_clusters).await?;
         }

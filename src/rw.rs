@@ -18,6 +18,7 @@ use crate::compress;
 use crate::error::{Error, Result};
 use crate::image::{Allocation, Backing, Inner};
 use crate::meta::{Meta, Which};
+use crate::overlap::Writing;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -393,6 +394,11 @@ impl<S: Storage> Inner<S> {
                 (h, true)
             }
         };
+        if self.data_file.is_none() {
+            let span = (plan.end - plan.start) as u64;
+            self.guard_write(&mut m, host + plan.start as u64, span, Writing::Data)
+                .await?;
+        }
         drop(m);
 
         let written = self.write_data(&old, gc, a, data, &plan, host, fresh).await;
@@ -527,6 +533,7 @@ impl<S: Storage> Inner<S> {
         let end = at + plen;
         m.compressed_tail = (end % cs != 0).then_some(end);
         let desc = CompressedDescriptor::new(at, plen, cbits).map_err(|e| self.fmt_err(e))?;
+        self.guard_write(&mut m, at, plen, Writing::Data).await?;
         drop(m);
 
         let written = self
