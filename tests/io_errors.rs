@@ -1,1 +1,679 @@
-//! (placeholder: being written)
+//! I/O errors at every storage operation of a workload.
+//!
+//! A seeded workload (writes of random sizes and offsets, write-zeroes, discards, reads,
+//! flushes) runs once without faults to count its storage operations. Then it runs again, once
+//! per fault, on a [`FaultyStorage`] armed before the image is opened with:
+//!
+//! * `EIO` on operation `n` (any kind: reads, writes, flushes, ...), once — for every `n`;
+//! * `ENOSPC` on every modification from the `n`-th on (a full disk) — for every `n`; the
+//!   space comes back later;
+//! * `EIO` on the `n`-th flush (an fsync error), once — for every `n`;
+//! * the `n`-th write torn (a prefix of whole sectors lands, then `EIO`), once — for every
+//!   `n`.
+//!
+//! Every request must return (a timeout catches hangs) and an error must be an `Err`, never a
+//! panic. A model tracks, for each guest byte, its value assuming failed requests did nothing
+//! and the values failed requests may have left: every read must be within that. Then:
+//!
+//! * with the disk still full, a close attempt either works or fails cleanly, and what the
+//!   storage holds passes the library check with no corruption (leaks allowed);
+//! * once the fault is gone, later requests work, the image reads back as the model says, and
+//!   closes; the durable contents then pass the check with no corruption (two guest
+//!   clusters never share a host cluster: refcounts match the references), reopen, and read
+//!   back the same;
+//! * after a failed flush, and after each torn write, power is cut at every later storage
+//!   operation (two random crash images each) and the disk must have no corruption.
+//!
+//! What a failed flush means is pinned down by `a_failed_flush_*` below.
+//!
+//! `qemu-img check` is compared with the library check on every 25th durable image (skipped
+//! with a message without qemu-img).
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+use common::faults::*;
+use common::{Scratch, have_qemu};
+use qimg::io::{CrashPolicy, FaultAction, FaultPlan, Op, OpFilter, StorageError};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// `EIO` on operation `n` (counting every kind from 0), once.
+    Eio(u64),
+    /// `ENOSPC` on every modification from the `n`-th on, until disarmed.
+    Full(u64),
+    /// `EIO` on the `n`-th flush, once.
+    FlushFails(u64),
+    /// The `n`-th write keeps `keep` bytes and fails with `EIO`, once.
+    Torn { n: u64, keep: u64 },
+}
+
+impl Fault {
+    fn plan(self) -> FaultPlan {
+        match self {
+            Fault::Eio(n) => FaultPlan::new(OpFilter::All, FaultAction::Eio).after(n),
+            Fault::Full(n) => FaultPlan::new(OpFilter::Modifications, FaultAction::NoSpace)
+                .after(n)
+                .forever(),
+            Fault::FlushFails(n) => FaultPlan::new(OpFilter::Flushes, FaultAction::Eio).after(n),
+            Fault::Torn { n, keep } => {
+                FaultPlan::new(OpFilter::Writes, FaultAction::TornWrite { keep }).after(n)
+            }
+        }
+    }
+
+    /// Whether power is cut at every operation after the fault.
+    fn crash_after(self) -> bool {
+        matches!(self, Fault::FlushFails(_) | Fault::Torn { .. })
+    }
+}
+
+/// What the guest may read: `base` where no failed request could have left anything, and
+/// `base` or a failed request's bytes where one could.
+struct Expect {
+    base: Model,
+    uncertain: Vec<Effect>,
+}
+
+impl Expect {
+    fn new(images: &Images) -> Self {
+        Self {
+            base: Model::new(images),
+            uncertain: Vec::new(),
+        }
+    }
+
+    fn done(&mut self, op: &GuestOp, ok: bool) {
+        let Some(e) = self.base.effect(op) else {
+            return;
+        };
+        if ok {
+            let (s, end) = (e.start, e.end());
+            let mut kept = Vec::new();
+            for u in self.uncertain.drain(..) {
+                if u.end() <= s || end <= u.start {
+                    kept.push(u);
+                    continue;
+                }
+                if u.start < s {
+                    kept.push(Effect {
+                        start: u.start,
+                        bytes: u.bytes[..(s - u.start) as usize].to_vec(),
+                    });
+                }
+                if end < u.end() {
+                    kept.push(Effect {
+                        start: end,
+                        bytes: u.bytes[(end - u.start) as usize..].to_vec(),
+                    });
+                }
+            }
+            self.uncertain = kept;
+            self.base.apply_effect(&e);
+        } else {
+            self.uncertain.push(e);
+        }
+    }
+
+    fn check(&self, read: &[u8]) -> Result<(), String> {
+        let window: Vec<&Effect> = self.uncertain.iter().collect();
+        check_possible(read, &self.base.data, &window).map_err(|(_, m)| m)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    cases: u64,
+    failed_requests: u64,
+    failed_opens: u64,
+    failed_closes_while_full: u64,
+    crash_images: u64,
+    leaky: u64,
+    qemu_compared: u64,
+    /// Cases where the known lost-L1-entry bug showed (and was tolerated).
+    l1_bug: u64,
+}
+
+/// `QIMG_IO_STRICT=1`: do not tolerate the known lost-L1-entry bug.
+fn strict() -> bool {
+    std::env::var("QIMG_IO_STRICT").is_ok_and(|v| v == "1")
+}
+
+/// Whether `e` is the failure of an 8-byte write into the L1 table of `image`.
+fn is_l1_entry_write(e: &qimg::Error, image: &[u8]) -> bool {
+    let l1_size = u64::from(u32::from_be_bytes(image[36..40].try_into().unwrap()));
+    let l1_offset = u64::from_be_bytes(image[40..48].try_into().unwrap());
+    matches!(
+        e,
+        qimg::Error::Storage {
+            source: StorageError::Io { op: Op::Write, offset, len: 8, .. },
+            ..
+        } if (l1_offset..l1_offset + 8 * l1_size).contains(offset)
+    )
+}
+
+struct Ctx<'a> {
+    images: &'a Images,
+    ops: &'a [GuestOp],
+    dir: &'a Scratch,
+    qemu: bool,
+    /// Cut power at the operations after a failed flush or torn write.
+    crash_after: bool,
+}
+
+async fn timed<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(TIMEOUT, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: hangs"))
+}
+
+/// Checks image bytes: the check completes, finds no corruption unless `dirty_ok` and the
+/// dirty bit is set (lazy refcounts), and agrees with qemu-img when asked.
+fn check_bytes(cx: &Ctx<'_>, bytes: &[u8], what: &str, qemu: bool, t: &mut Tally) -> u64 {
+    let path = cx.dir.path("io.qcow2");
+    let r = qimg_check(&path, bytes);
+    assert!(
+        r.failure.is_none() && r.check_errors == 0,
+        "{what}: the check cannot complete: {r:?}"
+    );
+    if !(cx.images.shape.lazy && dirty_bit(bytes)) {
+        assert_eq!(r.corruptions, 0, "{what}: corrupt: {r:?}");
+    }
+    if r.leaks > 0 {
+        t.leaky += 1;
+    }
+    if qemu && cx.qemu {
+        assert_qemu_agrees(&path, &r, what);
+        t.qemu_compared += 1;
+    }
+    r.leaks
+}
+
+async fn run_case(cx: &Ctx<'_>, fault: Fault, t: &mut Tally) {
+    let images = cx.images;
+    let what = format!("{} with {fault:?}", images.shape.name);
+    let log = Trace::default();
+    let (opened, mut ctl, mut mem) = timed(
+        &what,
+        images.open_armed(&images.image, Some(fault.plan()), Some(log.clone())),
+    )
+    .await;
+    let mut expect = Expect::new(images);
+    // The trace index of the first failure, for the power cuts after it.
+    let mut failed_at: Option<usize> = None;
+    let img = match opened {
+        Ok(img) => img,
+        Err(_) => {
+            // The open itself failed: nothing was changed, and a second open works.
+            t.failed_opens += 1;
+            failed_at = Some(log.lock().unwrap().len());
+            ctl.disarm_all();
+            let live = mem.snapshot();
+            assert!(
+                live == images.image,
+                "{what}: a failed open changed the image"
+            );
+            let (img, c, m) = images.open_armed(&live, None, None).await;
+            (ctl, mem) = (c, m);
+            img.unwrap_or_else(|e| panic!("{what}: reopening after a failed open: {e}"))
+        }
+    };
+    // Whether a write of an L1 entry failed (the known engine bug, see
+    // `a_failed_l1_entry_write_loses_later_writes`).
+    let mut l1_write_failed = false;
+    for (i, op) in cx.ops.iter().enumerate() {
+        let r = timed(&format!("{what}: {op:?}"), run_op(&img, op)).await;
+        if let Err(e) = &r {
+            l1_write_failed |= is_l1_entry_write(e, &images.image);
+        }
+        if std::env::var("QIMG_IO_DEBUG").is_ok() {
+            eprintln!(
+                "{what}: step {i} {op:?} -> {:?} (ops so far {})",
+                r.as_ref().err().map(|e| e.to_string()),
+                ctl.counts().total()
+            );
+        }
+        expect.done(op, r.is_ok());
+        if r.is_err() {
+            t.failed_requests += 1;
+            if failed_at.is_none() {
+                failed_at = Some(log.lock().unwrap().len());
+                // Right after the failure the image reads as the model says (or the read
+                // fails cleanly while the fault lasts).
+                if let Ok(all) = timed(&what, read_all(&img)).await {
+                    if let Err(m) = expect.check(&all) {
+                        panic!("{what}: after request {i} ({op:?}) failed: {m}");
+                    }
+                }
+            }
+        }
+    }
+    let mut img = img;
+    if matches!(fault, Fault::Full(_)) {
+        // Still full: closing may fail, but must fail cleanly; what is on the storage has no
+        // corruption.
+        let closed = timed(&what, img.close()).await;
+        if closed.is_err() {
+            t.failed_closes_while_full += 1;
+        }
+        check_bytes(
+            cx,
+            &mem.snapshot(),
+            &format!("{what}, full, after close attempt"),
+            false,
+            t,
+        );
+        ctl.disarm_all();
+        if closed.is_ok() {
+            let (i, c, m) = images.open_armed(&mem.snapshot(), None, None).await;
+            img = i.unwrap_or_else(|e| panic!("{what}: reopening after close: {e}"));
+            (ctl, mem) = (c, m);
+        }
+    }
+    ctl.disarm_all();
+    // The fault is gone: everything works again.
+    for op in continuation(&images.shape, t.cases) {
+        timed(&what, run_op(&img, &op))
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {op:?} after the fault is gone: {e}"));
+        expect.done(&op, true);
+    }
+    let all = timed(&what, read_all(&img))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: read after the fault is gone: {e}"));
+    if let Err(m) = expect.check(&all) {
+        panic!("{what}: after the fault is gone: {m}");
+    }
+    timed(&what, img.close())
+        .await
+        .unwrap_or_else(|e| panic!("{what}: close after the fault is gone: {e}"));
+    let durable = ctl.power_cut(CrashPolicy::DropUnflushed).snapshot();
+    assert!(!dirty_bit(&durable), "{what}: dirty after close");
+    check_bytes(
+        cx,
+        &durable,
+        &format!("{what}, closed"),
+        t.cases % 25 == 0,
+        t,
+    );
+    let (reopened, _) = images.open_mem(&durable).await;
+    let back = read_all(&reopened.unwrap()).await.unwrap();
+    if let Err(m) = expect.check(&back) {
+        if l1_write_failed && !strict() {
+            t.l1_bug += 1;
+        } else {
+            panic!("{what}: reopened after close: {m}");
+        }
+    }
+    drop(mem);
+
+    // Power cuts after the fault.
+    if let (true, Some(from)) = (cx.crash_after && fault.crash_after(), failed_at) {
+        let trace = log.lock().unwrap().clone();
+        // Up to the first storage flush that worked after the fault: the ordering the failed
+        // operation was part of must still hold until then.
+        let until = trace[from..]
+            .iter()
+            .position(TraceOp::is_flush)
+            .map_or(trace.len(), |p| from + p + 1)
+            .min(from + 24);
+        if std::env::var("QIMG_IO_DEBUG").is_ok() {
+            for (i, op) in trace
+                .iter()
+                .enumerate()
+                .skip(from.saturating_sub(12))
+                .take(40)
+            {
+                let d = match op {
+                    TraceOp::Write { offset, data } => {
+                        format!("write {offset:#x}+{:#x}", data.len())
+                    }
+                    o => format!("{o:?}"),
+                };
+                eprintln!(
+                    "  trace {i}{}: {d}",
+                    if i == from {
+                        " (first after the fault)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+        for k in from..=until {
+            for seed in [k as u64, k as u64 ^ 0xABCD] {
+                let disk =
+                    disk_after_power_cut(&images.image, &trace, k, CrashPolicy::Random { seed })
+                        .await;
+                let w = format!("{what}: power cut before operation {k} (Random {seed})");
+                check_bytes(cx, &disk, &w, false, t);
+                let (img, _) = images.open_mem(&disk).await;
+                let img = img.unwrap_or_else(|e| panic!("{w}: does not open: {e}"));
+                read_all(&img)
+                    .await
+                    .unwrap_or_else(|e| panic!("{w}: does not read: {e}"));
+                t.crash_images += 1;
+            }
+        }
+    }
+    t.cases += 1;
+}
+
+/// A few requests after the fault is gone.
+fn continuation(shape: &Shape, seed: u64) -> Vec<GuestOp> {
+    let mut ops = workload(shape, seed ^ 0x1234_5678, 5);
+    ops.retain(|o| !o.is_barrier());
+    ops.push(GuestOp::Flush);
+    ops
+}
+
+/// Runs every fault over the workload of `shape`.
+fn campaign(shape: Shape, seed: u64, nops: usize, crash_after: bool) {
+    let started = Instant::now();
+    let rt = runtime();
+    let images = rt.block_on(make_images(&shape));
+    let mut ops = workload(&shape, seed, nops);
+    ops.push(GuestOp::Flush);
+    // A clean run counts the operations.
+    let counts = rt.block_on(async {
+        let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
+        let img = img.unwrap();
+        for op in &ops {
+            run_op(&img, op).await.unwrap();
+        }
+        ctl.counts()
+    });
+    let modifications =
+        counts.writes + counts.write_zeroes + counts.discards + counts.allocates + counts.set_lens;
+    let mut faults: Vec<Fault> = (0..counts.total()).map(Fault::Eio).collect();
+    faults.extend((0..modifications).map(Fault::Full));
+    faults.extend((0..counts.flushes).map(Fault::FlushFails));
+    let mut rng = Rng(seed);
+    faults.extend((0..counts.writes).map(|n| Fault::Torn {
+        n,
+        keep: 512 * rng.below(8),
+    }));
+    let dir = scratch_in_memory("io-errors");
+    images.write_backing(&dir.0);
+    let cx = Ctx {
+        images: &images,
+        ops: &ops,
+        dir: &dir,
+        qemu: have_qemu("io_errors"),
+        crash_after,
+    };
+    let mut t = Tally::default();
+    let only = std::env::var("QIMG_IO_ONLY").ok();
+    for fault in faults {
+        if only.as_ref().is_some_and(|o| *o != format!("{fault:?}")) {
+            continue;
+        }
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            rt.block_on(run_case(&cx, fault, &mut t))
+        }));
+        if let Err(p) = r {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            panic!("{} with {fault:?}: {msg}", shape.name);
+        }
+    }
+    eprintln!(
+        "{}: {:?} in the clean run; {t:?} in {:.1} s",
+        shape.name,
+        counts,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn errors_at_every_operation_extended_l2() {
+    let s = Shape::new("ext-32k", 32 * KIB, true, 2 * MIB + 4 * KIB);
+    campaign(s, 0xE0, 32, false);
+}
+
+#[test]
+fn errors_at_every_operation_standard_l2() {
+    let mut s = Shape::new("std-4k-rb64", 4 * KIB, false, 2 * MIB);
+    s.refcount_bits = 64;
+    campaign(s, 0x5D, 32, false);
+}
+
+/// The same with caches small enough that every few requests evict a dirty slice: write-back
+/// errors then happen outside flushes.
+#[test]
+#[ignore = "engine bug: a dirty slice evicted from the cache is lost when its write-back \
+            fails (see `an_evicted_slice_whose_write_back_fails_is_lost`)"]
+fn errors_at_every_operation_with_small_caches() {
+    let mut s = Shape::new("ext-32k-small-cache", 32 * KIB, true, 2 * MIB + 4 * KIB);
+    s.small_cache = true;
+    campaign(s, 0xE0, 32, false);
+    let mut s = Shape::new("std-4k-rb64-small-cache", 4 * KIB, false, 2 * MIB);
+    s.refcount_bits = 64;
+    s.small_cache = true;
+    campaign(s, 0x5D, 32, false);
+}
+
+#[test]
+fn errors_at_every_operation_with_backing_and_lazy_refcounts() {
+    let mut s = Shape::new("lazy-std-64k-raw-backing", 64 * KIB, false, 2 * MIB);
+    s.lazy = true;
+    s.backing = BackingKind::Raw;
+    campaign(s, 0x1A, 32, false);
+}
+
+/// Power cuts after a failed flush or a torn write: the ordering the failed operation was
+/// part of must still hold until the next flush that works.
+#[test]
+#[ignore = "engine bug: a failed flush (or write) inside a cache write-back drops the \
+            pending ordering dependency (see `a_failed_flush_loses_the_write_back_order`)"]
+fn power_cuts_after_a_failed_flush_or_torn_write() {
+    let s = Shape::new("ext-32k", 32 * KIB, true, 2 * MIB + 4 * KIB);
+    campaign(s, 0xE0, 24, true);
+    let mut s = Shape::new("std-4k-rb64", 4 * KIB, false, 2 * MIB);
+    s.refcount_bits = 64;
+    campaign(s, 0x5D, 24, true);
+}
+
+/// Engine bug: the L2 cache depends on the refcount cache after an allocation. A flush
+/// writes the refcount blocks, then the storage flush fails: the dependency is gone
+/// (`honour_dependencies` took it), so the next flush writes the L2 slice without flushing the
+/// refcount blocks first. A power cut between the two can keep the L2 entry and lose the
+/// refcount: an entry pointing at a cluster counted as free (a corruption, and a double
+/// allocation waiting to happen).
+#[test]
+#[ignore = "engine bug: a failed flush inside a write-back drops the pending ordering \
+            dependency; a later power cut can leave refcounts below references"]
+fn a_failed_flush_loses_the_write_back_order() {
+    runtime().block_on(async {
+        let shape = Shape::new("std-64k", 64 * KIB, false, 4 * MIB);
+        let images = make_images(&shape).await;
+        let log = Trace::default();
+        let (img, ctl, _) = images
+            .open_armed(&images.image, None, Some(log.clone()))
+            .await;
+        let img = img.unwrap();
+        img.write(&common::engine::pattern(1, 0, 4096), 0)
+            .await
+            .unwrap();
+        img.flush().await.unwrap();
+        // A second cluster under the same L2 table: a refcount change, then the L2 entry.
+        img.write(&common::engine::pattern(2, 65536, 4096), 65536)
+            .await
+            .unwrap();
+        ctl.arm(FaultPlan::new(OpFilter::Flushes, FaultAction::Eio));
+        assert!(img.flush().await.is_err());
+        let from = log.lock().unwrap().len();
+        img.flush().await.unwrap();
+        let trace = log.lock().unwrap().clone();
+        let dir = scratch_in_memory("lost-order");
+        let mut corrupt = 0;
+        for k in from..=trace.len() {
+            for seed in 0..32 {
+                let disk =
+                    disk_after_power_cut(&images.image, &trace, k, CrashPolicy::Random { seed })
+                        .await;
+                let r = qimg_check(&dir.path("x.qcow2"), &disk);
+                corrupt += u64::from(r.corruptions > 0);
+            }
+        }
+        assert_eq!(
+            corrupt, 0,
+            "power cuts after a failed flush left corrupt images"
+        );
+    });
+}
+
+/// What a failed flush means: the error reaches the caller; nothing written since the last
+/// successful flush is promised to be durable (a power cut may lose it); a later flush that
+/// succeeds makes everything written before it durable, including what the failed one was
+/// meant to cover.
+#[test]
+fn a_failed_flush_is_reported_and_a_later_one_makes_everything_durable() {
+    runtime().block_on(async {
+        let shape = Shape::new("ext-64k", 64 * KIB, true, 4 * MIB);
+        let images = make_images(&shape).await;
+        for n in 0..4 {
+            let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
+            let img = img.unwrap();
+            let data = common::engine::pattern(7, 100_000, 300_000);
+            img.write(&data, 100_000).await.unwrap();
+            let flushes_before = ctl.counts().flushes;
+            ctl.arm(FaultPlan::new(OpFilter::Flushes, FaultAction::Eio).after(n));
+            let first = img.flush().await;
+            let storage_flushes = ctl.counts().flushes - flushes_before;
+            if n >= storage_flushes {
+                // The guest flush needed fewer storage flushes than n: nothing failed.
+                assert!(first.is_ok());
+                ctl.disarm_all();
+                continue;
+            }
+            assert!(
+                first.is_err(),
+                "flush {n} of the guest flush failed silently"
+            );
+            // Not durable yet: a power cut now may lose the write (it must stay consistent).
+            let lost = ctl.flushed_image().snapshot();
+            let (i, _) = images.open_mem(&lost).await;
+            let back = read_all(&i.unwrap()).await.unwrap();
+            let expect_lost = back[100_000..400_000] != data[..];
+            // The retry succeeds and makes it durable.
+            img.flush().await.unwrap();
+            let durable = ctl.flushed_image().snapshot();
+            let (i, _) = images.open_mem(&durable).await;
+            let back = read_all(&i.unwrap()).await.unwrap();
+            assert!(
+                back[100_000..400_000] == data[..],
+                "storage flush {n} failed, the retry succeeded, the write is not durable"
+            );
+            eprintln!(
+                "storage flush {n} of {storage_flushes} in the guest flush failed; before the \
+                 retry the write was {}",
+                if expect_lost {
+                    "not durable"
+                } else {
+                    "already durable"
+                }
+            );
+            img.close().await.unwrap();
+        }
+    });
+}
+
+/// The index, among the writes of a clean run of `ops`, of the first write of an L1 entry.
+async fn first_l1_write(images: &Images, ops: &[GuestOp]) -> u64 {
+    let log = Trace::default();
+    let (img, _, _) = images
+        .open_armed(&images.image, None, Some(log.clone()))
+        .await;
+    let img = img.unwrap();
+    for op in ops {
+        run_op(&img, op).await.unwrap();
+    }
+    let l1_size = u64::from(u32::from_be_bytes(images.image[36..40].try_into().unwrap()));
+    let l1_offset = u64::from_be_bytes(images.image[40..48].try_into().unwrap());
+    let trace = log.lock().unwrap().clone();
+    let writes = trace
+        .iter()
+        .filter(|o| matches!(o, TraceOp::Write { .. }))
+        .position(|o| {
+            matches!(o, TraceOp::Write { offset, data }
+                if data.len() == 8 && (l1_offset..l1_offset + 8 * l1_size).contains(offset))
+        });
+    writes.expect("the workload writes an L1 entry") as u64
+}
+
+/// Engine bug: `ensure_l2` points the in-memory L1 entry at the new L2 table before the L1
+/// entry is written. When that write fails, the request fails, but the next requests under
+/// the same L1 entry use the table (which the disk's L1 does not point to) and succeed; after
+/// a flush and close they are gone.
+#[test]
+#[ignore = "engine bug: a failed L1 entry write leaves the in-memory L1 pointing at the new \
+            L2 table, so later acknowledged writes under it are lost on close"]
+fn a_failed_l1_entry_write_loses_later_writes() {
+    runtime().block_on(async {
+        let shape = Shape::new("std-64k", 64 * KIB, false, 4 * MIB);
+        let images = make_images(&shape).await;
+        let first = GuestOp::Write {
+            at: 0,
+            len: 4096,
+            seed: 1,
+        };
+        let n = first_l1_write(&images, std::slice::from_ref(&first)).await;
+        let plan = FaultPlan::new(OpFilter::Writes, FaultAction::Eio).after(n);
+        let (img, ctl, _) = images.open_armed(&images.image, Some(plan), None).await;
+        let img = img.unwrap();
+        assert!(run_op(&img, &first).await.is_err(), "the L1 write failed");
+        // Another guest cluster under the same L1 entry: acknowledged, flushed, closed.
+        let data = common::engine::pattern(2, 5 * 64 * KIB, 4096);
+        img.write(&data, 5 * 64 * KIB).await.unwrap();
+        img.flush().await.unwrap();
+        img.close().await.unwrap();
+        let disk = ctl.power_cut(CrashPolicy::DropUnflushed).snapshot();
+        let (img, _) = images.open_mem(&disk).await;
+        let mut back = vec![0u8; 4096];
+        img.unwrap().read(&mut back, 5 * 64 * KIB).await.unwrap();
+        assert!(
+            back == data,
+            "an acknowledged, flushed write is gone after close and reopen"
+        );
+    });
+}
+
+/// Engine bug: loading a slice into a full cache evicts a dirty one and writes it back (after
+/// what it depends on); when that write-back fails, the evicted slice is dropped anyway, and
+/// the acknowledged writes whose L2 entries it held are lost (the image reads the old entries
+/// from the disk from then on, and a later flush has nothing to write).
+#[test]
+#[ignore = "engine bug: a dirty slice evicted from the cache is lost when its write-back fails"]
+fn an_evicted_slice_whose_write_back_fails_is_lost() {
+    runtime().block_on(async {
+        let mut shape = Shape::new("std-4k-small-cache", 4 * KIB, false, 2 * MIB);
+        shape.small_cache = true; // two 512-byte L2 slices: 64 entries each
+        let images = make_images(&shape).await;
+        let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
+        let img = img.unwrap();
+        let cs = 4 * KIB;
+        let a = common::engine::pattern(1, 0, cs as usize);
+        img.write(&a, 0).await.unwrap(); // L2 slice 0, dirty
+        img.write(&common::engine::pattern(2, 64 * cs, cs as usize), 64 * cs)
+            .await
+            .unwrap(); // L2 slice 1, dirty
+        // Reading under slice 2 evicts slice 0; its write-back fails.
+        ctl.arm(FaultPlan::new(OpFilter::Writes, FaultAction::Eio).forever());
+        let mut buf = vec![0u8; cs as usize];
+        assert!(img.read(&mut buf, 128 * cs).await.is_err());
+        ctl.disarm_all();
+        img.read(&mut buf, 0).await.unwrap();
+        assert!(
+            buf == a,
+            "an acknowledged write reads back as zeros after a failed eviction write-back"
+        );
+    });
+}

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use qimg::check::{CheckOptions, CheckReport, Repair, check};
 use qimg::create::{Compat, CreateOptions, create};
 use qimg::io::{
-    AllocateOutcome, DiscardOutcome, FaultyStorage, MemStorage, Result as IoResult, Storage,
-    ZeroOutcome,
+    AllocateOutcome, DiscardOutcome, FaultPlan, FaultyStorage, MemStorage, Result as IoResult,
+    Storage, ZeroOutcome,
 };
 use qimg::{Allocation, Backing, CacheOptions, Image, OpenOptions};
 
@@ -165,6 +165,34 @@ pub async fn replay<S: Storage>(s: &S, op: &TraceOp) -> IoResult<()> {
         TraceOp::Flush => s.flush().await,
         TraceOp::SetLen { len } => s.set_len(*len).await,
     }
+}
+
+/// The disk a power cut before operation `k` of `trace` can leave, starting from `initial`:
+/// everything up to the last flush before `k`, plus the unflushed modifications `policy`
+/// keeps (replayed through a fresh [`FaultyStorage`]).
+pub async fn disk_after_power_cut(
+    initial: &[u8],
+    trace: &[TraceOp],
+    k: usize,
+    policy: qimg::io::CrashPolicy,
+) -> Vec<u8> {
+    let durable = MemStorage::from_bytes(initial);
+    let last_flush = trace[..k].iter().rposition(TraceOp::is_flush);
+    let from = match last_flush {
+        Some(p) => {
+            for op in &trace[..=p] {
+                replay(&durable, op).await.unwrap();
+            }
+            p + 1
+        }
+        None => 0,
+    };
+    let s = FaultyStorage::with_baseline(MemStorage::new(), &durable);
+    let ctl = s.controller();
+    for op in &trace[from..k] {
+        replay(&s, op).await.unwrap();
+    }
+    ctl.power_cut(policy).snapshot()
 }
 
 /// The storage the engine runs on in these tests.
@@ -381,6 +409,31 @@ impl Images {
         )
         .await;
         (img, mem)
+    }
+
+    /// Opens `image` read-write over a [`Disk`] with `plan` armed before the open, recording
+    /// into `log`; returns the live contents too (what the storage holds, flushed or not).
+    pub async fn open_armed(
+        &self,
+        image: &[u8],
+        plan: Option<FaultPlan>,
+        log: Option<Trace>,
+    ) -> (
+        qimg::Result<Image<Disk>>,
+        qimg::io::FaultController,
+        MemStorage,
+    ) {
+        let mem = MemStorage::from_bytes(image);
+        let baseline = mem.deep_copy();
+        let disk = FaultyStorage::with_baseline(Recorder::new(mem.clone(), log), &baseline);
+        let ctl = disk.controller();
+        if let Some(p) = plan {
+            ctl.arm(p);
+        }
+        let backing = self.backing(|b| faulty_disk(b, None)).await;
+        let img =
+            Image::from_storage(disk, "img.qcow2", &self.shape.open_options(), backing, None).await;
+        (img, ctl, mem)
     }
 
     /// Opens `image` read-write over a [`Disk`] (fault injection), recording into `log`.
