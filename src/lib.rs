@@ -30,6 +30,7 @@ pub mod create;
 pub mod error;
 pub mod fuzzing;
 mod image;
+pub mod lease;
 pub mod info;
 mod lock;
 pub mod map;
@@ -43,6 +44,7 @@ pub use error::{Error, Result};
 pub use image::{
     Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
 };
+pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
 pub use qimg_cache::{CacheOptions, CacheStats};
 /// The on-disk format crate, re-exported.

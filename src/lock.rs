@@ -38,6 +38,13 @@ impl RangeLocks {
     /// Waits until `[start, end)` (guest cluster indices) conflicts with no held range, then
     /// holds it. Shared holders conflict only with exclusive ones.
     pub(crate) async fn lock(&self, start: u64, end: u64, exclusive: bool) -> RangeGuard<'_> {
+        let id = self.acquire(start, end, exclusive).await;
+        RangeGuard { locks: self, id }
+    }
+
+    /// Takes `[start, end)` and returns the holder id to pass to [`release`](Self::release)
+    /// (for holders that outlive a borrow, such as write leases).
+    pub(crate) async fn acquire(&self, start: u64, end: u64, exclusive: bool) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         loop {
             let notified = self.released.notified();
@@ -57,7 +64,7 @@ impl RangeLocks {
                         exclusive,
                         id,
                     });
-                    return RangeGuard { locks: self, id };
+                    return id;
                 }
             }
             notified.await;
@@ -71,12 +78,19 @@ impl RangeLocks {
     }
 }
 
+impl RangeLocks {
+    /// Gives up the range held under `id`.
+    pub(crate) fn release(&self, id: u64) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.retain(|h| h.id != id);
+        drop(held);
+        self.released.notify_waiters();
+    }
+}
+
 impl Drop for RangeGuard<'_> {
     fn drop(&mut self) {
-        let mut held = self.locks.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.retain(|h| h.id != self.id);
-        drop(held);
-        self.locks.released.notify_waiters();
+        self.locks.release(self.id);
     }
 }
 

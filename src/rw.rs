@@ -47,6 +47,30 @@ enum Unmap {
     Discard,
 }
 
+/// A write to one guest cluster between allocation and linking.
+#[derive(Debug, Clone)]
+pub(crate) struct Prepared {
+    gc: u64,
+    a: usize,
+    b: usize,
+    old: AnyL2Entry,
+    plan: WritePlan,
+    /// Host offset of the cluster the data goes to (the guest offset with a data file).
+    pub(crate) host: u64,
+    fresh: bool,
+}
+
+impl Prepared {
+    /// Where the guest bytes `[a, b)` go in the host file.
+    pub(crate) fn guest_span(&self) -> (u64, u64, u64) {
+        (
+            self.gc + self.a as u64,
+            self.host + self.a as u64,
+            (self.b - self.a) as u64,
+        )
+    }
+}
+
 /// What one write does to one cluster.
 #[derive(Debug, Clone, Copy)]
 struct WritePlan {
@@ -378,7 +402,20 @@ impl<S: Storage> Inner<S> {
     /// Writes `data` at offset `a` of the guest cluster at `gc` (the caller holds the cluster
     /// exclusively).
     async fn write_chunk(&self, gc: u64, a: usize, data: &[u8]) -> Result<()> {
-        let b = a + data.len();
+        let p = self.prepare_chunk(gc, a, a + data.len()).await?;
+        let written = self
+            .write_data(&p.old, gc, a, data, &p.plan, p.host, p.fresh)
+            .await;
+        if let Err(e) = written {
+            self.abandon_chunk(&p).await;
+            return Err(e);
+        }
+        self.link_chunk(&p).await
+    }
+
+    /// First half of a write to `[a, b)` of guest cluster `gc`: look the entry up, plan the
+    /// write, and allocate (under the metadata lock). Nothing is linked yet.
+    pub(crate) async fn prepare_chunk(&self, gc: u64, a: usize, b: usize) -> Result<Prepared> {
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
         let old = self.lookup(&mut m, gc).await?;
@@ -399,35 +436,75 @@ impl<S: Storage> Inner<S> {
             self.guard_write(&mut m, host + plan.start as u64, span, Writing::Data)
                 .await?;
         }
-        drop(m);
+        Ok(Prepared {
+            gc,
+            a,
+            b,
+            old,
+            plan,
+            host,
+            fresh,
+        })
+    }
 
-        let written = self.write_data(&old, gc, a, data, &plan, host, fresh).await;
-        let mut m = self.meta.lock().await;
-        if let Err(e) = written {
-            if fresh {
-                // Never linked: give it back rather than leak it.
-                let _ = self.free_clusters(&mut m, host, 1).await;
-            }
-            return Err(e);
+    /// Gives back what [`prepare_chunk`](Self::prepare_chunk) allocated when the data could
+    /// not be written (never linked, so freeing it cannot lose anything).
+    pub(crate) async fn abandon_chunk(&self, p: &Prepared) {
+        if p.fresh {
+            let mut m = self.meta.lock().await;
+            let _ = self.free_clusters(&mut m, p.host, 1).await;
         }
-        let cow = (a - plan.start) + (plan.end - b);
+    }
+
+    /// Second half: links the written cluster into the L2 table, after the refcounts and the
+    /// data (cache dependencies), and drops the old reference.
+    pub(crate) async fn link_chunk(&self, p: &Prepared) -> Result<()> {
+        let plan = &p.plan;
+        let mut m = self.meta.lock().await;
+        let cow = (p.a - plan.start) + (plan.end - p.b);
         self.counters
             .cow_bytes
             .fetch_add(cow as u64, Ordering::Relaxed);
         if !plan.relink {
             return Ok(());
         }
-        if fresh {
+        if p.fresh {
             // Refcount increments reach the disk before the entry that uses them.
             self.set_dependency(&mut m, Which::L2, Which::Refcount)
                 .await?;
         }
-        self.set_entry(&mut m, gc, &self.linked_entry(host, plan.bitmap))
+        self.set_entry(&mut m, p.gc, &self.linked_entry(p.host, plan.bitmap))
             .await?;
         // The data must be durable before the entry that points at it.
         m.l2.depend_on_flush();
         if let Some(freed) = plan.freed {
             self.release(&mut m, freed).await?;
+        }
+        Ok(())
+    }
+
+    /// The copy-on-write part of a prepared write: reserves a fresh cluster and writes the
+    /// head `[plan.start, a)` and tail `[b, plan.end)` around the guest bytes, which the caller
+    /// writes itself.
+    pub(crate) async fn write_cow(&self, p: &Prepared) -> Result<()> {
+        let (storage, path) = self.data();
+        let cs = self.geo.cluster_size();
+        if p.fresh && self.allocation == Allocation::Contiguous {
+            let _: AllocateOutcome = storage
+                .allocate(p.host, cs)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
+        }
+        let plan = &p.plan;
+        for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
+            if from < to {
+                let mut buf = vec![0u8; to - from];
+                self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
+                storage
+                    .write_at(&buf, p.host + from as u64)
+                    .await
+                    .map_err(|e| Error::storage(path, e))?;
+            }
         }
         Ok(())
     }
