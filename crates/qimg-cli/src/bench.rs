@@ -32,9 +32,16 @@ use crate::bench_hist::Histogram;
 use crate::bench_parse::{self as parse, Aio, CacheMode, INT_MAX, INT64_MAX};
 use crate::bench_run::{Offsets, Outcome, Plan, Raw, Target, drive};
 
-/// Arguments of `qimg bench`.
+/// Arguments of `qimg bench` (boxed: they are many, and the subcommand enum stays small).
 #[derive(clap::Args)]
 pub struct BenchArgs {
+    #[command(flatten)]
+    opts: Box<BenchOpts>,
+}
+
+/// The options of `qimg bench`.
+#[derive(clap::Args)]
+struct BenchOpts {
     /// Number of I/O requests to perform (default 75000).
     #[arg(short = 'c', long = "count", allow_hyphen_values = true)]
     count: Option<String>,
@@ -146,7 +153,7 @@ struct Config {
     quiet: bool,
 }
 
-fn config(a: BenchArgs) -> Result<Config, String> {
+fn config(a: BenchOpts) -> Result<Config, String> {
     let count = a
         .count
         .as_deref()
@@ -322,7 +329,7 @@ fn config(a: BenchArgs) -> Result<Config, String> {
 
 /// Runs `qimg bench`.
 pub fn run_bench(a: BenchArgs) -> ExitCode {
-    let cfg = match config(a) {
+    let cfg = match config(*a.opts) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("qimg: {e}");
@@ -376,7 +383,11 @@ fn run(cfg: &Config) -> Result<()> {
             (Aio::IoUring | Aio::Native, false) => {
                 let entries = ring_entries(cfg.depth);
                 let open = move |p: &Path, w: bool| {
-                    UringOptions::new().read_write(w).entries(entries).open(p)
+                    UringOptions::new()
+                        .read_write(w)
+                        .entries(entries)
+                        .collect_inline_completions(true)
+                        .open(p)
                 };
                 bench_on(cfg, fmt, &open).await
             }
@@ -387,6 +398,7 @@ fn run(cfg: &Config) -> Result<()> {
                         .read_write(w)
                         .direct(true)
                         .entries(entries)
+                        .collect_inline_completions(true)
                         .open(p)
                         .map(BounceStorage::new)
                 };
@@ -448,7 +460,7 @@ where
         ImageFormat::Qcow2 => {
             let opts = OpenOptions {
                 writable: cfg.write,
-                cache: cfg.cache.clone(),
+                cache: cfg.cache,
                 direct: cfg.cache_mode.direct,
                 ..OpenOptions::default()
             };

@@ -455,7 +455,7 @@ mod tests {
         assert_ne!(a, c);
         assert!(
             a.iter()
-                .all(|&o| o >= 8192 && o < 8192 + 100 * 4096 && o % 4096 == 0)
+                .all(|&o| (8192..8192 + 100 * 4096).contains(&o) && o % 4096 == 0)
         );
         let distinct: std::collections::BTreeSet<_> = a.iter().collect();
         assert!(distinct.len() > 95, "{} distinct slots", distinct.len());

@@ -18,6 +18,13 @@
 //!   single completion thread, which sleeps in `io_uring_enter(GETEVENTS)` and wakes the tasks
 //!   whose requests completed. No thread per request, and no runtime needed: the futures work
 //!   on any executor, like the rest of the [`Storage`] contract requires.
+//! * **Submission** happens outside the driver lock (the system call, which for page-cache
+//!   hits does the whole transfer, holds up nobody), and a submitted request is then *handed
+//!   over* to the completion thread, which sleeps on a condition variable while nothing is
+//!   handed over rather than in the kernel, where every completion would wake it. With
+//!   [`UringOptions::collect_inline_completions`] a request the kernel finished inside the
+//!   submitting call is collected at once and never handed over: one system call, no thread
+//!   wake-up.
 //! * **Fallbacks.** Opcodes are probed at open; any the kernel lacks (or that
 //!   [`UringOptions::fallback_for`] excludes) run through a [`FileStorage`] on the same file
 //!   instead, with its semantics. `len` and `set_len` always do (`lseek`/`ftruncate` are cheap
@@ -31,7 +38,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -65,6 +72,7 @@ pub struct UringOptions {
     entries: u32,
     fallocate: bool,
     avoid: Vec<Op>,
+    inline: bool,
 }
 
 impl Default for UringOptions {
@@ -74,6 +82,7 @@ impl Default for UringOptions {
             entries: DEFAULT_ENTRIES,
             fallocate: true,
             avoid: Vec::new(),
+            inline: false,
         }
     }
 }
@@ -141,6 +150,17 @@ impl UringOptions {
         if !self.avoid.contains(&op) {
             self.avoid.push(op);
         }
+        self
+    }
+
+    /// Whether a request the kernel completes inside the submitting system call (reads and
+    /// writes served by the page cache, with buffered I/O) finishes in the same poll
+    /// (`true`), or, as by default, returns `Pending` and is completed through the
+    /// completion thread like any other. With `true` such requests cost one system call and
+    /// no thread wake-up, and the completion thread only waits in the kernel for requests
+    /// that are really still running; `qimg bench` turns it on.
+    pub fn collect_inline_completions(mut self, yes: bool) -> Self {
+        self.inline = yes;
         self
     }
 
@@ -301,6 +321,9 @@ enum SlotState {
 struct Slot {
     owned: Owned,
     state: SlotState,
+    /// Left to the completion thread: its submitter found it unfinished after submitting
+    /// (or dropped its future), so somebody must wait in the kernel for its completion.
+    handed: bool,
 }
 
 /// The ring's bookkeeping, behind the mutex that also gives exclusive access to the ring's
@@ -315,6 +338,13 @@ struct Driver {
     /// Set when the last handle is dropped: the completion thread ends once the kernel holds
     /// no slot's memory any more.
     shutdown: bool,
+    /// Slots with `handed` set: while there are none, the completion thread sleeps on
+    /// `Shared::armed` rather than in the kernel, where every completion would wake it (even
+    /// those of requests the kernel finished inside the submitting call, which their tasks
+    /// collect themselves).
+    handed: usize,
+    /// The completion thread waits on `Shared::armed`.
+    parked: bool,
 }
 
 impl Driver {
@@ -347,6 +377,8 @@ struct Shared {
     // every request by then.
     ring: IoUring,
     driver: Mutex<Driver>,
+    /// Wakes the completion thread when a request is handed to it (or at shutdown).
+    armed: Condvar,
     /// The file, for its descriptor and as the fallback for everything not on the ring.
     file: FileStorage,
     fd: RawFd,
@@ -356,6 +388,8 @@ struct Shared {
     zero_range: AtomicBool,
     punch_hole: AtomicBool,
     reserve: AtomicBool,
+    /// [`UringOptions::collect_inline_completions`].
+    inline: bool,
 }
 
 impl Shared {
@@ -383,6 +417,7 @@ impl Shared {
             let Some(Some(slot)) = d.slots.get_mut(idx) else {
                 continue;
             };
+            let handed = std::mem::take(&mut slot.handed);
             match std::mem::replace(&mut slot.state, SlotState::Done(cqe.result())) {
                 SlotState::Waiting(w) => wake.push(w),
                 SlotState::Abandoned => {
@@ -392,6 +427,23 @@ impl Shared {
                 // One completion per request: cannot happen, and keeping the first result
                 // is harmless.
                 SlotState::Done(r) => slot.state = SlotState::Done(r),
+            }
+            if handed {
+                d.handed -= 1;
+            }
+        }
+    }
+
+    /// Leaves slot `idx` to the completion thread, waking it if it sleeps.
+    fn hand_over(&self, d: &mut Driver, idx: usize) {
+        if let Some(Some(slot)) = d.slots.get_mut(idx) {
+            if !slot.handed {
+                slot.handed = true;
+                d.handed += 1;
+                if d.parked {
+                    d.parked = false;
+                    self.armed.notify_one();
+                }
             }
         }
     }
@@ -460,12 +512,28 @@ fn complete(shared: Arc<Shared>) {
         let mut wake = Vec::new();
         let stop = {
             let mut d = shared.lock();
-            shared.reap(&mut d, &mut wake);
+            loop {
+                shared.reap(&mut d, &mut wake);
+                if d.shutdown || d.handed > 0 || !wake.is_empty() {
+                    break;
+                }
+                // Nothing is left to us: sleep until a request is handed over or the storage
+                // is dropped, instead of in the kernel.
+                d.parked = true;
+                d = shared.armed.wait(d).unwrap_or_else(|e| e.into_inner());
+                d.parked = false;
+            }
             d.shutdown && d.kernel_busy() == 0
         };
+        let idle = wake.is_empty();
         wake.into_iter().for_each(Waker::wake);
         if stop {
             return;
+        }
+        if !idle {
+            // Look again before sleeping in the kernel: the woken tasks may have handed
+            // nothing more over.
+            continue;
         }
         // Sleeps until at least one completion is in the queue (returns at once if one already
         // is), submitting anything left in the submission queue on the way.
@@ -490,6 +558,7 @@ impl Drop for Owner {
         {
             let mut d = self.shared.lock();
             d.shutdown = true;
+            self.shared.armed.notify_all();
             // Wake the completion thread from its wait with a no-op. Every queued entry
             // belongs to a slot and there are as many queue entries as slots, so after
             // submitting there is room unless the kernel refuses entries; then the
@@ -629,13 +698,17 @@ impl UringStorage {
                 free: (0..entries).rev().collect(),
                 waiting: Vec::new(),
                 shutdown: false,
+                handed: 0,
+                parked: false,
             }),
+            armed: Condvar::new(),
             file,
             fd,
             caps,
             zero_range: AtomicBool::new(options.fallocate),
             punch_hole: AtomicBool::new(options.fallocate),
             reserve: AtomicBool::new(options.fallocate),
+            inline: options.inline,
         });
         let for_thread = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -882,6 +955,8 @@ struct Completion {
 enum Stage {
     /// Not submitted yet (no free slot so far).
     Queued(Kind, Owned),
+    /// On the submission queue in this slot; `poll` submits it after releasing the lock.
+    Submit(usize),
     /// Submitted in this slot.
     InFlight(usize),
     /// Completed and collected.
@@ -915,6 +990,7 @@ impl Request<'_> {
                 let slot = d.slots[idx].insert(Slot {
                     owned,
                     state: SlotState::Waiting(cx.waker().clone()),
+                    handed: false,
                 });
                 // The entry points into the slot's memory, which stays put from here on.
                 let entry = kind.entry(shared.fd, &mut slot.owned).user_data(idx as u64);
@@ -939,9 +1015,16 @@ impl Request<'_> {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
-                self.stage = Stage::InFlight(idx);
-                shared.submit(d, cx);
+                // Submitted by `poll` once the driver lock is released: the system call
+                // (which, for page-cache hits, does the whole transfer) must not hold up the
+                // other tasks and the completion thread.
+                self.stage = Stage::Submit(idx);
                 Poll::Pending
+            }
+            // Only `poll` sees this stage (it submits and moves on to `InFlight`).
+            Stage::Submit(idx) => {
+                self.stage = Stage::InFlight(idx);
+                self.step(d, cx, wake)
             }
             Stage::InFlight(idx) => {
                 let state = d
@@ -991,20 +1074,79 @@ impl Future for Request<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Completion> {
         let this = self.get_mut();
         let mut wake = Vec::new();
-        let out = {
+        let mut out = {
             let mut d = this.shared.lock();
             this.shared.reap(&mut d, &mut wake);
             this.step(&mut d, cx, &mut wake)
         };
+        if let Stage::Submit(idx) = this.stage {
+            this.stage = Stage::InFlight(idx);
+            out = this.submitted(idx, cx, &mut wake);
+        }
         // Woken outside the lock, so a waker that polls inline cannot deadlock.
         wake.into_iter().for_each(Waker::wake);
         out
     }
 }
 
+impl Request<'_> {
+    /// Submits the queue (without the driver lock, which the system call does not need: the
+    /// entry is already published) and hands the request to the completion thread. With
+    /// [`UringOptions::collect_inline_completions`] it first collects the completion if the
+    /// kernel finished the request inside the call, as it does for reads and writes served by
+    /// the page cache; the task then goes on at once instead of sleeping until the
+    /// completion thread wakes it.
+    fn submitted(
+        &mut self,
+        idx: usize,
+        cx: &mut Context<'_>,
+        wake: &mut Vec<Waker>,
+    ) -> Poll<Completion> {
+        let shared = self.shared;
+        let failed = shared.ring.submit().is_err();
+        let mut d = shared.lock();
+        if !shared.inline {
+            if failed || shared.unsubmitted(&mut d) > 0 {
+                cx.waker().wake_by_ref();
+            }
+            shared.hand_over(&mut d, idx);
+            return Poll::Pending;
+        }
+        // Reaping our own completion must not wake this task (it is running and collects
+        // the result now); other tasks' completions are woken as usual.
+        let mine = match d.slots.get_mut(idx).and_then(|s| s.as_mut()) {
+            Some(Slot {
+                state: SlotState::Waiting(w),
+                ..
+            }) => Some(std::mem::replace(w, Waker::noop().clone())),
+            _ => None,
+        };
+        shared.reap(&mut d, wake);
+        if let Some(Some(Slot {
+            state: SlotState::Waiting(w),
+            ..
+        })) = d.slots.get_mut(idx)
+        {
+            // Still with the kernel: wait for the completion with the real waker.
+            if let Some(real) = mine {
+                *w = real;
+            } else if !w.will_wake(cx.waker()) {
+                *w = cx.waker().clone();
+            }
+            if failed || shared.unsubmitted(&mut d) > 0 {
+                // Not (all) submitted: try again on the next poll.
+                cx.waker().wake_by_ref();
+            }
+            shared.hand_over(&mut d, idx);
+            return Poll::Pending;
+        }
+        self.step(&mut d, cx, wake)
+    }
+}
+
 impl Drop for Request<'_> {
     fn drop(&mut self) {
-        let Stage::InFlight(idx) = self.stage else {
+        let (Stage::InFlight(idx) | Stage::Submit(idx)) = self.stage else {
             return;
         };
         let mut wake = Vec::new();
@@ -1021,6 +1163,9 @@ impl Drop for Request<'_> {
                 },
                 None => false,
             };
+            if !done {
+                self.shared.hand_over(&mut d, idx);
+            }
             if done {
                 // Completed: the kernel is finished with the memory.
                 drop(d.release(idx, &mut wake));
@@ -1186,5 +1331,95 @@ impl Storage for UringStorage {
 
     fn mem_alignment(&self) -> usize {
         self.shared().file.mem_alignment()
+    }
+}
+
+/// The conformance suite and a concurrency and cancellation stress with
+/// [`UringOptions::collect_inline_completions`] on (the integration tests in `tests/uring.rs`
+/// cover the default).
+#[cfg(all(test, feature = "conformance"))]
+mod inline_tests {
+    use std::sync::atomic::AtomicU32;
+
+    use super::*;
+    use crate::conformance::run_all;
+
+    fn options(direct: bool) -> UringOptions {
+        UringOptions::new()
+            .read_write(true)
+            .create_new(true)
+            .direct(direct)
+            .collect_inline_completions(true)
+    }
+
+    /// A fresh file in `dir`, or `None` where io_uring or O_DIRECT is unavailable.
+    fn make(dir: &tempfile::TempDir, direct: bool) -> Option<UringStorage> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let path = dir
+            .path()
+            .join(format!("i{}", N.fetch_add(1, Ordering::Relaxed)));
+        match options(direct).open(&path) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                println!("skipped (direct {direct}): {e}");
+                None
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance_with_inline_completions() {
+        let dir = tempfile::tempdir().unwrap();
+        for direct in [false, true] {
+            if make(&dir, direct).is_none() {
+                continue;
+            }
+            run_all(|| make(&dir, direct).expect("opened once already")).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_tasks_and_cancelled_requests_with_inline_completions() {
+        let dir = tempfile::tempdir().unwrap();
+        for direct in [false, true] {
+            let Some(s) = make(&dir, direct) else {
+                continue;
+            };
+            let s = Arc::new(s);
+            let block = 4096usize;
+            let tasks: Vec<_> = (0..48u64)
+                .map(|t| {
+                    let s = Arc::clone(&s);
+                    tokio::spawn(async move {
+                        let mut back = AlignedBuf::zeroed(block, 4096).unwrap();
+                        for round in 0..50u64 {
+                            let mut v = AlignedBuf::zeroed(block, 4096).unwrap();
+                            v.fill((t * 7 + round) as u8);
+                            let at = (t * 4 + round % 4) * block as u64;
+                            s.write_at(&v, at).await.unwrap();
+                            s.read_at(&mut back, at).await.unwrap();
+                            assert!(*back == *v, "task {t} round {round}");
+                            if round % 10 == 9 {
+                                // Dropped after one poll: in flight, or already collected.
+                                let mut r = Box::pin(s.read_at(&mut back, at));
+                                let w = Waker::noop();
+                                let _ = r.as_mut().poll(&mut Context::from_waker(w));
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+            s.flush().await.unwrap();
+            for _ in 0..2000 {
+                if s.in_flight() == 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(s.in_flight(), 0, "direct {direct}");
+        }
     }
 }
