@@ -129,6 +129,30 @@ fn cases() -> Vec<(&'static str, Build)> {
             );
             "a.qcow2"
         }),
+        ("cow-zero-ranges", |d| {
+            // Partial-cluster writes make qemu zero the rest of each cluster with
+            // FALLOC_FL_ZERO_RANGE, and compressed clusters share host clusters: the file
+            // holds fewer blocks than it refcounts, so qemu treats the image as metadata
+            // preallocated and reports the unwritten parts of data clusters as zeros.
+            create(d, "qcow2", "", &[], "a.qcow2", "8M");
+            qemu_io(
+                d,
+                "qcow2",
+                "a.qcow2",
+                &[
+                    "write -P 5 5261824 65536",
+                    "write -c -P 3 4521984 65536",
+                    "write -P 5 144384 102400",
+                    "write -z 5462016 8192",
+                    "write -P 5 7580160 8192",
+                    "write -P 7 941056 4096",
+                    "write -c -P 3 4194304 65536",
+                    "discard 5681152 8192",
+                    "write -P 9 6209536 65536",
+                ],
+            );
+            "a.qcow2"
+        }),
         ("cs512", |d| {
             create(d, "qcow2", "cluster_size=512", &[], "a.qcow2", "4M");
             qemu_io(
@@ -562,6 +586,7 @@ fn human_output_matches_qemu_img() {
     }
     let wanted = [
         "standard-patterns",
+        "cow-zero-ranges",
         "ext-128k-alloc-states",
         "prealloc-metadata",
         "chain-3-shorter-backings",

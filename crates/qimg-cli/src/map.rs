@@ -26,6 +26,7 @@ use std::rc::Rc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use nix::errno::Errno;
+use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::unistd::{Whence, lseek};
 use qimg::info::{ImageFormat, probe_format, read_cluster0};
 use qimg::io::FileStorage;
@@ -177,6 +178,9 @@ impl Layer {
 pub(crate) struct HostFile {
     file: File,
     path: PathBuf,
+    /// Drop cached pages of a range before asking for its holes (metadata-preallocated qcow2
+    /// files, whose metadata this process reads).
+    drop_cache: bool,
     name: Rc<str>,
     /// The file length in bytes.
     len: u64,
@@ -193,6 +197,7 @@ impl HostFile {
         Ok(Self {
             file,
             path: path.to_path_buf(),
+            drop_cache: false,
             name,
             len,
         })
@@ -202,6 +207,18 @@ impl HostFile {
     /// does: `SEEK_DATA`/`SEEK_HOLE`, everything past the end of the file is a hole, and a file
     /// system that cannot tell is all data.
     fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
+        if self.drop_cache {
+            // Unwritten extents (QEMU zeroes the copy-on-write parts of a cluster with
+            // FALLOC_FL_ZERO_RANGE) are holes to SEEK_DATA only while none of their pages is
+            // cached; our own metadata reads may have pulled them in by readahead. Drop clean
+            // cached pages of the range first so the answer is the one qemu-img, which does
+            // not read there, gets.
+            // Whole pages only are dropped: round out (to 64 KiB, above any page size).
+            let (a, b) = (start & !0xffff, end.saturating_add(0xffff) & !0xffff);
+            if let (Ok(o), Ok(l)) = (i64::try_from(a), i64::try_from(b - a)) {
+                let _ = posix_fadvise(&self.file, o, l, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+            }
+        }
         let mut out: Vec<(u64, u64, bool)> = Vec::new();
         let mut push = |s: u64, e: u64, data: bool| {
             if e <= s {
@@ -384,7 +401,9 @@ pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Res
         };
         let data_file = data_file.map(|_| host_path.clone());
         let prealloc = if metadata_preallocated(img.path()) {
-            Some(HostFile::open(&host_path, name.clone())?)
+            let mut f = HostFile::open(&host_path, name.clone())?;
+            f.drop_cache = true;
+            Some(f)
         } else {
             None
         };
