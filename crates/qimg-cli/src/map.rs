@@ -633,17 +633,33 @@ pub(crate) fn os_msg(e: &std::io::Error) -> String {
     }
 }
 
-/// The error text of a library error without the leading file name `file`.
+/// The error text of a library error without the leading file name `file`, followed by the
+/// causes its text does not already include (such as the OS error of a failed open).
 pub(crate) fn lib_msg(e: &qimg::Error, file: &str) -> String {
-    match e {
-        qimg::Error::Io { source, .. } => os_msg(source),
+    use std::error::Error as _;
+    let mut s = match e {
+        qimg::Error::Io { source, .. } => return os_msg(source),
         other => {
             let s = other.to_string();
             s.strip_prefix(&format!("{file}: "))
                 .map(str::to_string)
                 .unwrap_or(s)
         }
+    };
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let t = c.to_string();
+        let t = match t.find(" (os error") {
+            Some(i) => t[..i].to_string(),
+            None => t,
+        };
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cause = c.source();
     }
+    s
 }
 
 async fn walk(
