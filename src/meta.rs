@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use qimg_cache::{DirtySlice, ResolvedCache, SliceCache, SliceKey};
+use qimg_cache::{Dependencies, DirtySlice, ResolvedCache, SliceCache, SliceKey};
 use qimg_format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use qimg_format::geometry::Geometry;
 use qimg_format::header::Header;
@@ -144,7 +144,11 @@ impl Meta {
             let table_len: u64 = snaps.iter().map(|s| s.encoded_len() as u64).sum();
             overlap.insert(Region::SnapshotTable, h.snapshots_offset, table_len);
             for s in &snaps {
-                overlap.insert(Region::SnapshotL1, s.l1_table_offset, u64::from(s.l1_size) * 8);
+                overlap.insert(
+                    Region::SnapshotL1,
+                    s.l1_table_offset,
+                    u64::from(s.l1_size) * 8,
+                );
             }
         }
         let mut meta = Self {
@@ -326,6 +330,12 @@ impl<S: Storage> Inner<S> {
         if m.cache(which).get(key, now).is_some() {
             return Ok(());
         }
+        if let Some(victim) = m.cache(which).victim() {
+            if m.cache(which).is_dirty(victim) == Some(true) {
+                // Written back while still cached: if the write fails, nothing is lost.
+                self.write_back(m, which).await?;
+            }
+        }
         let size = m.cache(which).slice_size();
         let mut buf = vec![0u8; size];
         let at = self.slice_location(m, which, key);
@@ -379,19 +389,29 @@ impl<S: Storage> Inner<S> {
     /// Before writing any slice of `which`: flush what it depends on.
     async fn honour_dependencies(&self, m: &mut Meta, which: Which) -> Result<()> {
         let deps = m.cache(which).take_dependencies();
-        if deps.other_cache {
-            let other = which.other();
-            let theirs = m.cache(other).take_dependencies();
-            if theirs.flush {
+        let other = which.other();
+        let mut theirs = Dependencies::default();
+        let done = async {
+            if deps.other_cache {
+                theirs = m.cache(other).take_dependencies();
+                if theirs.flush {
+                    self.flush_data().await?;
+                }
+                self.write_slices(m, other).await?;
+                self.file.flush().await.map_err(|e| self.st(e))?;
+            }
+            if deps.flush {
                 self.flush_data().await?;
             }
-            self.write_slices(m, other).await?;
-            self.file.flush().await.map_err(|e| self.st(e))?;
+            Ok(())
         }
-        if deps.flush {
-            self.flush_data().await?;
+        .await;
+        if done.is_err() {
+            // Nothing is known to be durable: the ordering still has to happen next time.
+            restore(m.cache(which), deps);
+            restore(m.cache(other), theirs);
         }
-        Ok(())
+        done
     }
 
     async fn write_slices(&self, m: &mut Meta, which: Which) -> Result<()> {
@@ -572,7 +592,10 @@ impl<S: Storage> Inner<S> {
             // The first free cluster seen: everything below it (from the hint) is in use.
             let mut first_free = None;
             while c - start < n {
-                if self.refcount(m, c).await? != 0 {
+                // A cluster freed since the last flush may still be referenced by the L2
+                // entry on disk: reusing it before that changes is durable would let a crash
+                // show the new data through the old entry.
+                if m.pending_punch.contains(&c) || self.refcount(m, c).await? != 0 {
                     start = c + 1;
                 } else if first_free.is_none() {
                     first_free = Some(c);
@@ -594,7 +617,6 @@ impl<S: Storage> Inner<S> {
             }
             for k in start..start + n {
                 self.update_refcount(m, k, 1).await?;
-                m.pending_punch.remove(&k);
             }
             m.free_hint = match first_free {
                 Some(f) if f < start => f,
@@ -792,11 +814,16 @@ impl<S: Storage> Inner<S> {
             self.write_back(m, Which::Refcount).await?;
         }
         self.file.flush().await.map_err(|e| self.st(e))?;
-        m.l1[l1i] = L1Entry {
+        let linked = L1Entry {
             l2_offset: Some(HostOffset(new)),
             copied: true,
         };
-        self.write_l1_entry(m, l1i).await?;
+        if let Err(e) = self.write_l1_entry(m, l1i, linked).await {
+            // The table was never linked: give it back (a failure here only leaks).
+            let _ = self.free_clusters(m, new, 1).await;
+            return Err(e);
+        }
+        m.l1[l1i] = linked;
         m.overlap.insert(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
             m.overlap.remove(Region::ActiveL2, old.0);
@@ -807,15 +834,12 @@ impl<S: Storage> Inner<S> {
         Ok(new)
     }
 
-    async fn write_l1_entry(&self, m: &mut Meta, l1i: usize) -> Result<()> {
-        let raw = m.l1[l1i].encode().to_be_bytes();
+    async fn write_l1_entry(&self, m: &mut Meta, l1i: usize, entry: L1Entry) -> Result<()> {
+        let raw = entry.encode().to_be_bytes();
         let at = m.l1_offset + l1i as u64 * 8;
         let own = Writing::Own(Region::ActiveL1, m.l1_offset);
         self.guard_write(m, at, 8, own).await?;
-        self.file
-            .write_at(&raw, at)
-            .await
-            .map_err(|e| self.st(e))
+        self.file.write_at(&raw, at).await.map_err(|e| self.st(e))
     }
 
     /// Replaces the L1 table with one of `entries` entries (growing only).
@@ -885,6 +909,15 @@ impl<S: Storage> Inner<S> {
             m.dirty_on_disk = false;
         }
         Ok(())
+    }
+}
+
+fn restore(cache: &mut SliceCache, deps: Dependencies) {
+    if deps.other_cache {
+        cache.depend_on_other_cache();
+    }
+    if deps.flush {
+        cache.depend_on_flush();
     }
 }
 
