@@ -5,6 +5,7 @@
 //! and read, clean and damaged images, operation sequences).
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use qimg::format::fuzz as ffuzz;
 use qimg::fuzzing;
@@ -46,10 +47,17 @@ fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
     v
 }
 
-/// Runs `f` on every input, naming the input when it panics.
+/// Most time one input may take in a debug build (a hang is a finding too).
+const TIME_LIMIT: Duration = Duration::from_secs(20);
+
+/// Runs `f` on every input, naming the input when it panics or takes longer than
+/// [`TIME_LIMIT`].
 fn replay(target: &str, inputs: &[(String, Vec<u8>)], f: impl Fn(&[u8])) {
     for (name, data) in inputs {
+        let started = Instant::now();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(data)));
+        let took = started.elapsed();
+        assert!(took < TIME_LIMIT, "{target}/{name}: took {took:?}");
         if let Err(e) = r {
             let msg = e
                 .downcast_ref::<String>()
@@ -218,9 +226,27 @@ fn regressions_refcount_block() {
     regressions("refcount_block", ffuzz::refcount_block);
 }
 
+/// Findings in `fuzz/regressions/open_read/` (open):
+///
+/// * `dirty-lazy4k-l2-entry-at-2p55`: the dirty `lazy4k` seed with one L2 entry pointing at
+///   host offset 2^55. A writable open rebuilds refcounts (`Inner::rebuild_refcounts`,
+///   src/rebuild.rs) for every cluster up to the largest one referenced:
+///   `meta::plan_refcount_area` collects one block index per refcount block up to there
+///   (2^32 of them) and the allocation fails (the process aborts).
+/// * `dirty-l2-entries-at-384g-slow`: a fuzzer-made dirty image with L2 entries near 384 GiB:
+///   the same rebuild walks about 50,000 refcount blocks, 2,048 hash lookups each (30 s with
+///   the fuzzing instrumentation).
+///
+/// QEMU's check (which its dirty-image open runs) does not count a reference lying a cluster
+/// or more past the end of the file ("counting reference for region exceeding the end of the
+/// file by one cluster or more"), so its rebuild is bounded by the file size.
 #[test]
+#[ignore = "finding: refcount rebuild of a dirty image scales with the largest host offset referenced"]
 fn regressions_open_read() {
-    regressions("open_read", fuzzing::open_read);
+    regressions("open_read", |d| {
+        fuzzing::open_read(d);
+        fuzzing::open_write(d);
+    });
 }
 
 #[test]

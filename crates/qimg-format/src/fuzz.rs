@@ -132,7 +132,9 @@ pub fn l2_slice(data: &[u8]) {
         assert_eq!(again.len(), size);
         let word = u64::from_be_bytes(raw[..8].try_into().expect("8 bytes"));
         let mut dropped = 0;
-        if ctx.geometry.extended_l2() {
+        // Bit 0 of an extended entry is ignored, except in a compressed descriptor (where
+        // it is part of the host offset).
+        if ctx.geometry.extended_l2() && !matches!(entry.entry(), L2Entry::Compressed(_)) {
             dropped |= QCOW_OFLAG_ZERO;
         }
         if *entry.entry() == L2Entry::Unallocated {
