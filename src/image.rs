@@ -17,7 +17,7 @@ use qimg_format::geometry::{Geometry, RefcountGeometry};
 use qimg_format::header::{CompressionType, Header};
 use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
-use qimg_io::{FileStorage, Storage, StorageError};
+use qimg_io::{AnyStorage, Backend, FileStorage, Storage, StorageError};
 
 use crate::error::{Error, Result};
 use crate::lock::RangeLocks;
@@ -64,6 +64,8 @@ pub struct OpenOptions {
     /// from an untrusted source: otherwise its header can make qimg open any file the process
     /// can read (`/etc/shadow` as a raw backing file, say) and expose it to the guest.
     pub confine_names: bool,
+    /// The I/O backend [`Image::open_any`] uses for the image and every file it refers to.
+    pub backend: Backend,
 }
 
 impl OpenOptions {
@@ -200,6 +202,32 @@ impl Image<FileStorage> {
         let opener = FileOpener {
             direct: opts.direct,
         };
+        Self::open_with(path.as_ref(), opts, &opener).await
+    }
+}
+
+impl Image<AnyStorage> {
+    /// Opens the qcow2 image at `path`, its backing chain and data file with the backend
+    /// [`OpenOptions::backend`] names (blocking calls on a thread pool, or io_uring), with
+    /// `O_DIRECT` when [`OpenOptions::direct`] is set (any request alignment is accepted; a
+    /// bounce buffer covers unaligned ones).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> qimg::Result<()> {
+    /// use qimg::{Image, OpenOptions, io::Backend};
+    /// let opts = OpenOptions {
+    ///     backend: Backend::IoUring,
+    ///     direct: true,
+    ///     ..OpenOptions::read_write()
+    /// };
+    /// let img = Image::open_any("disk.qcow2", &opts).await?;
+    /// img.write(&[1u8; 4096], 0).await?;
+    /// img.close().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn open_any(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
+        let (backend, direct) = (opts.backend, opts.direct);
+        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
         Self::open_with(path.as_ref(), opts, &opener).await
     }
 }
@@ -458,7 +486,8 @@ fn confined(opts: &OpenOptions, image: &Path, what: &str, name: &str) -> Result<
     }
     let p = Path::new(name);
     let escapes = p.is_absolute()
-        || p.components().any(|c| matches!(c, std::path::Component::ParentDir))
+        || p.components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
         || name.starts_with("json:")
         || name.is_empty();
     if escapes {
@@ -503,7 +532,10 @@ async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Res
         .await
         .map_err(|e| Error::storage(path, e))?;
     if let Ok(h) = Header::decode(&bytes) {
-        if let Some(cs) = h.cluster_size().filter(|&c| (512..=MAX_CLUSTER0 as u64).contains(&c)) {
+        if let Some(cs) = h
+            .cluster_size()
+            .filter(|&c| (512..=MAX_CLUSTER0 as u64).contains(&c))
+        {
             bytes.resize(cs as usize, 0);
         }
     }
@@ -539,6 +571,12 @@ impl<S: Storage + 'static> Image<S> {
     /// The image file's name as given at open.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// The storage holding the image file (for a VMM that issues its own I/O on the same
+    /// file, or to see which backend [`Image::open_any`] chose).
+    pub fn storage(&self) -> &S {
+        &self.inner.file
     }
 
     /// The backing image, if one is open.

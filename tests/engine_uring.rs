@@ -496,3 +496,89 @@ async fn four_queues_of_eight_tasks_on_bounced_file_direct() {
     }
     stress_on("bounce(file O_DIRECT)", &file_direct).await;
 }
+
+/// `Image::open_any` picks the backend and O_DIRECT from `OpenOptions`, for the image and its
+/// backing file alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_any_runs_every_backend_from_options() {
+    if !have_qemu("open_any_runs_every_backend_from_options") {
+        return;
+    }
+    use qimg::io::{AnyStorage, Backend};
+    for backend in [Backend::Threads, Backend::IoUring] {
+        for direct in [false, true] {
+            let what = format!("{backend:?} direct={direct}");
+            let dir = Scratch::new("open-any");
+            let base = pattern(11, 0, MIB as usize);
+            std::fs::write(dir.path("base.raw"), &base).unwrap();
+            qemu_create(
+                &dir.0,
+                "a.qcow2",
+                "extended_l2=on,cluster_size=64k",
+                2 * MIB,
+                Some(("base.raw", "raw")),
+            );
+            let opts = OpenOptions {
+                backend,
+                direct,
+                ..OpenOptions::read_write()
+            };
+            let img = match Image::open_any(dir.path("a.qcow2"), &opts).await {
+                Ok(img) => img,
+                Err(e) if direct => {
+                    eprintln!("skipped {what}: {e}");
+                    continue;
+                }
+                Err(e) => panic!("{what}: {e}"),
+            };
+            let mut model = base.clone();
+            model.resize((2 * MIB) as usize, 0);
+            for (i, (at, len)) in [(100u64, 3000usize), (70_000, 512), (MIB - 10, 40)]
+                .into_iter()
+                .enumerate()
+            {
+                let data = pattern(i as u64, at, len);
+                img.write(&data, at).await.unwrap();
+                model[at as usize..at as usize + len].copy_from_slice(&data);
+            }
+            let mut back = vec![0u8; model.len()];
+            img.read(&mut back, 0).await.unwrap();
+            assert!(back == model, "{what}: read back differs");
+            let used = match (img.storage(), img.backing()) {
+                (
+                    AnyStorage::File(_),
+                    Some(qimg::Backing::Raw {
+                        storage: AnyStorage::File(_),
+                        ..
+                    }),
+                ) => (Backend::Threads, false),
+                (
+                    AnyStorage::FileDirect(_),
+                    Some(qimg::Backing::Raw {
+                        storage: AnyStorage::FileDirect(_),
+                        ..
+                    }),
+                ) => (Backend::Threads, true),
+                (
+                    AnyStorage::Uring(_),
+                    Some(qimg::Backing::Raw {
+                        storage: AnyStorage::Uring(_),
+                        ..
+                    }),
+                ) => (Backend::IoUring, false),
+                (
+                    AnyStorage::UringDirect(_),
+                    Some(qimg::Backing::Raw {
+                        storage: AnyStorage::UringDirect(_),
+                        ..
+                    }),
+                ) => (Backend::IoUring, true),
+                other => panic!("{what}: opened {other:?}"),
+            };
+            assert_eq!(used, (backend, direct), "{what}");
+            img.close().await.unwrap();
+            assert_clean(&dir.0, "a.qcow2", &what);
+            assert_same_as_model(&dir.0, "a.qcow2", &model, &what);
+        }
+    }
+}

@@ -78,6 +78,7 @@
 #![warn(missing_docs)]
 
 mod aligned;
+mod any;
 mod bounce;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -91,6 +92,7 @@ mod storage;
 mod uring;
 
 pub use aligned::AlignedBuf;
+pub use any::{AnyStorage, Backend};
 pub use bounce::BounceStorage;
 pub use error::{MAX_OFFSET, Op, Result, StorageError};
 pub use faulty::{

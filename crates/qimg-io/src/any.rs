@@ -1,0 +1,148 @@
+//! [`AnyStorage`]: one storage type for every file backend, chosen at run time.
+//!
+//! The engine is generic over [`Storage`]; a program that picks its backend from a command
+//! line or a configuration file (threads or io_uring, buffered or `O_DIRECT`) uses this enum
+//! so that one `Image<AnyStorage>` type covers every choice.
+
+use std::io::IoSlice;
+use std::path::Path;
+
+use crate::bounce::BounceStorage;
+use crate::error::Result;
+use crate::file::{FileOptions, FileStorage};
+use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
+#[cfg(target_os = "linux")]
+use crate::uring::{UringOptions, UringStorage};
+
+/// Which backend [`AnyStorage::open`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Blocking system calls on tokio's blocking thread pool ([`FileStorage`]), qemu-img's
+    /// `aio=threads`.
+    #[default]
+    Threads,
+    /// io_uring ([`UringStorage`]), qemu-img's `aio=io_uring`. Opcodes the kernel lacks fall
+    /// back to the thread pool.
+    IoUring,
+}
+
+/// A file storage of any backend, with or without `O_DIRECT`. With `O_DIRECT` requests of
+/// any alignment are accepted (a [`BounceStorage`] does the read-modify-write).
+#[derive(Debug)]
+pub enum AnyStorage {
+    /// [`FileStorage`], buffered.
+    File(FileStorage),
+    /// [`FileStorage`] with `O_DIRECT`, any alignment.
+    FileDirect(BounceStorage<FileStorage>),
+    /// [`UringStorage`], buffered.
+    #[cfg(target_os = "linux")]
+    Uring(UringStorage),
+    /// [`UringStorage`] with `O_DIRECT`, any alignment.
+    #[cfg(target_os = "linux")]
+    UringDirect(BounceStorage<UringStorage>),
+}
+
+impl AnyStorage {
+    /// Opens `path` (read-only unless `writable`) with `backend`, with `O_DIRECT` if `direct`.
+    pub fn open(
+        path: impl AsRef<Path>,
+        writable: bool,
+        backend: Backend,
+        direct: bool,
+    ) -> Result<Self> {
+        match backend {
+            Backend::Threads => {
+                let s = FileOptions::new()
+                    .read_write(writable)
+                    .direct(direct)
+                    .open(path)?;
+                Ok(if direct {
+                    Self::FileDirect(BounceStorage::new(s))
+                } else {
+                    Self::File(s)
+                })
+            }
+            #[cfg(target_os = "linux")]
+            Backend::IoUring => {
+                let s = UringOptions::new()
+                    .read_write(writable)
+                    .direct(direct)
+                    .open(path)?;
+                Ok(if direct {
+                    Self::UringDirect(BounceStorage::new(s))
+                } else {
+                    Self::Uring(s)
+                })
+            }
+            #[cfg(not(target_os = "linux"))]
+            Backend::IoUring => Self::open(path, writable, Backend::Threads, direct),
+        }
+    }
+}
+
+macro_rules! each {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            AnyStorage::File($s) => $e,
+            AnyStorage::FileDirect($s) => $e,
+            #[cfg(target_os = "linux")]
+            AnyStorage::Uring($s) => $e,
+            #[cfg(target_os = "linux")]
+            AnyStorage::UringDirect($s) => $e,
+        }
+    };
+}
+
+impl Storage for AnyStorage {
+    async fn read_at_most(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        each!(self, s => s.read_at_most(buf, offset).await)
+    }
+
+    async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        each!(self, s => s.read_at(buf, offset).await)
+    }
+
+    async fn read_at_zero_fill(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        each!(self, s => s.read_at_zero_fill(buf, offset).await)
+    }
+
+    async fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        each!(self, s => s.write_at(buf, offset).await)
+    }
+
+    async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
+        each!(self, s => s.write_vectored_at(bufs, offset).await)
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
+        each!(self, s => s.write_zeroes(offset, len).await)
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<DiscardOutcome> {
+        each!(self, s => s.discard(offset, len).await)
+    }
+
+    async fn allocate(&self, offset: u64, len: u64) -> Result<AllocateOutcome> {
+        each!(self, s => s.allocate(offset, len).await)
+    }
+
+    async fn flush(&self) -> Result<()> {
+        each!(self, s => s.flush().await)
+    }
+
+    async fn len(&self) -> Result<u64> {
+        each!(self, s => s.len().await)
+    }
+
+    async fn set_len(&self, len: u64) -> Result<()> {
+        each!(self, s => s.set_len(len).await)
+    }
+
+    fn request_alignment(&self) -> usize {
+        each!(self, s => s.request_alignment())
+    }
+
+    fn mem_alignment(&self) -> usize {
+        each!(self, s => s.mem_alignment())
+    }
+}
