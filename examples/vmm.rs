@@ -14,8 +14,10 @@
 //!    yet, the rest of it is copied from the backing file or zeros), reads checked against
 //!    what the task wrote, and guest FLUSH commands. The tasks own interleaved 4 KiB blocks, so they write into the same
 //!    clusters concurrently but never into the same bytes.
-//! 4. Issues a TRIM (discard) and a WRITE ZEROES, a final FLUSH, prints `stats()`, waits for
-//!    the clean timer to empty the caches, and closes.
+//! 4. Issues a TRIM (discard) and a WRITE ZEROES, then three writes the way a VMM with its own
+//!    io_uring does them (`write_lease`: qimg allocates and copies on write, the VMM writes the
+//!    guest bytes at the host offsets it is given, `commit` links them), a final FLUSH, prints
+//!    `stats()`, waits for the clean timer to empty the caches, and closes.
 //! 5. Verifies every byte of the disk twice: through the async image before closing and
 //!    through the blocking facade after reopening read-only. When `qemu-img` is installed it
 //!    also runs `qemu-img check` and `qemu-img compare` against the expected contents.
@@ -219,7 +221,34 @@ async fn run_guest(disk: &Path, model: Model) -> AnyResult<()> {
     image.write_zeroes(zero_at, zero_len).await?;
     model_write(&model, zero_at, &vec![0u8; zero_len as usize]);
 
-    // The guest's FLUSH: metadata written back in the safe order, then fsync.
+    // Zero-copy writes: the VMM's own I/O puts guest bytes where qimg says (here a plain
+    // `pwrite` on a second descriptor; a VMM would submit them to its own io_uring). qimg
+    // allocates, copies on write what the guest does not cover, and links on commit.
+    let own_fd = std::fs::OpenOptions::new()
+        .write(true)
+        .open(image.data_path())?;
+    for (i, at) in [7 * MIB + 512, 9 * MIB + 100 * KIB, 40 * MIB - 6 * KIB]
+        .into_iter()
+        .enumerate()
+    {
+        let data = payload(QUEUES + i as u64, 0, 12 * KIB);
+        let lease = image.write_lease(at, data.len() as u64).await?;
+        for e in lease.extents() {
+            let from = (e.guest_offset - at) as usize;
+            std::os::unix::fs::FileExt::write_all_at(
+                &own_fd,
+                &data[from..from + e.length as usize],
+                e.host_offset,
+            )?;
+        }
+        // Only once the writes have completed.
+        lease.commit().await?;
+        model_write(&model, at, &data);
+    }
+    println!("3 guest writes issued by the VMM itself through write leases");
+
+    // The guest's FLUSH: metadata written back in the safe order, then fsync (which also
+    // covers what the VMM wrote through its own descriptor).
     image.flush().await?;
 
     let s = image.stats().await;
