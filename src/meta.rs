@@ -818,11 +818,10 @@ impl<S: Storage> Inner<S> {
             l2_offset: Some(HostOffset(new)),
             copied: true,
         };
-        if let Err(e) = self.write_l1_entry(m, l1i, linked).await {
-            // The table was never linked: give it back (a failure here only leaks).
-            let _ = self.free_clusters(m, new, 1).await;
-            return Err(e);
-        }
+        // On failure the entry on disk may or may not point at the new table (a torn or
+        // failed write can still land): keep the table's reference so that either way the
+        // image stays consistent; at worst the cluster leaks.
+        self.write_l1_entry(m, l1i, linked).await?;
         m.l1[l1i] = linked;
         m.overlap.insert(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
