@@ -43,13 +43,6 @@
 //! with the model of their own point; the summary line of each shape says how many were
 //! distinct.
 //!
-//! Known engine bug, tolerated unless `QIMG_CRASH_STRICT=1`: a host cluster freed since the
-//! last flush is reused before the L2 change that freed it is on the disk, so after a crash a
-//! zeroed or discarded guest cluster can read data written to another one
-//! (`reused_cluster_shows_other_data_after_a_crash`). A mismatch is accepted only in a guest
-//! cluster that a write-zeroes or discard since the last flush touched; the shape summary
-//! counts such points (`reuse_bug`).
-//!
 //! Scale: `QIMG_CRASH_POINTS` (default 12000) is the number of post-crash disks checked over
 //! the whole test, split evenly between the shapes; every operation index of every workload
 //! is always covered at least once, and more disks per index (other policies and seeds) are
@@ -137,8 +130,6 @@ struct Tally {
     max_leaks: u64,
     /// Distinct disks among the points.
     distinct: u64,
-    /// Points where the known cluster-reuse bug showed (and was tolerated).
-    reuse_bug: u64,
     /// Seconds spent: building disks, library check, qemu-img, reopen and read, model
     /// comparison, continuation, real engine crashes.
     secs: [f64; 7],
@@ -155,8 +146,6 @@ struct Ctx<'a> {
     dir: &'a Scratch,
     qemu: bool,
     qemu_every: u64,
-    /// `QIMG_CRASH_STRICT=1`: do not tolerate the known cluster-reuse bug.
-    strict: bool,
 }
 
 /// Builds the post-crash disk for a cut at operation `k`.
@@ -427,7 +416,6 @@ async fn verify(
     what: &str,
     continue_it: bool,
     history: &dyn Fn(u64) -> String,
-    freed_since_flush: &dyn Fn(u64) -> bool,
     t: &mut Tally,
 ) {
     let hit = memo.iter().position(|e| e.bytes == bytes);
@@ -440,21 +428,7 @@ async fn verify(
         }
     };
     let mut clock = Instant::now();
-    let mut patched: Option<Vec<u8>> = None;
-    let mut tolerated = false;
-    while let Err((at, msg)) = check_possible(patched.as_deref().unwrap_or(&got), flushed, window) {
-        if !cx.strict && freed_since_flush(at) {
-            // The known engine bug (see `reused_cluster_shows_other_data_after_a_crash`): a
-            // cluster freed since the last flush was reused before the metadata that freed
-            // it reached the disk. Accept this guest cluster and check the rest.
-            let cs = cx.images.shape.cluster_size;
-            let lo = (at / cs * cs) as usize;
-            let hi = ((at / cs + 1) * cs).min(flushed.len() as u64) as usize;
-            let p = patched.get_or_insert_with(|| got.clone());
-            p[lo..hi].copy_from_slice(&flushed[lo..hi]);
-            tolerated = true;
-            continue;
-        }
+    if let Err((at, msg)) = check_possible(&got, flushed, window) {
         if let Ok(keep) = std::env::var("QIMG_CRASH_KEEP") {
             // Debugging aid: keep the failing disk (and the backing file) for inspection.
             std::fs::create_dir_all(&keep).unwrap();
@@ -462,9 +436,6 @@ async fn verify(
             cx.images.write_backing(Path::new(&keep));
         }
         panic!("{what}: {msg}\n{}", history(at));
-    }
-    if tolerated {
-        t.reuse_bug += 1;
     }
     t.secs[4] += lap(&mut clock);
     if continue_it {
@@ -494,7 +465,6 @@ async fn campaign(shape: Shape, seed: u64, nops: usize, target: u64) -> Tally {
         dir: &dir,
         qemu: have_qemu("crash"),
         qemu_every: env_u64("QIMG_CRASH_QEMU_EVERY", 200),
-        strict: std::env::var("QIMG_CRASH_STRICT").is_ok_and(|v| v == "1"),
     };
     let effects: Vec<Option<Effect>> = {
         let m = Model::new(&images);
@@ -604,15 +574,6 @@ async fn campaign(shape: Shape, seed: u64, nops: usize, target: u64) -> Tally {
                     }
                     h
                 },
-                &|at| {
-                    let cs = shape.cluster_size;
-                    let (lo, hi) = (at / cs * cs, (at / cs + 1) * cs);
-                    (barrier + 1..=last_step).filter(|&s| s >= 1).any(|s| {
-                        let op = &rec.ops[s - 1];
-                        matches!(op, GuestOp::Zero { .. } | GuestOp::Discard { .. })
-                            && op.range().is_some_and(|(a, b)| a < hi && lo < b)
-                    })
-                },
                 &mut t,
             )
             .await;
@@ -697,13 +658,12 @@ fn small_clusters_and_refcount_table_growth_survive_power_loss() {
     run(vec![a, b], 0x512, 50);
 }
 
-/// Engine bug: a host cluster freed since the last flush is handed out again, and new data
-/// is written into it, before the L2 change that freed it is on the disk. A power cut in
-/// between leaves the old L2 entry pointing at the new data, so a guest cluster that was
-/// zeroed (or discarded) reads data that was only ever written to another guest cluster.
+/// A host cluster freed since the last flush must not be handed out again (and new data
+/// written into it) before the L2 change that freed it is on the disk: a power cut in between
+/// would leave the old L2 entry pointing at the new data, so a guest cluster that was zeroed
+/// (or discarded) would read data that was only ever written to another guest cluster. (An
+/// engine bug this test found; fixed.)
 #[test]
-#[ignore = "engine bug: a cluster freed since the last flush is reused before the freeing L2 \
-            update is durable (see the crash section of docs/TESTING.md)"]
 fn reused_cluster_shows_other_data_after_a_crash() {
     runtime().block_on(async {
         let shape = std_l2("std-64k", 64 * KIB, 4 * MIB);
