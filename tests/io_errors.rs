@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use common::faults::*;
 use common::{Scratch, have_qemu};
-use qimg::io::{CrashPolicy, FaultAction, FaultPlan, Op, OpFilter, StorageError};
+use qimg::io::{CrashPolicy, FaultAction, FaultPlan, OpFilter};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -450,9 +450,6 @@ fn errors_at_every_operation_with_backing_and_lazy_refcounts() {
 /// a write that fails may still have landed, and the image must stay consistent whichever
 /// way it went.
 #[test]
-#[ignore = "engine bug: a failed L1 entry write frees the new L2 table although the entry \
-            may have reached the disk (see \
-            `a_failed_l1_entry_write_that_landed_leaves_l1_pointing_at_a_freed_table`)"]
 fn power_cuts_after_a_torn_write() {
     let s = Shape::new("ext-32k", 32 * KIB, true, 2 * MIB + 4 * KIB);
     campaign(s, 0xE0, 24, true);
@@ -654,13 +651,11 @@ fn an_evicted_slice_whose_write_back_fails_is_lost() {
     });
 }
 
-/// Engine bug: when the write of a new L1 entry fails, `ensure_l2` frees the new L2 table.
-/// But a write that fails may still have reached the disk (here: torn after all 8 bytes
-/// landed): the L1 entry on disk can point at the table while its refcount drops to 0. A
-/// power cut before the entry is rewritten leaves an L1 entry referencing a free cluster.
+/// When the write of a new L1 entry fails, the new L2 table must keep its reference: a write
+/// that fails may still have reached the disk (here: torn after all 8 bytes landed), and a
+/// power cut before the entry is rewritten must not leave an L1 entry referencing a free
+/// cluster. (An engine bug this test found: `ensure_l2` freed the table; fixed.)
 #[test]
-#[ignore = "engine bug: a failed L1 entry write frees the new L2 table although the entry \
-            may have reached the disk"]
 fn a_failed_l1_entry_write_that_landed_leaves_l1_pointing_at_a_freed_table() {
     runtime().block_on(async {
         let shape = Shape::new("std-64k", 64 * KIB, false, 4 * MIB);

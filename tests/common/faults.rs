@@ -538,10 +538,30 @@ pub fn workload(shape: &Shape, seed: u64, n: usize) -> Vec<GuestOp> {
     ops
 }
 
+/// `pattern(seed, at, len)`, remembered per thread: workloads replay the same requests many
+/// times, and the pattern costs more than the rest of a request in a debug build.
+pub fn data(seed: u64, at: u64, len: u64) -> Arc<Vec<u8>> {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    type Cache = HashMap<(u64, u64, u64), Arc<Vec<u8>>>;
+    thread_local! {
+        static CACHE: RefCell<Cache> = RefCell::new(HashMap::new());
+    }
+    CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() > 512 {
+            c.clear();
+        }
+        c.entry((seed, at, len))
+            .or_insert_with(|| Arc::new(pattern(seed, at, len as usize)))
+            .clone()
+    })
+}
+
 /// Runs one guest request.
 pub async fn run_op<S: Storage + 'static>(img: &Image<S>, op: &GuestOp) -> qimg::Result<()> {
     match *op {
-        GuestOp::Write { at, len, seed } => img.write(&pattern(seed, at, len as usize), at).await,
+        GuestOp::Write { at, len, seed } => img.write(&data(seed, at, len), at).await,
         GuestOp::Zero { at, len } => img.write_zeroes(at, len).await,
         GuestOp::Discard { at, len } => img.discard(at, len).await,
         GuestOp::Read { at, len } => {
@@ -611,7 +631,7 @@ impl Model {
         match *op {
             GuestOp::Write { at, len, seed } => Some(Effect {
                 start: at,
-                bytes: pattern(seed, at, len as usize),
+                bytes: data(seed, at, len).to_vec(),
             }),
             GuestOp::Zero { at, len } => Some(Effect {
                 start: at,
