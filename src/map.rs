@@ -8,7 +8,7 @@
 
 use qimg_format::compressed::CompressedDescriptor;
 use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
-use qimg_format::units::SubclusterIndex;
+use qimg_format::units::{GuestOffset, SubclusterIndex};
 use qimg_io::Storage;
 
 use crate::error::Result;
@@ -110,6 +110,23 @@ impl<S: Storage> Inner<S> {
             let gc = at - at % cs;
             let entry = {
                 let mut m = self.meta.lock().await;
+                let l1i = self.geo.l1_index(GuestOffset(gc)) as usize;
+                if m.l1.get(l1i).is_none_or(|e| e.l2_offset.is_none()) {
+                    // No L2 table: the whole range it would cover is unallocated.
+                    let span = cs * (cs / self.geo.l2_entry_size());
+                    let table_end = (at - at % span).saturating_add(span).min(end);
+                    drop(m);
+                    push(
+                        &mut out,
+                        Extent {
+                            start: at,
+                            length: table_end - at,
+                            kind: ExtentKind::Unallocated { host_offset: None },
+                        },
+                    );
+                    at = table_end;
+                    continue;
+                }
                 self.lookup(&mut m, gc).await?
             };
             let cluster_end = (gc + cs).min(end);
