@@ -254,9 +254,21 @@ fn regressions_ops() {
     regressions("ops", fuzzing::ops);
 }
 
+/// Findings in `fuzz/regressions/check/` (open):
+///
+/// * `l1-past-eof-rebuilt-over`: a 4,832-byte image whose two-entry active L1 table is at
+///   0x3000, past the end of the file, and whose refcount blocks are missing. `check -r all`
+///   rebuilds the refcount structure into the first clusters it thinks free, clusters 2 and 3,
+///   and so writes refcount data over the L1 table (the L1 is not counted as in use because it
+///   lies past the end of the file). The L1 entries become garbage (0x1000100010000), so a
+///   check after the repair finds 5 corruptions where there were 3, while the repair's own
+///   second pass, which still uses the L1 table read before the rebuild, reports 4. QEMU's
+///   repair of the same image refuses the write ("Preventing invalid write on metadata
+///   (overlaps with active L1 table)").
 #[test]
+#[ignore = "finding: check -r all rebuilds refcounts over an L1 table past the end of the file"]
 fn regressions_check() {
     regressions("check", |d| {
-        let _ = fuzzing::check(d);
+        let _ = fuzzing::check_unconstrained(d);
     });
 }
