@@ -29,7 +29,8 @@
 //! What a failed flush means is pinned down by `a_failed_flush_*` below.
 //!
 //! `qemu-img check` is compared with the library check on every 25th durable image (skipped
-//! with a message without qemu-img).
+//! with a message without qemu-img). `QIMG_IO_SEED=n` runs other workloads; `QIMG_IO_ONLY`
+//! (a fault as printed, e.g. `Eio(17)`) runs one case, and `QIMG_IO_DEBUG=1` prints each step.
 
 mod common;
 
@@ -349,6 +350,8 @@ fn continuation(shape: &Shape, seed: u64) -> Vec<GuestOp> {
 
 /// Runs every fault over the workload of `shape`.
 fn campaign(shape: Shape, seed: u64, nops: usize, crash_after_torn: bool) {
+    // `QIMG_IO_SEED` picks other workloads (0, the default, keeps the committed ones).
+    let seed = seed ^ env_u64("QIMG_IO_SEED", 0);
     let started = Instant::now();
     let rt = runtime();
     let images = rt.block_on(make_images(&shape));
