@@ -48,17 +48,37 @@ fn block_on<F: Future>(f: F) -> F::Output {
     RT.with(|rt| rt.block_on(f))
 }
 
-/// A deterministic, seeded byte pattern: byte `i` depends on `seed` and `at + i`.
+/// A deterministic, seeded byte pattern: byte `i` depends on `seed` and `at + i` (eight
+/// bytes from each 64-bit hash of an aligned word index).
 fn pattern(seed: u64, at: u64, len: usize) -> Vec<u8> {
     let k = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len as u64)
-        .map(|i| {
-            let mut x = (at + i).wrapping_add(k).wrapping_mul(k);
-            x ^= x >> 31;
-            x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            (x >> 40) as u8
-        })
-        .collect()
+    let first = at / 8;
+    let words = (at % 8 + len as u64).div_ceil(8);
+    let mut out = Vec::with_capacity(words as usize * 8);
+    for w in first..first + words {
+        let mut x = w.wrapping_add(k).wrapping_mul(k);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^= x >> 29;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    let skip = (at % 8) as usize;
+    out.drain(..skip);
+    out.truncate(len);
+    out
+}
+
+/// The first index where `a` and `b` differ (`None` when equal), comparing slices first.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a == b {
+        return None;
+    }
+    Some(
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| x != y)
+            .unwrap_or(a.len().min(b.len())),
+    )
 }
 
 /// Open options with caches small enough to evict all the time: two 512-byte L2 slices and
@@ -598,6 +618,19 @@ fn create_options(shape: &OpsShape) -> CreateOptions {
     }
 }
 
+/// `pattern(0xBAC4, 0, size)`, the contents of every backing file of [`ops`], made once per
+/// size.
+fn backing_pattern(size: u64) -> Vec<u8> {
+    static CACHE: OnceLock<Mutex<HashMap<u64, Vec<u8>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Mutex::default);
+    cache
+        .lock()
+        .expect("backing pattern cache")
+        .entry(size)
+        .or_insert_with(|| pattern(0xBAC4, 0, size as usize))
+        .clone()
+}
+
 /// A qcow2 backing image of `size` bytes (64 KiB clusters) holding `pattern(0xBAC4, ..)`, made
 /// once per size through the engine.
 async fn qcow2_backing_bytes(size: u64) -> Vec<u8> {
@@ -618,7 +651,7 @@ async fn qcow2_backing_bytes(size: u64) -> Vec<u8> {
     let img = Image::from_storage(storage.clone(), "base.qcow2", &o, None, None)
         .await
         .expect("open the new backing image");
-    img.write(&pattern(0xBAC4, 0, size as usize), 0)
+    img.write(&backing_pattern(size), 0)
         .await
         .expect("fill the backing image");
     img.close().await.expect("close the backing image");
@@ -690,7 +723,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     let what = format!("{shape:?}");
     let storage = MemStorage::from_bytes(&template(&create_options(&shape)));
     let bsize = shape.backing_size();
-    let backing = pattern(0xBAC4, 0, bsize as usize);
+    let backing = backing_pattern(bsize);
     let qcow2_backing = if shape.backing == 2 {
         Some(qcow2_backing_bytes(bsize).await)
     } else {
@@ -726,7 +759,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
                 let mut buf = vec![0u8; len as usize];
                 img.read(&mut buf, at).await.unwrap_or_else(|e| fail(e));
                 let want = &w.model[at as usize..(at + len) as usize];
-                if let Some(j) = buf.iter().zip(want).position(|(a, b)| a != b) {
+                if let Some(j) = first_difference(&buf, want) {
                     panic!(
                         "{what}: op {i} {op:?}: guest byte {:#x} reads {:#x}, the model has {:#x}",
                         at + j as u64,
@@ -746,7 +779,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     img.read(&mut all, 0)
         .await
         .unwrap_or_else(|e| panic!("{what}: final read: {e}"));
-    if let Some(j) = all.iter().zip(&w.model).position(|(a, b)| a != b) {
+    if let Some(j) = first_difference(&all, &w.model) {
         panic!(
             "{what}: after {} ops guest byte {j:#x} reads {:#x}, the model has {:#x}",
             ops.len(),
