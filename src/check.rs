@@ -2251,6 +2251,20 @@ impl<'a> Checker<'a> {
                 avoid.insert(o / cs);
             }
         }
+        // An active L1 table past the end of the file is not counted as in use, so the new
+        // structure could land on it; QEMU's overlap check refuses that write and the repair
+        // fails. Refuse before writing anything, leaving the image as it was.
+        let l1_end = self.l1_offset.saturating_add(u64::from(self.l1_size) * 8);
+        if self.l1_size > 0 && l1_end > self.file_len {
+            self.msg(format!(
+                "ERROR the active L1 table ({} entries at {}) lies past the end of the file; \
+                 the refcount structure cannot be rebuilt around it",
+                self.l1_size,
+                c_hex(self.l1_offset)
+            ));
+            res.check_errors += 1;
+            return Err(Fail(EIO.into()));
+        }
         let mut table = Vec::new();
         let size = self.refs.size;
         if let Err(f) = self.write_refblocks(0, size, &mut table, &avoid) {

@@ -5,7 +5,7 @@
 //! the snapshot table); then a fresh refcount structure is written past the end of everything
 //! in use and the header is switched to it. The old structure becomes free space.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use qimg_cache::SliceCache;
 use qimg_format::l1;
@@ -116,26 +116,51 @@ impl<S: Storage> Inner<S> {
     }
 
     /// Replaces the refcount structure with one computed from the references.
+    ///
+    /// Bounded by what the image holds: a reference lying wholly past the end of the file is
+    /// refused as corruption (QEMU does not count such references either), and refcount
+    /// blocks are written only where something is referenced, so the work and memory follow
+    /// the number of references, not the largest offset.
     pub(crate) async fn rebuild_refcounts(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
         let e = self.rgeo.refblock_entries();
         let order = self.rgeo.refcount_order();
         let max = self.rgeo.max_refcount();
         let refs = self.count_references(m).await?;
-        let start = m.end_cluster.max(refs.max_cluster().map_or(0, |c| c + 1));
-        let area = plan_refcount_area(&[], 0, start, 1, cs, e);
+        let file_len = self.file.len().await.map_err(|e| self.st(e))?;
+        let file_clusters = file_len.div_ceil(cs);
+        if let Some(c) = refs.max_cluster().filter(|&c| c >= file_clusters) {
+            let what = format!(
+                "the image is dirty and host cluster {c} (offset {:#x}) is referenced but lies \
+                 past the end of the file ({file_len} bytes): the refcounts cannot be rebuilt \
+                 (run qimg check -r all)",
+                c * cs
+            );
+            return Err(self.signal_corruption(m, what).await);
+        }
+        let sorted: BTreeMap<u64, u64> = refs.counts.into_iter().collect();
+        let start = m
+            .end_cluster
+            .max(sorted.last_key_value().map_or(0, |(&c, _)| c + 1));
+        // Blocks below the new area that would hold only zeros are left out: mark them as
+        // present for the planner, then clear them from the table.
+        let used: BTreeSet<u64> = sorted.keys().map(|c| c / e).collect();
+        let mut skip = vec![0u64; (start / e) as usize];
+        for (j, slot) in skip.iter_mut().enumerate() {
+            if !used.contains(&(j as u64)) {
+                *slot = 1;
+            }
+        }
+        let area = plan_refcount_area(&skip, 0, start, 1, cs, e);
         let end = area.end();
         let mut table = vec![0u64; (area.table_clusters * cs / 8) as usize];
         for (k, &j) in area.blocks.iter().enumerate() {
             let at = (area.start + k as u64) * cs;
             table[j as usize] = at;
             let mut block = vec![0u8; cs as usize];
-            for c in j * e..(j + 1) * e {
-                let value = refs.counts.get(&c).copied().unwrap_or(0)
-                    + u64::from((start..end).contains(&c));
-                if value == 0 {
-                    continue;
-                }
+            let area_here = (start.max(j * e)..end.min((j + 1) * e)).map(|c| (c, 1));
+            let refs_here = sorted.range(j * e..(j + 1) * e).map(|(&c, &v)| (c, v));
+            for (c, value) in refs_here.chain(area_here) {
                 if value > max {
                     return Err(Error::corrupt(
                         &self.path,
