@@ -375,6 +375,7 @@ fn run(cfg: &Config) -> Result<()> {
                     FileOptions::new()
                         .read_write(w)
                         .direct(true)
+                        .blocking(BlockingStrategy::SpawnBlocking)
                         .open(p)
                         .map(BounceStorage::new)
                 };
