@@ -121,7 +121,7 @@ fn assert_extents_cover(extents: &[Extent], offset: u64, len: u64) {
 /// Opens `data` as a qcow2 image from memory and reads it, never panicking, hanging or
 /// allocating without bound, whatever the bytes.
 ///
-/// Read-only (on a read-only storage, with [`small_cache`] caches): [`Image::map`] and reads in
+/// Read-only (on a read-only storage, with `small_cache` caches): [`Image::map`] and reads in
 /// unaligned chunks of the first [`READ_WINDOW`] bytes and of [`SAMPLE_WINDOW`] bytes at the
 /// middle, the end and the first L2 table boundary of the disk. The image gets a raw backing
 /// file (a pattern) whatever its header says, and a copy of `data` as its external data file
@@ -348,7 +348,7 @@ fn assert_reads(got: &[u8], src: &[u8], at: u64, e: &Extent) {
 /// Byte 0: bit 0 extended L2 entries; bits 1..=2 the cluster size (4, 16, 32 or 64 KiB; 16 KiB
 /// instead of 4 with extended L2); bits 3..=5 `refcount_order` (value modulo 7, i.e. 1 to 64
 /// bits); bits 6..=7 the backing file (0 and 3 none, 1 raw, 2 qcow2), shorter than the disk.
-/// Byte 1: bit 0 small caches ([`small_cache`]); bit 1 sparse allocation; bit 2 lazy
+/// Byte 1: bit 0 small caches (`small_cache`); bit 1 sparse allocation; bit 2 lazy
 /// refcounts; bit 3 version 2 (ignored with extended L2; forces 16-bit refcounts and no lazy
 /// refcounts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
