@@ -4,7 +4,7 @@
 mod common;
 
 use common::engine::*;
-use common::{Scratch, have_qemu, ok, run};
+use common::{Scratch, have_qemu, ok};
 use qimg::{Image, OpenOptions};
 use std::path::Path;
 
@@ -12,13 +12,7 @@ const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 
 fn qemu_io(dir: &Path, file: &str, cmds: &[&str]) {
-    let mut args: Vec<&str> = vec!["-f", "qcow2"];
-    for c in cmds {
-        args.push("-c");
-        args.push(c);
-    }
-    args.push(file);
-    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+    common::qemu_io(dir, "qcow2", file, cmds);
 }
 
 async fn read_all(path: &Path) -> Vec<u8> {

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use cap::Cap;
-use common::{Scratch, have_qemu, ok, qemu_img, run};
+use common::{Scratch, have_qemu, ok, qemu_img};
 use qimg::{CacheOptions, Error, Image, OpenOptions};
 
 #[global_allocator]
@@ -82,12 +82,7 @@ fn peek_u32(path: &Path, at: u64) -> u32 {
 }
 
 fn qemu_io(dir: &Path, file: &str, cmds: &[&str]) {
-    let mut args: Vec<&str> = vec!["-f", "qcow2"];
-    for c in cmds {
-        args.extend(["-c", c]);
-    }
-    args.push(file);
-    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+    common::qemu_io(dir, "qcow2", file, cmds);
 }
 
 fn create(dir: &Path, file: &str, o: &str, size: &str) {

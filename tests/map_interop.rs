@@ -11,30 +11,10 @@ use std::path::Path;
 use std::process::Output;
 
 use common::engine::pattern;
-use common::{Scratch, have_qemu, ok, qemu_img, qimg, run};
+use common::{Scratch, have_qemu, ok, qemu_img, qimg};
 
-fn qemu_io(dir: &Path, fmt: &str, file: &str, cmds: &[&str]) {
-    let mut args: Vec<&str> = vec!["-f", fmt];
-    for c in cmds {
-        args.push("-c");
-        args.push(c);
-    }
-    args.push(file);
-    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
-}
-
-fn create(dir: &Path, fmt: &str, opts: &str, extra: &[&str], file: &str, size: &str) {
-    let mut args = vec!["create", "-q", "-f", fmt];
-    if !opts.is_empty() {
-        args.extend(["-o", opts]);
-    }
-    args.extend(extra);
-    args.push(file);
-    if !size.is_empty() {
-        args.push(size);
-    }
-    ok("qemu-img create", &qemu_img(dir, &args));
-}
+use common::qemu_img_create as create;
+use common::qemu_io;
 
 fn text(o: &Output) -> (String, String, Option<i32>) {
     (

@@ -380,3 +380,28 @@ pub fn make_with_qemu(dir: &Path, c: &Case) {
         );
     }
 }
+
+/// `qemu-io -f FMT -c CMD ... FILE`, which must succeed.
+pub fn qemu_io(dir: &Path, fmt: &str, file: &str, cmds: &[&str]) {
+    let mut args: Vec<&str> = vec!["-f", fmt];
+    for c in cmds {
+        args.push("-c");
+        args.push(c);
+    }
+    args.push(file);
+    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+}
+
+/// `qemu-img create -q -f FMT [-o OPTS] EXTRA... FILE [SIZE]`, which must succeed.
+pub fn qemu_img_create(dir: &Path, fmt: &str, opts: &str, extra: &[&str], file: &str, size: &str) {
+    let mut args = vec!["create", "-q", "-f", fmt];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    args.extend(extra);
+    args.push(file);
+    if !size.is_empty() {
+        args.push(size);
+    }
+    ok("qemu-img create", &qemu_img(dir, &args));
+}
