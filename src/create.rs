@@ -395,7 +395,9 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     // Open the data file first so that a bad name fails before the image is touched.
     let data_file = match &opts.data_file {
         Some(d) => {
-            let full = resolve_backing(path, d);
+            // As QEMU: the data file name is relative to the current directory, not to the
+            // image (unlike a backing file name).
+            let full = PathBuf::from(d);
             Some((open_new(&full)?, full))
         }
         None => None,

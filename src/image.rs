@@ -351,7 +351,7 @@ fn open_chain<'a, S: Storage + 'static>(
                 (None, Some(n)) => {
                     let n = String::from_utf8_lossy(n);
                     confined(opts, &path, "external data file", &n)?;
-                    crate::create::resolve_backing(&path, &n)
+                    data_file_path(&path, &n)
                 }
                 (None, None) => PathBuf::new(),
             };
@@ -476,6 +476,18 @@ fn open_chain<'a, S: Storage + 'static>(
         }
         Ok(Image { inner })
     })
+}
+
+/// Where the external data file named `name` in `image` is. QEMU resolves the name against
+/// the current directory (unlike backing file names); qimg does too, and when nothing is
+/// there, tries the image's directory, so an image and its data file can move together.
+fn data_file_path(image: &Path, name: &str) -> PathBuf {
+    let as_qemu = PathBuf::from(name);
+    if as_qemu.exists() {
+        return as_qemu;
+    }
+    let beside = crate::create::resolve_backing(image, name);
+    if beside.exists() { beside } else { as_qemu }
 }
 
 /// With [`OpenOptions::confine_names`], refuses a stored file name that is absolute or

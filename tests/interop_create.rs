@@ -302,3 +302,48 @@ fn preallocation_full_on_a_big_image_is_readable_and_clean() {
     assert_eq!(data.len(), 6 << 20);
     assert!(data.iter().all(|&b| b == 0));
 }
+
+/// QEMU resolves an external data file name against the current directory (not the image's,
+/// as it does for backing files); qimg creates it there too, so qemu-io opened from the same
+/// directory finds it. The engine also finds a data file moved next to its image.
+#[test]
+fn data_file_names_are_relative_to_the_current_directory_as_in_qemu() {
+    if !have_qemu("data_file_names_are_relative_to_the_current_directory_as_in_qemu") {
+        return;
+    }
+    let dir = Scratch::new("datafile-cwd");
+    std::fs::create_dir(dir.path("sub")).unwrap();
+    ok(
+        "qimg create",
+        &qimg(
+            &dir.0,
+            &[
+                "create",
+                "-q",
+                "-o",
+                "data_file=dd.raw",
+                "sub/x.qcow2",
+                "1M",
+            ],
+        ),
+    );
+    assert!(
+        dir.path("dd.raw").exists(),
+        "data file not in the current directory"
+    );
+    assert!(!dir.path("sub/dd.raw").exists());
+    ok(
+        "qemu-io",
+        &run(
+            &dir.0,
+            std::path::Path::new("qemu-io"),
+            &["-f", "qcow2", "-c", "write -P 9 0 4k", "sub/x.qcow2"],
+        ),
+    );
+    std::fs::rename(dir.path("dd.raw"), dir.path("sub/dd.raw")).unwrap();
+    let img = qimg::BlockingImage::open(dir.path("sub/x.qcow2"), &qimg::OpenOptions::read_only())
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    img.read(&mut buf, 0).unwrap();
+    assert_eq!(buf, vec![9u8; 4096]);
+}
