@@ -9,9 +9,17 @@
 //!            [-w [--pattern PATTERN] [--flush-interval INTERVAL [--no-drain]]]
 //!            [--random [--seed N]] [--time SECONDS] [--l2-cache-size SIZE]
 //!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE] [--cache-size SIZE]
-//!            [--cache-clean-interval SECONDS] [--runtime multi|current]
-//!            [--output human|json] FILENAME
+//!            [--cache-clean-interval SECONDS] [--runtime current|multi]
+//!            [--completions runtime|thread] [--output human|json] FILENAME
 //! ```
+//!
+//! Backends: `-i threads` is `FileStorage` (system calls inline on the runtime thread for
+//! buffered I/O, on tokio's blocking thread pool with O_DIRECT, like QEMU's thread pool);
+//! `-i io_uring` (and `-i native`, which QEMU's rules otherwise follow) is `UringStorage`,
+//! whose completions the runtime's I/O driver waits for (`--completions runtime`, with
+//! batched submission) or its own completion thread. O_DIRECT (`-t none`, `-t directsync`)
+//! goes through `BounceStorage`. The default runtime is one thread, QEMU's event-loop model;
+//! docs/PERFORMANCE.md has the measurements behind these defaults.
 //!
 //! Request `i` (from 0) goes to `offset` for `i = 0` and to `(offset + i * step) % size`
 //! after that, which is what qemu-img 10.0 bench issues (`b->offset += step; b->offset %=
@@ -116,9 +124,13 @@ struct BenchOpts {
     /// qimg: qcow2 cache-clean-interval in seconds (0 disables).
     #[arg(long = "cache-clean-interval")]
     cache_clean_interval: Option<String>,
-    /// qimg: tokio runtime: multi (a worker thread per core, the default) or current (one
-    /// thread).
-    #[arg(long, default_value = "multi")]
+    /// qimg: io_uring completions are awaited by the runtime's I/O driver, with batched
+    /// submission (runtime, the default), or by the storage's completion thread (thread).
+    #[arg(long, default_value = "runtime")]
+    completions: String,
+    /// qimg: tokio runtime: current (one thread, like QEMU's event loop; the default) or
+    /// multi (a worker thread per core).
+    #[arg(long, default_value = "current")]
     runtime: String,
     /// qimg: report format: human (qemu-img's lines, then qimg's report) or json.
     #[arg(long, default_value = "human")]
@@ -149,6 +161,7 @@ struct Config {
     random: Option<u64>,
     duration: Option<Duration>,
     multi_thread: bool,
+    on_runtime: bool,
     json: bool,
     quiet: bool,
 }
@@ -225,6 +238,15 @@ fn config(a: BenchOpts) -> Result<Config, String> {
                 .filter(|v: &f64| v.is_finite() && *v > 0.0 && *v <= 1e9)
                 .ok_or_else(|| format!("Invalid time specified: '{s}' (seconds, above 0)."))?;
             Some(Duration::from_secs_f64(secs))
+        }
+    };
+    let on_runtime = match a.completions.as_str() {
+        "runtime" => true,
+        "thread" => false,
+        other => {
+            return Err(format!(
+                "--completions expects 'runtime' or 'thread' not '{other}'"
+            ));
         }
     };
     let multi_thread = match a.runtime.as_str() {
@@ -322,6 +344,7 @@ fn config(a: BenchOpts) -> Result<Config, String> {
         random,
         duration,
         multi_thread,
+        on_runtime,
         json,
         quiet: a.quiet,
     })
@@ -357,6 +380,7 @@ fn run(cfg: &Config) -> Result<()> {
     };
     let rt = rt
         .enable_time()
+        .enable_io()
         .build()
         .context("cannot start the tokio runtime")?;
     let report = rt.block_on(async {
@@ -383,23 +407,27 @@ fn run(cfg: &Config) -> Result<()> {
             }
             (Aio::IoUring | Aio::Native, false) => {
                 let entries = ring_entries(cfg.depth);
+                let on_runtime = cfg.on_runtime;
                 let open = move |p: &Path, w: bool| {
                     UringOptions::new()
                         .read_write(w)
                         .entries(entries)
                         .collect_inline_completions(true)
+                        .complete_on_runtime(on_runtime)
                         .open(p)
                 };
                 bench_on(cfg, fmt, &open).await
             }
             (Aio::IoUring | Aio::Native, true) => {
                 let entries = ring_entries(cfg.depth);
+                let on_runtime = cfg.on_runtime;
                 let open = move |p: &Path, w: bool| {
                     UringOptions::new()
                         .read_write(w)
                         .direct(true)
                         .entries(entries)
                         .collect_inline_completions(true)
+                        .complete_on_runtime(on_runtime)
                         .open(p)
                         .map(BounceStorage::new)
                 };

@@ -74,6 +74,10 @@
 //!    [`FileStorage`], which lives as long as the ring.
 //! 6. **`push` of the shutdown no-op in `Drop for Owner`**: a `NOP` entry carries no pointer
 //!    and no descriptor.
+//! 7. **`AsyncFd::register_with_interest` in `runtime_watch`**
+//!    ([`UringOptions::complete_on_runtime`]): tokio requires the descriptor to stay open and
+//!    the same for the life of the `AsyncFd`; it is an `OwnedFd` (a duplicate of the ring's)
+//!    owned by the `AsyncFd` itself.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -25,6 +25,11 @@
 //!   [`UringOptions::collect_inline_completions`] a request the kernel finished inside the
 //!   submitting call is collected at once and never handed over: one system call, no thread
 //!   wake-up.
+//! * **On a tokio runtime** ([`UringOptions::complete_on_runtime`]) a task of the runtime
+//!   waits for the ring's descriptor through the runtime's I/O driver instead of the
+//!   completion thread (which stays parked unless that runtime goes away), and submissions
+//!   are batched: the first request queued yields once, then submits everything queued
+//!   meanwhile in one system call.
 //! * **Fallbacks.** Opcodes are probed at open; any the kernel lacks (or that
 //!   [`UringOptions::fallback_for`] excludes) run through a [`FileStorage`] on the same file
 //!   instead, with its semantics. `len` and `set_len` always do (`lseek`/`ftruncate` are cheap
@@ -34,11 +39,11 @@ use std::fmt;
 use std::fs::File;
 use std::future::Future;
 use std::io::IoSlice;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -47,6 +52,8 @@ use io_uring::{IoUring, Probe, opcode, squeue, types};
 use nix::errno::Errno;
 use nix::fcntl::FallocateFlags;
 use nix::libc;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
 
 use crate::aligned::AlignedBuf;
 use crate::error::{Op, Result, StorageError, range_end};
@@ -73,6 +80,7 @@ pub struct UringOptions {
     fallocate: bool,
     avoid: Vec<Op>,
     inline: bool,
+    runtime: bool,
 }
 
 impl Default for UringOptions {
@@ -83,6 +91,7 @@ impl Default for UringOptions {
             fallocate: true,
             avoid: Vec::new(),
             inline: false,
+            runtime: false,
         }
     }
 }
@@ -161,6 +170,23 @@ impl UringOptions {
     /// that are really still running; `qimg bench` turns it on.
     pub fn collect_inline_completions(mut self, yes: bool) -> Self {
         self.inline = yes;
+        self
+    }
+
+    /// Wait for completions on the tokio runtime current at open instead of on the
+    /// completion thread, and batch submissions. A task spawned on that runtime waits for
+    /// the ring's file descriptor through the runtime's I/O driver (which must be enabled:
+    /// `enable_io`, as for any tokio I/O object; like them, opening panics otherwise), so a
+    /// completion wakes a runtime thread once rather than the completion thread and then a
+    /// runtime thread. And the first request put on the submission queue lets the task yield
+    /// once before it submits, so the requests of every task ready to run go to the kernel in
+    /// one system call. This is QEMU's event-loop model on a tokio runtime.
+    ///
+    /// Without a current runtime at open, and once the runtime is gone, the completion thread
+    /// takes over. The future that submits a batch must be polled again after it wakes itself
+    /// (executors do this; dropping it submits the batch too).
+    pub fn complete_on_runtime(mut self, yes: bool) -> Self {
+        self.runtime = yes;
         self
     }
 
@@ -345,6 +371,9 @@ struct Driver {
     handed: usize,
     /// The completion thread waits on `Shared::armed`.
     parked: bool,
+    /// With batched submission: a request is on the submission queue whose task yielded and
+    /// will submit everything queued when polled again.
+    submitter: bool,
 }
 
 impl Driver {
@@ -364,6 +393,9 @@ impl Driver {
     /// Empties slot `idx` and lets waiting tasks compete for it.
     fn release(&mut self, idx: usize, wake: &mut Vec<Waker>) -> Option<Slot> {
         let slot = self.slots.get_mut(idx)?.take()?;
+        if slot.handed {
+            self.handed -= 1;
+        }
         self.free.push(idx);
         wake.append(&mut self.waiting);
         Some(slot)
@@ -390,6 +422,10 @@ struct Shared {
     reserve: AtomicBool,
     /// [`UringOptions::collect_inline_completions`].
     inline: bool,
+    /// Batched submission ([`UringOptions::complete_on_runtime`]).
+    batch: bool,
+    /// A task on a tokio runtime waits for completions (the completion thread stays parked).
+    reaper: AtomicBool,
 }
 
 impl Shared {
@@ -437,10 +473,11 @@ impl Shared {
     /// Leaves slot `idx` to the completion thread, waking it if it sleeps.
     fn hand_over(&self, d: &mut Driver, idx: usize) {
         if let Some(Some(slot)) = d.slots.get_mut(idx) {
-            if !slot.handed {
+            // A completed request needs nobody to wait for it.
+            if !slot.handed && !matches!(slot.state, SlotState::Done(_)) {
                 slot.handed = true;
                 d.handed += 1;
-                if d.parked {
+                if d.parked && !self.reaper.load(Ordering::Acquire) {
                     d.parked = false;
                     self.armed.notify_one();
                 }
@@ -514,7 +551,8 @@ fn complete(shared: Arc<Shared>) {
             let mut d = shared.lock();
             loop {
                 shared.reap(&mut d, &mut wake);
-                if d.shutdown || d.handed > 0 || !wake.is_empty() {
+                let ours = d.handed > 0 && !shared.reaper.load(Ordering::Acquire);
+                if d.shutdown || ours || !wake.is_empty() {
                     break;
                 }
                 // Nothing is left to us: sleep until a request is handed over or the storage
@@ -544,6 +582,67 @@ fn complete(shared: Arc<Shared>) {
             // happen on a valid ring. Either way, do not spin.
             Err(_) => std::thread::sleep(Duration::from_millis(1)),
         }
+    }
+}
+
+/// The ring's descriptor registered with the I/O driver of the tokio runtime current now, or
+/// `None` without a runtime ([`UringOptions::complete_on_runtime`]).
+fn runtime_watch(
+    ring: &IoUring,
+) -> std::io::Result<Option<(tokio::runtime::Handle, AsyncFd<OwnedFd>)>> {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Ok(None);
+    };
+    // A descriptor of our own: the registration stays valid whatever happens to the ring's.
+    let fd = ring.as_fd().try_clone_to_owned()?;
+    let afd = {
+        let _in = handle.enter();
+        // SAFETY: `register_with_interest` requires the descriptor to stay open and refer to
+        // the same file for the life of the `AsyncFd`; it is an `OwnedFd` that the `AsyncFd`
+        // owns and closes only when dropped.
+        unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?
+    };
+    Ok(Some((handle, afd)))
+}
+
+/// The runtime task of [`UringOptions::complete_on_runtime`]: collects completions whenever
+/// the ring's descriptor is readable and wakes their tasks, until the storage is dropped. If
+/// the runtime drops it first, the completion thread takes over.
+async fn reaper(weak: Weak<Shared>, afd: AsyncFd<OwnedFd>) {
+    struct Handover(Weak<Shared>);
+    impl Drop for Handover {
+        fn drop(&mut self) {
+            if let Some(shared) = self.0.upgrade() {
+                shared.reaper.store(false, Ordering::Release);
+                let mut d = shared.lock();
+                if d.parked {
+                    d.parked = false;
+                    shared.armed.notify_one();
+                }
+            }
+        }
+    }
+    let _handover = Handover(weak.clone());
+    loop {
+        let Ok(mut ready) = afd.readable().await else {
+            return;
+        };
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let mut wake = Vec::new();
+        let stop = {
+            let mut d = shared.lock();
+            shared.reap(&mut d, &mut wake);
+            d.shutdown
+        };
+        wake.into_iter().for_each(Waker::wake);
+        if stop {
+            return;
+        }
+        // Keeps readiness that arrived since `readable` returned (tokio compares ticks).
+        ready.clear_ready();
     }
 }
 
@@ -691,6 +790,11 @@ impl UringStorage {
         };
         let entries = ring.params().sq_entries() as usize;
         let fd = file.file().as_raw_fd();
+        let watch = if options.runtime {
+            runtime_watch(&ring).map_err(unavailable)?
+        } else {
+            None
+        };
         let shared = Arc::new(Shared {
             ring,
             driver: Mutex::new(Driver {
@@ -700,6 +804,7 @@ impl UringStorage {
                 shutdown: false,
                 handed: 0,
                 parked: false,
+                submitter: false,
             }),
             armed: Condvar::new(),
             file,
@@ -709,7 +814,12 @@ impl UringStorage {
             punch_hole: AtomicBool::new(options.fallocate),
             reserve: AtomicBool::new(options.fallocate),
             inline: options.inline,
+            batch: watch.is_some(),
+            reaper: AtomicBool::new(watch.is_some()),
         });
+        if let Some((handle, afd)) = watch {
+            handle.spawn(reaper(Arc::downgrade(&shared), afd));
+        }
         let for_thread = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("qimg-uring".into())
@@ -955,6 +1065,9 @@ struct Completion {
 enum Stage {
     /// Not submitted yet (no free slot so far).
     Queued(Kind, Owned),
+    /// On the submission queue in this slot, which this future submits (with whatever else
+    /// is queued) when polled again: it yielded so that other tasks can queue theirs.
+    Yielded(usize),
     /// On the submission queue in this slot; `poll` submits it after releasing the lock.
     Submit(usize),
     /// Submitted in this slot.
@@ -1015,9 +1128,28 @@ impl Request<'_> {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
+                if shared.batch {
+                    if d.submitter {
+                        // Another task submits the queue soon.
+                        self.stage = Stage::InFlight(idx);
+                        shared.hand_over(d, idx);
+                    } else {
+                        d.submitter = true;
+                        self.stage = Stage::Yielded(idx);
+                        cx.waker().wake_by_ref();
+                    }
+                    return Poll::Pending;
+                }
                 // Submitted by `poll` once the driver lock is released: the system call
                 // (which, for page-cache hits, does the whole transfer) must not hold up the
                 // other tasks and the completion thread.
+                self.stage = Stage::Submit(idx);
+                Poll::Pending
+            }
+            Stage::Yielded(idx) => {
+                // The batch is whatever is queued now; requests queued from here on start
+                // the next one.
+                d.submitter = false;
                 self.stage = Stage::Submit(idx);
                 Poll::Pending
             }
@@ -1046,7 +1178,7 @@ impl Request<'_> {
                             *w = cx.waker().clone();
                         }
                         self.stage = Stage::InFlight(idx);
-                        if shared.unsubmitted(d) > 0 {
+                        if !d.submitter && shared.unsubmitted(d) > 0 {
                             shared.submit(d, cx);
                         }
                         Poll::Pending
@@ -1106,6 +1238,19 @@ impl Request<'_> {
         let failed = shared.ring.submit().is_err();
         let mut d = shared.lock();
         if !shared.inline {
+            // Another task's submission may have taken this entry along, and a poll
+            // elsewhere collected its completion already (waking this task, which is
+            // running now): then it is finished.
+            let done = matches!(
+                d.slots.get(idx),
+                Some(Some(Slot {
+                    state: SlotState::Done(_),
+                    ..
+                }))
+            );
+            if done {
+                return self.step(&mut d, cx, wake);
+            }
             if failed || shared.unsubmitted(&mut d) > 0 {
                 cx.waker().wake_by_ref();
             }
@@ -1146,10 +1291,18 @@ impl Request<'_> {
 
 impl Drop for Request<'_> {
     fn drop(&mut self) {
-        let (Stage::InFlight(idx) | Stage::Submit(idx)) = self.stage else {
+        let (Stage::InFlight(idx) | Stage::Submit(idx) | Stage::Yielded(idx)) = self.stage else {
             return;
         };
         let mut wake = Vec::new();
+        let unsubmitted = matches!(self.stage, Stage::Submit(_) | Stage::Yielded(_));
+        if unsubmitted {
+            // The batch (or this request) is on the queue: submit it before letting go.
+            if matches!(self.stage, Stage::Yielded(_)) {
+                self.shared.lock().submitter = false;
+            }
+            let _ = self.shared.ring.submit();
+        }
         {
             let mut d = self.shared.lock();
             let done = match d.slots.get_mut(idx).and_then(|s| s.as_mut()) {
@@ -1335,30 +1488,35 @@ impl Storage for UringStorage {
 }
 
 /// The conformance suite and a concurrency and cancellation stress with
-/// [`UringOptions::collect_inline_completions`] on (the integration tests in `tests/uring.rs`
-/// cover the default).
+/// [`UringOptions::collect_inline_completions`] and [`UringOptions::complete_on_runtime`] on
+/// (the integration tests in `tests/uring.rs` cover the defaults), and the completion thread
+/// taking over when the runtime that waited for completions is gone.
 #[cfg(all(test, feature = "conformance"))]
-mod inline_tests {
+mod option_tests {
     use std::sync::atomic::AtomicU32;
 
     use super::*;
     use crate::conformance::run_all;
 
-    fn options(direct: bool) -> UringOptions {
+    /// Inline collection, completion on the runtime, both.
+    const MODES: [(bool, bool); 3] = [(true, false), (false, true), (true, true)];
+
+    fn options(direct: bool, (inline, runtime): (bool, bool)) -> UringOptions {
         UringOptions::new()
             .read_write(true)
             .create_new(true)
             .direct(direct)
-            .collect_inline_completions(true)
+            .collect_inline_completions(inline)
+            .complete_on_runtime(runtime)
     }
 
     /// A fresh file in `dir`, or `None` where io_uring or O_DIRECT is unavailable.
-    fn make(dir: &tempfile::TempDir, direct: bool) -> Option<UringStorage> {
+    fn make(dir: &tempfile::TempDir, direct: bool, mode: (bool, bool)) -> Option<UringStorage> {
         static N: AtomicU32 = AtomicU32::new(0);
         let path = dir
             .path()
             .join(format!("i{}", N.fetch_add(1, Ordering::Relaxed)));
-        match options(direct).open(&path) {
+        match options(direct, mode).open(&path) {
             Ok(s) => Some(s),
             Err(e) => {
                 println!("skipped (direct {direct}): {e}");
@@ -1367,59 +1525,135 @@ mod inline_tests {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn conformance_with_inline_completions() {
+    async fn conformance() {
         let dir = tempfile::tempdir().unwrap();
-        for direct in [false, true] {
-            if make(&dir, direct).is_none() {
-                continue;
+        for mode in MODES {
+            for direct in [false, true] {
+                if make(&dir, direct, mode).is_none() {
+                    continue;
+                }
+                run_all(|| make(&dir, direct, mode).expect("opened once already")).await;
             }
-            run_all(|| make(&dir, direct).expect("opened once already")).await;
         }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn many_tasks_and_cancelled_requests_with_inline_completions() {
+    async fn conformance_with_options_multi_thread() {
+        conformance().await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn conformance_with_options_current_thread() {
+        conformance().await;
+    }
+
+    async fn stress() {
         let dir = tempfile::tempdir().unwrap();
-        for direct in [false, true] {
-            let Some(s) = make(&dir, direct) else {
-                continue;
-            };
-            let s = Arc::new(s);
-            let block = 4096usize;
-            let tasks: Vec<_> = (0..48u64)
-                .map(|t| {
-                    let s = Arc::clone(&s);
-                    tokio::spawn(async move {
-                        let mut back = AlignedBuf::zeroed(block, 4096).unwrap();
-                        for round in 0..50u64 {
-                            let mut v = AlignedBuf::zeroed(block, 4096).unwrap();
-                            v.fill((t * 7 + round) as u8);
-                            let at = (t * 4 + round % 4) * block as u64;
-                            s.write_at(&v, at).await.unwrap();
-                            s.read_at(&mut back, at).await.unwrap();
-                            assert!(*back == *v, "task {t} round {round}");
-                            if round % 10 == 9 {
-                                // Dropped after one poll: in flight, or already collected.
-                                let mut r = Box::pin(s.read_at(&mut back, at));
-                                let w = Waker::noop();
-                                let _ = r.as_mut().poll(&mut Context::from_waker(w));
+        for mode in MODES {
+            for direct in [false, true] {
+                let Some(s) = make(&dir, direct, mode) else {
+                    continue;
+                };
+                let s = Arc::new(s);
+                let block = 4096usize;
+                let tasks: Vec<_> = (0..48u64)
+                    .map(|t| {
+                        let s = Arc::clone(&s);
+                        tokio::spawn(async move {
+                            let mut back = AlignedBuf::zeroed(block, 4096).unwrap();
+                            for round in 0..50u64 {
+                                let mut v = AlignedBuf::zeroed(block, 4096).unwrap();
+                                v.fill((t * 7 + round) as u8);
+                                let at = (t * 4 + round % 4) * block as u64;
+                                s.write_at(&v, at).await.unwrap();
+                                s.read_at(&mut back, at).await.unwrap();
+                                assert!(*back == *v, "task {t} round {round} mode {mode:?}");
+                                if round % 10 == 9 {
+                                    // Dropped after one poll: queued (possibly as the task
+                                    // that submits a batch), in flight, or collected.
+                                    let mut r = Box::pin(s.read_at(&mut back, at));
+                                    let w = Waker::noop();
+                                    let _ = r.as_mut().poll(&mut Context::from_waker(w));
+                                }
                             }
-                        }
+                        })
                     })
-                })
-                .collect();
-            for t in tasks {
-                t.await.unwrap();
-            }
-            s.flush().await.unwrap();
-            for _ in 0..2000 {
-                if s.in_flight() == 0 {
-                    break;
+                    .collect();
+                for t in tasks {
+                    t.await.unwrap();
                 }
-                std::thread::sleep(Duration::from_millis(1));
+                s.flush().await.unwrap();
+                for _ in 0..2000 {
+                    if s.in_flight() == 0 {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert_eq!(s.in_flight(), 0, "direct {direct} mode {mode:?}");
             }
-            assert_eq!(s.in_flight(), 0, "direct {direct}");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_tasks_and_cancelled_requests_multi_thread() {
+        stress().await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn many_tasks_and_cancelled_requests_current_thread() {
+        stress().await;
+    }
+
+    /// Opened on one runtime, which then goes away: the completion thread takes over, and
+    /// requests from another runtime (or none) complete.
+    #[test]
+    fn the_completion_thread_takes_over_from_a_dropped_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let Some(s) = first.block_on(async { make(&dir, false, (false, true)) }) else {
+            return;
+        };
+        assert!(s.shared().reaper.load(Ordering::Acquire));
+        let data = vec![7u8; 10000];
+        first.block_on(s.write_at(&data, 0)).unwrap();
+        drop(first);
+        assert!(!s.shared().reaper.load(Ordering::Acquire));
+        let second = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let s = Arc::new(s);
+        let s2 = Arc::clone(&s);
+        second
+            .block_on(async move {
+                tokio::spawn(async move {
+                    let mut back = vec![0u8; 10000];
+                    s2.read_at(&mut back, 0).await.unwrap();
+                    assert!(back.iter().all(|&b| b == 7));
+                    s2.write_at(&[1u8; 4096], 4096).await.unwrap();
+                    s2.flush().await.unwrap();
+                })
+                .await
+            })
+            .unwrap();
+        // And with no runtime at all.
+        let mut back = vec![0u8; 4096];
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut f = Box::pin(s.read_at(&mut back, 4096));
+        let r = loop {
+            if let Poll::Ready(r) = f.as_mut().poll(&mut cx) {
+                break r;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        drop(f);
+        r.unwrap();
+        assert!(back.iter().all(|&b| b == 1));
     }
 }
