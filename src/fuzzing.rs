@@ -131,10 +131,7 @@ fn assert_extents_cover(extents: &[Extent], offset: u64, len: u64) {
 /// not compared).
 ///
 /// Then read-write on a copy: one 4 KiB write, a flush and a close, which may fail but must
-/// not panic ([`open_write`]). Constraint while a finding is open: dirty images that
-/// [`dirty_with_references_past_the_end`] flags are not opened read-write (the refcount
-/// rebuild of a writable open takes time and memory in proportion to the largest host offset
-/// referenced; inputs in `fuzz/regressions/open_read/`).
+/// not panic ([`open_write`]).
 pub fn open_read(data: &[u8]) {
     block_on(open_read_async(data));
 }
@@ -167,12 +164,10 @@ async fn open_read_async(data: &[u8]) {
         let _ = img.close().await;
     }
 
-    if !dirty_with_references_past_the_end(data) {
-        open_write_async(data).await;
-    }
+    open_write_async(data).await;
 }
 
-/// The read-write part of [`open_read`] alone, without its constraint: opens a copy of
+/// The read-write part of [`open_read`] alone: opens a copy of
 /// `data` for writing (with the same backing and data files), writes 4 KiB at a third of the
 /// disk, flushes and closes. Errors are fine; panics, hangs and unbounded allocations are
 /// findings.
@@ -199,83 +194,6 @@ async fn open_write_async(data: &[u8]) {
         let _ = img.flush().await;
         let _ = img.close().await;
     }
-}
-
-/// Whether `data` is a qcow2 image with the dirty bit set that a writable open would rebuild
-/// refcounts for, and which references (from its active or snapshot L1 tables, or from their
-/// L2 tables) a host cluster a cluster or more past the end of `data`, or has one of those
-/// tables outside `data`. Images whose header or tables do not decode are not flagged (their
-/// open fails before the rebuild).
-pub fn dirty_with_references_past_the_end(data: &[u8]) -> bool {
-    use qimg_format::features::INCOMPAT_DIRTY;
-    use qimg_format::geometry::Geometry;
-    use qimg_format::header::Header;
-    use qimg_format::l2::{L2Context, L2Entry, decode_slice};
-    use qimg_format::{l1, snapshot};
-
-    let Ok(h) = Header::decode(data) else {
-        return false;
-    };
-    let Ok(geometry) = Geometry::new(h.cluster_bits, h.extended_l2()) else {
-        return false;
-    };
-    if h.incompatible_features & INCOMPAT_DIRTY == 0 {
-        return false;
-    }
-    let cs = geometry.cluster_size();
-    let end = (data.len() as u64).saturating_add(cs);
-    let ctx = L2Context {
-        geometry,
-        external_data_file: h.incompatible_features & qimg_format::features::INCOMPAT_DATA_FILE
-            != 0,
-        v2: h.version == 2,
-    };
-    let bytes = |at: u64, len: u64| {
-        let at = usize::try_from(at).ok()?;
-        let len = usize::try_from(len).ok()?;
-        data.get(at..at.checked_add(len)?)
-    };
-    let mut l1s = vec![(h.l1_table_offset, h.l1_size)];
-    if h.nb_snapshots > 0 {
-        let Some(raw) = usize::try_from(h.snapshots_offset)
-            .ok()
-            .and_then(|a| data.get(a..))
-        else {
-            return true;
-        };
-        match snapshot::decode_table(raw, h.snapshots_offset, h.nb_snapshots, h.version) {
-            Ok(snaps) => l1s.extend(snaps.iter().map(|s| (s.l1_table_offset, s.l1_size))),
-            Err(_) => return false,
-        }
-    }
-    for (offset, size) in l1s {
-        let Some(raw) = bytes(offset, u64::from(size) * 8) else {
-            return true;
-        };
-        let Ok(table) = l1::decode_table(raw, cs, offset) else {
-            return false;
-        };
-        for l2 in table.iter().filter_map(|e| e.l2_offset) {
-            let Some(raw) = bytes(l2.0, cs) else {
-                return true;
-            };
-            let Ok(entries) = decode_slice(raw, &ctx, l2.0) else {
-                return false;
-            };
-            for e in entries {
-                let last = match *e.entry() {
-                    L2Entry::Compressed(d) => {
-                        d.host_offset().0.saturating_add(d.compressed_size_bytes())
-                    }
-                    other => other.host_cluster().map_or(0, |h| h.0),
-                };
-                if !ctx.external_data_file && last >= end {
-                    return true;
-                }
-            }
-        }
-    }
-    false
 }
 
 /// The windows [`open_read`] reads: the start of the disk and a few sampled ones.
@@ -818,33 +736,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
 /// * when all three checks complete (no failure, no check error), the check after the repair
 ///   agrees with the repair's own final pass (same corruptions and leaks), and reports no
 ///   more corruptions than the first check: a repair never makes the image worse.
-///
-/// Constraint while a finding is open (`fuzz/regressions/check/`): the second property is
-/// not asserted for images whose active L1 table does not lie wholly inside the file
-/// ([`l1_table_inside_file`]); [`check_unconstrained`] asserts it for every image.
 pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
-    check_images(data, !l1_table_inside_file(data))
-}
-
-/// [`check`] asserting both properties for every image.
-pub fn check_unconstrained(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
-    check_images(data, false)
-}
-
-/// Whether `data` has a qcow2 header whose active L1 table (`l1_table_offset`, `l1_size`
-/// entries) ends inside `data`, or no header that decodes (nothing to say then). An empty L1
-/// table is inside.
-pub fn l1_table_inside_file(data: &[u8]) -> bool {
-    let Ok(h) = qimg_format::header::Header::decode(data) else {
-        return true;
-    };
-    h.l1_size == 0
-        || h.l1_table_offset
-            .checked_add(u64::from(h.l1_size) * 8)
-            .is_some_and(|end| end <= data.len() as u64)
-}
-
-fn check_images(data: &[u8], skip_repair_properties: bool) -> [crate::Result<CheckReport>; 3] {
     let file = ScratchFile::new(data);
     let path = file.path();
     let none = CheckOptions::default();
@@ -868,9 +760,6 @@ fn check_images(data: &[u8], skip_repair_properties: bool) -> [crate::Result<Che
                  before: {b:?}\nrepair: {r:?}"
             );
         }
-    }
-    if skip_repair_properties {
-        return [before, repaired, after];
     }
     if let (Some(b), Some(r), Some(a)) = (complete(&before), complete(&repaired), complete(&after))
     {

@@ -114,9 +114,6 @@ fn refcount_block_seeds_replay_for_every_width() {
     assert_eq!(orders, [true; 7], "refcount orders with a seed");
 }
 
-/// Seeds the engine cannot read yet (each has an ignored test below).
-const KNOWN_UNREADABLE: &[&str] = &["comp4k-zstd"];
-
 /// Opens a seed read-only from memory and reads the first `len` bytes.
 fn read_seed(name: &str, data: &[u8], len: u64) -> qimg::Result<Vec<u8>> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -135,15 +132,13 @@ fn read_seed(name: &str, data: &[u8], len: u64) -> qimg::Result<Vec<u8>> {
     })
 }
 
-/// Finding (open_read seed `comp4k-zstd`, made by `qemu-img convert -c -o
+/// Finding (fixed; open_read seed `comp4k-zstd`, made by `qemu-img convert -c -o
 /// compression_type=zstd`): zstd clusters that share a sector with the next compressed cluster
-/// do not read. `compress::unzstd` fills the cluster, then feeds the rest of the input (the
-/// next cluster's frame) to the decoder to see whether the frame inflates further; the decoder
-/// starts on the next frame, produces output, and the read fails with "zstd frame inflates
-/// beyond the cluster size". QEMU (`qcow2_zstd_decompress`) stops when the cluster is full
-/// and only requires the frame to be complete (`ZSTD_decompressStream` returned 0).
+/// did not read. `compress::unzstd` filled the cluster, then fed the rest of the input (the
+/// next cluster's frame) to the decoder to see whether the frame inflated further; the decoder
+/// started on the next frame and the read failed with "zstd frame inflates beyond the cluster
+/// size". QEMU (`qcow2_zstd_decompress`) stops when the cluster is full.
 #[test]
-#[ignore = "finding: zstd clusters sharing a sector do not read (src/compress.rs)"]
 fn finding_zstd_clusters_sharing_a_sector_read() {
     let data = std::fs::read(dir("corpus", "open_read").join("comp4k-zstd")).unwrap();
     let buf = read_seed("comp4k-zstd", &data, 64 << 10).unwrap();
@@ -155,10 +150,7 @@ fn open_read_seeds_replay_and_open() {
     let seeds = seeds("open_read");
     assert!(seeds.len() >= 15);
     replay("open_read", &seeds, fuzzing::open_read);
-    for (name, data) in seeds
-        .iter()
-        .filter(|(n, _)| !KNOWN_UNREADABLE.contains(&n.as_str()))
-    {
+    for (name, data) in &seeds {
         let buf =
             read_seed(name, data, fuzzing::READ_WINDOW).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(
@@ -226,22 +218,20 @@ fn regressions_refcount_block() {
     regressions("refcount_block", ffuzz::refcount_block);
 }
 
-/// Findings in `fuzz/regressions/open_read/` (open):
+/// Findings in `fuzz/regressions/open_read/` (fixed):
 ///
 /// * `dirty-lazy4k-l2-entry-at-2p55`: the dirty `lazy4k` seed with one L2 entry pointing at
-///   host offset 2^55. A writable open rebuilds refcounts (`Inner::rebuild_refcounts`,
+///   host offset 2^55. A writable open rebuilt refcounts (`Inner::rebuild_refcounts`,
 ///   src/rebuild.rs) for every cluster up to the largest one referenced:
-///   `meta::plan_refcount_area` collects one block index per refcount block up to there
-///   (2^32 of them) and the allocation fails (the process aborts).
+///   `meta::plan_refcount_area` collected one block index per refcount block up to there
+///   (2^32 of them) and the allocation failed (the process aborted).
 /// * `dirty-l2-entries-at-384g-slow`: a fuzzer-made dirty image with L2 entries near 384 GiB:
-///   the same rebuild walks about 50,000 refcount blocks, 2,048 hash lookups each (30 s with
+///   the same rebuild walked about 50,000 refcount blocks, 2,048 hash lookups each (30 s with
 ///   the fuzzing instrumentation).
 ///
 /// QEMU's check (which its dirty-image open runs) does not count a reference lying a cluster
-/// or more past the end of the file ("counting reference for region exceeding the end of the
-/// file by one cluster or more"), so its rebuild is bounded by the file size.
+/// or more past the end of the file, so its rebuild is bounded by the file size.
 #[test]
-#[ignore = "finding: refcount rebuild of a dirty image scales with the largest host offset referenced"]
 fn regressions_open_read() {
     regressions("open_read", |d| {
         fuzzing::open_read(d);
@@ -254,21 +244,20 @@ fn regressions_ops() {
     regressions("ops", fuzzing::ops);
 }
 
-/// Findings in `fuzz/regressions/check/` (open):
+/// Findings in `fuzz/regressions/check/` (fixed):
 ///
 /// * `l1-past-eof-rebuilt-over`: a 4,832-byte image whose two-entry active L1 table is at
 ///   0x3000, past the end of the file, and whose refcount blocks are missing. `check -r all`
-///   rebuilds the refcount structure into the first clusters it thinks free, clusters 2 and 3,
-///   and so writes refcount data over the L1 table (the L1 is not counted as in use because it
-///   lies past the end of the file). The L1 entries become garbage (0x1000100010000), so a
-///   check after the repair finds 5 corruptions where there were 3, while the repair's own
-///   second pass, which still uses the L1 table read before the rebuild, reports 4. QEMU's
-///   repair of the same image refuses the write ("Preventing invalid write on metadata
-///   (overlaps with active L1 table)").
+///   rebuilt the refcount structure into the first clusters it thought free, clusters 2 and 3,
+///   and so wrote refcount data over the L1 table (not counted as in use because it lies past
+///   the end of the file). The L1 entries became garbage (0x1000100010000): a check after the
+///   repair found 5 corruptions where there were 3, while the repair's own second pass, still
+///   using the L1 table read before the rebuild, reported 4. QEMU's repair of the same image
+///   refuses the write ("Preventing invalid write on metadata (overlaps with active L1
+///   table)").
 #[test]
-#[ignore = "finding: check -r all rebuilds refcounts over an L1 table past the end of the file"]
 fn regressions_check() {
     regressions("check", |d| {
-        let _ = fuzzing::check_unconstrained(d);
+        let _ = fuzzing::check(d);
     });
 }
