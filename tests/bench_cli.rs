@@ -462,7 +462,8 @@ fn time_limit_stops_the_run() {
 
 #[test]
 fn backends_and_runtimes_agree() {
-    // threads, io_uring and O_DIRECT (bounced) on both runtimes write the same bytes.
+    // threads, io_uring (completions on the runtime or the storage's thread) and O_DIRECT
+    // (bounced) on both runtimes write the same bytes.
     let d = Scratch::new("bench-backends");
     let dir = &d.0;
     create(dir, "ref.qcow2", "cluster_size=64k,extended_l2=on", "4M");
@@ -490,7 +491,15 @@ fn backends_and_runtimes_agree() {
     let mut i = 0;
     for aio in ["threads", "io_uring"] {
         for cache in ["writeback", "none"] {
-            for rt in ["multi", "current"] {
+            for (rt, completions) in [
+                ("multi", "runtime"),
+                ("current", "runtime"),
+                ("multi", "thread"),
+                ("current", "thread"),
+            ] {
+                if aio == "threads" && completions == "thread" {
+                    continue;
+                }
                 i += 1;
                 let name = format!("b{i}.qcow2");
                 create(dir, &name, "cluster_size=64k,extended_l2=on", "4M");
@@ -515,6 +524,8 @@ fn backends_and_runtimes_agree() {
                         cache,
                         "--runtime",
                         rt,
+                        "--completions",
+                        completions,
                         &name,
                     ],
                 );
@@ -528,7 +539,7 @@ fn backends_and_runtimes_agree() {
                         println!("skipped {aio}/{cache}: {e}");
                         continue;
                     }
-                    panic!("{aio} {cache} {rt}: {e}");
+                    panic!("{aio} {cache} {rt} {completions}: {e}");
                 }
                 assert!(
                     stdout(&o).contains(&format!("cache={cache}")),
@@ -550,7 +561,7 @@ fn backends_and_runtimes_agree() {
                     let same = qemu_img(dir, &["compare", "ref.qcow2", &name]);
                     assert!(
                         same.status.success(),
-                        "{aio} {cache} {rt}: {}",
+                        "{aio} {cache} {rt} {completions}: {}",
                         stdout(&same)
                     );
                     check_clean(dir, &name);
