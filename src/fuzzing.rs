@@ -485,10 +485,19 @@ impl ScratchFile {
     fn new(data: &[u8]) -> Self {
         static N: AtomicU64 = AtomicU64::new(0);
         let dir = scratch_dir();
-        std::fs::create_dir_all(&dir).expect("create the scratch directory");
         let path = dir.join(format!("{}.qcow2", N.fetch_add(1, Ordering::Relaxed)));
-        std::fs::write(&path, data).expect("write a scratch file");
-        Self(path)
+        // Another thread dropping the last file may remove the directory in between: retry.
+        for _ in 0..100 {
+            std::fs::create_dir_all(&dir).expect("create the scratch directory");
+            match std::fs::write(&path, data) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                r => {
+                    r.expect("write a scratch file");
+                    return Self(path);
+                }
+            }
+        }
+        panic!("{}: the directory keeps disappearing", path.display());
     }
 
     fn path(&self) -> &Path {
