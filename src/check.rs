@@ -549,6 +549,9 @@ struct Checker<'a> {
     l1: Vec<u64>,
     reftable_offset: u64,
     reftable: Vec<u64>,
+    /// Index of `l1` and `reftable` for the overlap check; `None` until first use and
+    /// whenever a whole table was replaced.
+    starts: Option<TableStarts>,
     incompatible: u64,
     nb_snapshots: u32,
     snapshots_offset: u64,
@@ -572,6 +575,8 @@ struct Checker<'a> {
     mute: bool,
     cache: HashMap<u64, Vec<u8>>,
     signaled_corruption: bool,
+    /// Entry repairs were written since the last sync (`sync_entries`).
+    unsynced: bool,
     events: &'a mut dyn FnMut(CheckEvent<'_>),
 }
 
@@ -622,6 +627,7 @@ impl<'a> Checker<'a> {
             l1: Vec::new(),
             reftable_offset: h.refcount_table_offset,
             reftable: Vec::new(),
+            starts: None,
             incompatible: h.incompatible_features,
             nb_snapshots: h.nb_snapshots,
             snapshots_offset: h.snapshots_offset,
@@ -636,6 +642,7 @@ impl<'a> Checker<'a> {
             mute: false,
             cache: HashMap::new(),
             signaled_corruption: false,
+            unsynced: false,
             events,
         };
         // Both sizes were bounded by the header validation (32 MiB and 8 MiB).
@@ -882,6 +889,7 @@ impl<'a> Checker<'a> {
             self.snapshots_offset = 0;
             self.nb_snapshots = 0;
             self.snapshots.clear();
+            self.starts = None;
             self.snapshots_size = 0;
             return Err(Fail(errno.into()));
         }
@@ -896,6 +904,7 @@ impl<'a> Checker<'a> {
             self.snapshots_offset = 0;
             self.nb_snapshots = 0;
             self.snapshots.clear();
+            self.starts = None;
             self.snapshots_size = 0;
             return Err(Fail(errno));
         }
@@ -933,6 +942,7 @@ impl<'a> Checker<'a> {
         dropped: &mut u32,
     ) -> std::result::Result<(), (String, Option<String>, String)> {
         self.snapshots.clear();
+        self.starts = None;
         self.snapshots_size = 0;
         if self.nb_snapshots == 0 {
             return Ok(());
@@ -1019,6 +1029,7 @@ impl<'a> Checker<'a> {
                 let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
                 String::from_utf8_lossy(&b[..end]).into_owned()
             };
+            self.starts = None;
             self.snapshots.push(Snap {
                 l1_offset,
                 l1_size,
@@ -1055,6 +1066,7 @@ impl<'a> Checker<'a> {
             self.signaled_corruption = signaled;
             self.incompatible = incompatible;
             self.l1 = l1;
+            self.starts = None;
             rebuild = false;
             if walked.is_ok() {
                 let exclusive = self
@@ -1324,7 +1336,23 @@ impl<'a> Checker<'a> {
         if active {
             self.progress(total, total);
         }
-        Ok(())
+        self.sync_entries(res)
+    }
+
+    /// Makes the entry repairs of a table walk durable with one sync, before anything that
+    /// depends on them (the refcount repairs) is written.
+    fn sync_entries(&mut self, res: &mut Res) -> std::result::Result<(), Fail> {
+        if !std::mem::take(&mut self.unsynced) {
+            return Ok(());
+        }
+        self.sync().map_err(|e| {
+            self.msg(format!(
+                "ERROR: Could not sync repaired entries: {}",
+                strerror(&e)
+            ));
+            res.check_errors += 1;
+            io_fail(&e)
+        })
     }
 
     fn note_table(&mut self, offset: u64, len: u64) {
@@ -1365,15 +1393,26 @@ impl<'a> Checker<'a> {
         if !self.may_edit(at) || self.overlaps(ign, at, 8).is_some() {
             return false;
         }
-        if self.write(&value.to_be_bytes(), at).is_err() || self.sync().is_err() {
+        if self.write(&value.to_be_bytes(), at).is_err() {
             return false;
         }
+        self.unsynced |= !self.mute;
         if let Some(i) = active_index {
-            if let Some(slot) = self.l1.get_mut(i) {
-                *slot = value;
-            }
+            self.set_l1_entry(i, value);
         }
         true
+    }
+
+    /// Replaces entry `i` of the in-memory active L1 table, keeping the overlap index current.
+    fn set_l1_entry(&mut self, i: usize, value: u64) {
+        let Some(slot) = self.l1.get_mut(i) else {
+            return;
+        };
+        let old = std::mem::replace(slot, value);
+        if let Some(starts) = &mut self.starts {
+            TableStarts::remove(&mut starts.l2, old & L1E_OFFSET_MASK);
+            TableStarts::add(&mut starts.l2, value & L1E_OFFSET_MASK);
+        }
     }
 
     fn cluster_type(&self, entry: u64) -> ClusterType {
@@ -1422,7 +1461,9 @@ impl<'a> Checker<'a> {
         if self.extended {
             b.extend_from_slice(&bitmap.to_be_bytes());
         }
-        self.write(&b, at).is_ok() && self.sync().is_ok()
+        let written = self.write(&b, at).is_ok();
+        self.unsynced |= written && !self.mute;
+        written
     }
 
     /// QEMU's `fix_l2_entry_by_zero`: the entry reads as zeros and owns no cluster.
@@ -1996,7 +2037,7 @@ impl<'a> Checker<'a> {
                     } else {
                         l1_entry & !QCOW_OFLAG_COPIED
                     };
-                    self.l1[i] = new;
+                    self.set_l1_entry(i, new);
                     let at = self.l1_offset + i as u64 * 8;
                     if let Err(e) = self.write(&new.to_be_bytes(), at) {
                         res.check_errors += 1;
@@ -2108,27 +2149,18 @@ impl<'a> Checker<'a> {
         if hit(self.snapshots_offset, self.snapshots_size) {
             return Some("snapshot table");
         }
-        if ign != Area::InactiveL1
-            && self
-                .snapshots
-                .iter()
-                .any(|s| s.l1_size > 0 && hit(s.l1_offset, u64::from(s.l1_size) * 8))
-        {
+        let starts = self
+            .starts
+            .get_or_insert_with(|| TableStarts::new(&self.l1, &self.reftable, &self.snapshots, cs));
+        if ign != Area::InactiveL1 && starts.inactive_l1_meets(start, end) {
             return Some("inactive L1 table");
         }
-        if ign != Area::ActiveL2
-            && self
-                .l1
-                .iter()
-                .any(|&e| e & L1E_OFFSET_MASK != 0 && hit(e & L1E_OFFSET_MASK, cs))
-        {
+        // A table of one cluster at `o` meets [start, end) when start - cs < o < end (`start`
+        // and `end` are cluster-aligned and start >= cs, the header having been ruled out).
+        if ign != Area::ActiveL2 && starts.l2.range(start - cs + 1..end).next().is_some() {
             return Some("active L2 table");
         }
-        if self.reftable.iter().any(|&e| {
-            // An unaligned offset cannot be a refcount block (QEMU refuses to read it).
-            let o = e & REFT_OFFSET_MASK;
-            o != 0 && o % cs == 0 && hit(o, cs)
-        }) {
+        if starts.refblocks.range(start..end).next().is_some() {
             return Some("refcount block");
         }
         if let Some((o, l, _)) = self.bitmaps {
@@ -2304,7 +2336,80 @@ impl<'a> Checker<'a> {
         table.resize((table_clusters * cs / 8) as usize, 0);
         self.reftable = table;
         self.reftable_offset = table_offset;
+        self.starts = None;
         Ok(())
+    }
+}
+
+/// The offsets at which the active L2 tables (from the L1 table) and the refcount blocks (from
+/// the refcount table) start, each with the number of entries naming it, and the snapshots' L1
+/// tables as disjoint sorted ranges. The overlap check looks a written range up here instead
+/// of scanning the tables, which made a repair that rewrites many entries quadratic in the
+/// table size (a fuzz finding).
+struct TableStarts {
+    l2: BTreeMap<u64, u32>,
+    refblocks: BTreeMap<u64, u32>,
+    /// `[start, end)` of the inactive L1 tables, merged where they meet.
+    inactive_l1: Vec<(u64, u64)>,
+}
+
+impl TableStarts {
+    fn new(l1: &[u64], reftable: &[u64], snapshots: &[Snap], cs: u64) -> Self {
+        let mut ranges: Vec<(u64, u64)> = snapshots
+            .iter()
+            .filter(|s| s.l1_size > 0)
+            .map(|s| {
+                let end = s.l1_offset.saturating_add(u64::from(s.l1_size) * 8);
+                (s.l1_offset, end)
+            })
+            .collect();
+        ranges.sort_unstable();
+        let mut inactive_l1: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match inactive_l1.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => inactive_l1.push((a, b)),
+            }
+        }
+        let mut t = TableStarts {
+            l2: BTreeMap::new(),
+            refblocks: BTreeMap::new(),
+            inactive_l1,
+        };
+        for &e in l1 {
+            Self::add(&mut t.l2, e & L1E_OFFSET_MASK);
+        }
+        for &e in reftable {
+            // An unaligned offset cannot be a refcount block (QEMU refuses to read it).
+            let o = e & REFT_OFFSET_MASK;
+            if o % cs == 0 {
+                Self::add(&mut t.refblocks, o);
+            }
+        }
+        t
+    }
+
+    /// Whether an inactive L1 table meets `[start, end)`.
+    fn inactive_l1_meets(&self, start: u64, end: u64) -> bool {
+        // The last range starting before `end` is the only candidate: the ranges are disjoint
+        // and sorted, so every earlier one also ends before it starts.
+        let i = self.inactive_l1.partition_point(|&(a, _)| a < end);
+        i > 0 && self.inactive_l1[i - 1].1 > start
+    }
+
+    fn add(set: &mut BTreeMap<u64, u32>, offset: u64) {
+        if offset != 0 {
+            *set.entry(offset).or_insert(0) += 1;
+        }
+    }
+
+    fn remove(set: &mut BTreeMap<u64, u32>, offset: u64) {
+        if let std::collections::btree_map::Entry::Occupied(mut e) = set.entry(offset) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
     }
 }
 

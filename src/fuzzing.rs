@@ -736,50 +736,16 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     );
 }
 
-/// Largest active L1 table (entries) [`check`] repairs while the quadratic L1 repair finding
-/// is open.
-pub const MAX_REPAIRED_L1_ENTRIES: u32 = 1 << 16;
-
-/// What [`check`] found.
-#[derive(Debug)]
-pub struct CheckResults {
-    /// The first check (read-only).
-    pub before: crate::Result<CheckReport>,
-    /// `check -r all` and the read-only check after it; `None` when the repair was skipped
-    /// ([`repair_skipped`]).
-    pub repair: Option<(crate::Result<CheckReport>, crate::Result<CheckReport>)>,
-}
-
 /// Runs the library check of `data` written to a file, then `check -r all` on it and a
-/// read-only check of the repaired file. Besides never panicking:
+/// read-only check of the repaired file, and returns the three results. Besides never
+/// panicking:
 ///
 /// * when the image can be checked at all (and the repair completes), it can still be checked
 ///   after the repair;
 /// * when all three checks complete (no failure, no check error), the check after the repair
 ///   agrees with the repair's own final pass (same corruptions and leaks), and reports no
 ///   more corruptions than the first check: a repair never makes the image worse.
-///
-/// Constraint while a finding is open (`fuzz/regressions/check/l1-reserved-bits-repair-quadratic`):
-/// images [`repair_skipped`] names are checked but not repaired. [`check_unconstrained`]
-/// repairs every image.
-pub fn check(data: &[u8]) -> CheckResults {
-    check_images(data, !repair_skipped(data))
-}
-
-/// [`check`] repairing every image.
-pub fn check_unconstrained(data: &[u8]) -> CheckResults {
-    check_images(data, true)
-}
-
-/// Whether [`check`] skips the repair of `data`: a qcow2 header whose active L1 table has
-/// more than [`MAX_REPAIRED_L1_ENTRIES`] entries. Repairing the reserved bits of many L1
-/// entries costs a scan of the whole L1 table per entry (the overlap check) in
-/// `check -r all`, quadratic in the L1 size.
-pub fn repair_skipped(data: &[u8]) -> bool {
-    qimg_format::header::Header::decode(data).is_ok_and(|h| h.l1_size > MAX_REPAIRED_L1_ENTRIES)
-}
-
-fn check_images(data: &[u8], repair: bool) -> CheckResults {
+pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
     let file = ScratchFile::new(data);
     let path = file.path();
     let none = CheckOptions::default();
@@ -788,12 +754,6 @@ fn check_images(data: &[u8], repair: bool) -> CheckResults {
     };
     let quiet = &mut |_: CheckEvent<'_>| {};
     let before = crate::check::check(path, &none, quiet);
-    if !repair {
-        return CheckResults {
-            before,
-            repair: None,
-        };
-    }
     let repaired = crate::check::check(path, &all, quiet);
     let after = crate::check::check(path, &none, quiet);
     fn complete(r: &crate::Result<CheckReport>) -> Option<&CheckReport> {
@@ -823,8 +783,5 @@ fn check_images(data: &[u8], repair: bool) -> CheckResults {
             "the repair made the image worse\nbefore: {b:?}\nrepair: {r:?}\nafter: {a:?}"
         );
     }
-    CheckResults {
-        before,
-        repair: Some((repaired, after)),
-    }
+    [before, repaired, after]
 }

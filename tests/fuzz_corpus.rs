@@ -53,16 +53,11 @@ const TIME_LIMIT: Duration = Duration::from_secs(20);
 /// Runs `f` on every input, naming the input when it panics or takes longer than
 /// [`TIME_LIMIT`].
 fn replay(target: &str, inputs: &[(String, Vec<u8>)], f: impl Fn(&[u8])) {
-    replay_within(target, inputs, TIME_LIMIT, f);
-}
-
-/// [`replay`] with another time limit.
-fn replay_within(target: &str, inputs: &[(String, Vec<u8>)], limit: Duration, f: impl Fn(&[u8])) {
     for (name, data) in inputs {
         let started = Instant::now();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(data)));
         let took = started.elapsed();
-        assert!(took < limit, "{target}/{name}: took {took:?}");
+        assert!(took < TIME_LIMIT, "{target}/{name}: took {took:?}");
         if let Err(e) = r {
             let msg = e
                 .downcast_ref::<String>()
@@ -74,22 +69,9 @@ fn replay_within(target: &str, inputs: &[(String, Vec<u8>)], limit: Duration, f:
     }
 }
 
-/// Saved findings not fixed yet, as (target, file): left out of the directory replays and
-/// replayed by an ignored test each.
-const OPEN_FINDINGS: &[(&str, &str)] = &[("check", "l1-reserved-bits-repair-quadratic")];
-
-/// Replays `fuzz/regressions/<target>/` except the open findings.
+/// Replays `fuzz/regressions/<target>/`.
 fn regressions(target: &str, f: impl Fn(&[u8])) {
-    let mut inputs = files("regressions", target);
-    inputs.retain(|(name, _)| !OPEN_FINDINGS.contains(&(target, name.as_str())));
-    replay(target, &inputs, f);
-}
-
-/// Replays one open finding, which must take less than `limit`.
-fn open_finding(target: &str, name: &str, limit: Duration, f: impl Fn(&[u8])) {
-    assert!(OPEN_FINDINGS.contains(&(target, name)));
-    let data = std::fs::read(dir("regressions", target).join(name)).unwrap();
-    replay_within(target, &[(name.to_string(), data)], limit, f);
+    replay(target, &files("regressions", target), f);
 }
 
 #[test]
@@ -185,10 +167,9 @@ fn check_seeds_replay_clean_images_stay_clean_damaged_ones_are_repaired() {
     assert!(seeds.len() >= 15);
     let mut damaged = 0;
     for (name, data) in &seeds {
-        let results = fuzzing::check(data);
-        let (repaired, after) = results.repair.expect("seeds are repaired");
+        let [before, repaired, after] = fuzzing::check(data);
         let (before, repaired, after) = (
-            results.before.unwrap_or_else(|e| panic!("{name}: {e}")),
+            before.unwrap_or_else(|e| panic!("{name}: {e}")),
             repaired.unwrap_or_else(|e| panic!("{name}: {e}")),
             after.unwrap_or_else(|e| panic!("{name}: {e}")),
         );
@@ -266,6 +247,14 @@ fn regressions_ops() {
 
 /// Findings in `fuzz/regressions/check/` (fixed):
 ///
+/// * `l1-reserved-bits-repair-quadratic` (a timeout): a 23 KiB image whose active L1 table
+///   has 1,376,258 entries at 0x3000; 1,127 of the 1,424 inside the file are 0x4444... or
+///   0x3333... (reserved bits set, L2 offset unaligned), the rest read as zeros. `check -r
+///   all` repairs them one entry at a time, and each write first ran the overlap check, which
+///   scanned the whole active L1 table for L2 tables: 1,127 x 1.4 M entries, 20 s in a debug
+///   build and over 30 s under the fuzzing instrumentation (a 32 MiB table of such entries
+///   would have taken days). The overlap check now looks ranges up in an index of table
+///   starts (`TableStarts` in src/check.rs) kept current as entries are repaired.
 /// * `l1-past-eof-rebuilt-over`: a 4,832-byte image whose two-entry active L1 table is at
 ///   0x3000, past the end of the file, and whose refcount blocks are missing. `check -r all`
 ///   rebuilt the refcount structure into the first clusters it thought free, clusters 2 and 3,
@@ -278,26 +267,28 @@ fn regressions_ops() {
 #[test]
 fn regressions_check() {
     regressions("check", |d| {
-        let _ = fuzzing::check_unconstrained(d);
+        let _ = fuzzing::check(d);
     });
 }
 
-/// Open finding (check, timeout): `l1-reserved-bits-repair-quadratic`, a 23 KiB image whose
-/// active L1 table has 1,376,258 entries at 0x3000: 1,127 of the 1,424 inside the file are
-/// 0x4444... or 0x3333... (reserved bits set, L2 offset unaligned), the rest read as zeros.
-/// `check -r all` repairs them one entry at a time (`Checker::write_l1_entry`), and each
-/// write first runs `Checker::overlaps`, which scans the whole active L1 table for L2 tables
-/// (`self.l1.iter().any(..)`), then fsyncs: 1,127 x 1.4 M entries, 20 s in a debug build and
-/// over 30 s with the fuzzing instrumentation; an L1 table of 4 M such entries inside the
-/// file (32 MiB) would take days. QEMU reports reserved L1 bits without repairing them. Fix:
-/// keep the active L2 table clusters in a set (or sorted vector) built once per pass, so that
-/// the overlap check is a lookup, and sync once after the entry writes of a table.
+/// `l1-reserved-bits-repair-quadratic` scaled up: 16,384 more L1 entries with reserved bits
+/// inside the file. The repair's first (silent) walk, which decides what may be edited, used
+/// to rescan the table for every entry it would repair: about 2.4·10^10 comparisons (minutes)
+/// where the replay limit allows 20 s. (The repair itself is then refused, as QEMU's is: the
+/// L1 table runs past the end of the file.)
 #[test]
-#[ignore = "finding: check -r all is quadratic in the L1 size when it clears reserved bits"]
-fn open_finding_check_l1_reserved_bits_repair_is_quadratic() {
-    // Linear work: the read-only check of this image takes 0.4 s in a debug build.
-    let limit = Duration::from_secs(5);
-    open_finding("check", "l1-reserved-bits-repair-quadratic", limit, |d| {
-        let _ = fuzzing::check_unconstrained(d);
+fn check_repairs_many_l1_entries_without_rescanning_the_table() {
+    let name = "l1-reserved-bits-repair-quadratic";
+    let mut img = std::fs::read(dir("regressions", "check").join(name)).unwrap();
+    img.resize(img.len().next_multiple_of(8), 0);
+    let added = 16_384u64;
+    for _ in 0..added {
+        img.extend_from_slice(&0x4444_4444_4444_4444u64.to_be_bytes());
+    }
+    let name = format!("{name} (scaled)");
+    replay("check", &[(name.clone(), img)], |d| {
+        let [before, _, _] = fuzzing::check(d);
+        let before = before.unwrap();
+        assert!(before.corruptions >= added, "{name}: {before:?}");
     });
 }
