@@ -76,6 +76,17 @@ pub enum Error {
         /// What is inconsistent, with offsets.
         what: String,
     },
+    /// A switch of the header to a new L1 or refcount table failed after its write was
+    /// issued, so the file may name either table. Both describe the image as long as nothing
+    /// else changes, so writes are refused until the image is reopened (the open reads
+    /// whichever table the file names; at worst the other one's clusters leak).
+    #[error("{path}: writes are refused until the image is reopened: {what}")]
+    Halted {
+        /// The image file.
+        path: PathBuf,
+        /// The switch that failed, and why.
+        what: String,
+    },
     /// The cache options cannot be applied to this image.
     #[error("{path}: {source}")]
     Cache {

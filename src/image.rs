@@ -162,6 +162,9 @@ pub(crate) struct Inner<S: Storage> {
     pub(crate) clean_interval: Option<Duration>,
     /// Corruption was found while writing: further writes are refused.
     pub(crate) marked_corrupt: AtomicBool,
+    /// A header switch failed (see [`Error::Halted`]): further writes are refused until the
+    /// image is reopened. Holds what failed.
+    pub(crate) halted: std::sync::OnceLock<String>,
 }
 
 /// Opens the files an image refers to (backing files, external data files) as storages of the
@@ -462,6 +465,7 @@ fn open_chain<'a, S: Storage + 'static>(
             epoch: tokio::time::Instant::now(),
             clean_interval: resolved.clean_interval,
             marked_corrupt: AtomicBool::new(false),
+            halted: std::sync::OnceLock::new(),
             path,
         });
         if opts.writable {
@@ -645,6 +649,12 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Writes back every cached metadata change in the safe order and makes everything
     /// written so far durable.
+    ///
+    /// After a failed flush nothing written since the last successful one is promised. The
+    /// engine keeps its write-back order, so a later flush that works makes everything
+    /// durable on storage that keeps what it could not write; files do not (Linux may drop
+    /// the pages a failed fsync could not write), so on [`qimg_io::FileStorage`] and
+    /// [`qimg_io::UringStorage`] every later flush fails too, as in QEMU: reopen the image.
     pub async fn flush(&self) -> Result<()> {
         let mut m = self.inner.meta.lock().await;
         self.inner.flush_meta(&mut m).await
@@ -700,6 +710,17 @@ impl<S: Storage> Inner<S> {
         }
     }
 
+    /// Refuses changes after a failed header switch ([`Error::Halted`]).
+    pub(crate) fn check_not_halted(&self) -> Result<()> {
+        match self.halted.get() {
+            Some(what) => Err(Error::Halted {
+                path: self.path.clone(),
+                what: what.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         let size = self.size();
         if offset.checked_add(len).is_none_or(|end| end > size) {
@@ -714,6 +735,7 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(crate) fn check_writable(&self) -> Result<()> {
+        self.check_not_halted()?;
         if self.marked_corrupt.load(Ordering::Acquire) {
             return Err(Error::Corrupt {
                 path: self.path.clone(),

@@ -221,7 +221,7 @@ impl<S: Storage> Inner<S> {
             .signal_corruption(
                 m,
                 format!(
-                    "metadata overlap: {what} ({len} bytes at host offset {at:#x}) would                      overwrite {} at {:#x}..{:#x}; the write was refused",
+                    "metadata overlap: {what} ({len} bytes at host offset {at:#x}) would overwrite {} at {:#x}..{:#x}; the write was refused",
                     hit.region, hit.start, hit.end
                 ),
             )
@@ -584,6 +584,10 @@ impl<S: Storage> Inner<S> {
 
     /// Allocates `n` contiguous free host clusters (refcount 1 each); returns the offset.
     pub(crate) async fn alloc_clusters(&self, m: &mut Meta, n: u64) -> Result<u64> {
+        // After a failed header switch memory and disk may name different tables: nothing
+        // may be allocated (a request that passed its entry check before the switch failed
+        // ends here).
+        self.check_not_halted()?;
         let cs = self.geo.cluster_size();
         let entries = self.rgeo.refblock_entries();
         'search: loop {
@@ -770,8 +774,10 @@ impl<S: Storage> Inner<S> {
         let mut hdr = [0u8; 12];
         hdr[..8].copy_from_slice(&table_at.to_be_bytes());
         hdr[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
-        self.file.write_at(&hdr, 48).await.map_err(|e| self.st(e))?;
-        self.file.flush().await.map_err(|e| self.st(e))?;
+        self.switch_header(&hdr, 48, || {
+            format!("the switch to a new refcount table at {table_at:#x} failed")
+        })
+        .await?;
         m.reftable = table;
         m.reftable_offset = table_at;
         m.index_refcounts();
@@ -833,7 +839,30 @@ impl<S: Storage> Inner<S> {
         Ok(new)
     }
 
+    /// Writes `hdr` at header offset `at` and flushes: the switch to a new table, whose
+    /// contents must already be durable. When either step fails the file may name the old or
+    /// the new table, and memory keeps the old one: the image halts ([`Error::Halted`]) so
+    /// that the two cannot drift apart.
+    async fn switch_header(
+        &self,
+        hdr: &[u8],
+        at: u64,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        self.check_not_halted()?;
+        let done = match self.file.write_at(hdr, at).await {
+            Ok(()) => self.file.flush().await,
+            Err(e) => Err(e),
+        };
+        done.map_err(|e| {
+            let e = self.st(e);
+            let _ = self.halted.set(format!("{} ({e})", what()));
+            e
+        })
+    }
+
     async fn write_l1_entry(&self, m: &mut Meta, l1i: usize, entry: L1Entry) -> Result<()> {
+        self.check_not_halted()?;
         let raw = entry.encode().to_be_bytes();
         let at = m.l1_offset + l1i as u64 * 8;
         let own = Writing::Own(Region::ActiveL1, m.l1_offset);
@@ -864,8 +893,10 @@ impl<S: Storage> Inner<S> {
         let mut hdr = [0u8; 12];
         hdr[..4].copy_from_slice(&(entries as u32).to_be_bytes());
         hdr[4..].copy_from_slice(&at.to_be_bytes());
-        self.file.write_at(&hdr, 36).await.map_err(|e| self.st(e))?;
-        self.file.flush().await.map_err(|e| self.st(e))?;
+        self.switch_header(&hdr, 36, || {
+            format!("the switch to a new L1 table of {entries} entries at {at:#x} failed")
+        })
+        .await?;
         let old_at = m.l1_offset;
         let old_clusters = (m.l1.len() as u64 * 8).div_ceil(cs);
         m.l1 = l1;

@@ -148,6 +148,11 @@ impl FileOptions {
 /// [`StorageError::Misaligned`] otherwise; both are probed at open by reading the start of
 /// the file at alignments from 512 to 4096 bytes, and are 4096 when the file is empty.
 ///
+/// A failed `fdatasync` poisons the storage, as QEMU's file driver does: Linux may drop the
+/// dirty pages it could not write and mark them clean, so a retry could succeed although the
+/// data never reached the disk. Every later [`flush`](Storage::flush) of this storage (and of
+/// its clones) therefore fails too; reopen the file to start over.
+///
 /// Clones share the file descriptor.
 #[derive(Debug, Clone)]
 pub struct FileStorage {
@@ -168,6 +173,8 @@ struct Inner {
     punch_hole: AtomicBool,
     /// Whether plain fallocate may work.
     reserve: AtomicBool,
+    /// A flush failed: every later flush fails too (see [`FileStorage`]).
+    flush_failed: AtomicBool,
 }
 
 fn off(pos: u64) -> i64 {
@@ -305,12 +312,37 @@ impl Inner {
     }
 
     fn flush(&self) -> Result<()> {
+        self.refuse_flush_after_failure()?;
         loop {
             match fdatasync(&self.file) {
                 Err(Errno::EINTR) => {}
-                r => return r.map_err(|e| StorageError::io(Op::Flush, 0, 0, e)),
+                r => {
+                    return r.map_err(|e| self.flush_failure(StorageError::io(Op::Flush, 0, 0, e)));
+                }
             }
         }
+    }
+
+    /// The error of every flush after one failed.
+    fn refuse_flush_after_failure(&self) -> Result<()> {
+        if self.flush_failed.load(Ordering::Acquire) {
+            return Err(StorageError::io(
+                Op::Flush,
+                0,
+                0,
+                std::io::Error::other(
+                    "an earlier flush of this file failed, so data written before it may be \
+                     lost although later flushes would succeed; reopen the file",
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records a failed flush and passes its error on.
+    fn flush_failure(&self, e: StorageError) -> StorageError {
+        self.flush_failed.store(true, Ordering::Release);
+        e
     }
 
     fn len(&self) -> Result<u64> {
@@ -398,6 +430,16 @@ fn probe_alignment(file: &File) -> Result<(usize, usize)> {
 }
 
 impl FileStorage {
+    /// Fails once a flush of this file has failed (see [`FileStorage`]).
+    pub(crate) fn refuse_flush_after_failure(&self) -> Result<()> {
+        self.inner.refuse_flush_after_failure()
+    }
+
+    /// Records a failed flush of this file (by any path) and passes its error on.
+    pub(crate) fn flush_failure(&self, e: StorageError) -> StorageError {
+        self.inner.flush_failure(e)
+    }
+
     /// Opens an existing file read-only, buffered. See [`FileOptions`] for the rest.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         FileOptions::new().open(path)
@@ -430,6 +472,7 @@ impl FileStorage {
                 mem_alignment,
                 zero_range: AtomicBool::new(true),
                 punch_hole: AtomicBool::new(true),
+                flush_failed: AtomicBool::new(false),
                 reserve: AtomicBool::new(true),
             }),
             blocking,

@@ -1457,15 +1457,21 @@ impl Storage for UringStorage {
     }
 
     async fn flush(&self) -> Result<()> {
+        let file = &self.shared().file;
         if !self.shared().caps.fsync {
-            return self.shared().file.flush().await;
+            return file.flush().await;
         }
+        // A failed fsync poisons the file for later flushes, as with `FileStorage` (shared).
+        file.refuse_flush_after_failure()?;
         loop {
             let c = self.submit(Kind::Fsync, Owned::empty().buf).await;
             match c.result {
                 r if r >= 0 => return Ok(()),
                 r if retryable(r) => {}
-                r => return Err(StorageError::io(Op::Flush, 0, 0, errno(r))),
+                r => {
+                    let e = StorageError::io(Op::Flush, 0, 0, errno(r));
+                    return Err(file.flush_failure(e));
+                }
             }
         }
     }

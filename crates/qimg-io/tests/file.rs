@@ -178,3 +178,41 @@ async fn without_fallocate_the_outcomes_say_so() {
     s.read_at(&mut b, 0).await.unwrap();
     assert!(b[..4096].iter().all(|&x| x == 0) && b[4096..].iter().all(|&x| x == 9));
 }
+
+/// A failed flush poisons the storage and its clones: later flushes fail too, with a message
+/// that says why, even where the system call would now succeed (QEMU's file driver does the
+/// same; Linux may have dropped the pages the failed fsync could not write). `/dev/null`
+/// refuses fdatasync with EINVAL.
+#[tokio::test]
+async fn a_failed_flush_makes_every_later_flush_fail() {
+    let s = FileOptions::new()
+        .read_write(true)
+        .open("/dev/null")
+        .unwrap();
+    let clone = s.clone();
+    let first = s.flush().await.unwrap_err();
+    assert_eq!(first.op(), Some(Op::Flush));
+    assert_eq!(
+        first.raw_os_error(),
+        Some(nix::errno::Errno::EINVAL as i32),
+        "{first}"
+    );
+    for again in [s.flush().await, clone.flush().await] {
+        let e = again.unwrap_err();
+        assert_eq!(e.op(), Some(Op::Flush));
+        let why = std::error::Error::source(&e).unwrap().to_string();
+        assert!(
+            why.contains("an earlier flush of this file failed"),
+            "{why}"
+        );
+    }
+    // Another open of the same file starts over.
+    let fresh = FileOptions::new()
+        .read_write(true)
+        .open("/dev/null")
+        .unwrap();
+    assert_eq!(
+        fresh.flush().await.unwrap_err().raw_os_error(),
+        Some(nix::errno::Errno::EINVAL as i32)
+    );
+}

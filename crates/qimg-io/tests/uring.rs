@@ -574,3 +574,28 @@ async fn random_operations_agree_with_memory() {
         }
     }
 }
+
+/// A failed fsync poisons the ring's file for later flushes, as with `FileStorage`:
+/// `/dev/null` refuses fsync with EINVAL.
+#[tokio::test]
+async fn a_failed_flush_makes_every_later_flush_fail() {
+    let Some(s) = open(
+        &UringOptions::new().read_write(true),
+        Path::new("/dev/null"),
+    ) else {
+        return;
+    };
+    let first = s.flush().await.unwrap_err();
+    assert_eq!(first.op(), Some(Op::Flush));
+    assert_eq!(
+        first.raw_os_error(),
+        Some(nix::errno::Errno::EINVAL as i32),
+        "{first}"
+    );
+    let e = s.flush().await.unwrap_err();
+    let why = std::error::Error::source(&e).unwrap().to_string();
+    assert!(
+        why.contains("an earlier flush of this file failed"),
+        "{why}"
+    );
+}
