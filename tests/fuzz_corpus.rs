@@ -4,8 +4,12 @@
 //! checks that the seeds are what the script means them to be (valid slices, images that open
 //! and read, clean and damaged images, operation sequences).
 
-use std::path::PathBuf;
+mod common;
+
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use qimg::check::{CheckOptions, Repair};
 
 use qimg::format::fuzz as ffuzz;
 use qimg::fuzzing;
@@ -291,4 +295,68 @@ fn check_repairs_many_l1_entries_without_rescanning_the_table() {
         let before = before.unwrap();
         assert!(before.corruptions >= added, "{name}: {before:?}");
     });
+}
+
+/// `qemu-img check --output=json` of `dir/name`: (corruptions, check errors), or `None` when
+/// qemu-img cannot check the file at all (no JSON).
+fn qemu_check(dir: &Path, name: &str) -> Option<(u64, u64)> {
+    let o = common::qemu_img(dir, &["check", "--output=json", name]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
+    let n = |f: &str| v.get(f).and_then(|x| x.as_u64()).unwrap_or(0);
+    Some((n("corruptions"), n("check-errors")))
+}
+
+/// The `check` target's promise measured by the reference: for every committed `check` seed
+/// and saved finding (and every file of the directory `QIMG_CHECK_CORPUS` names, e.g. a
+/// fuzzer's output corpus), `qemu-img check` after `qimg check -r all` reports no more
+/// corruptions than before, and can still check an image it could check before.
+#[test]
+fn check_repairs_never_make_qemu_img_check_worse() {
+    if !common::have_qemu("check_repairs_never_make_qemu_img_check_worse") {
+        return;
+    }
+    let mut inputs = seeds("check");
+    inputs.extend(files("regressions", "check"));
+    if let Ok(extra) = std::env::var("QIMG_CHECK_CORPUS") {
+        let mut names: Vec<PathBuf> = std::fs::read_dir(&extra)
+            .unwrap_or_else(|e| panic!("QIMG_CHECK_CORPUS={extra}: {e}"))
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect();
+        names.sort();
+        for p in names {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            inputs.push((name, std::fs::read(&p).unwrap()));
+        }
+    }
+    let scratch = common::Scratch::new("fuzz-check-qemu");
+    let path = scratch.path("x.qcow2");
+    let all = CheckOptions {
+        repair: Some(Repair::All),
+    };
+    let (mut checked, mut improved) = (0, 0);
+    for (name, data) in &inputs {
+        std::fs::write(&path, data).unwrap();
+        let Some((before, _)) = qemu_check(&scratch.0, "x.qcow2") else {
+            continue;
+        };
+        let repair = qimg::check::check(&path, &all, &mut |_| {});
+        let after = qemu_check(&scratch.0, "x.qcow2");
+        let Some((after, _)) = after else {
+            panic!("{name}: qemu-img can no longer check the image after the repair ({repair:?})");
+        };
+        assert!(
+            after <= before,
+            "{name}: qemu-img check finds {after} corruptions after the repair, {before} before \
+             ({repair:?})"
+        );
+        checked += 1;
+        improved += u64::from(after < before);
+    }
+    println!(
+        "{} inputs, {checked} checkable by qemu-img, {improved} with fewer corruptions after \
+         qimg check -r all, none with more",
+        inputs.len()
+    );
+    assert!(checked >= 15, "only {checked} inputs could be checked by qemu-img");
 }
