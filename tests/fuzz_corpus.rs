@@ -358,5 +358,8 @@ fn check_repairs_never_make_qemu_img_check_worse() {
          qimg check -r all, none with more",
         inputs.len()
     );
-    assert!(checked >= 15, "only {checked} inputs could be checked by qemu-img");
+    assert!(
+        checked >= 15,
+        "only {checked} inputs could be checked by qemu-img"
+    );
 }
