@@ -2,7 +2,9 @@
 //! `qemu-img compare`, qcow2 outputs pass `qemu-img check`, compressed outputs are compressed
 //! in `qemu-img map`, zeros are never written (sparse raw, few clusters allocated), every
 //! create option applies to the output, progress looks like qemu-img's, and bad input is
-//! refused with a clear message and exit code 1.
+//! refused with a clear message and exit code 1. A backing file for the output (`-B`/`-F`)
+//! leaves unallocated what qemu-img leaves unallocated, cache modes (`-t`/`-T`) change nothing
+//! in the result, and several sources are concatenated as qemu-img concatenates them.
 
 mod common;
 
@@ -518,10 +520,6 @@ fn bad_input_is_refused_clearly() {
         &["-n", "-O", "qcow2", "src.qcow2", "tiny.qcow2"],
         "output file is smaller than input file",
     );
-    fails(
-        &["-B", "src.qcow2", "-O", "qcow2", "src.qcow2", "x"],
-        "not supported",
-    );
     // Never overwrite the source (or a file of its chain) while reading it.
     fails(
         &["-O", "qcow2", "src.qcow2", "./src.qcow2"],
@@ -553,4 +551,395 @@ fn bad_input_is_refused_clearly() {
     let help = convert(d, &["-O", "qcow2", "-o", "help", "src.qcow2", "z"]);
     assert!(help.contains("extended_l2"), "{help}");
     assert!(!d.join("z").exists());
+}
+
+/// `qemu-img map` of `file` without host offsets, adjacent entries that agree merged (where
+/// clusters land in the file differs between qemu and qimg; what is allocated where must not).
+fn layout(dir: &Path, file: &str) -> Vec<(u64, u64, u64, bool, bool, bool, bool)> {
+    let mut v: Vec<(u64, u64, u64, bool, bool, bool, bool)> = Vec::new();
+    for e in map(dir, file) {
+        let f = |k: &str| e[k].as_bool().unwrap();
+        let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+        let key = (
+            e["depth"].as_u64().unwrap(),
+            f("present"),
+            f("zero"),
+            f("data"),
+            f("compressed"),
+        );
+        if let Some(last) = v.last_mut() {
+            if (last.2, last.3, last.4, last.5, last.6) == key && last.0 + last.1 == start {
+                last.1 += len;
+                continue;
+            }
+        }
+        v.push((start, len, key.0, key.1, key.2, key.3, key.4));
+    }
+    v
+}
+
+/// Runs `qemu-img convert ARGS QEMU_OUT` and `qimg convert ARGS QIMG_OUT` (both must succeed).
+fn convert_both(dir: &Path, args: &[&str], qemu_out: &str, qimg_out: &str) {
+    let mut a = vec!["convert"];
+    a.extend(args);
+    a.push(qemu_out);
+    ok(&format!("qemu-img {a:?}"), &qemu_img(dir, &a));
+    let mut b = args.to_vec();
+    b.push(qimg_out);
+    convert(dir, &b);
+}
+
+/// Both `qemu-img convert ARGS` and `qimg convert ARGS` fail with exit code 1 and the same
+/// message (after the program name).
+fn refused_like_qemu(dir: &Path, args: &[&str]) {
+    let mut a = vec!["convert"];
+    a.extend(args);
+    let q = qemu_img(dir, &a);
+    let i = qimg(dir, &a);
+    let msg = |o: &std::process::Output, prefix: &str| {
+        let e = String::from_utf8_lossy(&o.stderr).into_owned();
+        e.lines()
+            .next()
+            .unwrap_or("")
+            .strip_prefix(prefix)
+            .unwrap_or(&e)
+            .to_string()
+    };
+    assert_eq!(q.status.code(), Some(1), "qemu-img {a:?} did not fail");
+    assert_eq!(i.status.code(), Some(1), "qimg {a:?} did not fail");
+    assert_eq!(
+        msg(&i, "qimg: "),
+        msg(&q, "qemu-img: "),
+        "qimg {a:?} fails unlike qemu-img"
+    );
+}
+
+/// A base and an overlay made by qemu: the overlay (16 KiB clusters, subclusters) is larger
+/// than its base and holds data, zeros, data that reads as zeros and a discard, some of each
+/// past the end of the base; `other.qcow2` is a full image of another pattern.
+fn overlay_over_base(d: &Path) {
+    create(d, "qcow2", "", &[], "base.qcow2", "3M");
+    qemu_io(
+        d,
+        "qcow2",
+        "base.qcow2",
+        &["write -P 1 0 2M", "write -P 2 2560k 512k"],
+    );
+    create(
+        d,
+        "qcow2",
+        "cluster_size=16384,extended_l2=on",
+        &["-b", "base.qcow2", "-F", "qcow2"],
+        "ov.qcow2",
+        "5M",
+    );
+    qemu_io(
+        d,
+        "qcow2",
+        "ov.qcow2",
+        &[
+            "write -P 5 1k 2k",
+            "write -z 100k 8k",
+            "write -P 0 960k 128k",
+            "write -P 6 2900k 300k",
+            "discard 2600k 16k",
+            "write -P 0 4M 4k",
+            "write -P 7 4100k 5k",
+            "write -z 4400k 64k",
+        ],
+    );
+    create(d, "qcow2", "", &[], "other.qcow2", "5M");
+    qemu_io(d, "qcow2", "other.qcow2", &["write -P 9 0 5M"]);
+}
+
+#[test]
+fn backing_file_for_the_output_like_qemu_img() {
+    if !have_qemu("backing_file_for_the_output_like_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("conv-backing");
+    let d = &s.0;
+    overlay_over_base(d);
+    let cases: [&[&str]; 7] = [
+        &["-O", "qcow2", "-B", "base.qcow2", "-F", "qcow2"],
+        // Another backing file than the source's: only the source's top is copied.
+        &["-O", "qcow2", "-B", "other.qcow2", "-F", "qcow2"],
+        &["-O", "qcow2", "-B", "base.qcow2", "-F", "raw"],
+        &["-O", "qcow2", "-c", "-B", "other.qcow2", "-F", "qcow2"],
+        &["-O", "qcow2", "-S", "0", "-B", "base.qcow2", "-F", "qcow2"],
+        &[
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=16384,extended_l2=on",
+            "-B",
+            "other.qcow2",
+            "-F",
+            "qcow2",
+        ],
+        // -o backing_file is -B, and -F wins over -o backing_fmt.
+        &[
+            "-O",
+            "qcow2",
+            "-o",
+            "backing_file=base.qcow2,backing_fmt=raw",
+            "-F",
+            "qcow2",
+        ],
+    ];
+    for (i, args) in cases.iter().enumerate() {
+        let mut args = args.to_vec();
+        args.push("ov.qcow2");
+        let (q, m) = (format!("q{i}.qcow2"), format!("m{i}.qcow2"));
+        convert_both(d, &args, &q, &m);
+        assert_same(d, &q, &m);
+        if [0, 4, 6].contains(&i) {
+            // Over the source's own base, the guest sees the source.
+            assert_same(d, "ov.qcow2", &m);
+        }
+        assert_clean(d, &m);
+        assert_eq!(layout(d, &m), layout(d, &q), "{args:?}");
+        let (qi, mi) = (info(d, &q), info(d, &m));
+        for k in [
+            "virtual-size",
+            "backing-filename",
+            "backing-filename-format",
+            "full-backing-filename",
+        ] {
+            assert_eq!(mi[k], qi[k], "{args:?}: {k}");
+        }
+    }
+    // The backing file really is used: only the top's ranges are allocated.
+    assert!(allocated_data(d, "m0.qcow2") < 1 << 20);
+
+    // With -n, -B keeps the target's header and copies only the top's ranges.
+    for f in ["nq.qcow2", "nm.qcow2"] {
+        create(d, "qcow2", "", &[], f, "5M");
+    }
+    let mut a = vec!["convert", "-n", "-O", "qcow2", "-B", "other.qcow2"];
+    a.extend(["ov.qcow2", "nq.qcow2"]);
+    ok("qemu-img convert -n -B", &qemu_img(d, &a));
+    convert(
+        d,
+        &[
+            "-n",
+            "-O",
+            "qcow2",
+            "-B",
+            "other.qcow2",
+            "ov.qcow2",
+            "nm.qcow2",
+        ],
+    );
+    assert_same(d, "nq.qcow2", "nm.qcow2");
+    assert_clean(d, "nm.qcow2");
+    assert!(info(d, "nm.qcow2").get("backing-filename").is_none());
+
+    // Refusals, with qemu-img's messages.
+    create(d, "raw", "", &[], "r.raw", "1M");
+    for args in [
+        &["-O", "raw", "-B", "base.qcow2", "ov.qcow2", "x1"][..],
+        &["-O", "raw", "-F", "qcow2", "ov.qcow2", "x2"],
+        &["-O", "qcow2", "-F", "qcow2", "ov.qcow2", "x3.qcow2"],
+        &["-O", "qcow2", "-B", "base.qcow2", "ov.qcow2", "x4.qcow2"],
+        &[
+            "-O",
+            "qcow2",
+            "-B",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "ov.qcow2",
+            "r.raw",
+            "x5.qcow2",
+        ],
+    ] {
+        refused_like_qemu(d, args);
+    }
+    let o = qimg(
+        d,
+        &[
+            "convert",
+            "-O",
+            "qcow2",
+            "-B",
+            "none.qcow2",
+            "-F",
+            "qcow2",
+            "ov.qcow2",
+            "x6",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("none.qcow2"));
+}
+
+#[test]
+fn cache_modes_change_nothing_in_the_output() {
+    if !have_qemu("cache_modes_change_nothing_in_the_output") {
+        return;
+    }
+    let s = Scratch::new("conv-cache");
+    let d = &s.0;
+    let src = qemu_chain(d);
+    create(d, "raw", "", &[], "plain.raw", "3M");
+    qemu_io(d, "raw", "plain.raw", &["write -P 3 4k 1M"]);
+    convert(d, &["-O", "qcow2", src, "ref.qcow2"]);
+    convert(d, &["-O", "qcow2", "plain.raw", "ref2.qcow2"]);
+    let mut direct_ok = true;
+    for mode in ["none", "writeback", "writethrough", "directsync", "unsafe"] {
+        for (fmt, ext) in [("qcow2", "qcow2"), ("raw", "raw")] {
+            for (input, reference) in [(src, "ref.qcow2"), ("plain.raw", "ref2.qcow2")] {
+                let out = format!("{mode}-{input}.{ext}");
+                let o = qimg(
+                    d,
+                    &["convert", "-O", fmt, "-t", mode, "-T", mode, input, &out],
+                );
+                let err = String::from_utf8_lossy(&o.stderr).into_owned();
+                if !o.status.success()
+                    && (mode == "none" || mode == "directsync")
+                    && (err.contains("O_DIRECT") || err.contains("Invalid argument"))
+                {
+                    direct_ok = false;
+                    println!("skipped -t {mode}: O_DIRECT unsupported here: {err}");
+                    continue;
+                }
+                assert!(
+                    o.status.success(),
+                    "-t {mode} -T {mode} {input} -> {fmt}: {err}"
+                );
+                assert_same(d, reference, &out);
+                if fmt == "qcow2" {
+                    assert_clean(d, &out);
+                    assert_eq!(layout(d, &out), layout(d, reference), "-t {mode}");
+                }
+            }
+        }
+    }
+    if direct_ok {
+        // The same with qemu-img's O_DIRECT conversion.
+        convert_both(
+            d,
+            &["-O", "qcow2", "-t", "none", "-T", "none", src],
+            "qn.qcow2",
+            "mn.qcow2",
+        );
+        assert_same(d, "qn.qcow2", "mn.qcow2");
+    }
+    refused_like_qemu(d, &["-t", "bogus", src, "x.raw"]);
+    refused_like_qemu(d, &["-T", "fast", src, "y.raw"]);
+    assert!(!d.join("y.raw").exists());
+}
+
+#[test]
+fn several_sources_are_concatenated() {
+    if !have_qemu("several_sources_are_concatenated") {
+        return;
+    }
+    let s = Scratch::new("conv-concat");
+    let d = &s.0;
+    // Sizes are multiples of 512 but not of any cluster size; data touches every end.
+    create(d, "qcow2", "", &[], "a.qcow2", "1025k");
+    qemu_io(
+        d,
+        "qcow2",
+        "a.qcow2",
+        &["write -P 1 0 64k", "write -P 2 1000k 25k"],
+    );
+    create(d, "raw", "", &[], "b.raw", "6655k");
+    qemu_io(
+        d,
+        "raw",
+        "b.raw",
+        &[
+            "write -P 3 0 3k",
+            "write -P 4 1M 2M",
+            "write -P 5 4M 2M",
+            "write -P 6 6654k 1k",
+        ],
+    );
+    create(d, "raw", "", &[], "c-base.raw", "200k");
+    qemu_io(d, "raw", "c-base.raw", &["write -P 7 0 200k"]);
+    create(
+        d,
+        "qcow2",
+        "cluster_size=16384,extended_l2=on",
+        &["-b", "c-base.raw", "-F", "raw"],
+        "c.qcow2",
+        "333k",
+    );
+    qemu_io(
+        d,
+        "qcow2",
+        "c.qcow2",
+        &["write -z 0 4k", "write -P 8 300k 33k"],
+    );
+    let srcs = ["a.qcow2", "b.raw", "c.qcow2"];
+    for (i, extra) in [
+        &["-O", "qcow2"][..],
+        &["-O", "raw"],
+        &["-O", "qcow2", "-c"],
+        &["-O", "qcow2", "-o", "cluster_size=4096", "-W"],
+        &["-O", "qcow2", "-S", "0"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut args = extra.to_vec();
+        args.extend(srcs);
+        let (q, m) = (format!("q{i}"), format!("m{i}"));
+        convert_both(d, &args, &q, &m);
+        assert_same(d, &q, &m);
+        assert_eq!(info(d, &m)["virtual-size"], info(d, &q)["virtual-size"]);
+        if extra.contains(&"qcow2") {
+            assert_clean(d, &m);
+        }
+    }
+    // Two sources of the same format, and -n into a larger image holding old data.
+    convert_both(d, &["-O", "qcow2", "c.qcow2", "a.qcow2"], "q5", "m5");
+    assert_same(d, "q5", "m5");
+    for f in ["nq.qcow2", "nm.qcow2"] {
+        create(d, "qcow2", "", &[], f, "9M");
+        qemu_io(d, "qcow2", f, &["write -P 9 0 9M"]);
+    }
+    let mut a = vec!["convert", "-n", "-O", "qcow2"];
+    a.extend(srcs);
+    a.push("nq.qcow2");
+    ok("qemu-img convert -n", &qemu_img(d, &a));
+    let mut b = vec!["-n", "-O", "qcow2"];
+    b.extend(srcs);
+    b.push("nm.qcow2");
+    convert(d, &b);
+    assert_same(d, "nq.qcow2", "nm.qcow2");
+    assert_clean(d, "nm.qcow2");
+    // Too small a target for all of them.
+    create(d, "qcow2", "", &[], "small.qcow2", "7M");
+    let mut c = vec!["-n", "-O", "qcow2"];
+    c.extend(srcs);
+    c.push("small.qcow2");
+    let o = qimg(d, &[&["convert"][..], &c].concat());
+    assert_eq!(o.status.code(), Some(1));
+    // Progress counts every source: the small first one does not take it to 100%.
+    let out = convert(
+        d,
+        &[
+            "-p", "-m", "1", "-O", "qcow2", "a.qcow2", "b.raw", "p.qcow2",
+        ],
+    );
+    let pcts: Vec<f64> = out
+        .split('\r')
+        .filter_map(|s| {
+            s.trim()
+                .strip_prefix('(')?
+                .strip_suffix("/100%)")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        pcts.iter().any(|&p| p > 0.0 && p < 100.0),
+        "no progress between 0 and 100%: {out:?}"
+    );
+    assert!(pcts.windows(2).all(|w| w[0] <= w[1]), "{out:?}");
+    assert_eq!(pcts.last(), Some(&100.0), "{out:?}");
 }

@@ -1,7 +1,7 @@
-//! `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-c] [-p] [-q] [-U] [-n] [-S SIZE]
-//! [-m N] [-W] SRC DST`: copies the guest view of an image (its backing chain flattened, as
-//! `qemu-img convert` without `-B`) into a new raw or qcow2 image created with every `create`
-//! option.
+//! `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-B BACKING [-F FMT]] [-c] [-p] [-q] [-U]
+//! [-n] [-S SIZE] [-m N] [-W] [-t CACHE] [-T SRC_CACHE] SRC... DST`: copies the guest view of
+//! one or more images (their backing chains flattened; several sources are concatenated) into
+//! a new raw or qcow2 image created with every `create` option.
 //!
 //! Zeros are never written: ranges the source maps as zero (zero clusters, unallocated
 //! clusters over nothing, holes of raw or preallocated files) are skipped without reading,
@@ -10,26 +10,39 @@
 //! 2 MiB chunks with `-m` (default 8) chunks in flight. With `-c` every non-zero cluster is
 //! written compressed (the engine stores a cluster that does not shrink uncompressed).
 //! With `-n` the target must exist and zero ranges are zeroed explicitly.
+//!
+//! With `-B` the (qcow2) output gets that backing file, and only what the source's top image
+//! holds itself is copied (zeros included, written as zeros): ranges the source reads from its
+//! own backing chain stay unallocated, for the new backing file to provide, as qemu-img does.
+//! `-t` and `-T` take qemu's cache modes: `none` and `directsync` open with `O_DIRECT`,
+//! `writethrough` and `directsync` flush the output after every write, `unsafe` never flushes
+//! it, `writeback` flushes it once at the end (qimg's default for the output, where qemu-img's
+//! is `unsafe`).
 
 use std::collections::VecDeque;
+use std::io::IoSlice;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use qimg::create::{CreateOptions, create, create_raw};
 use qimg::info::{ImageFormat, probe_format};
-use qimg::io::{FileStorage, Storage};
+use qimg::io::{
+    AllocateOutcome, AnyStorage, Backend, DiscardOutcome, Storage, StorageError, ZeroOutcome,
+};
 use qimg::{Image, OpenOptions};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
+use crate::bench_parse::CacheMode;
 use crate::map::{Layer, lib_msg, open_chain, os_msg, status};
 use crate::opts;
 
 /// Arguments of `qimg convert`.
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// Source format: qcow2 or raw (probed when absent).
+    /// Source format: qcow2 or raw (probed when absent); applies to every source.
     #[arg(short = 'f')]
     src_fmt: Option<String>,
     /// Output format: raw (the default, as qemu-img) or qcow2.
@@ -62,10 +75,24 @@ pub struct ConvertArgs {
     /// Write chunks in any order (faster; the target's clusters may not follow guest order).
     #[arg(short = 'W')]
     out_of_order: bool,
-    /// Backing file of the output (not supported: the chain is always flattened).
-    #[arg(short = 'B')]
+    /// Backing file of the (qcow2) output, as -o backing_file. Only the ranges the source's
+    /// top image holds are copied; those it reads from its own backing chain are left to the
+    /// new backing file. With -n the target keeps its header and only this copy rule applies.
+    #[arg(short = 'B', long = "backing")]
     backing: Option<String>,
-    /// Source and destination.
+    /// Format of the -B backing file (qcow2 or raw), as -o backing_fmt; needed to create an
+    /// output with a backing file.
+    #[arg(short = 'F', long = "backing-format")]
+    backing_fmt: Option<String>,
+    /// Output cache mode: writeback (the default: one flush at the end), none (O_DIRECT),
+    /// writethrough (a flush after every write), directsync (both) or unsafe (no flush).
+    #[arg(short = 't', long = "target-cache")]
+    cache: Option<String>,
+    /// Source cache mode: writeback (the default), none or directsync (O_DIRECT),
+    /// writethrough or unsafe (the same as writeback for reading).
+    #[arg(short = 'T', long = "source-cache")]
+    src_cache: Option<String>,
+    /// One or more sources (their guest contents are concatenated), then the destination.
     #[arg(allow_hyphen_values = false)]
     files: Vec<String>,
 }
@@ -86,18 +113,18 @@ pub fn run_convert(a: ConvertArgs) -> ExitCode {
     }
 }
 
-/// Where the guest data is read from.
+/// One source image, read through its whole chain.
 #[derive(Clone)]
-enum Source {
-    Qcow2(Image<FileStorage>),
-    Raw(FileStorage),
+enum Reader {
+    Qcow2(Image<AnyStorage>),
+    Raw(Arc<AnyStorage>),
 }
 
-impl Source {
+impl Reader {
     async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         match self {
-            Source::Qcow2(img) => img.read(buf, offset).await.map_err(|e| anyhow!("{e}")),
-            Source::Raw(f) => f
+            Reader::Qcow2(img) => img.read(buf, offset).await.map_err(|e| anyhow!("{e}")),
+            Reader::Raw(f) => f
                 .read_at_zero_fill(buf, offset)
                 .await
                 .map_err(|e| anyhow!("{e}")),
@@ -105,49 +132,196 @@ impl Source {
     }
 }
 
-/// Where it is written.
+/// Where the guest data is read from: the sources end to end (`(start, size, reader)` each,
+/// `start` being where the source begins in the output).
 #[derive(Clone)]
-enum Target {
-    Qcow2(Image<FileStorage>),
-    Raw(FileStorage),
+struct Source(Arc<Vec<(u64, u64, Reader)>>);
+
+impl Source {
+    async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        for (start, size, r) in self.0.iter() {
+            let s = offset.max(*start);
+            let e = end.min(start + size);
+            if s < e {
+                let part = &mut buf[(s - offset) as usize..(e - offset) as usize];
+                r.read(part, s - start).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The output's file: buffered or `O_DIRECT` (any alignment, bounced), and with `-t unsafe`
+/// a flush that does nothing.
+#[derive(Clone)]
+struct OutStorage {
+    inner: Arc<AnyStorage>,
+    no_flush: bool,
+}
+
+impl OutStorage {
+    fn open(path: &Path, writable: bool, mode: CacheMode) -> Result<Self, StorageError> {
+        Ok(Self {
+            inner: Arc::new(AnyStorage::open(
+                path,
+                writable,
+                Backend::Threads,
+                mode.direct,
+            )?),
+            no_flush: mode.no_flush,
+        })
+    }
+}
+
+impl Storage for OutStorage {
+    fn read_at_most(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+    ) -> impl Future<Output = qimg::io::Result<usize>> + Send {
+        self.inner.read_at_most(buf, offset)
+    }
+    fn read_at(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+    ) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        self.inner.read_at(buf, offset)
+    }
+    fn read_at_zero_fill(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+    ) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        self.inner.read_at_zero_fill(buf, offset)
+    }
+    fn write_at(
+        &self,
+        buf: &[u8],
+        offset: u64,
+    ) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        self.inner.write_at(buf, offset)
+    }
+    fn write_vectored_at(
+        &self,
+        bufs: &[IoSlice<'_>],
+        offset: u64,
+    ) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        self.inner.write_vectored_at(bufs, offset)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = qimg::io::Result<ZeroOutcome>> + Send {
+        self.inner.write_zeroes(offset, len)
+    }
+    fn discard(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = qimg::io::Result<DiscardOutcome>> + Send {
+        self.inner.discard(offset, len)
+    }
+    fn allocate(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = qimg::io::Result<AllocateOutcome>> + Send {
+        self.inner.allocate(offset, len)
+    }
+    fn flush(&self) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        let flush = (!self.no_flush).then(|| self.inner.flush());
+        async move {
+            match flush {
+                Some(f) => f.await,
+                None => Ok(()),
+            }
+        }
+    }
+    fn len(&self) -> impl Future<Output = qimg::io::Result<u64>> + Send {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> impl Future<Output = qimg::io::Result<()>> + Send {
+        self.inner.set_len(len)
+    }
+    fn request_alignment(&self) -> usize {
+        self.inner.request_alignment()
+    }
+    fn mem_alignment(&self) -> usize {
+        self.inner.mem_alignment()
+    }
+}
+
+/// The output image.
+#[derive(Clone)]
+enum Out {
+    Qcow2(Image<OutStorage>),
+    Raw(OutStorage),
+}
+
+/// Where it is written; with `writethrough` every write is followed by a flush.
+#[derive(Clone)]
+struct Target {
+    out: Out,
+    writethrough: bool,
 }
 
 impl Target {
-    async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
-        match self {
-            Target::Qcow2(img) => img.write(buf, offset).await.map_err(|e| anyhow!("{e}")),
-            Target::Raw(f) => f.write_at(buf, offset).await.map_err(|e| anyhow!("{e}")),
+    /// The flush of a writethrough cache mode.
+    async fn written(&self) -> Result<()> {
+        if self.writethrough {
+            self.flush().await?;
         }
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<()> {
+        match &self.out {
+            Out::Qcow2(img) => img.flush().await.map_err(|e| anyhow!("{e}")),
+            Out::Raw(f) => f.flush().await.map_err(|e| anyhow!("{e}")),
+        }
+    }
+
+    async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        match &self.out {
+            Out::Qcow2(img) => img.write(buf, offset).await.map_err(|e| anyhow!("{e}"))?,
+            Out::Raw(f) => f.write_at(buf, offset).await.map_err(|e| anyhow!("{e}"))?,
+        }
+        self.written().await
     }
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        match self {
-            Target::Qcow2(img) => img
+        match &self.out {
+            Out::Qcow2(img) => img
                 .write_zeroes(offset, len)
                 .await
-                .map_err(|e| anyhow!("{e}")),
-            Target::Raw(f) => f
-                .write_zeroes(offset, len)
-                .await
-                .map(|_| ())
-                .map_err(|e| anyhow!("{e}")),
+                .map_err(|e| anyhow!("{e}"))?,
+            Out::Raw(f) => {
+                f.write_zeroes(offset, len)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
         }
+        self.written().await
     }
 
     async fn write_compressed(&self, buf: &[u8], offset: u64) -> Result<()> {
-        match self {
-            Target::Qcow2(img) => img
+        match &self.out {
+            Out::Qcow2(img) => img
                 .write_compressed(offset, buf)
                 .await
-                .map_err(|e| anyhow!("{e}")),
-            Target::Raw(_) => bail!("Compression not supported for this file format"),
+                .map_err(|e| anyhow!("{e}"))?,
+            Out::Raw(_) => bail!("Compression not supported for this file format"),
         }
+        self.written().await
     }
 
     async fn finish(&self) -> Result<()> {
-        match self {
-            Target::Qcow2(img) => img.close().await.map_err(|e| anyhow!("{e}")),
-            Target::Raw(f) => f.flush().await.map_err(|e| anyhow!("{e}")),
+        match &self.out {
+            Out::Qcow2(img) => img.close().await.map_err(|e| anyhow!("{e}")),
+            Out::Raw(f) => f.flush().await.map_err(|e| anyhow!("{e}")),
         }
     }
 }
@@ -169,6 +343,12 @@ struct Plan {
     parallel: usize,
     /// Chunks write in guest order.
     in_order: bool,
+    /// The output has a backing file: ranges the source reads from its backing chain are
+    /// not copied, and read ranges are not widened (the widening could reach such ranges).
+    skip_backing: bool,
+    /// Where the backing file of a new output ends: past it the output reads zeros, so ranges
+    /// the source maps as zero are not written there (`u64::MAX`: everywhere).
+    zeros_from: u64,
 }
 
 /// One chunk of work: data ranges to copy and (with `-n`) zero ranges to clear.
@@ -238,6 +418,8 @@ async fn run_job(
 ) -> Result<u64> {
     let unit = if plan.compress_cluster > 0 {
         plan.compress_cluster
+    } else if plan.skip_backing {
+        1
     } else {
         plan.gran.max(1)
     };
@@ -347,6 +529,23 @@ fn parse_fmt(s: &str) -> Result<ImageFormat> {
     }
 }
 
+/// Parses a `-t` / `-T` value (`what` names the option in the error, as qemu-img does).
+fn parse_cache(v: Option<&str>, what: &str) -> Result<CacheMode> {
+    match v {
+        None => Ok(CacheMode::DEFAULT),
+        Some(s) => CacheMode::parse(s).map_err(|_| anyhow!("Invalid {what} option: {s}")),
+    }
+}
+
+/// One source: its chain (for the block status) and where it lands in the output.
+struct Src {
+    layers: Vec<Layer>,
+    /// First output byte of this source.
+    start: u64,
+    /// Its virtual size.
+    size: u64,
+}
+
 fn convert(a: ConvertArgs) -> Result<()> {
     let _ = a.force_share;
     let out_name = a.out_fmt.clone().unwrap_or_else(|| "raw".to_string());
@@ -356,8 +555,15 @@ fn convert(a: ConvertArgs) -> Result<()> {
         print!("{}", opts::help_text(&out_name));
         return Ok(());
     }
-    if a.backing.is_some() {
-        bail!("a backing file for the output (-B) is not supported: the chain is flattened");
+    let cache = parse_cache(a.cache.as_deref(), "cache")?;
+    let src_cache = parse_cache(a.src_cache.as_deref(), "source cache")?;
+    if out_fmt == ImageFormat::Raw {
+        if a.backing.is_some() {
+            bail!("Backing file not supported for file format 'raw'");
+        }
+        if a.backing_fmt.is_some() {
+            bail!("Backing file format not supported for file format 'raw'");
+        }
     }
     if a.compress && out_fmt != ImageFormat::Qcow2 {
         bail!("Compression not supported for this file format");
@@ -379,35 +585,54 @@ fn convert(a: ConvertArgs) -> Result<()> {
             _ => bail!("Invalid number of coroutines specified. Must be between 1 and 16."),
         },
     };
-    let [src_file, dst_file] = a.files.as_slice() else {
-        if a.files.len() < 2 {
-            bail!("Must specify image file name");
-        }
-        bail!("qimg convert takes one source and one destination");
+    let Some((dst_file, src_files)) = a.files.split_last().filter(|(_, s)| !s.is_empty()) else {
+        bail!("Must specify image file name");
     };
-    let src_path = Path::new(src_file);
     let dst_path = Path::new(dst_file);
 
-    // The output's options, parsed and checked before anything is opened or created.
+    // The output's options, parsed and checked before anything is opened or created; -B and
+    // -F override -o backing_file and backing_fmt, as in qemu-img.
     let mut co = CreateOptions::default();
     let mut given = opts::Given::default();
     opts::apply(&mut co, &mut given, &pairs, &out_name)?;
-    if co.backing_file.is_some() {
-        bail!(
-            "a backing file for the output (-o backing_file) is not supported: the chain is \
-             flattened"
-        );
-    }
     if a.no_create && !pairs.is_empty() {
         bail!("-o has no effect with -n (the output is not created)");
     }
+    if let Some(b) = &a.backing {
+        co.backing_file = Some(b.clone());
+    }
+    if let Some(f) = &a.backing_fmt {
+        co.backing_fmt = Some(f.clone());
+    }
+    let has_backing = co.backing_file.is_some();
+    if has_backing && src_files.len() > 1 {
+        bail!(
+            "Having a backing file for the target makes no sense when concatenating multiple \
+             input images"
+        );
+    }
+    if !a.no_create {
+        if has_backing && co.backing_fmt.is_none() {
+            bail!("Use of backing file requires explicit backing format");
+        }
+        if !has_backing && co.backing_fmt.is_some() {
+            bail!(
+                "{dst_file}: error while converting {out_name}: Backing format cannot be used \
+                 without backing file"
+            );
+        }
+    }
 
-    let src_fmt = match a.src_fmt.as_deref() {
-        Some(f) => parse_fmt(f)
-            .map_err(|_| anyhow!("Could not open '{src_file}': Unknown driver '{f}'"))?,
-        None => probe_format(src_path)
-            .map_err(|e| anyhow!("Could not open '{src_file}': {}", lib_msg(&e, src_file)))?,
-    };
+    let src_fmts = src_files
+        .iter()
+        .map(|file| match a.src_fmt.as_deref() {
+            Some(f) => {
+                parse_fmt(f).map_err(|_| anyhow!("Could not open '{file}': Unknown driver '{f}'"))
+            }
+            None => probe_format(Path::new(file))
+                .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file))),
+        })
+        .collect::<Result<Vec<_>>>()?;
 
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -419,20 +644,44 @@ fn convert(a: ConvertArgs) -> Result<()> {
         .build()
         .context("cannot start the I/O runtime")?;
     rt.block_on(async move {
-        let layers = open_chain(src_path, src_file, src_fmt).await?;
-        let size = layers[0].size();
-        refuse_overwriting_source(&layers, dst_path, dst_file)?;
-        let source = match &layers[0] {
-            Layer::Qcow2 { img, .. } => Source::Qcow2(img.clone()),
-            Layer::Raw(_) => Source::Raw(
-                FileStorage::open(src_path)
-                    .map_err(|e| anyhow!("Could not open '{src_file}': {e}"))?,
-            ),
-        };
+        let mut srcs = Vec::new();
+        let mut readers = Vec::new();
+        let mut size = 0u64;
+        for (file, &fmt) in src_files.iter().zip(&src_fmts) {
+            let path = Path::new(file);
+            let layers = open_chain(path, file, fmt).await?;
+            refuse_overwriting_source(&layers, dst_path, dst_file)?;
+            let src_size = layers[0].size();
+            let reader =
+                match fmt {
+                    ImageFormat::Qcow2 => {
+                        let o = OpenOptions {
+                            direct: src_cache.direct,
+                            no_clean_timer: true,
+                            ..OpenOptions::read_only()
+                        };
+                        Reader::Qcow2(Image::open_any(path, &o).await.map_err(|e| {
+                            anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
+                        })?)
+                    }
+                    ImageFormat::Raw => Reader::Raw(Arc::new(
+                        AnyStorage::open(path, false, Backend::Threads, src_cache.direct)
+                            .map_err(|e| anyhow!("Could not open '{file}': {e}"))?,
+                    )),
+                };
+            readers.push((size, src_size, reader));
+            srcs.push(Src {
+                layers,
+                start: size,
+                size: src_size,
+            });
+            size = size
+                .checked_add(src_size)
+                .ok_or_else(|| anyhow!("the sources add up to more than 16 EiB"))?;
+        }
+        let source = Source(Arc::new(readers));
 
-        let target = if a.no_create {
-            open_target(dst_path, dst_file, out_fmt, size).await?
-        } else {
+        if !a.no_create {
             let mut nop = |_: u64, _: u64| {};
             if out_fmt == ImageFormat::Raw {
                 create_raw(dst_path, size, co.preallocation, &mut nop).map_err(|e| {
@@ -452,23 +701,29 @@ fn convert(a: ConvertArgs) -> Result<()> {
                         )
                     })?;
             }
-            open_target(dst_path, dst_file, out_fmt, size).await?
-        };
+        }
+        let target = open_target(dst_path, dst_file, out_fmt, size, cache).await?;
 
-        let (gran, compress_cluster) = match &target {
-            Target::Qcow2(img) if a.compress => (sparse, img.cluster_size()),
-            Target::Qcow2(img) if sparse > 0 => (img.subcluster_size(), 0),
+        let (gran, compress_cluster) = match &target.out {
+            Out::Qcow2(img) if a.compress => (sparse, img.cluster_size()),
+            Out::Qcow2(img) if sparse > 0 => (img.subcluster_size(), 0),
             _ => (sparse, 0),
         };
         let plan = Plan {
             size,
             gran,
             compress_cluster,
-            zero_target: a.no_create,
+            // A backing file may hold data where the source reads zeros: write them.
+            zero_target: a.no_create || has_backing,
             all_data: sparse == 0,
             parallel,
             // Compressed clusters are packed wherever they land; compress them in parallel.
             in_order: !a.out_of_order && compress_cluster == 0,
+            skip_backing: has_backing,
+            zeros_from: match &target.out {
+                Out::Qcow2(img) if has_backing && !a.no_create => backing_len(img).await?,
+                _ => u64::MAX,
+            },
         };
         let mut progress = Progress {
             on: a.progress && !a.quiet,
@@ -477,16 +732,30 @@ fn convert(a: ConvertArgs) -> Result<()> {
             last: 0.0,
         };
         if progress.on {
-            progress.total = data_bytes(&layers, size, plan.all_data).await?;
+            progress.total = data_bytes(&srcs, plan).await?;
         }
         progress.start();
-        copy(&layers, source, target.clone(), plan, &mut progress).await?;
+        copy(&srcs, source, target.clone(), plan, &mut progress).await?;
         target
             .finish()
             .await
             .with_context(|| format!("error while closing '{dst_file}'"))?;
         progress.end();
         Ok(())
+    })
+}
+
+/// The virtual size of the output's backing file (raw files round up to 512 bytes, as in
+/// QEMU).
+async fn backing_len(img: &Image<OutStorage>) -> Result<u64> {
+    Ok(match img.backing() {
+        Some(qimg::Backing::Qcow2(b)) => b.size(),
+        Some(qimg::Backing::Raw { storage, path }) => storage
+            .len()
+            .await
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?
+            .next_multiple_of(512),
+        None => u64::MAX,
     })
 }
 
@@ -509,58 +778,77 @@ fn refuse_overwriting_source(layers: &[Layer], dst: &Path, file: &str) -> Result
     Ok(())
 }
 
-async fn open_target(path: &Path, file: &str, fmt: ImageFormat, size: u64) -> Result<Target> {
+async fn open_target(
+    path: &Path,
+    file: &str,
+    fmt: ImageFormat,
+    size: u64,
+    cache: CacheMode,
+) -> Result<Target> {
     if let Err(e) = std::fs::metadata(path) {
         bail!("Could not open '{file}': {}", os_msg(&e));
     }
-    let t = match fmt {
+    let out = match fmt {
         ImageFormat::Qcow2 => {
             let o = OpenOptions {
+                direct: cache.direct,
                 no_clean_timer: true,
                 ..OpenOptions::read_write()
             };
-            let img = Image::open(path, &o)
+            let opener = move |p: &Path, writable: bool| OutStorage::open(p, writable, cache);
+            let img = Image::open_with(path, &o, &opener)
                 .await
                 .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
             if img.size() < size {
                 bail!("output file is smaller than input file");
             }
-            Target::Qcow2(img)
+            Out::Qcow2(img)
         }
         ImageFormat::Raw => {
-            let f = FileStorage::options()
-                .read_write(true)
-                .open(path)
+            let f = OutStorage::open(path, true, cache)
                 .map_err(|e| anyhow!("Could not open '{file}': {e}"))?;
             let len = f.len().await.map_err(|e| anyhow!("{file}: {e}"))?;
             if len < size {
                 bail!("output file is smaller than input file");
             }
-            Target::Raw(f)
+            Out::Raw(f)
         }
     };
-    Ok(t)
+    Ok(Target {
+        out,
+        writethrough: cache.writethrough,
+    })
 }
 
-/// Cuts the source's status into chunk jobs, in order: every chunk with data (or, with
-/// `zeros`, zero ranges). `all_data` treats zero ranges as data (`-S 0`).
+/// Cuts the sources' status into chunk jobs, in output order: every chunk with data (or, with
+/// `zeros`, zero ranges). `all_data` treats zero ranges as data (`-S 0`); `skip_backing`
+/// leaves out what a source reads from its backing chain.
 struct Jobs<'a> {
-    layers: &'a [Layer],
-    size: u64,
+    srcs: &'a [Src],
     all_data: bool,
     zeros: bool,
+    skip_backing: bool,
+    zeros_from: u64,
+    /// Zero ranges are read as data: compressed clusters are written whole, and with a
+    /// backing file a cluster partly zero is copied whole from the source, as qemu-img does.
+    zeros_as_data: bool,
+    /// The source being walked, and the next byte of it to ask about.
+    src: usize,
     at: u64,
     current: Option<Job>,
     ready: VecDeque<Job>,
 }
 
 impl<'a> Jobs<'a> {
-    fn new(layers: &'a [Layer], size: u64, all_data: bool, zeros: bool) -> Self {
+    fn new(srcs: &'a [Src], plan: Plan, zeros: bool) -> Self {
         Self {
-            layers,
-            size,
-            all_data,
+            srcs,
+            all_data: plan.all_data,
             zeros,
+            skip_backing: plan.skip_backing,
+            zeros_from: plan.zeros_from,
+            zeros_as_data: plan.skip_backing && plan.compress_cluster > 0,
+            src: 0,
             at: 0,
             current: None,
             ready: VecDeque::new(),
@@ -572,20 +860,31 @@ impl<'a> Jobs<'a> {
             if let Some(j) = self.ready.pop_front() {
                 return Ok(Some(j));
             }
-            if self.at >= self.size {
+            let Some(src) = self.srcs.get(self.src) else {
                 return Ok(self.current.take());
+            };
+            if self.at >= src.size {
+                self.src += 1;
+                self.at = 0;
+                continue;
             }
-            let n = WINDOW.min(self.size - self.at);
+            let n = WINDOW.min(src.size - self.at);
             let mut entries = Vec::new();
-            status(self.layers, 0, self.at, n, &mut entries).await?;
+            status(&src.layers, 0, self.at, n, &mut entries).await?;
             self.at += n;
             for e in &entries {
-                let is_data = self.all_data || !e.zero;
+                if self.skip_backing && e.depth > 0 {
+                    continue;
+                }
+                let is_data = self.all_data || self.zeros_as_data || !e.zero;
                 if !is_data && !self.zeros {
                     continue;
                 }
-                let end = e.start + e.length;
-                let mut s = e.start;
+                let mut s = src.start + e.start;
+                let mut end = s + e.length;
+                if e.zero {
+                    end = end.min(self.zeros_from.max(s));
+                }
                 while s < end {
                     let chunk = s - s % CHUNK;
                     let ce = (chunk + CHUNK).min(end);
@@ -600,6 +899,11 @@ impl<'a> Jobs<'a> {
                     });
                     if is_data {
                         push_range(&mut j.data, s, ce);
+                    } else if self.skip_backing {
+                        // One zero write per status entry, as qemu-img: a write of zeros
+                        // over part of a cluster reads the rest from the backing file, so
+                        // where requests split shows in how the output stores the zeros.
+                        j.zeros.push((s, ce));
                     } else {
                         push_range(&mut j.zeros, s, ce);
                     }
@@ -611,8 +915,8 @@ impl<'a> Jobs<'a> {
 }
 
 /// The data bytes the copy will read (the progress total).
-async fn data_bytes(layers: &[Layer], size: u64, all_data: bool) -> Result<u64> {
-    let mut jobs = Jobs::new(layers, size, all_data, false);
+async fn data_bytes(srcs: &[Src], plan: Plan) -> Result<u64> {
+    let mut jobs = Jobs::new(srcs, plan, false);
     let mut total = 0;
     while let Some(j) = jobs.next().await? {
         total += j.data.iter().map(|(s, e)| e - s).sum::<u64>();
@@ -629,14 +933,14 @@ fn joined(r: Option<std::result::Result<Result<u64>, tokio::task::JoinError>>) -
 }
 
 async fn copy(
-    layers: &[Layer],
+    srcs: &[Src],
     source: Source,
     target: Target,
     plan: Plan,
     progress: &mut Progress,
 ) -> Result<()> {
     let mut set: JoinSet<Result<u64>> = JoinSet::new();
-    let mut jobs = Jobs::new(layers, plan.size, plan.all_data, plan.zero_target);
+    let mut jobs = Jobs::new(srcs, plan, plan.zero_target);
     let r: Result<()> = async {
         let mut prev: Option<oneshot::Receiver<()>> = None;
         while let Some(job) = jobs.next().await? {
