@@ -41,7 +41,7 @@ enum Cmd {
     Check(check::CheckArgs),
     /// Show where the data of an image lives: `qimg map [--output human|json] FILE`
     Map(map::MapArgs),
-    /// Convert an image: `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-c] [-p] SRC DST`
+    /// Convert images: `qimg convert [-f FMT] [-O qcow2|raw] [-o OPTS] [-B BACKING -F FMT] [-c] [-p] [-t CACHE] [-T CACHE] SRC... DST`
     Convert(convert::ConvertArgs),
     /// Measure I/O performance: `qimg bench [-c COUNT] [-d DEPTH] [-w] ... FILE`
     Bench(bench::BenchArgs),
