@@ -577,6 +577,9 @@ struct Checker<'a> {
     signaled_corruption: bool,
     /// Entry repairs were written since the last sync (`sync_entries`).
     unsynced: bool,
+    /// Clusters whose refcount repairs must not change what COPIED says (named by entries
+    /// of shared tables, see `mismatch`).
+    keep_copied: HashSet<u64>,
     events: &'a mut dyn FnMut(CheckEvent<'_>),
 }
 
@@ -643,6 +646,7 @@ impl<'a> Checker<'a> {
             cache: HashMap::new(),
             signaled_corruption: false,
             unsynced: false,
+            keep_copied: HashSet::new(),
             events,
         };
         // Both sizes were bounded by the header validation (32 MiB and 8 MiB).
@@ -1128,7 +1132,9 @@ impl<'a> Checker<'a> {
             }
             if res.leaks != 0 || res.corruptions != 0 {
                 *res = pre_compare;
+                self.keep_copied = self.behind_shared_tables();
                 self.compare_refcounts(res, fix, &mut rebuild, &mut highest);
+                self.keep_copied.clear();
             }
         }
         self.check_oflag_copied(res, fix)?;
@@ -1372,6 +1378,50 @@ impl<'a> Checker<'a> {
                 .exclusive
                 .as_ref()
                 .is_some_and(|s| s.contains(&(at / self.cs)))
+    }
+
+    /// After a whole walk: the clusters that entries of active tables shared with something
+    /// else name (the COPIED repair leaves such tables alone, see `check_oflag_copied`).
+    /// Empty, and nothing read, when no table is shared.
+    fn behind_shared_tables(&mut self) -> HashSet<u64> {
+        let mut out = HashSet::new();
+        if self
+            .table_uses
+            .iter()
+            .all(|(&c, &uses)| uses == self.refs.get(c))
+        {
+            return out;
+        }
+        let cs = self.cs;
+        let l1_shared = !self.only_table(self.l1_offset, u64::from(self.l1_size) * 8);
+        let mut seen = HashSet::new();
+        let es = self.entry_size as usize;
+        for i in 0..self.l1.len() {
+            let l2_offset = self.l1[i] & L1E_OFFSET_MASK;
+            if l2_offset == 0 {
+                continue;
+            }
+            if l1_shared {
+                out.insert(l2_offset >> self.cb);
+            }
+            if (l2_offset % cs == 0 && self.only_table(l2_offset, cs)) || !seen.insert(l2_offset) {
+                continue;
+            }
+            let mut table = vec![0u8; cs as usize];
+            if self.read_zero(&mut table, l2_offset).is_err() {
+                continue;
+            }
+            for e in table.chunks_exact(es) {
+                let entry = u64::from_be_bytes(e[..8].try_into().unwrap_or([0; 8]));
+                if matches!(
+                    self.cluster_type(entry),
+                    ClusterType::Normal | ClusterType::ZeroAlloc
+                ) {
+                    out.insert((entry & L2E_OFFSET_MASK) >> self.cb);
+                }
+            }
+        }
+        out
     }
 
     /// After a whole walk: whether the table in `[offset, offset + len)` is referenced as
@@ -1936,6 +1986,11 @@ impl<'a> Checker<'a> {
     ) {
         let fixing = if r1 == 0 {
             *rebuild = true;
+            false
+        } else if r2 > 0 && (r1 == 1) != (r2 == 1) && self.keep_copied.contains(&c) {
+            // Whether the cluster's entries must carry COPIED would change, and an entry
+            // naming it lies in a table shared with something else, which the COPIED repair
+            // will not rewrite: the fix would trade this error for more of them.
             false
         } else {
             (r1 > r2 && fix.leaks) || (r1 < r2 && fix.errors)
