@@ -19,7 +19,7 @@
 //!
 //! Every post-crash disk must:
 //!
-//! * pass the library check (`qimg::check::check`) with no corruption and no check error
+//! * pass the library check (`qimg::tools::check::check`) with no corruption and no check error
 //!   (leaks are allowed; `-r leaks` then leaves it clean — run on every 10th leaking disk).
 //!   Images with lazy refcounts whose dirty bit is set are exempt before repair (their
 //!   refcounts are stale by design); for those, the read-write open must repair them and a
@@ -58,8 +58,8 @@ use common::engine::pattern;
 use common::faults::*;
 use common::{Scratch, have_qemu};
 use qimg::Image;
-use qimg::check::Repair;
 use qimg::io::{CrashPolicy, FaultAction, FaultPlan, FaultyStorage, MemStorage, OpFilter};
+use qimg::tools::check::Repair;
 
 /// Shapes the test runs (each test function takes some of them).
 const SHAPES: usize = 8;

@@ -425,7 +425,7 @@ async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
     }
     let dir = Scratch::new("deep");
     qemu_create(&dir.0, "0.qcow2", "cluster_size=64k", MIB, None);
-    let depth = qimg::MAX_BACKING_DEPTH + 1;
+    let depth = qimg::chain::MAX_CHAIN_DEPTH + 1;
     for i in 1..=depth {
         let below = format!("{}.qcow2", i - 1);
         qemu_create(

@@ -9,14 +9,14 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use qimg::check::{CheckOptions, Repair};
+use qimg::tools::check::{CheckOptions, Repair};
 
 use qimg::format::fuzz as ffuzz;
 use qimg::fuzzing;
 
 fn dir(kind: &str, target: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz")
+        .join("../../fuzz")
         .join(kind)
         .join(target)
 }
@@ -356,7 +356,7 @@ fn check_repairs_never_make_qemu_img_check_worse() {
         let Some((before, _)) = qemu_check(&scratch.0, "x.qcow2") else {
             continue;
         };
-        let repair = qimg::check::check(&path, &all, &mut |_| {});
+        let repair = qimg::tools::check::check(&path, &all, &mut |_| {});
         if !repair
             .as_ref()
             .is_ok_and(|r| r.failure.is_none() && r.check_errors == 0)

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use qimg::format::validate::{OpenMode, validate_cluster0};
 
 fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/header");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/header");
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| {

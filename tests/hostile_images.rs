@@ -10,7 +10,7 @@ use qimg::io::MemStorage;
 use qimg::{Image, OpenOptions};
 
 fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/header");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/header");
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| {

@@ -394,7 +394,7 @@ fn compressed_cluster_that_inflates_beyond_the_cluster_size() {
         let p = compressed_image(&dir.0, ctype);
         // 16 KiB of data compressed as one "cluster" of a 4 KiB-cluster image.
         let big: Vec<u8> = (0..16384u32).map(|i| (i / 97) as u8).collect();
-        let packed = qimg::compress::compress(kind, &big, big.len()).unwrap();
+        let packed = qimg::engine::compress(kind, &big, big.len()).unwrap();
         let len = std::fs::metadata(&p).unwrap().len();
         let at = len.div_ceil(4096) * 4096;
         poke(&p, at, &packed);
@@ -527,10 +527,10 @@ fn an_allocation_steered_onto_an_l2_table_by_a_bad_refcount_is_refused() {
     assert_eq!(table_before, table_after, "the L2 table was overwritten");
     assert!(marked_corrupt(&dir.0, "a.qcow2"));
     // qimg check -r all repairs it and clears the mark; qemu-img then finds it clean.
-    let o = qimg::check::CheckOptions {
-        repair: Some(qimg::check::Repair::All),
+    let o = qimg::tools::check::CheckOptions {
+        repair: Some(qimg::tools::check::Repair::All),
     };
-    qimg::check::check(&p, &o, &mut |_| {}).unwrap();
+    qimg::tools::check::check(&p, &o, &mut |_| {}).unwrap();
     assert!(!marked_corrupt(&dir.0, "a.qcow2"));
     ok("qemu-img check", &qemu_img(&dir.0, &["check", "a.qcow2"]));
 }

@@ -7,12 +7,12 @@ use std::io::IoSlice;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use qimg::check::{CheckOptions, CheckReport, Repair, check};
-use qimg::create::{Compat, CreateOptions, create};
 use qimg::io::{
     AllocateOutcome, DiscardOutcome, FaultPlan, FaultyStorage, MemStorage, Result as IoResult,
     Storage, ZeroOutcome,
 };
+use qimg::tools::check::{CheckOptions, CheckReport, Repair, check};
+use qimg::tools::create::{Compat, CreateOptions, create};
 use qimg::{Allocation, Backing, CacheOptions, Image, OpenOptions};
 
 use super::engine::pattern;

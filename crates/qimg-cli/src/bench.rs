@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
-use qimg::info::{ImageFormat, probe_format};
+use qimg::chain::{ImageFormat, probe_format};
 use qimg::io::{BlockingStrategy, BounceStorage, FileOptions, Storage, StorageError, UringOptions};
 use qimg::{CacheOptions, CacheStats, Image, OpenOptions, Stats};
 

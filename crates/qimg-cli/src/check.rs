@@ -6,8 +6,8 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::process::ExitCode;
 
-use qimg::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
-use qimg::info::{ImageFormat, probe_format};
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
 
 /// Arguments of `qimg check`.
 #[derive(clap::Args)]

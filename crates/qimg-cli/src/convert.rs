@@ -26,11 +26,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
-use qimg::create::{CreateOptions, create, create_raw};
-use qimg::info::{ImageFormat, probe_format};
+use qimg::chain::{ImageFormat, probe_format};
 use qimg::io::{
     AllocateOutcome, AnyStorage, Backend, DiscardOutcome, Storage, StorageError, ZeroOutcome,
 };
+use qimg::tools::create::{CreateOptions, create, create_raw};
 use qimg::{Image, OpenOptions};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;

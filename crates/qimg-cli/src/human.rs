@@ -1,6 +1,6 @@
 //! qemu-img's human-readable `info` text.
 
-use qimg::info::ImageInfo;
+use qimg::tools::info::ImageInfo;
 
 /// qemu's `size_to_str`: three significant digits, switching unit at 1000.
 pub fn size_to_str(v: u64) -> String {

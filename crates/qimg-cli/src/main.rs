@@ -17,8 +17,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use qimg::create::{CreateOptions, create};
-use qimg::info::{ImageFormat, backing_chain, image_info};
+use qimg::chain::ImageFormat;
+use qimg::tools::create::{CreateOptions, create};
+use qimg::tools::info::{backing_chain, image_info};
 
 #[derive(Parser)]
 #[command(
@@ -174,17 +175,17 @@ fn run_create(a: CreateArgs) -> Result<()> {
         if o.backing_file.is_some() || o.backing_fmt.is_some() {
             bail!("{file}: raw images cannot have a backing file");
         }
-        let size = qimg::create::effective_size(path, &o).with_context(|| file.clone())?;
+        let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
         if !a.quiet {
             let shown = o.size.unwrap_or(size);
             println!("{}", opts::formatting_line(&file, "raw", &o, &given, shown));
         }
-        qimg::create::create_raw(path, size, o.preallocation, &mut progress)
+        qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress)
             .with_context(|| file.clone())?;
         return Ok(());
     }
     o.validate().with_context(|| file.clone())?;
-    let size = qimg::create::effective_size(path, &o).with_context(|| file.clone())?;
+    let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
     if !a.quiet {
         println!(
             "{}",

@@ -28,7 +28,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use nix::errno::Errno;
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::unistd::{Whence, lseek};
-use qimg::info::{ImageFormat, probe_format, read_cluster0};
+use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::io::FileStorage;
 use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
@@ -392,7 +392,7 @@ pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Res
         let (name, host_path): (Rc<str>, PathBuf) = match &data_file {
             Some(n) => (
                 Rc::from(n.as_str()),
-                qimg::create::resolve_backing(img.path(), n),
+                qimg::chain::resolve_backing(img.path(), n),
             ),
             None => (
                 Rc::from(img.path().display().to_string().as_str()),

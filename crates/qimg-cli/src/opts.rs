@@ -1,8 +1,8 @@
 //! qemu-img style option strings: `-o key=value,key=value` and sizes with suffixes.
 
 use anyhow::{Result, bail};
-use qimg::create::{Compat, CreateOptions, Preallocation};
 use qimg::format::header::CompressionType;
+use qimg::tools::create::{Compat, CreateOptions, Preallocation};
 
 /// Parses a size the way qemu-img does: a decimal number, optionally fractional, with an
 /// optional suffix B, K, M, G, T, P or E (case-insensitive, powers of 1024).

@@ -31,7 +31,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use qimg::create::{CreateOptions, create};
+use qimg::tools::create::{CreateOptions, create};
 use qimg::{BlockingImage, CacheOptions, Image, OpenOptions};
 
 type AnyResult<T> = Result<T, Box<dyn Error + Send + Sync>>;

@@ -21,9 +21,9 @@ use std::sync::{Mutex, OnceLock};
 
 use qimg_io::MemStorage;
 
-use crate::check::{CheckEvent, CheckOptions, CheckReport, Repair};
-use crate::create::{Compat, CreateOptions};
-use crate::map::{Extent, ExtentKind};
+use crate::engine::map::{Extent, ExtentKind};
+use crate::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair};
+use crate::tools::create::{Compat, CreateOptions};
 use crate::{Allocation, Backing, CacheOptions, Image, OpenOptions};
 
 /// Bytes read and mapped from the start of the virtual disk by [`open_read`].
@@ -459,14 +459,14 @@ pub fn decode_ops(data: &[u8]) -> Option<(OpsShape, Vec<Op>)> {
 }
 
 /// Runs a sequence of writes, write-zeroes, discards, reads, flushes and reopens decoded from
-/// `data` (see [`decode_ops`]) on a fresh image made by [`crate::create::create`], in memory,
+/// `data` (see [`decode_ops`]) on a fresh image made by [`crate::tools::create::create`], in memory,
 /// against a flat model of the disk, and panics on any difference.
 ///
 /// Every operation must succeed and every read must equal the model: written bytes, zeros, or
 /// for discarded subclusters (whole ones only; the last one counts as whole when the range
 /// reaches the end of the disk) the backing file's bytes (zeros without one or past its end).
 /// At the end the whole disk must equal the model, and after close the library
-/// [`check`](crate::check::check) must report no corruption, no leak and no check error.
+/// [`check`](crate::tools::check::check) must report no corruption, no leak and no check error.
 pub fn ops(data: &[u8]) {
     if let Some((shape, ops)) = decode_ops(data) {
         block_on(run_ops(shape, &ops));
@@ -514,7 +514,7 @@ impl Drop for ScratchFile {
     }
 }
 
-/// The bytes of a new image of `size` bytes made by [`crate::create::create`], cached per
+/// The bytes of a new image of `size` bytes made by [`crate::tools::create::create`], cached per
 /// options.
 fn template(opts: &CreateOptions) -> Vec<u8> {
     static CACHE: OnceLock<Mutex<HashMap<String, Vec<u8>>>> = OnceLock::new();
@@ -524,7 +524,8 @@ fn template(opts: &CreateOptions) -> Vec<u8> {
         return t.clone();
     }
     let file = ScratchFile::new(&[]);
-    crate::create::create(file.path(), opts, &mut |_, _| {}).expect("create a template image");
+    crate::tools::create::create(file.path(), opts, &mut |_, _| {})
+        .expect("create a template image");
     let bytes = std::fs::read(file.path()).expect("read a template image");
     cache
         .lock()
@@ -720,7 +721,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     drop(img);
     let file = ScratchFile::new(&w.storage.snapshot());
     let mut messages = Vec::new();
-    let report = crate::check::check(file.path(), &CheckOptions::default(), &mut |ev| {
+    let report = crate::tools::check::check(file.path(), &CheckOptions::default(), &mut |ev| {
         if let CheckEvent::Message(m) = ev {
             messages.push(m.to_string());
         }
@@ -753,9 +754,9 @@ pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
         repair: Some(Repair::All),
     };
     let quiet = &mut |_: CheckEvent<'_>| {};
-    let before = crate::check::check(path, &none, quiet);
-    let repaired = crate::check::check(path, &all, quiet);
-    let after = crate::check::check(path, &none, quiet);
+    let before = crate::tools::check::check(path, &none, quiet);
+    let repaired = crate::tools::check::check(path, &all, quiet);
+    let after = crate::tools::check::check(path, &none, quiet);
     fn complete(r: &crate::Result<CheckReport>) -> Option<&CheckReport> {
         r.as_ref()
             .ok()

@@ -21,9 +21,9 @@ use qimg_format::refcount;
 use qimg_format::units::{GuestOffset, HostOffset};
 use qimg_io::Storage;
 
+use super::image::Inner;
+use super::overlap::{OverlapIndex, Region, Writing};
 use crate::error::{Error, Result};
-use crate::image::Inner;
-use crate::overlap::{OverlapIndex, Region, Writing};
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -2477,7 +2477,7 @@ impl TableStarts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::create::{CreateOptions, create};
+    use crate::tools::create::{CreateOptions, create};
     use std::path::PathBuf;
 
     fn scratch(tag: &str) -> PathBuf {

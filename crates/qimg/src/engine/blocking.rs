@@ -9,8 +9,9 @@ use std::path::Path;
 use qimg_io::FileStorage;
 use tokio::runtime::{Builder, Runtime};
 
+use super::image::{Image, Stats};
+use super::open::OpenOptions;
 use crate::error::{Error, Result};
-use crate::image::{Image, OpenOptions, Stats};
 
 /// A blocking handle to an image on files.
 #[derive(Debug)]

@@ -6,7 +6,7 @@
 //! engine builds on the same format crate.
 //!
 //! ```no_run
-//! use qimg::create::{create, CreateOptions};
+//! use qimg::tools::create::{create, CreateOptions};
 //! use std::path::Path;
 //!
 //! let opts = CreateOptions {
@@ -16,37 +16,27 @@
 //!     ..Default::default()
 //! };
 //! create(Path::new("disk.qcow2"), &opts, &mut |_, _| {})?;
-//! let info = qimg::info::image_info(Path::new("disk.qcow2"), None)?;
+//! let info = qimg::tools::info::image_info(Path::new("disk.qcow2"), None)?;
 //! assert_eq!(info.virtual_size, 10 << 30);
 //! # Ok::<(), qimg::Error>(())
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod blocking;
-pub mod check;
-pub mod compress;
-pub mod create;
+pub mod chain;
+pub mod engine;
 pub mod error;
+#[doc(hidden)]
 pub mod fuzzing;
-mod image;
-pub mod info;
-pub mod lease;
-mod lock;
-pub mod map;
-mod meta;
-mod overlap;
-mod rebuild;
-mod rw;
+pub mod tools;
 
-pub use blocking::BlockingImage;
-pub use error::{Error, Result};
-pub use image::{
-    Allocation, Backing, FileOpener, Image, MAX_BACKING_DEPTH, OpenOptions, Opener, Stats,
+pub use engine::{
+    Allocation, Backing, BlockingImage, Extent, ExtentKind, FileOpener, HostExtent, Image,
+    OpenOptions, Opener, Stats, WriteLease,
 };
-pub use lease::{HostExtent, WriteLease};
-pub use map::{Extent, ExtentKind};
+pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};
 /// The on-disk format crate, re-exported.
 pub use qimg_format as format;
+/// The storage crate, re-exported.
 pub use qimg_io as io;

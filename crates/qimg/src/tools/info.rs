@@ -2,98 +2,21 @@
 //!
 //! Everything here opens files read-only and never writes.
 
-use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
 use qimg_format::bitmap::decode_directory;
-use qimg_format::extensions::Cluster0;
 use qimg_format::features::{
     AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_CORRUPT,
     INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
 };
-use qimg_format::header::MAGIC;
 use qimg_format::snapshot::{MAX_TABLE_SIZE, decode_table};
-use qimg_format::validate::{OpenMode, validate_cluster0};
+use qimg_format::validate::OpenMode;
 
+use crate::chain::{ImageFormat, MAX_CHAIN_DEPTH, open, probe_format, read_at_most, read_cluster0};
 use crate::error::{Error, Result};
-
-/// Image formats qimg can open.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ImageFormat {
-    /// qcow2.
-    Qcow2,
-    /// A raw disk image.
-    Raw,
-}
-
-impl ImageFormat {
-    /// The qemu-img name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Qcow2 => "qcow2",
-            Self::Raw => "raw",
-        }
-    }
-}
-
-/// Largest cluster 0 (2 MiB clusters).
-const MAX_CLUSTER0: u64 = 2 << 20;
-/// Deepest backing chain `info --backing-chain` follows.
-pub const MAX_CHAIN_DEPTH: usize = 64;
-
-fn open(path: &Path) -> Result<File> {
-    File::open(path).map_err(|e| Error::io(path, "open", e))
-}
-
-fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
-    let flen = file
-        .metadata()
-        .map_err(|e| Error::io(path, "stat", e))?
-        .len();
-    let n = len.min(flen.saturating_sub(offset));
-    let mut buf = vec![0u8; n as usize];
-    file.read_exact_at(&mut buf, offset)
-        .map_err(|e| Error::io(path, format!("read {n} bytes at {offset:#x}"), e))?;
-    Ok(buf)
-}
-
-/// Guesses the format of an image from its first bytes: qcow2 magic, else raw.
-pub fn probe_format(path: &Path) -> Result<ImageFormat> {
-    let f = open(path)?;
-    let b = read_at_most(&f, path, 0, 4)?;
-    Ok(if b.len() == 4 && b[..] == MAGIC.to_be_bytes() {
-        ImageFormat::Qcow2
-    } else {
-        ImageFormat::Raw
-    })
-}
-
-/// The virtual size of an image of the given format.
-pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
-    match fmt {
-        ImageFormat::Raw => Ok(open(path)?
-            .metadata()
-            .map_err(|e| Error::io(path, "stat", e))?
-            .len()),
-        ImageFormat::Qcow2 => Ok(read_cluster0(path, OpenMode::ReadOnly)?.header.size),
-    }
-}
-
-/// Reads and validates cluster 0 of a qcow2 image.
-pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
-    let f = open(path)?;
-    let mut bytes = read_at_most(&f, path, 0, MAX_CLUSTER0)?;
-    // QEMU reads past EOF as zeros; a short file still has a (zero) end marker.
-    if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
-        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
-            bytes.resize(cs as usize, 0);
-        }
-    }
-    validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
-}
 
 /// One snapshot as qemu-img info shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -354,7 +277,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
     };
     let backing_filename = c0.backing_file.as_deref().map(lossy);
     let full_backing_filename = backing_filename.as_deref().map(|b| {
-        crate::create::resolve_backing(Path::new(&name), b)
+        crate::chain::resolve_backing(Path::new(&name), b)
             .to_string_lossy()
             .into_owned()
     });

@@ -1,13 +1,14 @@
-//! [`Image`]: an open qcow2 image, its options, and its public async API.
+//! Opening an image: [`OpenOptions`], the [`Opener`] that opens the files an image refers
+//! to, and the walk down the backing chain.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use qimg_cache::{CacheOptions, CacheStats, ImageFacts};
+use qimg_cache::{CacheOptions, ImageFacts};
 use qimg_format::extensions::Cluster0;
 use qimg_format::features::{
     AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_KNOWN, COMPAT_LAZY_REFCOUNTS,
@@ -19,13 +20,11 @@ use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
 use qimg_io::{AnyStorage, Backend, FileStorage, Storage, StorageError};
 
+use super::image::{Counters, Image, Inner};
+use super::lock::RangeLocks;
+use super::meta::Meta;
+use crate::chain::{ImageFormat, MAX_CHAIN_DEPTH, data_file_path, probe_format, resolve_backing};
 use crate::error::{Error, Result};
-use crate::lock::RangeLocks;
-use crate::meta::Meta;
-
-/// Most images in a backing chain below the opened one (QEMU has no fixed limit; a chain
-/// deeper than this is almost certainly a loop through differently spelled names).
-pub const MAX_BACKING_DEPTH: usize = 64;
 
 /// Largest cluster 0 read at open (the largest cluster size).
 const MAX_CLUSTER0: usize = 2 << 20;
@@ -95,76 +94,6 @@ pub enum Backing<S: Storage> {
         /// Its name, for errors.
         path: PathBuf,
     },
-}
-
-/// Counters and cache statistics of an open image.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Bytes copied on write: the parts of newly allocated (sub)clusters the guest did not
-    /// write, read from the old cluster, the backing file or zeros.
-    pub cow_bytes: u64,
-    /// Host clusters allocated for guest data.
-    pub clusters_allocated: u64,
-    /// Host clusters whose refcount dropped to zero.
-    pub clusters_freed: u64,
-    /// The L2 slice cache.
-    pub l2_cache: CacheStats,
-    /// The refcount block cache.
-    pub refcount_cache: CacheStats,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) cow_bytes: AtomicU64,
-    pub(crate) clusters_allocated: AtomicU64,
-    pub(crate) clusters_freed: AtomicU64,
-}
-
-/// An open qcow2 image: reads, writes, write-zeroes, discards and flushes on an async core.
-///
-/// `Image` is a cheap handle (`Clone` shares the image); requests may be issued from many tasks
-/// at once. Call [`close`](Image::close) (or at least [`flush`](Image::flush)) before dropping
-/// the last handle of a writable image: caches are written back only then.
-#[derive(Debug)]
-pub struct Image<S: Storage> {
-    pub(crate) inner: Arc<Inner<S>>,
-}
-
-impl<S: Storage> Clone for Image<S> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-#[derive(Debug)]
-pub(crate) struct Inner<S: Storage> {
-    pub(crate) path: PathBuf,
-    pub(crate) file: S,
-    pub(crate) data_file: Option<(PathBuf, S)>,
-    pub(crate) backing: Option<Backing<S>>,
-    pub(crate) geo: Geometry,
-    pub(crate) rgeo: RefcountGeometry,
-    pub(crate) ctx: L2Context,
-    pub(crate) writable: bool,
-    pub(crate) compression: CompressionType,
-    pub(crate) data_file_raw: bool,
-    pub(crate) lazy: bool,
-    pub(crate) allocation: Allocation,
-    pub(crate) version: u32,
-    pub(crate) size: AtomicU64,
-    pub(crate) meta: tokio::sync::Mutex<Meta>,
-    pub(crate) locks: RangeLocks,
-    pub(crate) counters: Counters,
-    pub(crate) epoch: tokio::time::Instant,
-    pub(crate) clean_interval: Option<Duration>,
-    /// Corruption was found while writing: further writes are refused.
-    pub(crate) marked_corrupt: AtomicBool,
-    /// A header switch failed (see [`Error::Halted`]): further writes are refused until the
-    /// image is reopened. Holds what failed.
-    pub(crate) halted: std::sync::OnceLock<String>,
 }
 
 /// Opens the files an image refers to (backing files, external data files) as storages of the
@@ -380,38 +309,36 @@ fn open_chain<'a, S: Storage + 'static>(
         let backing = match (given_backing, &c0.backing_file, opener) {
             (Some(b), _, _) => Some(b),
             (None, Some(name), Some(op)) if !opts.no_backing => {
-                if depth + 1 > MAX_BACKING_DEPTH {
+                if depth + 1 > MAX_CHAIN_DEPTH {
                     return Err(Error::Unsupported {
                         path,
-                        what: format!("backing chain deeper than {MAX_BACKING_DEPTH} images"),
+                        what: format!("backing chain deeper than {MAX_CHAIN_DEPTH} images"),
                     });
                 }
                 let name = String::from_utf8_lossy(name).into_owned();
                 confined(opts, &path, "backing file", &name)?;
-                let bpath = crate::create::resolve_backing(&path, &name);
+                let bpath = resolve_backing(&path, &name);
                 let fmt = match c0.backing_format() {
-                    Some(b"raw") => crate::info::ImageFormat::Raw,
-                    Some(b"qcow2") => crate::info::ImageFormat::Qcow2,
-                    Some(other) => {
-                        return Err(Error::Unsupported {
-                            path,
+                    None => probe_format(&bpath)?,
+                    Some(name) => {
+                        ImageFormat::from_name(name).ok_or_else(|| Error::Unsupported {
+                            path: path.clone(),
                             what: format!(
                                 "backing format {:?} (only qcow2 and raw are supported)",
-                                String::from_utf8_lossy(other)
+                                String::from_utf8_lossy(name)
                             ),
-                        });
+                        })?
                     }
-                    None => crate::info::probe_format(&bpath)?,
                 };
                 let storage = op
                     .open(&bpath, false)
                     .map_err(|e| Error::storage(&bpath, e))?;
                 Some(match fmt {
-                    crate::info::ImageFormat::Raw => Backing::Raw {
+                    ImageFormat::Raw => Backing::Raw {
                         storage,
                         path: bpath,
                     },
-                    crate::info::ImageFormat::Qcow2 => {
+                    ImageFormat::Qcow2 => {
                         let bopts = OpenOptions {
                             writable: false,
                             data_file: None,
@@ -482,18 +409,6 @@ fn open_chain<'a, S: Storage + 'static>(
     })
 }
 
-/// Where the external data file named `name` in `image` is. QEMU resolves the name against
-/// the current directory (unlike backing file names); qimg does too, and when nothing is
-/// there, tries the image's directory, so an image and its data file can move together.
-fn data_file_path(image: &Path, name: &str) -> PathBuf {
-    let as_qemu = PathBuf::from(name);
-    if as_qemu.exists() {
-        return as_qemu;
-    }
-    let beside = crate::create::resolve_backing(image, name);
-    if beside.exists() { beside } else { as_qemu }
-}
-
 /// With [`OpenOptions::confine_names`], refuses a stored file name that is absolute or
 /// contains a `..` component (or is a protocol-style name such as `nbd:...` or `json:{...}`).
 fn confined(opts: &OpenOptions, image: &Path, what: &str, name: &str) -> Result<()> {
@@ -558,201 +473,7 @@ async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Res
     validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// The virtual disk size in bytes.
-    pub fn size(&self) -> u64 {
-        self.inner.size.load(Ordering::Acquire)
-    }
-
-    /// The cluster size in bytes.
-    pub fn cluster_size(&self) -> u64 {
-        self.inner.geo.cluster_size()
-    }
-
-    /// The subcluster size in bytes (the cluster size without extended L2 entries).
-    pub fn subcluster_size(&self) -> u64 {
-        self.inner.geo.subcluster_size()
-    }
-
-    /// Whether the image has extended L2 entries (32 subclusters per cluster).
-    pub fn extended_l2(&self) -> bool {
-        self.inner.geo.extended_l2()
-    }
-
-    /// Whether the image is open for writing.
-    pub fn is_writable(&self) -> bool {
-        self.inner.writable
-    }
-
-    /// The image file's name as given at open.
-    pub fn path(&self) -> &Path {
-        &self.inner.path
-    }
-
-    /// The storage holding the image file (for a VMM that issues its own I/O on the same
-    /// file, or to see which backend [`Image::open_any`] chose).
-    pub fn storage(&self) -> &S {
-        &self.inner.file
-    }
-
-    /// The backing image, if one is open.
-    pub fn backing(&self) -> Option<&Backing<S>> {
-        self.inner.backing.as_ref()
-    }
-
-    /// Counters and cache statistics.
-    pub async fn stats(&self) -> Stats {
-        let m = self.inner.meta.lock().await;
-        let c = &self.inner.counters;
-        Stats {
-            cow_bytes: c.cow_bytes.load(Ordering::Relaxed),
-            clusters_allocated: c.clusters_allocated.load(Ordering::Relaxed),
-            clusters_freed: c.clusters_freed.load(Ordering::Relaxed),
-            l2_cache: m.l2.stats(),
-            refcount_cache: m.rc.stats(),
-        }
-    }
-
-    /// Fills `buf` with guest data from `offset`.
-    pub async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.inner.read(buf, offset).await
-    }
-
-    /// Writes `buf` at guest `offset`, allocating (and copying on write) as needed.
-    pub async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.inner.write(buf, offset).await
-    }
-
-    /// Writes one whole guest cluster compressed with the image's compression type (zlib or
-    /// zstd), as `qemu-img convert -c` does: `offset` must be cluster aligned and `data` one
-    /// cluster long, or shorter only for the last cluster of a disk whose size is not a
-    /// multiple of the cluster size. Several compressed clusters share a host cluster. Data
-    /// that does not shrink is stored uncompressed. Images with an external data file cannot
-    /// hold compressed clusters.
-    pub async fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.inner.write_compressed(offset, data).await
-    }
-
-    /// Makes `len` bytes at `offset` read as zeros: whole subclusters (clusters without
-    /// extended L2) only change metadata, partial ones are written with zeros.
-    pub async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.write_zeroes(offset, len).await
-    }
-
-    /// Discards `len` bytes at `offset`: every whole subcluster (cluster without extended L2)
-    /// in the range becomes unallocated, reading from the backing file or as zeros; a host
-    /// cluster left with no allocated subcluster is freed and its space punched. Parts of the
-    /// range smaller than a subcluster are left as they are (discard is advisory).
-    pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.discard(offset, len).await
-    }
-
-    /// Writes back every cached metadata change in the safe order and makes everything
-    /// written so far durable.
-    ///
-    /// After a failed flush nothing written since the last successful one is promised. The
-    /// engine keeps its write-back order, so a later flush that works makes everything
-    /// durable on storage that keeps what it could not write; files do not (Linux may drop
-    /// the pages a failed fsync could not write), so on [`qimg_io::FileStorage`] and
-    /// [`qimg_io::UringStorage`] every later flush fails too, as in QEMU: reopen the image.
-    pub async fn flush(&self) -> Result<()> {
-        let mut m = self.inner.meta.lock().await;
-        self.inner.flush_meta(&mut m).await
-    }
-
-    /// Grows the virtual disk to `new_size` bytes (shrinking is refused).
-    pub async fn resize(&self, new_size: u64) -> Result<()> {
-        self.inner.resize(new_size).await
-    }
-
-    /// Runs one pass of the cache-clean timer now: slices unused for a whole clean interval
-    /// are written back if dirty and dropped. The timer task does this by itself when a tokio
-    /// runtime was running at open; returns the bytes freed.
-    pub async fn clean_idle_caches(&self) -> Result<u64> {
-        let mut m = self.inner.meta.lock().await;
-        self.inner.clean_idle(&mut m).await
-    }
-
-    /// Flushes and, for images with lazy refcounts, marks the image clean. Further requests
-    /// on any handle of this image fail.
-    pub async fn close(&self) -> Result<()> {
-        let mut m = self.inner.meta.lock().await;
-        if m.closed {
-            return Ok(());
-        }
-        if self.inner.writable {
-            self.inner.flush_meta(&mut m).await?;
-            self.inner.mark_clean(&mut m).await?;
-        }
-        m.closed = true;
-        Ok(())
-    }
-}
-
 impl<S: Storage> Inner<S> {
-    pub(crate) fn size(&self) -> u64 {
-        self.size.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn now(&self) -> Duration {
-        self.epoch.elapsed()
-    }
-
-    pub(crate) fn st(&self, e: StorageError) -> Error {
-        Error::storage(&self.path, e)
-    }
-
-    /// Where guest data lives: the external data file, or the image file.
-    pub(crate) fn data(&self) -> (&S, &Path) {
-        match &self.data_file {
-            Some((p, s)) => (s, p),
-            None => (&self.file, &self.path),
-        }
-    }
-
-    /// Refuses changes after a failed header switch ([`Error::Halted`]).
-    pub(crate) fn check_not_halted(&self) -> Result<()> {
-        match self.halted.get() {
-            Some(what) => Err(Error::Halted {
-                path: self.path.clone(),
-                what: what.clone(),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        let size = self.size();
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::OutOfRange {
-                path: self.path.clone(),
-                offset,
-                len,
-                size,
-            });
-        }
-        Ok(())
-    }
-
-    pub(crate) fn check_writable(&self) -> Result<()> {
-        self.check_not_halted()?;
-        if self.marked_corrupt.load(Ordering::Acquire) {
-            return Err(Error::Corrupt {
-                path: self.path.clone(),
-                what: "the image was marked corrupt after an inconsistency was found; \
-                       writes are refused (run qimg check -r all)"
-                    .into(),
-            });
-        }
-        if self.writable {
-            Ok(())
-        } else {
-            Err(Error::ReadOnly {
-                path: self.path.clone(),
-            })
-        }
-    }
-
     /// Read-write open: repair a dirty image, drop autoclear bits we do not maintain.
     async fn prepare_for_writing(&self, h: &Header) -> Result<()> {
         let mut m = self.meta.lock().await;

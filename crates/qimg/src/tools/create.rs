@@ -21,8 +21,8 @@ use qimg_format::header::{CompressionType, Header};
 use qimg_format::refcount;
 use qimg_format::validate::{MAX_L1_BYTES, l1_entries_for};
 
+use crate::chain::{ImageFormat, probe_format, resolve_backing, virtual_size_of};
 use crate::error::{Error, Result};
-use crate::info::{ImageFormat, probe_format, virtual_size_of};
 
 /// Version of the image format (`compat` option).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,19 +285,6 @@ fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
 
 fn rb_order(bits: u64) -> u32 {
     bits.trailing_zeros()
-}
-
-/// Resolves a backing file name relative to the directory of the image that names it, as
-/// QEMU does (`path_combine`).
-pub fn resolve_backing(image: &Path, backing: &str) -> PathBuf {
-    let b = Path::new(backing);
-    if b.is_absolute() {
-        return b.to_path_buf();
-    }
-    match image.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir.join(b),
-        _ => b.to_path_buf(),
-    }
 }
 
 /// The virtual size the image will get: the given size, or the backing file's, rounded up

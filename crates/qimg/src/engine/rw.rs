@@ -14,11 +14,12 @@ use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap, Su
 use qimg_format::units::SubclusterIndex;
 use qimg_io::{AllocateOutcome, Storage};
 
-use crate::compress;
+use super::compress;
+use super::image::Inner;
+use super::meta::{Meta, Which};
+use super::open::{Allocation, Backing};
+use super::overlap::Writing;
 use crate::error::{Error, Result};
-use crate::image::{Allocation, Backing, Inner};
-use crate::meta::{Meta, Which};
-use crate::overlap::Writing;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -31,9 +31,9 @@ use std::path::Path;
 
 use qimg_io::Storage;
 
+use super::image::Image;
+use super::rw::Prepared;
 use crate::error::Result;
-use crate::image::Image;
-use crate::rw::Prepared;
 
 /// Where one part of a leased guest range goes in the host file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

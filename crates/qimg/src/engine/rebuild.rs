@@ -14,9 +14,9 @@ use qimg_format::refcount;
 use qimg_format::snapshot::{MAX_TABLE_SIZE, decode_table};
 use qimg_io::Storage;
 
+use super::image::Inner;
+use super::meta::{Meta, plan_refcount_area};
 use crate::error::{Error, Result};
-use crate::image::Inner;
-use crate::meta::{Meta, plan_refcount_area};
 
 /// Counted references per host cluster.
 #[derive(Debug, Default)]

@@ -11,8 +11,8 @@ use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
 use qimg_format::units::{GuestOffset, SubclusterIndex};
 use qimg_io::Storage;
 
+use super::image::{Image, Inner};
 use crate::error::Result;
-use crate::image::{Image, Inner};
 
 /// What one extent of a guest range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,0 +1,125 @@
+//! Backing chains: format probing, resolution of the file names an image stores (backing
+//! files, external data files), and the one limit on chain depth. The engine opens chains
+//! with these; the tools (`info`, `create`, `convert`) inspect chains with them.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use qimg_format::extensions::Cluster0;
+use qimg_format::header::MAGIC;
+use qimg_format::validate::{OpenMode, validate_cluster0};
+
+use crate::error::{Error, Result};
+
+/// Image formats qimg can open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// qcow2.
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl ImageFormat {
+    /// The format named `name` (`qcow2` or `raw`), as a backing format or `-f` option gives it.
+    pub fn from_name(name: &[u8]) -> Option<Self> {
+        match name {
+            b"qcow2" => Some(Self::Qcow2),
+            b"raw" => Some(Self::Raw),
+            _ => None,
+        }
+    }
+
+    /// The qemu-img name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qcow2 => "qcow2",
+            Self::Raw => "raw",
+        }
+    }
+}
+
+/// Largest cluster 0 (2 MiB clusters).
+const MAX_CLUSTER0: u64 = 2 << 20;
+
+/// Most images in a backing chain below the opened one, for every walk down a chain (open,
+/// `info --backing-chain`, create's size probe). QEMU has no fixed limit; a chain deeper than
+/// this is almost certainly a loop through differently spelled names.
+pub const MAX_CHAIN_DEPTH: usize = 64;
+
+pub(crate) fn open(path: &Path) -> Result<File> {
+    File::open(path).map_err(|e| Error::io(path, "open", e))
+}
+
+pub(crate) fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let flen = file
+        .metadata()
+        .map_err(|e| Error::io(path, "stat", e))?
+        .len();
+    let n = len.min(flen.saturating_sub(offset));
+    let mut buf = vec![0u8; n as usize];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| Error::io(path, format!("read {n} bytes at {offset:#x}"), e))?;
+    Ok(buf)
+}
+
+/// Guesses the format of an image from its first bytes: qcow2 magic, else raw.
+pub fn probe_format(path: &Path) -> Result<ImageFormat> {
+    let f = open(path)?;
+    let b = read_at_most(&f, path, 0, 4)?;
+    Ok(if b.len() == 4 && b[..] == MAGIC.to_be_bytes() {
+        ImageFormat::Qcow2
+    } else {
+        ImageFormat::Raw
+    })
+}
+
+/// The virtual size of an image of the given format.
+pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
+    match fmt {
+        ImageFormat::Raw => Ok(open(path)?
+            .metadata()
+            .map_err(|e| Error::io(path, "stat", e))?
+            .len()),
+        ImageFormat::Qcow2 => Ok(read_cluster0(path, OpenMode::ReadOnly)?.header.size),
+    }
+}
+
+/// Reads and validates cluster 0 of a qcow2 image.
+pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
+    let f = open(path)?;
+    let mut bytes = read_at_most(&f, path, 0, MAX_CLUSTER0)?;
+    // QEMU reads past EOF as zeros; a short file still has a (zero) end marker.
+    if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
+        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
+            bytes.resize(cs as usize, 0);
+        }
+    }
+    validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
+}
+
+/// Resolves a backing file name relative to the directory of the image that names it, as
+/// QEMU does (`path_combine`).
+pub fn resolve_backing(image: &Path, backing: &str) -> PathBuf {
+    let b = Path::new(backing);
+    if b.is_absolute() {
+        return b.to_path_buf();
+    }
+    match image.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.join(b),
+        _ => b.to_path_buf(),
+    }
+}
+
+/// Where the external data file named `name` in `image` is. QEMU resolves the name against
+/// the current directory (unlike backing file names); qimg does too, and when nothing is
+/// there, tries the image's directory, so an image and its data file can move together.
+pub fn data_file_path(image: &Path, name: &str) -> PathBuf {
+    let as_qemu = PathBuf::from(name);
+    if as_qemu.exists() {
+        return as_qemu;
+    }
+    let beside = resolve_backing(image, name);
+    if beside.exists() { beside } else { as_qemu }
+}

@@ -1,0 +1,12 @@
+//! The tools built on the engine and the format crate: what `qemu-img` does to whole images.
+//! The engine never imports these.
+//!
+//! | module | what it does |
+//! |---|---|
+//! | [`create`] | `qemu-img create`: new qcow2 and raw images, every create option |
+//! | [`info`] | `qemu-img info`: header fields, snapshots, bitmaps, the backing chain |
+//! | [`check`] | `qemu-img check [-r leaks\|all]`: the consistency walk and its repairs |
+
+pub mod check;
+pub mod create;
+pub mod info;
