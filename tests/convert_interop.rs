@@ -228,8 +228,10 @@ fn compressed_outputs_zlib_and_zstd() {
         "src.qcow2",
         &["write -P 1 0 1M", "write -P 2 2M 192k", "write -z 3M 1M"],
     );
-    let img =
-        qimg::BlockingImage::open(d.join("src.qcow2"), &qimg::OpenOptions::read_write()).unwrap();
+    let img = qimg::OpenOptions::new()
+        .writable(true)
+        .open_blocking(d.join("src.qcow2"))
+        .unwrap();
     img.write(&noise(65536), 4 * MIB + 65536).unwrap();
     img.close().unwrap();
     for (name, opts) in [
@@ -381,8 +383,10 @@ fn raw_sources_and_qimg_made_images() {
             ],
         ),
     );
-    let img =
-        qimg::BlockingImage::open(d.join("q.qcow2"), &qimg::OpenOptions::read_write()).unwrap();
+    let img = qimg::OpenOptions::new()
+        .writable(true)
+        .open_blocking(d.join("q.qcow2"))
+        .unwrap();
     img.write(&pattern(3, 0, 5000), 12_345).unwrap();
     img.write(&pattern(4, 0, MIB as usize), 3 * MIB).unwrap();
     img.write_zeroes(3 * MIB + 4096, 8192).unwrap();

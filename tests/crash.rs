@@ -57,7 +57,7 @@ use std::time::Instant;
 use common::engine::pattern;
 use common::faults::*;
 use common::{Scratch, have_qemu};
-use qimg::Image;
+
 use qimg::io::{CrashPolicy, FaultAction, FaultPlan, FaultyStorage, MemStorage, OpFilter};
 use qimg::tools::check::Repair;
 
@@ -193,14 +193,11 @@ async fn engine_crash(
         }
     }
     let backing = images.backing(|b| faulty_disk(b, None)).await;
-    let opened = Image::from_storage(
-        disk,
-        "img.qcow2",
-        &images.shape.open_options(),
-        backing,
-        None,
-    )
-    .await;
+    let opened = images
+        .shape
+        .open_options()
+        .open_storage(disk, "img.qcow2", backing, None)
+        .await;
     let mut failed = None;
     match opened {
         Err(_) => failed = Some(0),

@@ -5,7 +5,7 @@ mod common;
 
 use common::engine::*;
 use common::{Scratch, have_qemu};
-use qimg::{Image, OpenOptions};
+use qimg::{CacheOptions, OpenOptions};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
@@ -22,7 +22,9 @@ async fn writes_read_back_and_the_image_checks_clean() {
     ] {
         let dir = Scratch::new("basic");
         qemu_create(&dir.0, "a.qcow2", opts, 8 * MIB, None);
-        let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("a.qcow2"))
             .await
             .unwrap();
         let mut model = vec![0u8; 8 * MIB as usize];
@@ -72,10 +74,14 @@ async fn aligned_subcluster_writes_over_a_full_backing_file_copy_nothing() {
         Some(("base.raw", "raw")),
     );
     let mut model = backing.clone();
-    let sub = Image::open(dir.path("sub.qcow2"), &OpenOptions::read_write())
+    let sub = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("sub.qcow2"))
         .await
         .unwrap();
-    let std = Image::open(dir.path("std.qcow2"), &OpenOptions::read_write())
+    let std = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("std.qcow2"))
         .await
         .unwrap();
     // Pseudo-random 4 KiB-aligned offsets, a few landing in the same cluster.
@@ -131,9 +137,11 @@ async fn idle_slices_are_dropped_after_the_clean_interval() {
             64 * MIB,
             None,
         );
-        let mut opts = OpenOptions::read_write();
-        opts.cache.cache_clean_interval = Some(interval);
-        let img = Image::open(dir.path("c.qcow2"), &opts).await.unwrap();
+        let opts = OpenOptions::new().writable(true).cache(CacheOptions {
+            cache_clean_interval: Some(interval),
+            ..CacheOptions::default()
+        });
+        let img = opts.open(dir.path("c.qcow2")).await.unwrap();
         for i in 0..32u64 {
             img.write(&pattern(i, 0, 4096), i * 2 * MIB).await.unwrap();
         }
@@ -177,7 +185,9 @@ async fn sixty_four_concurrent_tasks_leave_a_serialisable_result() {
         let size = 32 * MIB;
         std::fs::write(dir.path("base.raw"), pattern(0xB, 0, size as usize)).unwrap();
         qemu_create(&dir.0, "m.qcow2", opts, size, Some(("base.raw", "raw")));
-        let img = Image::open(dir.path("m.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("m.qcow2"))
             .await
             .unwrap();
         // Private regions of 200 KiB (unaligned), and one shared range every task writes.
@@ -262,7 +272,9 @@ async fn the_refcount_table_grows_when_the_file_outgrows_it() {
         None,
     );
     assert_eq!(header_u32(&dir.path("g.qcow2"), 56), 1);
-    let img = Image::open(dir.path("g.qcow2"), &OpenOptions::read_write())
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("g.qcow2"))
         .await
         .unwrap();
     let data = pattern(5, 0, 5 * MIB as usize);
@@ -292,9 +304,7 @@ async fn a_dirty_image_is_repaired_when_opened_read_write() {
         8 * MIB,
         None,
     );
-    let img = Image::open(&path, &OpenOptions::read_write())
-        .await
-        .unwrap();
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
     let data = pattern(1, 0, 3 * MIB as usize);
     img.write(&data, 512 * KIB).await.unwrap();
     img.flush().await.unwrap();
@@ -317,9 +327,7 @@ async fn a_dirty_image_is_repaired_when_opened_read_write() {
         "tampering did not show: {v}"
     );
 
-    let img = Image::open(&path, &OpenOptions::read_write())
-        .await
-        .unwrap();
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
     let mut back = vec![0u8; data.len()];
     img.read(&mut back, 512 * KIB).await.unwrap();
     assert!(back == data);
@@ -344,11 +352,13 @@ async fn a_corrupt_image_opens_read_only_but_not_read_write() {
     let path = dir.path("c.qcow2");
     qemu_create(&dir.0, "c.qcow2", "cluster_size=64k", MIB, None);
     poke(&path, 79, &[2u8]);
-    let err = Image::open(&path, &OpenOptions::read_write())
+    let err = OpenOptions::new()
+        .writable(true)
+        .open(&path)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("corrupt"), "{err}");
-    let img = Image::open(&path, &OpenOptions::read_only()).await.unwrap();
+    let img = OpenOptions::new().open(&path).await.unwrap();
     let mut buf = [1u8; 512];
     img.read(&mut buf, 0).await.unwrap();
     assert_eq!(buf, [0u8; 512]);
@@ -365,7 +375,9 @@ async fn resize_grows_the_l1_table_and_the_new_area_is_writable() {
     }
     let dir = Scratch::new("resize");
     qemu_create(&dir.0, "r.qcow2", "cluster_size=4k", MIB, None);
-    let img = Image::open(dir.path("r.qcow2"), &OpenOptions::read_write())
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("r.qcow2"))
         .await
         .unwrap();
     img.write(&pattern(1, 0, 10_000), 5).await.unwrap();
@@ -406,16 +418,14 @@ async fn a_backing_chain_that_loops_is_refused() {
             &["rebase", "-u", "-F", "qcow2", "-b", "b.qcow2", "a.qcow2"],
         ),
     );
-    let err = Image::open(dir.path("b.qcow2"), &OpenOptions::read_only())
+    let err = OpenOptions::new()
+        .open(dir.path("b.qcow2"))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("loops"), "{err}");
     // Without following the backing file it opens.
-    let opts = OpenOptions {
-        no_backing: true,
-        ..OpenOptions::read_only()
-    };
-    Image::open(dir.path("b.qcow2"), &opts).await.unwrap();
+    let opts = OpenOptions::new().follow_backing(false);
+    opts.open(dir.path("b.qcow2")).await.unwrap();
 }
 
 #[tokio::test]
@@ -437,21 +447,17 @@ async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
         );
     }
     // Exactly at the limit it opens and reads through the whole chain.
-    let at_limit = Image::open(
-        dir.path(&format!("{}.qcow2", depth - 1)),
-        &OpenOptions::read_only(),
-    )
-    .await
-    .unwrap();
+    let at_limit = OpenOptions::new()
+        .open(dir.path(&format!("{}.qcow2", depth - 1)))
+        .await
+        .unwrap();
     let mut buf = [1u8; 512];
     at_limit.read(&mut buf, 0).await.unwrap();
     assert_eq!(buf, [0u8; 512]);
-    let err = Image::open(
-        dir.path(&format!("{depth}.qcow2")),
-        &OpenOptions::read_only(),
-    )
-    .await
-    .unwrap_err();
+    let err = OpenOptions::new()
+        .open(dir.path(&format!("{depth}.qcow2")))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("deeper than 64"), "{err}");
 }
 
@@ -469,10 +475,7 @@ async fn an_overlay_cannot_be_written_without_its_backing_file() {
         MIB,
         Some(("a.qcow2", "qcow2")),
     );
-    let opts = OpenOptions {
-        no_backing: true,
-        ..OpenOptions::read_write()
-    };
-    let err = Image::open(dir.path("b.qcow2"), &opts).await.unwrap_err();
+    let opts = OpenOptions::new().writable(true).follow_backing(false);
+    let err = opts.open(dir.path("b.qcow2")).await.unwrap_err();
     assert!(err.to_string().contains("backing file"), "{err}");
 }

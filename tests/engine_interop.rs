@@ -5,7 +5,7 @@ mod common;
 
 use common::engine::*;
 use common::{Scratch, have_qemu, ok};
-use qimg::{Image, OpenOptions};
+use qimg::OpenOptions;
 use std::path::Path;
 
 const KIB: u64 = 1024;
@@ -16,7 +16,7 @@ fn qemu_io(dir: &Path, file: &str, cmds: &[&str]) {
 }
 
 async fn read_all(path: &Path) -> Vec<u8> {
-    let img = Image::open(path, &OpenOptions::read_only()).await.unwrap();
+    let img = OpenOptions::new().open(path).await.unwrap();
     let mut buf = vec![0u8; img.size() as usize];
     img.read(&mut buf, 0).await.unwrap();
     img.close().await.unwrap();
@@ -154,7 +154,9 @@ async fn compressed_images_read_back_and_take_writes() {
         // Writes over compressed clusters decompress into fresh clusters; zeroing and
         // discarding whole compressed clusters frees them.
         let mut model = data.clone();
-        let img = Image::open(dir.path("c.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("c.qcow2"))
             .await
             .unwrap();
         let cs = img.cluster_size();
@@ -198,7 +200,9 @@ async fn clusters_qimg_compresses_check_clean_and_read_back() {
         let dir = Scratch::new("qimg-compressed");
         qemu_create(&dir.0, "c.qcow2", opts, size, None);
         let data = compressible(size as usize);
-        let img = Image::open(dir.path("c.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("c.qcow2"))
             .await
             .unwrap();
         let cs = img.cluster_size();
@@ -261,7 +265,9 @@ async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() 
             &common::qemu_img(&dir.0, &["snapshot", "-c", "before", "s.qcow2"]),
         );
         let before = qemu_raw(&dir.0, "s.qcow2");
-        let img = Image::open(dir.path("s.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("s.qcow2"))
             .await
             .unwrap();
         let mut model = before.clone();
@@ -314,7 +320,9 @@ async fn external_data_files_are_written_in_place() {
         qemu_create(&dir.0, "x.qcow2", &opts, 2 * MIB, None);
         qemu_io(&dir.0, "x.qcow2", &["write -P 0x21 0 100k"]);
         let mut model = qemu_raw(&dir.0, "x.qcow2");
-        let img = Image::open(dir.path("x.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("x.qcow2"))
             .await
             .unwrap();
         let data = pattern(3, 0, 5000);
@@ -354,7 +362,8 @@ async fn map_extents_point_at_the_bytes_a_read_returns() {
             Some(("base.qcow2", "qcow2")),
         );
         qemu_io(&dir.0, "top.qcow2", QEMU_IO_SCRIPT);
-        let img = Image::open(dir.path("top.qcow2"), &OpenOptions::read_only())
+        let img = OpenOptions::new()
+            .open(dir.path("top.qcow2"))
             .await
             .unwrap();
         let extents = img.map(0, img.size()).await.unwrap();

@@ -10,7 +10,7 @@ mod common;
 use common::Scratch;
 use common::engine::*;
 use proptest::prelude::*;
-use qimg::{Allocation, CacheOptions, Image, OpenOptions};
+use qimg::{Allocation, CacheOptions, OpenOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BackingKind {
@@ -240,18 +240,18 @@ impl World {
     }
 
     fn opts(&self) -> OpenOptions {
-        let mut o = OpenOptions::read_write();
+        let mut o = OpenOptions::new().writable(true);
         if self.shape.small_cache {
             // Two 512-byte L2 slices and four refcount blocks: constant eviction.
-            o.cache = CacheOptions {
+            o = o.cache(CacheOptions {
                 l2_cache_size: Some(1024),
                 l2_cache_entry_size: Some(512),
                 refcount_cache_size: Some(4 * self.shape.cluster_size()),
                 ..CacheOptions::default()
-            };
+            });
         }
         if self.shape.sparse {
-            o.allocation = Allocation::Sparse;
+            o = o.allocation(Allocation::Sparse);
         }
         o
     }
@@ -286,7 +286,7 @@ async fn run(shape: Shape, raw: Vec<RawOp>) -> Result<(), TestCaseError> {
     let mut w = World::new(shape);
     let path = w.dir.path("img.qcow2");
     let what = format!("{:?}", w.shape);
-    let mut img = Image::open(&path, &w.opts()).await.map_err(fail)?;
+    let mut img = w.opts().open(&path).await.map_err(fail)?;
     for r in &raw {
         let op = scale(&w.shape, r);
         match op {
@@ -316,7 +316,7 @@ async fn run(shape: Shape, raw: Vec<RawOp>) -> Result<(), TestCaseError> {
             Op::Flush => img.flush().await.map_err(|e| fail_op(&op, e))?,
             Op::Reopen => {
                 img.close().await.map_err(|e| fail_op(&op, e))?;
-                img = Image::open(&path, &w.opts()).await.map_err(fail)?;
+                img = w.opts().open(&path).await.map_err(fail)?;
             }
         }
     }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use common::engine::*;
 use common::{Scratch, have_qemu};
-use qimg::{Image, OpenOptions, Opener};
+use qimg::{OpenOptions, Opener};
 use qimg_io::{
     BounceStorage, FileOptions, FileStorage, Storage, StorageError, UringOptions, UringStorage,
 };
@@ -210,8 +210,8 @@ async fn random_ops<S: Storage + 'static>(
     let mut model = vec![0u8; size as usize];
     model[..backing.len()].copy_from_slice(&backing);
     let path = dir.path("img.qcow2");
-    let opts = OpenOptions::read_write();
-    let open = || Image::open_with(&path, &opts, opener);
+    let opts = OpenOptions::new().writable(true);
+    let open = || opts.open_with(&path, opener);
     let mut img = open().await.unwrap_or_else(|e| panic!("{what}: open: {e}"));
     let mut rng = Rng(seed);
     for step in 0..70 {
@@ -340,7 +340,9 @@ async fn stress<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>, shape:
     let size = 16 * MIB;
     let backing = Arc::new(make_image(&dir, shape, size));
     let scs = shape.scs();
-    let img = Image::open_with(&dir.path("img.qcow2"), &OpenOptions::read_write(), opener)
+    let img = OpenOptions::new()
+        .writable(true)
+        .open_with(&dir.path("img.qcow2"), opener)
         .await
         .unwrap_or_else(|e| panic!("{what}: open: {e}"));
     // Private ranges of 200 KiB + 1000 bytes at unaligned offsets, and one shared range.
@@ -518,12 +520,11 @@ async fn open_any_runs_every_backend_from_options() {
                 2 * MIB,
                 Some(("base.raw", "raw")),
             );
-            let opts = OpenOptions {
-                backend,
-                direct,
-                ..OpenOptions::read_write()
-            };
-            let img = match Image::open_any(dir.path("a.qcow2"), &opts).await {
+            let opts = OpenOptions::new()
+                .writable(true)
+                .backend(backend)
+                .direct(direct);
+            let img = match opts.open(dir.path("a.qcow2")).await {
                 Ok(img) => img,
                 Err(e) if direct => {
                     eprintln!("skipped {what}: {e}");

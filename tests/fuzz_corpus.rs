@@ -125,12 +125,9 @@ fn read_seed(name: &str, data: &[u8], len: u64) -> qimg::Result<Vec<u8>> {
         .build()
         .unwrap();
     rt.block_on(async {
-        let opts = qimg::OpenOptions {
-            no_clean_timer: true,
-            ..qimg::OpenOptions::read_only()
-        };
+        let opts = qimg::OpenOptions::new().clean_timer(false);
         let s = qimg::io::MemStorage::from_bytes(data);
-        let img = qimg::Image::from_storage(s, name, &opts, None, None).await?;
+        let img = opts.open_storage(s, name, None, None).await?;
         let mut buf = vec![0u8; img.size().min(len) as usize];
         img.read(&mut buf, 0).await?;
         Ok(buf)

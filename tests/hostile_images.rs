@@ -6,8 +6,8 @@ mod common;
 
 use std::path::PathBuf;
 
+use qimg::OpenOptions;
 use qimg::io::MemStorage;
-use qimg::{Image, OpenOptions};
 
 fn corpus() -> Vec<(String, Vec<u8>)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/header");
@@ -29,11 +29,11 @@ fn corpus() -> Vec<(String, Vec<u8>)> {
 /// step succeeded.
 async fn open_and_read(data: &[u8]) -> bool {
     let storage = MemStorage::from_bytes(data);
-    let opts = OpenOptions {
-        no_clean_timer: true,
-        ..OpenOptions::read_only()
-    };
-    let Ok(img) = Image::from_storage(storage, "hostile.qcow2", &opts, None, None).await else {
+    let opts = OpenOptions::new().clean_timer(false);
+    let Ok(img) = opts
+        .open_storage(storage, "hostile.qcow2", None, None)
+        .await
+    else {
         return false;
     };
     let len = img.size().min(1 << 20);

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use cap::Cap;
 use common::{Scratch, have_qemu, ok, qemu_img};
-use qimg::{CacheOptions, Error, Image, OpenOptions};
+use qimg::{CacheOptions, Error, OpenOptions};
 
 #[global_allocator]
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
@@ -53,16 +53,14 @@ fn bounded<F: std::future::Future<Output = ()>>(f: F) {
 }
 
 fn opts(writable: bool) -> OpenOptions {
-    OpenOptions {
-        writable,
-        no_clean_timer: true,
-        cache: CacheOptions {
+    OpenOptions::new()
+        .writable(writable)
+        .clean_timer(false)
+        .cache(CacheOptions {
             l2_cache_size: Some(CACHE_BUDGET / 2),
             refcount_cache_size: Some(CACHE_BUDGET / 2),
             ..CacheOptions::default()
-        },
-        ..OpenOptions::default()
-    }
+        })
 }
 
 fn poke(path: &Path, at: u64, bytes: &[u8]) {
@@ -133,11 +131,11 @@ fn refcount_table_overlapping_the_l1_table() {
     let before = std::fs::read(&p).unwrap();
     bounded(async {
         // Read-only: reads still work (the data path does not touch refcounts).
-        let img = Image::open(&p, &opts(false)).await.unwrap();
+        let img = opts(false).open(&p).await.unwrap();
         let mut buf = vec![0u8; 65536];
         img.read(&mut buf, 0).await.unwrap();
         assert!(buf.iter().all(|&b| b == 7));
-        let text = err_text(Image::open(&p, &opts(true)).await, "read-write open");
+        let text = err_text(opts(true).open(&p).await, "read-write open");
         assert_mentions(
             &text,
             &[
@@ -165,7 +163,7 @@ fn l1_table_past_the_end_of_the_file() {
     poke(&p, 40, &(1u64 << 40).to_be_bytes());
     bounded(async {
         for w in [false, true] {
-            let text = err_text(Image::open(&p, &opts(w)).await, "open");
+            let text = err_text(opts(w).open(&p).await, "open");
             assert_mentions(&text, &["L1 table", "0x10000000000"]);
         }
     });
@@ -184,11 +182,11 @@ fn l2_table_past_the_end_of_the_file() {
     let far = (1u64 << 40) | (1 << 63);
     poke(&p, l1, &far.to_be_bytes());
     bounded(async {
-        let img = Image::open(&p, &opts(false)).await.unwrap();
+        let img = opts(false).open(&p).await.unwrap();
         let mut buf = vec![0u8; 4096];
         let text = err_text(img.read(&mut buf, 0).await, "read");
         assert_mentions(&text, &["L2 table", "0x10000000000"]);
-        let img = Image::open(&p, &opts(true)).await.unwrap();
+        let img = opts(true).open(&p).await.unwrap();
         let text = err_text(img.write(&buf, 0).await, "write");
         assert_mentions(&text, &["L2 table", "0x10000000000", "marked corrupt"]);
         // Marked: every later write is refused up front.
@@ -198,7 +196,7 @@ fn l2_table_past_the_end_of_the_file() {
     assert!(marked_corrupt(&dir.0, "a.qcow2"));
     // And a corrupt-marked image is refused read-write until repaired.
     bounded(async {
-        let text = err_text(Image::open(&p, &opts(true)).await, "reopen");
+        let text = err_text(opts(true).open(&p).await, "reopen");
         assert!(text.contains("corrupt"), "{text}");
     });
 }
@@ -214,7 +212,7 @@ fn l1_size_in_the_billions() {
     poke(&p, 36, &3_000_000_000u32.to_be_bytes());
     bounded(async {
         for w in [false, true] {
-            let text = err_text(Image::open(&p, &opts(w)).await, "open");
+            let text = err_text(opts(w).open(&p).await, "open");
             assert_mentions(&text, &["l1_size", "3000000000"]);
         }
     });
@@ -244,7 +242,7 @@ fn backing_chain_that_loops() {
         ),
     );
     bounded(async {
-        let text = err_text(Image::open(dir.path("b.qcow2"), &opts(false)).await, "open");
+        let text = err_text(opts(false).open(dir.path("b.qcow2")).await, "open");
         assert_mentions(&text, &["loops", "b.qcow2"]);
     });
 }
@@ -298,25 +296,71 @@ fn backing_names_that_escape_are_refused_when_names_are_confined() {
             ],
         ),
     );
-    let confined = OpenOptions {
-        confine_names: true,
-        ..opts(false)
-    };
+    let confined = opts(false).trust(qimg::Trust::untrusted());
     bounded(async {
         for file in ["sub/dotdot.qcow2", "sub/abs.qcow2", "sub/nested.qcow2"] {
             let p = dir.path(file);
             // Trusted by default, as QEMU: the guest sees the file.
-            let img = Image::open(&p, &opts(false)).await.unwrap();
+            let img = opts(false).open(&p).await.unwrap();
             let mut buf = vec![0u8; 512];
             img.read(&mut buf, 0).await.unwrap();
             assert_eq!(buf[0], 0x5a, "{file}");
-            let text = err_text(Image::open(&p, &confined).await, file);
-            assert_mentions(&text, &["backing file name", "secret.raw", "confine_names"]);
+            let text = err_text(confined.open(&p).await, file);
+            assert_mentions(
+                &text,
+                &["backing file name", "secret.raw", "Trust::Untrusted"],
+            );
         }
         // A name inside the image's directory is fine either way.
-        Image::open(dir.path("sub/fine.qcow2"), &confined)
-            .await
-            .unwrap();
+        confined.open(dir.path("sub/fine.qcow2")).await.unwrap();
+    });
+}
+
+#[test]
+fn untrusted_limits_bound_the_chain_depth_and_the_l1_table() {
+    if !have_qemu("untrusted_limits_bound_the_chain_depth_and_the_l1_table") {
+        return;
+    }
+    let dir = Scratch::new("untrusted-limits");
+    create(&dir.0, "c0.qcow2", "cluster_size=64k", "1G");
+    for i in 1..=3 {
+        let (below, file) = (format!("c{}.qcow2", i - 1), format!("c{i}.qcow2"));
+        ok(
+            "create overlay",
+            &qemu_img(
+                &dir.0,
+                &[
+                    "create", "-q", "-f", "qcow2", "-b", &below, "-F", "qcow2", &file,
+                ],
+            ),
+        );
+    }
+    let top = dir.path("c3.qcow2");
+    let limits = |max_chain_depth, max_l1_bytes| {
+        opts(false).trust(qimg::Trust::Untrusted(qimg::UntrustedLimits {
+            max_chain_depth,
+            max_l1_bytes,
+        }))
+    };
+    bounded(async {
+        // Three images below the top: a limit of 3 opens it, 2 refuses it.
+        limits(3, 1 << 20).open(&top).await.unwrap();
+        let text = err_text(limits(2, 1 << 20).open(&top).await, "depth 2");
+        assert_mentions(&text, &["backing chain deeper than 2"]);
+        // 1 GiB with 64 KiB clusters: 2 L1 entries, 16 bytes. The limit holds for every image
+        // of the chain, the base included.
+        limits(16, 16).open(&top).await.unwrap();
+        let text = err_text(limits(16, 8).open(&top).await, "l1 8 bytes");
+        assert_mentions(&text, &["L1 table of 2 entries", "max_l1_bytes", "c"]);
+        // Trusted (the default), neither limit applies.
+        opts(false).open(&top).await.unwrap();
+        assert_eq!(
+            qimg::UntrustedLimits::default(),
+            qimg::UntrustedLimits {
+                max_chain_depth: 16,
+                max_l1_bytes: 8 << 20
+            }
+        );
     });
 }
 
@@ -331,7 +375,7 @@ fn cluster_bits_out_of_range() {
     for bits in [0u32, 8, 22, 63, u32::MAX] {
         poke(&p, 20, &bits.to_be_bytes());
         bounded(async {
-            let text = err_text(Image::open(&p, &opts(false)).await, "open");
+            let text = err_text(opts(false).open(&p).await, "open");
             assert_mentions(&text, &["cluster_bits", &bits.to_string()]);
         });
     }
@@ -372,7 +416,7 @@ fn compressed_descriptor_past_the_end() {
     let e = (d & !((1u64 << offset_bits) - 1)) | far;
     poke(&p, l2, &e.to_be_bytes());
     bounded(async {
-        let img = Image::open(&p, &opts(false)).await.unwrap();
+        let img = opts(false).open(&p).await.unwrap();
         let mut buf = vec![0u8; 4096];
         let text = err_text(img.read(&mut buf, 0).await, "read");
         assert_mentions(&text, &["compressed", "0x10000000000"]);
@@ -403,7 +447,7 @@ fn compressed_cluster_that_inflates_beyond_the_cluster_size() {
         let l2 = l2_of_first_cluster(&p);
         poke(&p, l2, &((1u64 << 62) | desc.encode()).to_be_bytes());
         bounded(async {
-            let img = Image::open(&p, &opts(false)).await.unwrap();
+            let img = opts(false).open(&p).await.unwrap();
             let mut buf = vec![0u8; 4096];
             let text = err_text(img.read(&mut buf, 0).await, ctype);
             assert_mentions(&text, &["beyond the cluster size", "4096"]);
@@ -425,11 +469,11 @@ fn extended_l2_entries_with_invalid_bit_combinations() {
     let bitmap = peek_u64(&p, l2 + 8) | (1 << 32);
     poke(&p, l2 + 8, &bitmap.to_be_bytes());
     bounded(async {
-        let img = Image::open(&p, &opts(false)).await.unwrap();
+        let img = opts(false).open(&p).await.unwrap();
         let mut buf = vec![0u8; 4096];
         let text = err_text(img.read(&mut buf, 0).await, "read");
         assert_mentions(&text, &[&format!("{l2:#x}")]);
-        let img = Image::open(&p, &opts(true)).await.unwrap();
+        let img = opts(true).open(&p).await.unwrap();
         let text = err_text(img.read(&mut buf, 0).await, "read-write read");
         assert_mentions(&text, &["marked corrupt"]);
     });
@@ -455,7 +499,7 @@ fn snapshot_tables_with_absurd_counts() {
     ] {
         poke(&p, 60, &count.to_be_bytes());
         bounded(async {
-            let text = err_text(Image::open(&p, &opts(true)).await, "read-write open");
+            let text = err_text(opts(true).open(&p).await, "read-write open");
             assert_mentions(&text, &words);
         });
     }
@@ -476,7 +520,7 @@ fn a_write_that_would_land_on_metadata_is_refused_and_marks_the_image_corrupt() 
     poke(&p, l2, &(l1 | (1 << 63)).to_be_bytes());
     let l1_before = std::fs::read(&p).unwrap()[l1 as usize..l1 as usize + 65536].to_vec();
     bounded(async {
-        let img = Image::open(&p, &opts(true)).await.unwrap();
+        let img = opts(true).open(&p).await.unwrap();
         let text = err_text(img.write(&[1u8; 4096], 0).await, "write");
         assert_mentions(
             &text,
@@ -514,7 +558,7 @@ fn an_allocation_steered_onto_an_l2_table_by_a_bad_refcount_is_refused() {
     poke(&p, block + (l2 / 65536) * 2, &0u16.to_be_bytes());
     let table_before = std::fs::read(&p).unwrap()[l2 as usize..l2 as usize + 65536].to_vec();
     bounded(async {
-        let img = Image::open(&p, &opts(true)).await.unwrap();
+        let img = opts(true).open(&p).await.unwrap();
         // A write elsewhere in the same L2 table allocates a data cluster.
         let text = err_text(img.write(&[1u8; 4096], 1 << 20).await, "write");
         assert_mentions(

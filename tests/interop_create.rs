@@ -341,7 +341,8 @@ fn data_file_names_are_relative_to_the_current_directory_as_in_qemu() {
         ),
     );
     std::fs::rename(dir.path("dd.raw"), dir.path("sub/dd.raw")).unwrap();
-    let img = qimg::BlockingImage::open(dir.path("sub/x.qcow2"), &qimg::OpenOptions::read_only())
+    let img = qimg::OpenOptions::new()
+        .open_blocking(dir.path("sub/x.qcow2"))
         .unwrap();
     let mut buf = vec![0u8; 4096];
     img.read(&mut buf, 0).unwrap();

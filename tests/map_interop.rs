@@ -63,7 +63,9 @@ fn same_human(dir: &Path, name: &str, file: &str) {
 
 /// Writes through the qimg library: (offset, len) data, zeroes and discards.
 fn qimg_writes(path: &Path, data: &[(u64, usize)], zeroes: &[(u64, u64)], discards: &[(u64, u64)]) {
-    let img = qimg::BlockingImage::open(path, &qimg::OpenOptions::read_write())
+    let img = qimg::OpenOptions::new()
+        .writable(true)
+        .open_blocking(path)
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     for (i, &(off, len)) in data.iter().enumerate() {
         img.write(&pattern(i as u64 + 1, off, len), off).unwrap();

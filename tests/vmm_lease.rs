@@ -31,7 +31,7 @@ impl Rng {
 }
 
 /// Writes `data` at guest `offset` the way a VMM would: lease, own I/O, commit.
-async fn vmm_write(img: &Image<qimg::io::FileStorage>, fd: &File, offset: u64, data: &[u8]) {
+async fn vmm_write(img: &Image<qimg::io::AnyStorage>, fd: &File, offset: u64, data: &[u8]) {
     let lease = img.write_lease(offset, data.len() as u64).await.unwrap();
     let mut covered = 0;
     for e in lease.extents() {
@@ -62,7 +62,9 @@ async fn leased_writes_match_the_model_and_check_clean() {
         qemu_create(&dir.0, "a.qcow2", opts, size, Some(("base.raw", "raw")));
         let mut model = backing.clone();
         model.resize(size as usize, 0);
-        let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("a.qcow2"))
             .await
             .unwrap();
         assert_eq!(img.data_path(), dir.path("a.qcow2"));
@@ -131,7 +133,9 @@ async fn a_subcluster_lease_copies_nothing_and_a_standard_one_copies_the_cluster
         let dir = Scratch::new("lease-cow");
         std::fs::write(dir.path("base.raw"), pattern(5, 0, MIB as usize)).unwrap();
         qemu_create(&dir.0, "a.qcow2", opts, MIB, Some(("base.raw", "raw")));
-        let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("a.qcow2"))
             .await
             .unwrap();
         let lease = img.write_lease(256 * KIB, 4 * KIB).await.unwrap();
@@ -161,7 +165,9 @@ async fn a_lease_holds_its_range_until_commit() {
     }
     let dir = Scratch::new("lease-lock");
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
-    let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("a.qcow2"))
         .await
         .unwrap();
     let lease = img.write_lease(0, 4096).await.unwrap();
@@ -192,11 +198,11 @@ async fn a_lease_holds_its_range_until_commit() {
     img.close().await.unwrap();
     assert_clean(&dir.0, "a.qcow2", "lease lock");
     // Read-only images and out-of-range leases are refused.
-    let ro = Image::open(dir.path("a.qcow2"), &OpenOptions::read_only())
-        .await
-        .unwrap();
+    let ro = OpenOptions::new().open(dir.path("a.qcow2")).await.unwrap();
     assert!(ro.write_lease(0, 1).await.is_err());
-    let img = Image::open(dir.path("a.qcow2"), &OpenOptions::read_write())
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("a.qcow2"))
         .await
         .unwrap();
     assert!(img.write_lease(MIB - 1, 2).await.is_err());

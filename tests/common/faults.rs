@@ -256,18 +256,18 @@ impl Shape {
     }
 
     pub fn open_options(&self) -> OpenOptions {
-        let mut o = OpenOptions::read_write();
-        o.no_clean_timer = true;
+        let mut o = OpenOptions::new().writable(true);
+        o = o.clean_timer(false);
         if self.small_cache {
-            o.cache = CacheOptions {
+            o = o.cache(CacheOptions {
                 l2_cache_size: Some(1024),
                 l2_cache_entry_size: Some(512),
                 refcount_cache_size: Some(4 * self.cluster_size),
                 ..CacheOptions::default()
-            };
+            });
         }
         if self.sparse {
-            o.allocation = Allocation::Sparse;
+            o = o.allocation(Allocation::Sparse);
         }
         o
     }
@@ -324,10 +324,11 @@ pub async fn make_images(shape: &Shape) -> Images {
             opts.lazy_refcounts = false;
             let raw = create_bytes(&dir.0, "base.qcow2", &opts);
             let mem = MemStorage::from_bytes(&raw);
-            let img =
-                Image::from_storage(mem.clone(), "base.qcow2", &shape.open_options(), None, None)
-                    .await
-                    .unwrap();
+            let img = shape
+                .open_options()
+                .open_storage(mem.clone(), "base.qcow2", None, None)
+                .await
+                .unwrap();
             // Data in the first and last thirds of the backing file, a hole between.
             let third = bsize / 3;
             for (at, len) in [(0, third), (2 * third, bsize - 2 * third)] {
@@ -375,8 +376,9 @@ impl Images {
             },
             BackingKind::Qcow2 => {
                 let mut o = self.shape.open_options();
-                o.writable = false;
-                let img = Image::from_storage(wrap(bytes), "base.qcow2", &o, None, None)
+                o = o.writable(false);
+                let img = o
+                    .open_storage(wrap(bytes), "base.qcow2", None, None)
                     .await
                     .expect("open the backing image");
                 Backing::Qcow2(img)
@@ -400,14 +402,11 @@ impl Images {
     pub async fn open_mem(&self, image: &[u8]) -> (qimg::Result<Image<MemStorage>>, MemStorage) {
         let mem = MemStorage::from_bytes(image);
         let backing = self.backing(MemStorage::from_bytes).await;
-        let img = Image::from_storage(
-            mem.clone(),
-            "img.qcow2",
-            &self.shape.open_options(),
-            backing,
-            None,
-        )
-        .await;
+        let img = self
+            .shape
+            .open_options()
+            .open_storage(mem.clone(), "img.qcow2", backing, None)
+            .await;
         (img, mem)
     }
 
@@ -431,8 +430,11 @@ impl Images {
             ctl.arm(p);
         }
         let backing = self.backing(|b| faulty_disk(b, None)).await;
-        let img =
-            Image::from_storage(disk, "img.qcow2", &self.shape.open_options(), backing, None).await;
+        let img = self
+            .shape
+            .open_options()
+            .open_storage(disk, "img.qcow2", backing, None)
+            .await;
         (img, ctl, mem)
     }
 
@@ -445,8 +447,11 @@ impl Images {
         let disk = faulty_disk(image, log);
         let ctl = disk.controller();
         let backing = self.backing(|b| faulty_disk(b, None)).await;
-        let img =
-            Image::from_storage(disk, "img.qcow2", &self.shape.open_options(), backing, None).await;
+        let img = self
+            .shape
+            .open_options()
+            .open_storage(disk, "img.qcow2", backing, None)
+            .await;
         (img, ctl)
     }
 }

@@ -1,6 +1,9 @@
 //! Lookup cost of the slice cache: hits, and misses that insert and evict,
 //! at a few cache sizes (4 KiB slices, as QEMU uses for large disks).
 
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
 use std::hint::black_box;
 use std::time::Duration;
 

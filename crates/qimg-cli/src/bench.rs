@@ -487,13 +487,12 @@ where
             })
         }
         ImageFormat::Qcow2 => {
-            let opts = OpenOptions {
-                writable: cfg.write,
-                cache: cfg.cache,
-                direct: cfg.cache_mode.direct,
-                ..OpenOptions::default()
-            };
-            let img = Image::open_with(&cfg.path, &opts, open)
+            let opts = OpenOptions::new()
+                .writable(cfg.write)
+                .cache(cfg.cache)
+                .direct(cfg.cache_mode.direct);
+            let img = opts
+                .open_with(&cfg.path, open)
                 .await
                 .map_err(|e| open_error(cfg, e))?;
             let size = img.size();

@@ -655,12 +655,10 @@ fn convert(a: ConvertArgs) -> Result<()> {
             let reader =
                 match fmt {
                     ImageFormat::Qcow2 => {
-                        let o = OpenOptions {
-                            direct: src_cache.direct,
-                            no_clean_timer: true,
-                            ..OpenOptions::read_only()
-                        };
-                        Reader::Qcow2(Image::open_any(path, &o).await.map_err(|e| {
+                        let o = OpenOptions::new()
+                            .direct(src_cache.direct)
+                            .clean_timer(false);
+                        Reader::Qcow2(o.open(path).await.map_err(|e| {
                             anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
                         })?)
                     }
@@ -790,13 +788,13 @@ async fn open_target(
     }
     let out = match fmt {
         ImageFormat::Qcow2 => {
-            let o = OpenOptions {
-                direct: cache.direct,
-                no_clean_timer: true,
-                ..OpenOptions::read_write()
-            };
+            let o = OpenOptions::new()
+                .writable(true)
+                .direct(cache.direct)
+                .clean_timer(false);
             let opener = move |p: &Path, writable: bool| OutStorage::open(p, writable, cache);
-            let img = Image::open_with(path, &o, &opener)
+            let img = o
+                .open_with(path, &opener)
                 .await
                 .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
             if img.size() < size {

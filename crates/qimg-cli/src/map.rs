@@ -29,7 +29,7 @@ use nix::errno::Errno;
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::unistd::{Whence, lseek};
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
-use qimg::io::FileStorage;
+use qimg::io::AnyStorage;
 use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 /// Arguments of `qimg map`.
@@ -137,7 +137,7 @@ pub(crate) enum Layer {
     /// A qcow2 image.
     Qcow2 {
         /// The open image.
-        img: Image<FileStorage>,
+        img: Image<AnyStorage>,
         /// Its external data file, if any.
         data_file: Option<PathBuf>,
         /// Name of the file host offsets point into (data file or image file).
@@ -375,11 +375,9 @@ pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Res
     if fmt == ImageFormat::Raw {
         return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
     }
-    let opts = OpenOptions {
-        no_clean_timer: true,
-        ..OpenOptions::read_only()
-    };
-    let img = Image::open(path, &opts)
+    let opts = OpenOptions::new().clean_timer(false);
+    let img = opts
+        .open(path)
         .await
         .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
     let mut layers = Vec::new();

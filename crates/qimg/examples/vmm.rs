@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use qimg::tools::create::{CreateOptions, create};
-use qimg::{BlockingImage, CacheOptions, Image, OpenOptions};
+use qimg::{CacheOptions, Image, OpenOptions};
 
 type AnyResult<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -148,7 +148,7 @@ fn main() -> AnyResult<()> {
     // Reopen read-only through the blocking facade (no runtime of our own needed) and
     // compare every byte again.
     let expected = model.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let img = BlockingImage::open(&disk, &OpenOptions::read_only())?;
+    let img = OpenOptions::new().open_blocking(&disk)?;
     let mut buf = vec![0u8; MIB as usize];
     for at in (0..DISK).step_by(MIB as usize) {
         img.read(&mut buf, at)?;
@@ -175,19 +175,15 @@ fn main() -> AnyResult<()> {
 }
 
 async fn run_guest(disk: &Path, model: Model) -> AnyResult<()> {
-    let opts = OpenOptions {
-        writable: true,
-        cache: CacheOptions {
-            // Two L2 slices of 4 KiB: the disk's 1024 extended entries take four, so the
-            // working set does not fit and dirty slices are evicted and written back.
-            l2_cache_size: Some(8 * KIB),
-            l2_cache_entry_size: Some(4 * KIB),
-            cache_clean_interval: Some(1),
-            ..Default::default()
-        },
-        ..OpenOptions::read_write()
-    };
-    let image = Image::open(disk, &opts).await?;
+    let opts = OpenOptions::new().writable(true).cache(CacheOptions {
+        // Two L2 slices of 4 KiB: the disk's 1024 extended entries take four, so the
+        // working set does not fit and dirty slices are evicted and written back.
+        l2_cache_size: Some(8 * KIB),
+        l2_cache_entry_size: Some(4 * KIB),
+        cache_clean_interval: Some(1),
+        ..Default::default()
+    });
+    let image = opts.open(disk).await?;
     println!(
         "opened: cluster {} KiB, subcluster {} KiB, extended L2 {}, writable {}",
         image.cluster_size() / KIB,
@@ -318,7 +314,7 @@ async fn run_guest(disk: &Path, model: Model) -> AnyResult<()> {
 
 /// One request queue: writes, sector writes, checked reads and flushes on the blocks it owns
 /// (block index modulo QUEUES). Returns the number of requests done.
-async fn queue(image: Image<qimg::io::FileStorage>, model: Model, q: u64) -> AnyResult<u64> {
+async fn queue(image: Image<qimg::io::AnyStorage>, model: Model, q: u64) -> AnyResult<u64> {
     let blocks = DISK / BLOCK / QUEUES;
     let mut rng = Rng(0x5EED ^ q);
     let mut written: Vec<u64> = Vec::new();

@@ -84,16 +84,14 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 /// Open options with caches small enough to evict all the time: two 512-byte L2 slices and
 /// the smallest refcount cache (four clusters). No clean timer task.
 fn small_cache(writable: bool) -> OpenOptions {
-    OpenOptions {
-        writable,
-        cache: CacheOptions {
+    OpenOptions::new()
+        .writable(writable)
+        .cache(CacheOptions {
             l2_cache_size: Some(1024),
             l2_cache_entry_size: Some(512),
             ..CacheOptions::default()
-        },
-        no_clean_timer: true,
-        ..OpenOptions::default()
-    }
+        })
+        .clean_timer(false)
 }
 
 /// Checks that `extents` cover `[offset, offset + len)` in order, without gaps or empty
@@ -151,14 +149,14 @@ fn raw_backing(bytes: &[u8]) -> Backing<MemStorage> {
 async fn open_read_async(data: &[u8]) {
     let backing = open_read_backing();
     let storage = MemStorage::from_bytes(data).read_only();
-    let opened = Image::from_storage(
-        storage,
-        "fuzz.qcow2",
-        &small_cache(false),
-        Some(raw_backing(backing)),
-        Some(MemStorage::from_bytes(data).read_only()),
-    )
-    .await;
+    let opened = small_cache(false)
+        .open_storage(
+            storage,
+            "fuzz.qcow2",
+            Some(raw_backing(backing)),
+            Some(MemStorage::from_bytes(data).read_only()),
+        )
+        .await;
     if let Ok(img) = opened {
         read_windows(&img, data, backing).await;
         let _ = img.close().await;
@@ -178,14 +176,14 @@ pub fn open_write(data: &[u8]) {
 async fn open_write_async(data: &[u8]) {
     let backing = open_read_backing();
     let storage = MemStorage::from_bytes(data);
-    let opened = Image::from_storage(
-        storage,
-        "fuzz.qcow2",
-        &small_cache(true),
-        Some(raw_backing(backing)),
-        Some(MemStorage::from_bytes(data)),
-    )
-    .await;
+    let opened = small_cache(true)
+        .open_storage(
+            storage,
+            "fuzz.qcow2",
+            Some(raw_backing(backing)),
+            Some(MemStorage::from_bytes(data)),
+        )
+        .await;
     if let Ok(img) = opened {
         let size = img.size();
         let at = (size / 3) & !511;
@@ -346,13 +344,10 @@ impl OpsShape {
         let mut o = if self.small_cache {
             small_cache(true)
         } else {
-            OpenOptions {
-                no_clean_timer: true,
-                ..OpenOptions::read_write()
-            }
+            OpenOptions::new().writable(true).clean_timer(false)
         };
         if self.sparse {
-            o.allocation = Allocation::Sparse;
+            o = o.allocation(Allocation::Sparse);
         }
         o
     }
@@ -572,11 +567,9 @@ async fn qcow2_backing_bytes(size: u64) -> Vec<u8> {
         ..CreateOptions::default()
     };
     let storage = MemStorage::from_bytes(&template(&opts));
-    let o = OpenOptions {
-        no_clean_timer: true,
-        ..OpenOptions::read_write()
-    };
-    let img = Image::from_storage(storage.clone(), "base.qcow2", &o, None, None)
+    let o = OpenOptions::new().writable(true).clean_timer(false);
+    let img = o
+        .open_storage(storage.clone(), "base.qcow2", None, None)
         .await
         .expect("open the new backing image");
     img.write(&backing_pattern(size), 0)
@@ -604,27 +597,21 @@ impl OpsWorld {
         let backing = match (self.shape.backing, &self.qcow2_backing) {
             (0, _) => None,
             (2, Some(bytes)) => {
-                let o = OpenOptions {
-                    no_clean_timer: true,
-                    ..OpenOptions::read_only()
-                };
+                let o = OpenOptions::new().clean_timer(false);
                 let s = MemStorage::from_bytes(bytes).read_only();
-                let img = Image::from_storage(s, "base.qcow2", &o, None, None)
+                let img = o
+                    .open_storage(s, "base.qcow2", None, None)
                     .await
                     .expect("open the qcow2 backing image");
                 Some(Backing::Qcow2(img))
             }
             _ => Some(raw_backing(&self.backing)),
         };
-        Image::from_storage(
-            self.storage.clone(),
-            "img.qcow2",
-            &self.shape.open_options(),
-            backing,
-            None,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{:?}: open: {e}", self.shape))
+        self.shape
+            .open_options()
+            .open_storage(self.storage.clone(), "img.qcow2", backing, None)
+            .await
+            .unwrap_or_else(|e| panic!("{:?}: open: {e}", self.shape))
     }
 
     /// Whole subclusters of `[at, at + len)` (the last one whole when the range reaches the

@@ -1,25 +1,91 @@
 //! # qimg: qcow2 disk images with subcluster allocation
 //!
-//! `qimg` reads and writes qcow2 images, including images with extended L2 entries
-//! (32 subclusters per cluster). This release provides image creation with every
-//! `qemu-img create` option and read-only inspection (`qemu-img info`); the read/write
-//! engine builds on the same format crate.
+//! `qimg` reads and writes qcow2 images (versions 2 and 3), including images with extended
+//! L2 entries, where each cluster is split into 32 subclusters that are allocated, zeroed and
+//! copied on write one by one. It is built for VMMs: an async engine many requests drive at
+//! once, io_uring and `O_DIRECT` storage, and a data path the VMM drives with its own I/O.
 //!
-//! ```no_run
-//! use qimg::tools::create::{create, CreateOptions};
-//! use std::path::Path;
+//! ## Open, read, write, flush, close
 //!
+//! ```
+//! use qimg::OpenOptions;
+//! use qimg::tools::create::{CreateOptions, create};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("disk.qcow2");
+//! // A 1 GiB image with 128 KiB clusters split into 4 KiB subclusters.
 //! let opts = CreateOptions {
-//!     size: Some(10 << 30),
+//!     size: Some(1 << 30),
 //!     extended_l2: true,
 //!     cluster_size: 128 << 10,
 //!     ..Default::default()
 //! };
-//! create(Path::new("disk.qcow2"), &opts, &mut |_, _| {})?;
-//! let info = qimg::tools::info::image_info(Path::new("disk.qcow2"), None)?;
-//! assert_eq!(info.virtual_size, 10 << 30);
-//! # Ok::<(), qimg::Error>(())
+//! create(&path, &opts, &mut |_, _| {})?;
+//!
+//! let rt = tokio::runtime::Runtime::new()?;
+//! rt.block_on(async {
+//!     let img = OpenOptions::new().writable(true).open(&path).await?;
+//!     // A 4 KiB write allocates one subcluster: nothing else is copied.
+//!     img.write(&[0xab; 4096], 1 << 20).await?;
+//!     let mut buf = vec![0; 8192];
+//!     img.read(&mut buf, 1 << 20).await?;
+//!     assert!(buf[..4096].iter().all(|&b| b == 0xab));
+//!     assert!(buf[4096..].iter().all(|&b| b == 0)); // never written: zeros
+//!     img.flush().await?; // durable from here on
+//!     img.close().await // writes back the caches; the image is clean
+//! })?;
+//! # Ok(()) }
 //! ```
+//!
+//! ## The VMM data path: map and write leases
+//!
+//! A VMM can do the guest I/O itself, on its own rings, at host offsets qimg gives it:
+//! [`Image::map`] says where guest data lives for reads, and [`Image::write_lease`] allocates
+//! (copying on write what the guest does not overwrite) and says where a write goes. The
+//! VMM writes there, then [`WriteLease::commit`] links the new data into the image. The
+//! contract (what to write, when to commit, what a flush makes durable) is in [`lease`].
+//!
+//! ```
+//! use std::os::unix::fs::FileExt;
+//! use qimg::{ExtentKind, OpenOptions};
+//! # use qimg::tools::create::{CreateOptions, create};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("disk.qcow2");
+//! # let opts = CreateOptions { size: Some(1 << 30), extended_l2: true, cluster_size: 128 << 10, ..Default::default() };
+//! # create(&path, &opts, &mut |_, _| {})?;
+//! let rt = tokio::runtime::Runtime::new()?;
+//! rt.block_on(async {
+//!     let img = OpenOptions::new().writable(true).open(&path).await?;
+//!     let lease = img.write_lease(64 << 10, 4096).await?;
+//!     let host = std::fs::OpenOptions::new().write(true).open(img.data_path())?;
+//!     for extent in lease.extents() {
+//!         // The VMM's own write (here a plain pwrite) of the guest bytes.
+//!         host.write_all_at(&vec![7u8; extent.length as usize], extent.host_offset)?;
+//!     }
+//!     lease.commit().await?;
+//!     let extents = img.map(64 << 10, 4096).await?;
+//!     assert!(matches!(extents[0].kind, ExtentKind::Data { .. }));
+//!     img.close().await?;
+//!     Ok::<_, Box<dyn std::error::Error>>(())
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Layout
+//!
+//! | module | what |
+//! |---|---|
+//! | [`engine`] | the open [`Image`]: options ([`OpenOptions`]), reads, writes, copy-on-write, zero, discard, flush, caches, [`map`](engine::map), [`lease`], the [`BlockingImage`] facade |
+//! | [`tools`] | what `qemu-img` does to whole images: [`create`](tools::create), [`info`](tools::info), [`check`](tools::check) |
+//! | [`chain`] | backing chains: format probing, stored-name resolution, the depth limit |
+//! | [`format`](mod@format) | the on-disk structures (the `qimg-format` crate) |
+//! | [`io`] | the storage backends (the `qimg-io` crate) |
+//!
+//! The engine never imports a tool. Images from an untrusted source should be opened with
+//! [`Trust::untrusted`], so that their headers cannot make qimg open other files.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -30,9 +96,13 @@ pub mod error;
 pub mod fuzzing;
 pub mod tools;
 
+pub use engine::lease;
+
+#[cfg(feature = "blocking")]
+pub use engine::BlockingImage;
 pub use engine::{
-    Allocation, Backing, BlockingImage, Extent, ExtentKind, FileOpener, HostExtent, Image,
-    OpenOptions, Opener, Stats, WriteLease,
+    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, OpenOptions, Opener,
+    Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};

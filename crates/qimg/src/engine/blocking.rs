@@ -6,41 +6,41 @@
 
 use std::path::Path;
 
-use qimg_io::FileStorage;
+use qimg_io::AnyStorage;
 use tokio::runtime::{Builder, Runtime};
 
 use super::image::{Image, Stats};
 use super::open::OpenOptions;
 use crate::error::{Error, Result};
 
-/// A blocking handle to an image on files.
+/// A blocking handle to an image on files, opened by [`OpenOptions::open_blocking`].
 #[derive(Debug)]
 pub struct BlockingImage {
-    image: Option<Image<FileStorage>>,
+    image: Option<Image<AnyStorage>>,
     rt: Runtime,
 }
 
 impl BlockingImage {
-    /// Opens the image at `path` (see [`Image::open`]).
-    pub fn open(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
+    /// Opens the image at `path` (see [`OpenOptions::open_blocking`]).
+    fn open(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
         let rt = Builder::new_current_thread()
             .enable_time()
             .build()
             .map_err(|e| Error::io(path.as_ref(), "start the I/O runtime", e))?;
-        let image = rt.block_on(Image::open(path.as_ref(), opts))?;
+        let image = rt.block_on(opts.open(path.as_ref()))?;
         Ok(Self {
             image: Some(image),
             rt,
         })
     }
 
-    fn image(&self) -> &Image<FileStorage> {
+    fn image(&self) -> &Image<AnyStorage> {
         // Only `close` takes the image, and it consumes `self`.
         self.image.as_ref().expect("image present until close")
     }
 
     /// The async image underneath.
-    pub fn as_async(&self) -> &Image<FileStorage> {
+    pub fn as_async(&self) -> &Image<AnyStorage> {
         self.image()
     }
 
@@ -97,5 +97,13 @@ impl Drop for BlockingImage {
             // Best effort: a caller who needs the error calls `close`.
             let _ = self.rt.block_on(image.close());
         }
+    }
+}
+
+impl OpenOptions {
+    /// Opens the image at `path` as [`open`](Self::open) does, behind a blocking handle driven
+    /// by a private current-thread runtime. Not for use inside an async task.
+    pub fn open_blocking(&self, path: impl AsRef<Path>) -> Result<BlockingImage> {
+        BlockingImage::open(path, self)
     }
 }

@@ -118,7 +118,7 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// The storage holding the image file (for a VMM that issues its own I/O on the same
-    /// file, or to see which backend [`Image::open_any`] chose).
+    /// file, or to see which backend [`OpenOptions::open`](crate::OpenOptions::open) chose).
     pub fn storage(&self) -> &S {
         &self.inner.file
     }

@@ -11,8 +11,9 @@
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
-//! | [`blocking`] | a blocking facade over the async API |
+//! | `blocking` | [`BlockingImage`]: a blocking facade over the async API (feature `blocking`) |
 
+#[cfg(feature = "blocking")]
 pub mod blocking;
 pub(crate) mod compress;
 mod image;
@@ -25,9 +26,10 @@ mod overlap;
 mod rebuild;
 mod rw;
 
+#[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};
 pub use image::{Image, Stats};
 pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
-pub use open::{Allocation, Backing, FileOpener, OpenOptions, Opener};
+pub use open::{Allocation, Backing, FileOpener, OpenOptions, Opener, Trust, UntrustedLimits};

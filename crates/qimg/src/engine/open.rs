@@ -16,6 +16,7 @@ use qimg_format::features::{
 };
 use qimg_format::geometry::{Geometry, RefcountGeometry};
 use qimg_format::header::{CompressionType, Header};
+use qimg_format::l1::L1_ENTRY_SIZE;
 use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
 use qimg_io::{AnyStorage, Backend, FileStorage, Storage, StorageError};
@@ -40,45 +41,238 @@ pub enum Allocation {
     Sparse,
 }
 
-/// How to open an image. `OpenOptions::default()` opens read-only with QEMU's cache defaults.
-#[derive(Debug, Clone, Default)]
+/// How far qimg trusts what an image's header asks it to open and load.
+///
+/// A qcow2 header names other files (a backing file, an external data file) and sizes tables
+/// that are loaded into memory. For an image you made, QEMU's rules apply. For an image from
+/// an untrusted source (a guest, an upload, a download) use [`Trust::untrusted`]: otherwise its
+/// header can make qimg open any file the process can read (`/etc/shadow` as a raw backing
+/// file, say) and expose it to the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Trust {
+    /// Stored names are followed as QEMU follows them (absolute names and `..` included),
+    /// down to [`MAX_CHAIN_DEPTH`] images; L1 tables up to QEMU's own limit are loaded.
+    #[default]
+    Trusted,
+    /// Stored backing and data file names must stay inside the image's directory (no absolute
+    /// name, no `..`, no `json:` pseudo-name), and the given limits hold for every image of
+    /// the chain.
+    Untrusted(UntrustedLimits),
+}
+
+/// The limits [`Trust::Untrusted`] puts on an image and its chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UntrustedLimits {
+    /// Most images opened below the untrusted one.
+    pub max_chain_depth: usize,
+    /// Largest active L1 table (in bytes) of any image in the chain; the L1 table is kept in
+    /// memory while the image is open.
+    pub max_l1_bytes: u64,
+}
+
+impl Default for UntrustedLimits {
+    /// 16 images and 8 MiB of L1 table (1 Mi entries: 8 TiB of guest disk with 64 KiB
+    /// clusters, 64 TiB with 2 MiB clusters).
+    fn default() -> Self {
+        Self {
+            max_chain_depth: 16,
+            max_l1_bytes: 8 << 20,
+        }
+    }
+}
+
+impl Trust {
+    /// [`Trust::Untrusted`] with the default limits.
+    pub fn untrusted() -> Self {
+        Self::Untrusted(UntrustedLimits::default())
+    }
+
+    fn max_chain_depth(self) -> usize {
+        match self {
+            Self::Trusted => MAX_CHAIN_DEPTH,
+            Self::Untrusted(l) => l.max_chain_depth.min(MAX_CHAIN_DEPTH),
+        }
+    }
+}
+
+/// How to open an image, and the calls that open it: a builder.
+///
+/// [`OpenOptions::new`] opens read-only, with QEMU's cache defaults, following the backing
+/// chain, on the thread-pool backend without `O_DIRECT`, trusting the image. Options are set
+/// by chaining; the options are then used (and may be reused) by one of the opening calls:
+///
+/// | call | storage | opens referenced files with |
+/// |---|---|---|
+/// | [`open`](Self::open) | [`AnyStorage`]: the [`backend`](Self::backend), with or without [`direct`](Self::direct) | the same backend |
+/// | [`open_with`](Self::open_with) | whatever the [`Opener`] returns | the opener |
+/// | [`open_storage`](Self::open_storage) | a storage you opened | nothing: backing and data file are given |
+/// | [`open_blocking`](Self::open_blocking) | a [`BlockingImage`](super::BlockingImage) over [`AnyStorage`] | the same backend |
+///
+/// ```no_run
+/// # async fn demo() -> qimg::Result<()> {
+/// use qimg::{OpenOptions, io::Backend};
+/// let img = OpenOptions::new()
+///     .writable(true)
+///     .backend(Backend::IoUring)
+///     .direct(true)
+///     .open("disk.qcow2")
+///     .await?;
+/// img.write(&[1u8; 4096], 0).await?;
+/// img.close().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "options do nothing until one of the open calls uses them"]
 pub struct OpenOptions {
-    /// Open for writing (the backing chain is always opened read-only).
-    pub writable: bool,
-    /// Cache budgets and the clean interval, with QEMU's option names and defaults.
-    pub cache: CacheOptions,
-    /// Reservation of new host clusters.
-    pub allocation: Allocation,
-    /// Do not open the backing file: unallocated clusters read as zeros (`-U`-like inspection).
-    pub no_backing: bool,
-    /// The external data file, overriding the name stored in the image.
-    pub data_file: Option<PathBuf>,
-    /// Open files with `O_DIRECT` (file backends that support it).
-    pub direct: bool,
-    /// Do not spawn the cache-clean timer task even when a tokio runtime is running; call
-    /// [`Image::clean_idle_caches`] yourself.
-    pub no_clean_timer: bool,
-    /// Refuse backing file and external data file names stored in the image that are
-    /// absolute or climb out of the image's directory with `..`. Set this when the image comes
-    /// from an untrusted source: otherwise its header can make qimg open any file the process
-    /// can read (`/etc/shadow` as a raw backing file, say) and expose it to the guest.
-    pub confine_names: bool,
-    /// The I/O backend [`Image::open_any`] uses for the image and every file it refers to.
-    pub backend: Backend,
+    pub(super) writable: bool,
+    pub(super) cache: CacheOptions,
+    pub(super) allocation: Allocation,
+    follow_backing: bool,
+    data_file: Option<PathBuf>,
+    direct: bool,
+    backend: Backend,
+    clean_timer: bool,
+    trust: Trust,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl OpenOptions {
-    /// Read-only with defaults.
-    pub fn read_only() -> Self {
-        Self::default()
+    /// Read-only, QEMU's cache defaults, backing chain followed, thread-pool backend without
+    /// `O_DIRECT`, clean timer on, image trusted.
+    pub fn new() -> Self {
+        Self {
+            writable: false,
+            cache: CacheOptions::default(),
+            allocation: Allocation::default(),
+            follow_backing: true,
+            data_file: None,
+            direct: false,
+            backend: Backend::default(),
+            clean_timer: true,
+            trust: Trust::default(),
+        }
     }
 
-    /// Read-write with defaults.
-    pub fn read_write() -> Self {
-        Self {
-            writable: true,
-            ..Self::default()
-        }
+    /// Open for writing (the backing chain is always opened read-only).
+    pub fn writable(mut self, writable: bool) -> Self {
+        self.writable = writable;
+        self
+    }
+
+    /// Cache budgets and the clean interval, with QEMU's option names and defaults.
+    pub fn cache(mut self, cache: CacheOptions) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    /// How new host clusters are reserved in the file.
+    pub fn allocation(mut self, allocation: Allocation) -> Self {
+        self.allocation = allocation;
+        self
+    }
+
+    /// Open the backing chain (the default). Without it unallocated clusters read as zeros,
+    /// which is only good for inspection; an image with a backing file then cannot be opened
+    /// for writing.
+    pub fn follow_backing(mut self, follow: bool) -> Self {
+        self.follow_backing = follow;
+        self
+    }
+
+    /// The external data file, overriding the name stored in the image.
+    pub fn data_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.data_file = Some(path.into());
+        self
+    }
+
+    /// Open files with `O_DIRECT` ([`open`](Self::open) and
+    /// [`open_blocking`](Self::open_blocking); requests of any alignment are accepted, a
+    /// bounce buffer covers unaligned ones). With [`open_with`](Self::open_with) the opener
+    /// decides.
+    pub fn direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    /// The I/O backend of [`open`](Self::open) and [`open_blocking`](Self::open_blocking)
+    /// for the image and every file it refers to.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Run the cache-clean timer (the default): when a tokio runtime is running at open, a
+    /// task writes back and drops cache entries idle for the clean interval. Without it, call
+    /// [`Image::clean_idle_caches`] yourself.
+    pub fn clean_timer(mut self, run: bool) -> Self {
+        self.clean_timer = run;
+        self
+    }
+
+    /// How far the image is trusted (see [`Trust`]).
+    pub fn trust(mut self, trust: Trust) -> Self {
+        self.trust = trust;
+        self
+    }
+
+    /// Whether the image will be opened for writing.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Opens the qcow2 image at `path`, its backing chain and data file on the
+    /// [`backend`](Self::backend), with `O_DIRECT` when [`direct`](Self::direct) is set.
+    pub async fn open(&self, path: impl AsRef<Path>) -> Result<Image<AnyStorage>> {
+        let (backend, direct) = (self.backend, self.direct);
+        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
+        self.open_with(path.as_ref(), &opener).await
+    }
+
+    /// Opens the image at `path` through `opener`, which also opens its backing chain and
+    /// external data file ([`backend`](Self::backend) and [`direct`](Self::direct) do not
+    /// apply: the opener decides).
+    pub async fn open_with<S: Storage + 'static>(
+        &self,
+        path: impl AsRef<Path>,
+        opener: &dyn Opener<S>,
+    ) -> Result<Image<S>> {
+        let path = path.as_ref();
+        let file = opener
+            .open(path, self.writable)
+            .map_err(|e| Error::storage(path, e))?;
+        let mut seen = Vec::new();
+        open_chain(
+            file,
+            path.to_path_buf(),
+            self,
+            Some(opener),
+            None,
+            0,
+            &mut seen,
+        )
+        .await
+    }
+
+    /// Opens an image held in `file` (named `name` in errors and for resolving relative
+    /// names), with the backing image given explicitly (or none). The backing name stored in
+    /// the image is not followed; an external data file must be given in `data_file` when the
+    /// image needs one.
+    pub async fn open_storage<S: Storage + 'static>(
+        &self,
+        file: S,
+        name: impl Into<PathBuf>,
+        backing: Option<Backing<S>>,
+        data_file: Option<S>,
+    ) -> Result<Image<S>> {
+        let name = name.into();
+        let mut seen = Vec::new();
+        let given = Given { backing, data_file };
+        open_chain(file, name, self, None, Some(given), 0, &mut seen).await
     }
 }
 
@@ -112,7 +306,8 @@ where
     }
 }
 
-/// Opens files with [`FileStorage`], honouring [`OpenOptions::direct`].
+/// Opens files with [`FileStorage`], for [`OpenOptions::open_with`] when the storage type
+/// must be [`FileStorage`] itself.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FileOpener {
     /// Use `O_DIRECT`.
@@ -128,85 +323,7 @@ impl Opener<FileStorage> for FileOpener {
     }
 }
 
-impl Image<FileStorage> {
-    /// Opens the qcow2 image at `path` with its backing chain and data file.
-    pub async fn open(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
-        let opener = FileOpener {
-            direct: opts.direct,
-        };
-        Self::open_with(path.as_ref(), opts, &opener).await
-    }
-}
-
-impl Image<AnyStorage> {
-    /// Opens the qcow2 image at `path`, its backing chain and data file with the backend
-    /// [`OpenOptions::backend`] names (blocking calls on a thread pool, or io_uring), with
-    /// `O_DIRECT` when [`OpenOptions::direct`] is set (any request alignment is accepted; a
-    /// bounce buffer covers unaligned ones).
-    ///
-    /// ```no_run
-    /// # async fn demo() -> qimg::Result<()> {
-    /// use qimg::{Image, OpenOptions, io::Backend};
-    /// let opts = OpenOptions {
-    ///     backend: Backend::IoUring,
-    ///     direct: true,
-    ///     ..OpenOptions::read_write()
-    /// };
-    /// let img = Image::open_any("disk.qcow2", &opts).await?;
-    /// img.write(&[1u8; 4096], 0).await?;
-    /// img.close().await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn open_any(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
-        let (backend, direct) = (opts.backend, opts.direct);
-        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
-        Self::open_with(path.as_ref(), opts, &opener).await
-    }
-}
-
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-impl<S: Storage + 'static> Image<S> {
-    /// Opens the image at `path` through `opener`, which also opens its backing chain and
-    /// external data file.
-    pub async fn open_with(
-        path: &Path,
-        opts: &OpenOptions,
-        opener: &dyn Opener<S>,
-    ) -> Result<Self> {
-        let file = opener
-            .open(path, opts.writable)
-            .map_err(|e| Error::storage(path, e))?;
-        let mut seen = Vec::new();
-        open_chain(
-            file,
-            path.to_path_buf(),
-            opts,
-            Some(opener),
-            None,
-            0,
-            &mut seen,
-        )
-        .await
-    }
-
-    /// Opens an image held in `file` (named `name` in errors and for resolving relative
-    /// names), with the backing image given explicitly (or none). The backing name stored in
-    /// the image is not followed; an external data file must be given in `data_file` when the
-    /// image needs one.
-    pub async fn from_storage(
-        file: S,
-        name: impl Into<PathBuf>,
-        opts: &OpenOptions,
-        backing: Option<Backing<S>>,
-        data_file: Option<S>,
-    ) -> Result<Self> {
-        let name = name.into();
-        let mut seen = Vec::new();
-        let given = Given { backing, data_file };
-        open_chain(file, name, opts, None, Some(given), 0, &mut seen).await
-    }
-}
 
 struct Given<S: Storage> {
     backing: Option<Backing<S>>,
@@ -230,6 +347,7 @@ fn open_chain<'a, S: Storage + 'static>(
         };
         let c0 = read_cluster0(&file, &path, mode).await?;
         let h = &c0.header;
+        within_limits(opts, &path, h)?;
         if h.crypt_method != 0 {
             return Err(Error::Unsupported {
                 path,
@@ -308,11 +426,12 @@ fn open_chain<'a, S: Storage + 'static>(
 
         let backing = match (given_backing, &c0.backing_file, opener) {
             (Some(b), _, _) => Some(b),
-            (None, Some(name), Some(op)) if !opts.no_backing => {
-                if depth + 1 > MAX_CHAIN_DEPTH {
+            (None, Some(name), Some(op)) if opts.follow_backing => {
+                let max_depth = opts.trust.max_chain_depth();
+                if depth + 1 > max_depth {
                     return Err(Error::Unsupported {
                         path,
-                        what: format!("backing chain deeper than {MAX_CHAIN_DEPTH} images"),
+                        what: format!("backing chain deeper than {max_depth} images"),
                     });
                 }
                 let name = String::from_utf8_lossy(name).into_owned();
@@ -339,11 +458,9 @@ fn open_chain<'a, S: Storage + 'static>(
                         path: bpath,
                     },
                     ImageFormat::Qcow2 => {
-                        let bopts = OpenOptions {
-                            writable: false,
-                            data_file: None,
-                            ..opts.clone()
-                        };
+                        let mut bopts = opts.clone();
+                        bopts.writable = false;
+                        bopts.data_file = None;
                         let img =
                             open_chain(storage, bpath, &bopts, Some(op), None, depth + 1, seen)
                                 .await?;
@@ -398,7 +515,7 @@ fn open_chain<'a, S: Storage + 'static>(
         if opts.writable {
             inner.prepare_for_writing(&c0.header).await?;
         }
-        if !opts.no_clean_timer {
+        if opts.clean_timer {
             if let (Some(interval), Ok(handle)) =
                 (inner.clean_interval, tokio::runtime::Handle::try_current())
             {
@@ -409,10 +526,10 @@ fn open_chain<'a, S: Storage + 'static>(
     })
 }
 
-/// With [`OpenOptions::confine_names`], refuses a stored file name that is absolute or
-/// contains a `..` component (or is a protocol-style name such as `nbd:...` or `json:{...}`).
+/// For an untrusted image ([`Trust::Untrusted`]), refuses a stored file name that is
+/// absolute or contains a `..` component (or is a protocol-style name such as `json:{...}`).
 fn confined(opts: &OpenOptions, image: &Path, what: &str, name: &str) -> Result<()> {
-    if !opts.confine_names {
+    if opts.trust == Trust::Trusted {
         return Ok(());
     }
     let p = Path::new(name);
@@ -425,8 +542,28 @@ fn confined(opts: &OpenOptions, image: &Path, what: &str, name: &str) -> Result<
         return Err(Error::Unsupported {
             path: image.to_path_buf(),
             what: format!(
-                "{what} name {name:?} is absolute or leaves the image's directory, and \
-                 names are confined (OpenOptions::confine_names)"
+                "{what} name {name:?} is absolute or leaves the image's directory, and the \
+                 image is untrusted (Trust::Untrusted)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// For an untrusted image, refuses an active L1 table larger than the limit before it is
+/// loaded into memory.
+fn within_limits(opts: &OpenOptions, image: &Path, header: &Header) -> Result<()> {
+    let Trust::Untrusted(limits) = opts.trust else {
+        return Ok(());
+    };
+    let l1_bytes = u64::from(header.l1_size) * L1_ENTRY_SIZE as u64;
+    if l1_bytes > limits.max_l1_bytes {
+        return Err(Error::Unsupported {
+            path: image.to_path_buf(),
+            what: format!(
+                "L1 table of {} entries ({l1_bytes} bytes, l1_size at offset 36) is larger than \
+                 the {} bytes an untrusted image may have (UntrustedLimits::max_l1_bytes)",
+                header.l1_size, limits.max_l1_bytes
             ),
         });
     }
