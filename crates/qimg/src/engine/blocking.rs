@@ -10,7 +10,7 @@ use qimg_io::AnyStorage;
 use tokio::runtime::{Builder, Runtime};
 
 use super::image::{Image, Stats};
-use super::open::OpenOptions;
+use super::options::OpenOptions;
 use crate::error::{Error, Result};
 
 /// A blocking handle to an image on files, opened by [`OpenOptions::open_blocking`].

@@ -13,7 +13,8 @@ use qimg_io::{Storage, StorageError};
 
 use super::lock::RangeLocks;
 use super::meta::Meta;
-use super::open::{Allocation, Backing};
+use super::open::Backing;
+use super::options::Allocation;
 use crate::error::{Error, Result};
 
 /// Counters and cache statistics of an open image.
@@ -226,7 +227,7 @@ impl<S: Storage> Inner<S> {
         self.epoch.elapsed()
     }
 
-    pub(crate) fn st(&self, e: StorageError) -> Error {
+    pub(crate) fn storage_error(&self, e: StorageError) -> Error {
         Error::storage(&self.path, e)
     }
 

@@ -32,7 +32,7 @@ use std::path::Path;
 use qimg_io::Storage;
 
 use super::image::Image;
-use super::rw::Prepared;
+use super::rw::PreparedWrite;
 use crate::error::Result;
 
 /// Where one part of a leased guest range goes in the host file.
@@ -53,7 +53,7 @@ pub struct HostExtent {
 pub struct WriteLease<S: Storage + 'static> {
     image: Image<S>,
     lock_id: Option<u64>,
-    pieces: Vec<Prepared>,
+    pieces: Vec<PreparedWrite>,
     extents: Vec<HostExtent>,
 }
 
@@ -102,7 +102,7 @@ impl<S: Storage + 'static> Image<S> {
             }
             pos += n;
         }
-        lease.extents = merge(lease.pieces.iter().map(Prepared::guest_span));
+        lease.extents = merge(lease.pieces.iter().map(PreparedWrite::guest_span));
         Ok(lease)
     }
 

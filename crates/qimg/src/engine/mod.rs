@@ -2,7 +2,8 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | `open` | [`OpenOptions`], the [`Opener`] for referenced files, the backing-chain walk |
+//! | `options` | [`OpenOptions`] (the open builder), [`Trust`], [`Allocation`] |
+//! | `open` | the [`Opener`] for referenced files, the backing-chain walk, checks at open |
 //! | `image` | the shared state behind an [`Image`] handle and its public async API |
 //! | `meta` | the metadata lock: L1 table, L2 and refcount slice caches, allocation, write ordering |
 //! | `rw` | read, write with copy-on-write planning, compressed writes, zero, discard, resize |
@@ -22,6 +23,7 @@ mod lock;
 pub mod map;
 mod meta;
 mod open;
+mod options;
 mod overlap;
 mod rebuild;
 mod rw;
@@ -32,4 +34,5 @@ pub use compress::{DecompressError, compress, decompress};
 pub use image::{Image, Stats};
 pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
-pub use open::{Allocation, Backing, FileOpener, OpenOptions, Opener, Trust, UntrustedLimits};
+pub use open::{Backing, FileOpener, Opener};
+pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};

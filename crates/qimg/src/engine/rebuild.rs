@@ -49,13 +49,13 @@ impl<S: Storage> Inner<S> {
         self.count_tree(&m.l1, &mut refs).await?;
         let (snap_offset, nb) = m.snapshots;
         if nb > 0 {
-            let len = self.file.len().await.map_err(|e| self.st(e))?;
+            let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
             let want = len.saturating_sub(snap_offset).min(MAX_TABLE_SIZE) as usize;
             let mut raw = vec![0u8; want];
             self.file
                 .read_at_zero_fill(&mut raw, snap_offset)
                 .await
-                .map_err(|e| self.st(e))?;
+                .map_err(|e| self.storage_error(e))?;
             let snaps = decode_table(&raw, snap_offset, nb, self.version)
                 .map_err(|e| Error::format(&self.path, e))?;
             let table_len: usize = snaps.iter().map(|s| s.encoded_len()).sum();
@@ -73,7 +73,7 @@ impl<S: Storage> Inner<S> {
                 self.file
                     .read_at(&mut raw, s.l1_table_offset)
                     .await
-                    .map_err(|e| self.st(e))?;
+                    .map_err(|e| self.storage_error(e))?;
                 let table = l1::decode_table(&raw, cs, s.l1_table_offset)
                     .map_err(|e| Error::format(&self.path, e))?;
                 self.count_tree(&table, &mut refs).await?;
@@ -92,7 +92,7 @@ impl<S: Storage> Inner<S> {
             self.file
                 .read_at(&mut table, t.0)
                 .await
-                .map_err(|e| self.st(e))?;
+                .map_err(|e| self.storage_error(e))?;
             let entries =
                 decode_slice(&table, &self.ctx, t.0).map_err(|e| Error::format(&self.path, e))?;
             for e in entries {
@@ -127,7 +127,7 @@ impl<S: Storage> Inner<S> {
         let order = self.rgeo.refcount_order();
         let max = self.rgeo.max_refcount();
         let refs = self.count_references(m).await?;
-        let file_len = self.file.len().await.map_err(|e| self.st(e))?;
+        let file_len = self.file.len().await.map_err(|e| self.storage_error(e))?;
         let file_clusters = file_len.div_ceil(cs);
         if let Some(c) = refs.max_cluster().filter(|&c| c >= file_clusters) {
             let what = format!(
@@ -178,7 +178,7 @@ impl<S: Storage> Inner<S> {
             self.file
                 .write_at(&block, at)
                 .await
-                .map_err(|e| self.st(e))?;
+                .map_err(|e| self.storage_error(e))?;
         }
         self.install_reftable(m, table, area.table_offset(cs), area.table_clusters)
             .await?;

@@ -1,0 +1,275 @@
+//! Metadata: the L1 table, the L2 and refcount caches, cluster allocation and freeing, and
+//! write-back in the crash-safe order (qcow2-format.md section 12).
+//!
+//! Everything here runs with the metadata lock held ([`Meta`] is what it guards). Metadata I/O
+//! happens under it; guest data I/O never does.
+//!
+//! | module | what |
+//! |---|---|
+//! | this one | [`Meta`] and its loading at open, the overlap guard, corruption marking |
+//! | `slices` | L2 entry lookup and update through the slice caches; write-back in dependency order, flush, the clean interval |
+//! | `refcounts` | refcounts, cluster allocation and freeing, refcount blocks and table growth |
+//! | `tables` | L2 table creation and un-sharing, L1 entries and growth, header switches and flags |
+
+mod refcounts;
+mod slices;
+mod tables;
+
+pub(crate) use refcounts::plan_refcount_area;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use qimg_cache::{ResolvedCache, SliceCache};
+use qimg_format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
+use qimg_format::geometry::Geometry;
+use qimg_format::header::Header;
+use qimg_format::l1::{self, L1Entry};
+use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap};
+use qimg_format::refcount;
+use qimg_io::Storage;
+
+use super::image::Inner;
+use super::overlap::{OverlapIndex, Region, Writing};
+use crate::error::{Error, Result};
+
+/// Host offsets in L1/L2 entries must stay below 2^56.
+const MAX_HOST_OFFSET: u64 = 1 << 56;
+/// Punches queued before a flush forces them out.
+const MAX_PENDING_PUNCHES: usize = 4096;
+
+/// CacheKind of the two caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CacheKind {
+    L2,
+    Refcount,
+}
+
+impl CacheKind {
+    fn other(self) -> Self {
+        match self {
+            Self::L2 => Self::Refcount,
+            Self::Refcount => Self::L2,
+        }
+    }
+}
+
+/// State guarded by the metadata lock.
+#[derive(Debug)]
+pub(crate) struct Meta {
+    pub(crate) l1: Vec<L1Entry>,
+    pub(crate) l1_offset: u64,
+    pub(crate) reftable: Vec<u64>,
+    pub(crate) reftable_offset: u64,
+    pub(crate) l2: SliceCache,
+    pub(crate) rc: SliceCache,
+    pub(crate) l2_slice: u64,
+    /// Lowest cluster that may be free.
+    pub(crate) free_hint: u64,
+    /// First cluster past everything allocated and past the end of the file at open.
+    pub(crate) end_cluster: u64,
+    /// The dirty bit is set in the header on disk.
+    pub(crate) dirty_on_disk: bool,
+    /// The incompatible feature bits as on disk.
+    pub(crate) incompatible: u64,
+    /// Freed clusters to punch once the metadata that stopped using them is durable.
+    pub(crate) pending_punch: BTreeSet<u64>,
+    pub(crate) closed: bool,
+    pub(crate) snapshots: (u64, u32),
+    /// Where the next compressed cluster may go: the first unused byte of the host cluster
+    /// compressed writes are packing into (QEMU packs them the same way).
+    pub(crate) compressed_tail: Option<u64>,
+    /// Where the metadata is, for the overlap checks before every write.
+    pub(crate) overlap: OverlapIndex,
+    cluster_size: u64,
+}
+
+impl Meta {
+    pub(crate) async fn load<S: Storage>(
+        file: &S,
+        path: &Path,
+        h: &Header,
+        geo: &Geometry,
+        cache: &ResolvedCache,
+        writable: bool,
+    ) -> Result<Self> {
+        let cs = geo.cluster_size();
+        let l1_bytes = u64::from(h.l1_size) * 8;
+        let mut raw = vec![0u8; l1_bytes as usize];
+        file.read_at(&mut raw, h.l1_table_offset)
+            .await
+            .map_err(|e| {
+                Error::corrupt(
+                    path,
+                    format!(
+                        "L1 table at {:#x} ({} entries) cannot be read: {e}",
+                        h.l1_table_offset, h.l1_size
+                    ),
+                )
+            })?;
+        let l1 =
+            l1::decode_table(&raw, cs, h.l1_table_offset).map_err(|e| Error::format(path, e))?;
+        let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
+        let mut raw = vec![0u8; rt_bytes as usize];
+        file.read_at_zero_fill(&mut raw, h.refcount_table_offset)
+            .await
+            .map_err(|e| Error::storage(path, e))?;
+        let reftable = refcount::decode_table(&raw, cs, h.refcount_table_offset)
+            .map_err(|e| Error::format(path, e))?
+            .iter()
+            .map(|e| e.block_offset.map_or(0, |o| o.0))
+            .collect();
+        let cache_err = |source| Error::Cache {
+            path: path.to_path_buf(),
+            source,
+        };
+        let len = file.len().await.map_err(|e| Error::storage(path, e))?;
+        let mut overlap = OverlapIndex::new(cs);
+        overlap.insert(Region::Header, 0, cs);
+        overlap.insert(Region::ActiveL1, h.l1_table_offset, l1_bytes);
+        for e in &l1 {
+            if let Some(t) = e.l2_offset {
+                overlap.insert(Region::ActiveL2, t.0, cs);
+            }
+        }
+        if writable && h.nb_snapshots > 0 {
+            let want = len
+                .saturating_sub(h.snapshots_offset)
+                .min(qimg_format::snapshot::MAX_TABLE_SIZE) as usize;
+            let mut raw = vec![0u8; want];
+            file.read_at_zero_fill(&mut raw, h.snapshots_offset)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
+            let snaps = qimg_format::snapshot::decode_table(
+                &raw,
+                h.snapshots_offset,
+                h.nb_snapshots,
+                h.version,
+            )
+            .map_err(|e| Error::format(path, e))?;
+            let table_len: u64 = snaps.iter().map(|s| s.encoded_len() as u64).sum();
+            overlap.insert(Region::SnapshotTable, h.snapshots_offset, table_len);
+            for s in &snaps {
+                overlap.insert(
+                    Region::SnapshotL1,
+                    s.l1_table_offset,
+                    u64::from(s.l1_size) * 8,
+                );
+            }
+        }
+        let mut meta = Self {
+            l1,
+            l1_offset: h.l1_table_offset,
+            reftable,
+            reftable_offset: h.refcount_table_offset,
+            l2: cache.new_l2_cache().map_err(cache_err)?,
+            rc: cache.new_refcount_cache().map_err(cache_err)?,
+            l2_slice: cache.l2_slice_size,
+            free_hint: 0,
+            end_cluster: len.div_ceil(cs),
+            dirty_on_disk: h.incompatible_features & INCOMPAT_DIRTY != 0,
+            incompatible: h.incompatible_features,
+            pending_punch: BTreeSet::new(),
+            closed: false,
+            snapshots: (h.snapshots_offset, h.nb_snapshots),
+            compressed_tail: None,
+            overlap,
+            cluster_size: cs,
+        };
+        meta.index_refcounts();
+        Ok(meta)
+    }
+
+    /// Re-indexes the refcount table and every block it points at (after it moved).
+    pub(crate) fn index_refcounts(&mut self) {
+        let cs = self.cluster_size;
+        self.overlap.remove_all(Region::RefcountTable);
+        self.overlap.remove_all(Region::RefcountBlock);
+        let table_len = (self.reftable.len() as u64 * 8).div_ceil(cs) * cs;
+        self.overlap
+            .insert(Region::RefcountTable, self.reftable_offset, table_len);
+        for &b in &self.reftable {
+            self.overlap.insert(Region::RefcountBlock, b, cs);
+        }
+    }
+
+    pub(crate) fn cache(&mut self, kind: CacheKind) -> &mut SliceCache {
+        match kind {
+            CacheKind::L2 => &mut self.l2,
+            CacheKind::Refcount => &mut self.rc,
+        }
+    }
+}
+
+impl<S: Storage> Inner<S> {
+    pub(crate) fn fmt_err(&self, e: qimg_format::FormatError) -> Error {
+        Error::format(&self.path, e)
+    }
+
+    /// Refuses a write of `len` bytes at `at` in the image file that would land on metadata
+    /// other than `writing`'s own structure (QEMU's `cached` overlap check), marking the image
+    /// corrupt.
+    pub(crate) async fn guard_write(
+        &self,
+        m: &mut Meta,
+        at: u64,
+        len: u64,
+        writing: Writing,
+    ) -> Result<()> {
+        let Some(hit) = m.overlap.find(at, len, writing) else {
+            return Ok(());
+        };
+        let what = match writing {
+            Writing::Data => "guest data".to_string(),
+            Writing::Own(r, s) => format!("an update of {r} at {s:#x}"),
+        };
+        Err(self
+            .signal_corruption(
+                m,
+                format!(
+                    "metadata overlap: {what} ({len} bytes at host offset {at:#x}) would overwrite {} at {:#x}..{:#x}; the write was refused",
+                    hit.region, hit.start, hit.end
+                ),
+            )
+            .await)
+    }
+
+    /// Reports corruption found while using the image. A writable image is marked corrupt on
+    /// disk (incompatible bit 1) and refuses further writes, as QEMU does; `qimg check -r all`
+    /// repairs it and clears the mark.
+    pub(crate) async fn signal_corruption(&self, m: &mut Meta, what: String) -> Error {
+        if self.writable && !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+            let bits = m.incompatible | INCOMPAT_CORRUPT;
+            // Best effort: the error below is what matters if this write fails too.
+            if self.write_incompatible(m, bits).await.is_ok() {
+                return Error::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("{what}; the image is now marked corrupt"),
+                };
+            }
+        }
+        Error::Corrupt {
+            path: self.path.clone(),
+            what,
+        }
+    }
+
+    pub(super) fn cache_err(&self, source: qimg_cache::CacheError) -> Error {
+        Error::Cache {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    pub(crate) fn unallocated_entry(&self) -> AnyL2Entry {
+        if self.geo.extended_l2() {
+            AnyL2Entry::Extended(ExtendedL2Entry {
+                entry: L2Entry::Unallocated,
+                bitmap: SubclusterBitmap::default(),
+            })
+        } else {
+            AnyL2Entry::Standard(L2Entry::Unallocated)
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! Refcounts: reading and updating them through the refcount cache, allocating and freeing
+//! host clusters, creating refcount blocks and growing the refcount table.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use qimg_cache::SliceKey;
+use qimg_format::refcount;
+use std::sync::atomic::Ordering;
+
+use qimg_io::Storage;
+
+use super::{CacheKind, MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta};
+use crate::engine::image::Inner;
+use crate::engine::overlap::{Region, Writing};
+use crate::error::{Error, Result};
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+impl<S: Storage> Inner<S> {
+    // ----- refcounts -----
+
+    pub(super) fn refblock_of(&self, m: &Meta, cluster: u64) -> (u64, u64) {
+        let e = self.rgeo.refblock_entries();
+        let i = cluster / e;
+        let block = m.reftable.get(i as usize).copied().unwrap_or(0);
+        (block, cluster % e)
+    }
+
+    /// The refcount of host cluster `cluster` (0 where no refcount block exists).
+    pub(crate) async fn refcount(&self, m: &mut Meta, cluster: u64) -> Result<u64> {
+        let (block, index) = self.refblock_of(m, cluster);
+        if block == 0 {
+            return Ok(0);
+        }
+        let key = SliceKey::new(block, 0);
+        self.load(m, CacheKind::Refcount, key).await?;
+        let data =
+            m.rc.peek(key)
+                .ok_or_else(|| Error::corrupt(&self.path, "refcount block vanished"))?;
+        refcount::get(data, self.rgeo.refcount_order(), index).map_err(|e| self.fmt_err(e))
+    }
+
+    /// Adds `delta` (+1 or -1) to the refcount of `cluster`; returns the new value.
+    pub(crate) async fn update_refcount(
+        &self,
+        m: &mut Meta,
+        cluster: u64,
+        delta: i64,
+    ) -> Result<u64> {
+        self.mark_dirty_if_lazy(m).await?;
+        let (mut block, mut index) = self.refblock_of(m, cluster);
+        if block == 0 {
+            if delta < 0 {
+                return Err(Error::corrupt(
+                    &self.path,
+                    format!(
+                        "cluster {cluster} (offset {:#x}) is freed but has no refcount",
+                        cluster * self.geo.cluster_size()
+                    ),
+                ));
+            }
+            self.ensure_refblock(m, cluster / self.rgeo.refblock_entries())
+                .await?;
+            (block, index) = self.refblock_of(m, cluster);
+        }
+        let key = SliceKey::new(block, 0);
+        self.load(m, CacheKind::Refcount, key).await?;
+        let order = self.rgeo.refcount_order();
+        let max = self.rgeo.max_refcount();
+        let now = self.now();
+        let path = &self.path;
+        let data =
+            m.rc.get_mut(key, now)
+                .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?;
+        let old = refcount::get(data, order, index).map_err(|e| Error::format(path, e))?;
+        let new = if delta >= 0 {
+            old.checked_add(delta as u64).filter(|&v| v <= max)
+        } else {
+            old.checked_sub(delta.unsigned_abs())
+        };
+        let Some(new) = new else {
+            return Err(Error::corrupt(
+                path,
+                format!(
+                    "refcount of cluster {cluster} (offset {:#x}) would go from {old} by {delta} \
+                     (maximum {max})",
+                    cluster * self.geo.cluster_size()
+                ),
+            ));
+        };
+        refcount::set(data, order, index, new).map_err(|e| Error::format(path, e))?;
+        Ok(new)
+    }
+
+    /// Allocates `n` contiguous free host clusters (refcount 1 each); returns the offset.
+    pub(crate) async fn alloc_clusters(&self, m: &mut Meta, n: u64) -> Result<u64> {
+        // After a failed header switch memory and disk may name different tables: nothing
+        // may be allocated (a request that passed its entry check before the switch failed
+        // ends here).
+        self.check_not_halted()?;
+        let cs = self.geo.cluster_size();
+        let entries = self.rgeo.refblock_entries();
+        'search: loop {
+            let mut start = m.free_hint;
+            let mut c = start;
+            // The first free cluster seen: everything below it (from the hint) is in use.
+            let mut first_free = None;
+            while c - start < n {
+                // A cluster freed since the last flush may still be referenced by the L2
+                // entry on disk: reusing it before that changes is durable would let a crash
+                // show the new data through the old entry.
+                if m.pending_punch.contains(&c) || self.refcount(m, c).await? != 0 {
+                    start = c + 1;
+                } else if first_free.is_none() {
+                    first_free = Some(c);
+                }
+                c += 1;
+            }
+            if (start + n).saturating_mul(cs) > MAX_HOST_OFFSET {
+                return Err(Error::corrupt(
+                    &self.path,
+                    "no free host cluster below 64 PiB: the image file is full",
+                ));
+            }
+            for i in start / entries..=(start + n - 1) / entries {
+                if m.reftable.get(i as usize).copied().unwrap_or(0) == 0 {
+                    self.ensure_refblock(m, i).await?;
+                    // The new block may sit inside the run: search again.
+                    continue 'search;
+                }
+            }
+            for k in start..start + n {
+                self.update_refcount(m, k, 1).await?;
+            }
+            m.free_hint = match first_free {
+                Some(f) if f < start => f,
+                _ => start + n,
+            };
+            m.end_cluster = m.end_cluster.max(start + n);
+            return Ok(start * cs);
+        }
+    }
+
+    /// Drops one reference to each of `n` clusters from `offset`; clusters reaching zero are
+    /// dropped from the caches and queued for punching.
+    pub(crate) async fn free_clusters(&self, m: &mut Meta, offset: u64, n: u64) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let first = offset / cs;
+        for c in first..first + n {
+            if self.update_refcount(m, c, -1).await? == 0 {
+                if m.compressed_tail.is_some_and(|t| t / cs == c) {
+                    m.compressed_tail = None;
+                }
+                self.counters.clusters_freed.fetch_add(1, Ordering::Relaxed);
+                m.free_hint = m.free_hint.min(c);
+                let _ = m.l2.remove(c * cs);
+                let _ = m.rc.remove(c * cs);
+                m.pending_punch.insert(c);
+            }
+        }
+        if m.pending_punch.len() > MAX_PENDING_PUNCHES {
+            self.flush_meta(m).await?;
+        }
+        Ok(())
+    }
+
+    /// Creates refcount block `index` (self-describing, at the first cluster it covers).
+    pub(super) async fn ensure_refblock(&self, m: &mut Meta, index: u64) -> Result<()> {
+        if index as usize >= m.reftable.len() {
+            self.grow_reftable(m, index + 1).await?;
+        }
+        if m.reftable[index as usize] != 0 {
+            return Ok(());
+        }
+        let cs = self.geo.cluster_size();
+        let first = index * self.rgeo.refblock_entries();
+        let mut block = vec![0u8; cs as usize];
+        refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
+        let at = first * cs;
+        self.guard_write(m, at, cs, Writing::Data).await?;
+        let entry_at = m.reftable_offset + index * 8;
+        let own = Writing::Own(Region::RefcountTable, m.reftable_offset);
+        self.guard_write(m, entry_at, 8, own).await?;
+        self.file
+            .write_at(&block, at)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        m.overlap.insert(Region::RefcountBlock, at, cs);
+        self.file
+            .write_at(&at.to_be_bytes(), entry_at)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        // The entry becomes durable with the next flush, which comes before any L2 entry
+        // that relies on the block (the L2 cache depends on the refcount cache).
+        m.reftable[index as usize] = at;
+        m.end_cluster = m.end_cluster.max(first + 1);
+        if first == m.free_hint {
+            m.free_hint = first + 1;
+        }
+        Ok(())
+    }
+
+    /// Moves the refcount table to the end of the file with room for `min_entries` blocks,
+    /// creating blocks that cover the new table itself.
+    pub(super) fn grow_reftable<'a>(
+        &'a self,
+        m: &'a mut Meta,
+        min_entries: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let cs = self.geo.cluster_size();
+            let start = m.end_cluster.max(m.free_hint);
+            // Leave room to grow: half as much again.
+            let want = min_entries.max(m.reftable.len() as u64 * 3 / 2);
+            let plan = plan_refcount_area(
+                &m.reftable,
+                start,
+                start,
+                want,
+                cs,
+                self.rgeo.refblock_entries(),
+            );
+            if plan.table_clusters * cs / 8 > qimg_format::validate::MAX_REFTABLE_BYTES / 8 {
+                return Err(Error::corrupt(
+                    &self.path,
+                    "the refcount table would exceed 8 MiB: the image file is full",
+                ));
+            }
+            let end = plan.end();
+            let mut table = m.reftable.clone();
+            table.resize((plan.table_clusters * cs / 8) as usize, 0);
+            for (k, &j) in plan.blocks.iter().enumerate() {
+                table[j as usize] = (start + k as u64) * cs;
+            }
+            let order = self.rgeo.refcount_order();
+            let e = self.rgeo.refblock_entries();
+            for (k, &j) in plan.blocks.iter().enumerate() {
+                let mut block = vec![0u8; cs as usize];
+                for c in (j * e).max(start)..((j + 1) * e).min(end) {
+                    refcount::set(&mut block, order, c % e, 1).map_err(|e| self.fmt_err(e))?;
+                }
+                let at = (start + k as u64) * cs;
+                self.guard_write(m, at, cs, Writing::Data).await?;
+                self.file
+                    .write_at(&block, at)
+                    .await
+                    .map_err(|e| self.storage_error(e))?;
+            }
+            // New clusters under existing blocks are counted through the cache.
+            for c in start..end {
+                let j = c / e;
+                if !plan.blocks.contains(&j) {
+                    self.update_refcount(m, c, 1).await?;
+                }
+            }
+            self.write_back(m, CacheKind::Refcount).await?;
+            let table_at = plan.table_offset(cs);
+            let old_at = m.reftable_offset;
+            let old_clusters = (m.reftable.len() as u64 * 8).div_ceil(cs);
+            self.install_reftable(m, table, table_at, plan.table_clusters)
+                .await?;
+            m.end_cluster = m.end_cluster.max(end);
+            if m.free_hint >= start {
+                m.free_hint = end;
+            }
+            self.free_clusters(m, old_at, old_clusters).await
+        })
+    }
+
+    /// Writes `table` at `table_at`, flushes, and switches the header to it (synchronously):
+    /// the blocks it points at must already be on disk.
+    pub(crate) async fn install_reftable(
+        &self,
+        m: &mut Meta,
+        table: Vec<u64>,
+        table_at: u64,
+        clusters: u64,
+    ) -> Result<()> {
+        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
+        self.guard_write(m, table_at, bytes.len() as u64, Writing::Data)
+            .await?;
+        self.file
+            .write_at(&bytes, table_at)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        let mut hdr = [0u8; 12];
+        hdr[..8].copy_from_slice(&table_at.to_be_bytes());
+        hdr[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
+        self.switch_header(&hdr, 48, || {
+            format!("the switch to a new refcount table at {table_at:#x} failed")
+        })
+        .await?;
+        m.reftable = table;
+        m.reftable_offset = table_at;
+        m.index_refcounts();
+        Ok(())
+    }
+}
+
+/// Where new refcount blocks and a new refcount table go: blocks at `start..`, then the table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RefcountArea {
+    pub(crate) start: u64,
+    /// Reftable indices of the new blocks, in placement order.
+    pub(crate) blocks: Vec<u64>,
+    pub(crate) table_clusters: u64,
+}
+
+impl RefcountArea {
+    pub(crate) fn end(&self) -> u64 {
+        self.start + self.blocks.len() as u64 + self.table_clusters
+    }
+
+    pub(crate) fn table_offset(&self, cs: u64) -> u64 {
+        (self.start + self.blocks.len() as u64) * cs
+    }
+}
+
+/// Lays out new refcount blocks and a table from cluster `start`: blocks for every reftable
+/// index covering `cover_from..end` that `existing` lacks, and a table with at least
+/// `min_entries` entries covering all of them, where `end` includes the new clusters
+/// themselves. Iterates to the (monotone) fixed point.
+pub(crate) fn plan_refcount_area(
+    existing: &[u64],
+    cover_from: u64,
+    start: u64,
+    min_entries: u64,
+    cs: u64,
+    entries: u64,
+) -> RefcountArea {
+    let per_table_cluster = cs / 8;
+    let mut area = RefcountArea {
+        start,
+        blocks: Vec::new(),
+        table_clusters: 1,
+    };
+    loop {
+        let end = area.end();
+        let last = (end - 1) / entries;
+        let blocks: Vec<u64> = (cover_from / entries..=last)
+            .filter(|&j| existing.get(j as usize).copied().unwrap_or(0) == 0)
+            .collect();
+        let needed = min_entries.max(last + 1).max(existing.len() as u64);
+        let table_clusters = needed.div_ceil(per_table_cluster).max(1);
+        if blocks == area.blocks && table_clusters == area.table_clusters {
+            return area;
+        }
+        area.blocks = blocks;
+        area.table_clusters = table_clusters;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refcount_area_covers_itself() {
+        // 512-byte clusters, 64-bit refcounts: 64 entries per block, 64 per table cluster.
+        let existing = vec![1024u64; 64];
+        let area = plan_refcount_area(&existing, 4096, 4096, 65, 512, 64);
+        let end = area.end();
+        for c in 4096..end {
+            let j = c / 64;
+            assert!(
+                area.blocks.contains(&j) || existing.get(j as usize).is_some_and(|&b| b != 0),
+                "cluster {c} uncovered"
+            );
+        }
+        assert!(area.table_clusters * 64 > (end - 1) / 64);
+    }
+
+    #[test]
+    fn a_rebuild_area_covers_everything_from_zero() {
+        let area = plan_refcount_area(&[], 0, 100, 1, 65536, 32768);
+        assert_eq!(area.blocks, vec![0]);
+        assert_eq!(area.table_clusters, 1);
+        assert_eq!(area.end(), 102);
+    }
+}

@@ -1,0 +1,276 @@
+//! L2 entries through the slice caches, and writing the caches back in the crash-safe order:
+//! a slice is written only after what it depends on is durable (QEMU's cache dependencies).
+
+use std::time::Duration;
+
+use qimg_cache::{Dependencies, DirtySlice, SliceCache, SliceKey};
+use qimg_format::l2::{AnyL2Entry, write_entry};
+use qimg_format::units::GuestOffset;
+use qimg_io::Storage;
+
+use super::{CacheKind, Meta};
+use crate::engine::image::Inner;
+use crate::engine::overlap::{Region, Writing};
+use crate::error::{Error, Result};
+
+impl<S: Storage> Inner<S> {
+    /// Slice key and index in the slice of the L2 entry for `guest` in table `table`.
+    pub(super) fn l2_position(&self, m: &Meta, table: u64, guest: u64) -> (SliceKey, usize) {
+        let per_slice = m.l2_slice / self.geo.l2_entry_size();
+        let index = self.geo.l2_index(GuestOffset(guest));
+        let slice = index / per_slice;
+        (
+            SliceKey::new(table, slice as u32),
+            (index % per_slice) as usize,
+        )
+    }
+
+    pub(super) fn slice_location(&self, m: &Meta, kind: CacheKind, key: SliceKey) -> u64 {
+        match kind {
+            CacheKind::L2 => key.table + u64::from(key.slice) * m.l2_slice,
+            CacheKind::Refcount => key.table,
+        }
+    }
+
+    /// The L2 entry describing the guest cluster containing `guest`.
+    pub(crate) async fn lookup(&self, m: &mut Meta, guest: u64) -> Result<AnyL2Entry> {
+        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
+        let Some(table) = m.l1.get(l1i).and_then(|e| e.l2_offset) else {
+            return Ok(self.unallocated_entry());
+        };
+        let (key, idx) = self.l2_position(m, table.0, guest);
+        self.load(m, CacheKind::L2, key).await?;
+        let es = self.geo.l2_entry_size() as usize;
+        let slice =
+            m.l2.peek(key)
+                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
+        let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
+        match AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at) {
+            Ok(e) => Ok(e),
+            Err(e) if self.writable => Err(self.signal_corruption(m, e.to_string()).await),
+            Err(e) => Err(self.fmt_err(e)),
+        }
+    }
+
+    /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or
+    /// un-sharing) its L2 table first.
+    pub(crate) async fn set_entry(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+        entry: &AnyL2Entry,
+    ) -> Result<()> {
+        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
+        let table = self.ensure_l2(m, l1i).await?;
+        let (key, idx) = self.l2_position(m, table, guest);
+        self.load(m, CacheKind::L2, key).await?;
+        let now = self.now();
+        let slice =
+            m.l2.get_mut(key, now)
+                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
+        write_entry(slice, idx, entry).map_err(|e| self.fmt_err(e))
+    }
+
+    /// Makes sure the slice `key` is cached, writing back a dirty victim first.
+    pub(crate) async fn load(&self, m: &mut Meta, kind: CacheKind, key: SliceKey) -> Result<()> {
+        // A counted lookup: hits and misses in the statistics come from here.
+        let now = self.now();
+        if m.cache(kind).get(key, now).is_some() {
+            return Ok(());
+        }
+        if let Some(victim) = m.cache(kind).victim() {
+            if m.cache(kind).is_dirty(victim) == Some(true) {
+                // Written back while still cached: if the write fails, nothing is lost.
+                self.write_back(m, kind).await?;
+            }
+        }
+        let size = m.cache(kind).slice_size();
+        let mut buf = vec![0u8; size];
+        let at = self.slice_location(m, kind, key);
+        if let Err(e) = self.file.read_at(&mut buf, at).await {
+            let what = format!(
+                "{} at {at:#x} cannot be read: {e}",
+                match kind {
+                    CacheKind::L2 => "L2 table slice",
+                    CacheKind::Refcount => "refcount block",
+                }
+            );
+            let past_end = self
+                .file
+                .len()
+                .await
+                .is_ok_and(|len| at.saturating_add(size as u64) > len);
+            if past_end && self.writable {
+                return Err(self.signal_corruption(m, what).await);
+            }
+            return Err(Error::corrupt(&self.path, what));
+        }
+        let now = self.now();
+        let evicted = m
+            .cache(kind)
+            .insert(key, buf.into_boxed_slice(), now)
+            .map_err(|e| self.cache_err(e))?;
+        if let Some(d) = evicted {
+            self.write_evicted(m, kind, d).await?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn own(kind: CacheKind, key: SliceKey) -> Writing {
+        match kind {
+            CacheKind::L2 => Writing::Own(Region::ActiveL2, key.table),
+            CacheKind::Refcount => Writing::Own(Region::RefcountBlock, key.table),
+        }
+    }
+
+    pub(super) async fn write_evicted(
+        &self,
+        m: &mut Meta,
+        kind: CacheKind,
+        d: DirtySlice,
+    ) -> Result<()> {
+        self.honour_dependencies(m, kind).await?;
+        let at = self.slice_location(m, kind, d.key);
+        self.guard_write(m, at, d.data.len() as u64, Self::own(kind, d.key))
+            .await?;
+        self.file
+            .write_at(&d.data, at)
+            .await
+            .map_err(|e| self.storage_error(e))
+    }
+
+    /// Before writing any slice of `kind`: flush what it depends on.
+    pub(super) async fn honour_dependencies(&self, m: &mut Meta, kind: CacheKind) -> Result<()> {
+        let deps = m.cache(kind).take_dependencies();
+        let other = kind.other();
+        let mut theirs = Dependencies::default();
+        let done = async {
+            if deps.other_cache {
+                theirs = m.cache(other).take_dependencies();
+                if theirs.flush {
+                    self.flush_data().await?;
+                }
+                self.write_slices(m, other).await?;
+                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            }
+            if deps.flush {
+                self.flush_data().await?;
+            }
+            Ok(())
+        }
+        .await;
+        if done.is_err() {
+            // Nothing is known to be durable: the ordering still has to happen next time.
+            restore(m.cache(kind), deps);
+            restore(m.cache(other), theirs);
+        }
+        done
+    }
+
+    pub(super) async fn write_slices(&self, m: &mut Meta, kind: CacheKind) -> Result<()> {
+        for entry in m.cache(kind).dirty_entries() {
+            let at = self.slice_location(m, kind, entry.key);
+            let Some(data) = m.cache(kind).peek(entry.key).map(<[u8]>::to_vec) else {
+                continue;
+            };
+            self.guard_write(m, at, data.len() as u64, Self::own(kind, entry.key))
+                .await?;
+            self.file
+                .write_at(&data, at)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            m.cache(kind)
+                .mark_clean(entry)
+                .map_err(|e| self.cache_err(e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes back every dirty slice of `kind`, after what it depends on.
+    pub(crate) async fn write_back(&self, m: &mut Meta, kind: CacheKind) -> Result<()> {
+        self.honour_dependencies(m, kind).await?;
+        self.write_slices(m, kind).await
+    }
+
+    /// Records that `kind` must not be written before `on` is flushed (QEMU's
+    /// `qcow2_cache_set_dependency`): a dependency the other way is resolved first, by
+    /// flushing, so the two never wait for each other.
+    pub(crate) async fn set_dependency(
+        &self,
+        m: &mut Meta,
+        kind: CacheKind,
+        on: CacheKind,
+    ) -> Result<()> {
+        if self.lazy {
+            return Ok(());
+        }
+        if m.cache(on).dependencies().other_cache {
+            self.write_back(m, kind).await?;
+            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            let kept = m.cache(on).take_dependencies();
+            if kept.flush {
+                m.cache(on).depend_on_flush();
+            }
+        }
+        m.cache(kind).depend_on_other_cache();
+        Ok(())
+    }
+
+    pub(crate) async fn flush_data(&self) -> Result<()> {
+        if let Some((p, s)) = &self.data_file {
+            s.flush().await.map_err(|e| Error::storage(p, e))?;
+        }
+        self.file.flush().await.map_err(|e| self.storage_error(e))
+    }
+
+    /// Guest flush: L2 slices, refcount blocks, then a storage flush; then queued punches.
+    pub(crate) async fn flush_meta(&self, m: &mut Meta) -> Result<()> {
+        self.write_back(m, CacheKind::L2).await?;
+        self.write_back(m, CacheKind::Refcount).await?;
+        self.flush_data().await?;
+        let punches = std::mem::take(&mut m.pending_punch);
+        let cs = self.geo.cluster_size();
+        for c in punches {
+            if m.overlap.find(c * cs, cs, Writing::Data).is_some() {
+                // A freed cluster that is still metadata: the refcounts are wrong. Keep it.
+                continue;
+            }
+            // Advisory: a failed punch only costs space.
+            let _ = self.file.discard(c * cs, cs).await;
+        }
+        Ok(())
+    }
+
+    /// One pass of the cache-clean timer; returns the bytes freed.
+    pub(crate) async fn clean_idle(&self, m: &mut Meta) -> Result<u64> {
+        let Some(interval) = self.clean_interval else {
+            return Ok(0);
+        };
+        self.clean_idle_with(m, interval).await
+    }
+
+    pub(crate) async fn clean_idle_with(&self, m: &mut Meta, interval: Duration) -> Result<u64> {
+        let mut freed = 0;
+        for kind in [CacheKind::L2, CacheKind::Refcount] {
+            let now = self.now();
+            let report = m.cache(kind).clean_idle(now, interval);
+            freed += report.bytes_freed;
+            if !report.dirty_idle.is_empty() {
+                // Written back in dependency order, then dropped by a second pass (a
+                // write-back is not a use).
+                self.write_back(m, kind).await?;
+                freed += m.cache(kind).clean_idle(now, interval).bytes_freed;
+            }
+        }
+        Ok(freed)
+    }
+}
+
+fn restore(cache: &mut SliceCache, deps: Dependencies) {
+    if deps.other_cache {
+        cache.depend_on_other_cache();
+    }
+    if deps.flush {
+        cache.depend_on_flush();
+    }
+}

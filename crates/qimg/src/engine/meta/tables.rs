@@ -1,0 +1,183 @@
+//! L1 and L2 tables: creating an L2 table (or un-sharing one a snapshot shares), writing L1
+//! entries, growing the L1 table, switching the header to a new table, and the header's
+//! dirty and corrupt flags.
+
+use qimg_format::features::INCOMPAT_DIRTY;
+use qimg_format::l1::{self, L1Entry};
+use qimg_format::units::HostOffset;
+use qimg_io::Storage;
+
+use super::{CacheKind, Meta};
+use crate::engine::image::Inner;
+use crate::engine::overlap::{Region, Writing};
+use crate::error::{Error, Result};
+
+impl<S: Storage> Inner<S> {
+    // ----- L1 / L2 tables -----
+
+    /// The L2 table for L1 index `l1i`, allocated (zeroed) or un-shared (copied) if needed.
+    pub(crate) async fn ensure_l2(&self, m: &mut Meta, l1i: usize) -> Result<u64> {
+        let entry = *m.l1.get(l1i).ok_or_else(|| {
+            Error::corrupt(
+                &self.path,
+                format!(
+                    "L1 index {l1i} is past the L1 table ({} entries)",
+                    m.l1.len()
+                ),
+            )
+        })?;
+        if let (Some(off), true) = (entry.l2_offset, entry.copied) {
+            return Ok(off.0);
+        }
+        self.mark_dirty_if_lazy(m).await?;
+        let cs = self.geo.cluster_size();
+        let new = self.alloc_clusters(m, 1).await?;
+        let mut content = vec![0u8; cs as usize];
+        if let Some(old) = entry.l2_offset {
+            self.write_back(m, CacheKind::L2).await?;
+            self.file
+                .read_at(&mut content, old.0)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
+        self.guard_write(m, new, cs, Writing::Data).await?;
+        self.file
+            .write_at(&content, new)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        if !self.lazy {
+            self.write_back(m, CacheKind::Refcount).await?;
+        }
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        let linked = L1Entry {
+            l2_offset: Some(HostOffset(new)),
+            copied: true,
+        };
+        // On failure the entry on disk may or may not point at the new table (a torn or
+        // failed write can still land): keep the table's reference so that either way the
+        // image stays consistent; at worst the cluster leaks.
+        self.write_l1_entry(m, l1i, linked).await?;
+        m.l1[l1i] = linked;
+        m.overlap.insert(Region::ActiveL2, new, cs);
+        if let Some(old) = entry.l2_offset {
+            m.overlap.remove(Region::ActiveL2, old.0);
+            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            let _ = m.l2.remove(old.0);
+            self.free_clusters(m, old.0, 1).await?;
+        }
+        Ok(new)
+    }
+
+    /// Writes `hdr` at header offset `at` and flushes: the switch to a new table, whose
+    /// contents must already be durable. When either step fails the file may name the old or
+    /// the new table, and memory keeps the old one: the image halts ([`Error::Halted`]) so
+    /// that the two cannot drift apart.
+    pub(super) async fn switch_header(
+        &self,
+        hdr: &[u8],
+        at: u64,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        self.check_not_halted()?;
+        let done = match self.file.write_at(hdr, at).await {
+            Ok(()) => self.file.flush().await,
+            Err(e) => Err(e),
+        };
+        done.map_err(|e| {
+            let e = self.storage_error(e);
+            let _ = self.halted.set(format!("{} ({e})", what()));
+            e
+        })
+    }
+
+    pub(super) async fn write_l1_entry(
+        &self,
+        m: &mut Meta,
+        l1i: usize,
+        entry: L1Entry,
+    ) -> Result<()> {
+        self.check_not_halted()?;
+        let raw = entry.encode().to_be_bytes();
+        let at = m.l1_offset + l1i as u64 * 8;
+        let own = Writing::Own(Region::ActiveL1, m.l1_offset);
+        self.guard_write(m, at, 8, own).await?;
+        self.file
+            .write_at(&raw, at)
+            .await
+            .map_err(|e| self.storage_error(e))
+    }
+
+    /// Replaces the L1 table with one of `entries` entries (growing only).
+    pub(crate) async fn grow_l1(&self, m: &mut Meta, entries: u64) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        if entries <= m.l1.len() as u64 {
+            return Ok(());
+        }
+        let bytes = entries * 8;
+        let clusters = bytes.div_ceil(cs);
+        let at = self.alloc_clusters(m, clusters).await?;
+        let mut l1 = m.l1.clone();
+        l1.resize(entries as usize, L1Entry::UNALLOCATED);
+        let mut raw = l1::encode_table(&l1);
+        raw.resize((clusters * cs) as usize, 0);
+        self.guard_write(m, at, raw.len() as u64, Writing::Data)
+            .await?;
+        self.file
+            .write_at(&raw, at)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        if !self.lazy {
+            self.write_back(m, CacheKind::Refcount).await?;
+        }
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        let mut hdr = [0u8; 12];
+        hdr[..4].copy_from_slice(&(entries as u32).to_be_bytes());
+        hdr[4..].copy_from_slice(&at.to_be_bytes());
+        self.switch_header(&hdr, 36, || {
+            format!("the switch to a new L1 table of {entries} entries at {at:#x} failed")
+        })
+        .await?;
+        let old_at = m.l1_offset;
+        let old_clusters = (m.l1.len() as u64 * 8).div_ceil(cs);
+        m.l1 = l1;
+        m.l1_offset = at;
+        m.overlap.remove_all(Region::ActiveL1);
+        m.overlap.insert(Region::ActiveL1, at, entries * 8);
+        if old_clusters > 0 && old_at != 0 {
+            self.free_clusters(m, old_at, old_clusters).await?;
+        }
+        Ok(())
+    }
+
+    // ----- header flags -----
+
+    pub(super) async fn write_incompatible(&self, m: &mut Meta, bits: u64) -> Result<()> {
+        self.file
+            .write_at(&bits.to_be_bytes(), 72)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        m.incompatible = bits;
+        Ok(())
+    }
+
+    /// Lazy refcounts: sets the dirty bit before the first metadata change.
+    pub(crate) async fn mark_dirty_if_lazy(&self, m: &mut Meta) -> Result<()> {
+        if self.lazy && !m.dirty_on_disk && self.version >= 3 {
+            let bits = m.incompatible | INCOMPAT_DIRTY;
+            self.write_incompatible(m, bits).await?;
+            m.dirty_on_disk = true;
+        }
+        Ok(())
+    }
+
+    /// Clears the dirty bit once refcounts on disk are accurate (after a flush).
+    pub(crate) async fn mark_clean(&self, m: &mut Meta) -> Result<()> {
+        if m.dirty_on_disk {
+            let bits = m.incompatible & !INCOMPAT_DIRTY;
+            self.write_incompatible(m, bits).await?;
+            m.dirty_on_disk = false;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,258 @@
+//! [`OpenOptions`]: how to open an image (a builder) and the calls that open it; the
+//! [`Trust`] policy for images from untrusted sources; how new clusters are reserved.
+
+use std::path::{Path, PathBuf};
+
+use qimg_cache::CacheOptions;
+use qimg_io::{AnyStorage, Backend, Storage};
+
+use super::image::Image;
+use super::open::{Backing, Given, Opener, open_chain};
+use crate::chain::MAX_CHAIN_DEPTH;
+use crate::error::{Error, Result};
+
+/// How a newly allocated host cluster is reserved in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Allocation {
+    /// Reserve the whole cluster with `fallocate` so later subcluster writes land contiguously
+    /// (QEMU's behaviour).
+    #[default]
+    Contiguous,
+    /// Write only what the guest wrote; the rest of the cluster stays a hole (saves space).
+    Sparse,
+}
+
+/// How far qimg trusts what an image's header asks it to open and load.
+///
+/// A qcow2 header names other files (a backing file, an external data file) and sizes tables
+/// that are loaded into memory. For an image you made, QEMU's rules apply. For an image from
+/// an untrusted source (a guest, an upload, a download) use [`Trust::untrusted`]: otherwise its
+/// header can make qimg open any file the process can read (`/etc/shadow` as a raw backing
+/// file, say) and expose it to the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Trust {
+    /// Stored names are followed as QEMU follows them (absolute names and `..` included),
+    /// down to [`MAX_CHAIN_DEPTH`] images; L1 tables up to QEMU's own limit are loaded.
+    #[default]
+    Trusted,
+    /// Stored backing and data file names must stay inside the image's directory (no absolute
+    /// name, no `..`, no `json:` pseudo-name), and the given limits hold for every image of
+    /// the chain.
+    Untrusted(UntrustedLimits),
+}
+
+/// The limits [`Trust::Untrusted`] puts on an image and its chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UntrustedLimits {
+    /// Most images opened below the untrusted one.
+    pub max_chain_depth: usize,
+    /// Largest active L1 table (in bytes) of any image in the chain; the L1 table is kept in
+    /// memory while the image is open.
+    pub max_l1_bytes: u64,
+}
+
+impl Default for UntrustedLimits {
+    /// 16 images and 8 MiB of L1 table (1 Mi entries: 8 TiB of guest disk with 64 KiB
+    /// clusters, 64 TiB with 2 MiB clusters).
+    fn default() -> Self {
+        Self {
+            max_chain_depth: 16,
+            max_l1_bytes: 8 << 20,
+        }
+    }
+}
+
+impl Trust {
+    /// [`Trust::Untrusted`] with the default limits.
+    pub fn untrusted() -> Self {
+        Self::Untrusted(UntrustedLimits::default())
+    }
+
+    pub(super) fn max_chain_depth(self) -> usize {
+        match self {
+            Self::Trusted => MAX_CHAIN_DEPTH,
+            Self::Untrusted(l) => l.max_chain_depth.min(MAX_CHAIN_DEPTH),
+        }
+    }
+}
+
+/// How to open an image, and the calls that open it: a builder.
+///
+/// [`OpenOptions::new`] opens read-only, with QEMU's cache defaults, following the backing
+/// chain, on the thread-pool backend without `O_DIRECT`, trusting the image. Options are set
+/// by chaining; the options are then used (and may be reused) by one of the opening calls:
+///
+/// | call | storage | opens referenced files with |
+/// |---|---|---|
+/// | [`open`](Self::open) | [`AnyStorage`]: the [`backend`](Self::backend), with or without [`direct`](Self::direct) | the same backend |
+/// | [`open_with`](Self::open_with) | whatever the [`Opener`] returns | the opener |
+/// | [`open_storage`](Self::open_storage) | a storage you opened | nothing: backing and data file are given |
+/// | [`open_blocking`](Self::open_blocking) | a [`BlockingImage`](super::BlockingImage) over [`AnyStorage`] | the same backend |
+///
+/// ```no_run
+/// # async fn demo() -> qimg::Result<()> {
+/// use qimg::{OpenOptions, io::Backend};
+/// let img = OpenOptions::new()
+///     .writable(true)
+///     .backend(Backend::IoUring)
+///     .direct(true)
+///     .open("disk.qcow2")
+///     .await?;
+/// img.write(&[1u8; 4096], 0).await?;
+/// img.close().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "options do nothing until one of the open calls uses them"]
+pub struct OpenOptions {
+    pub(super) writable: bool,
+    pub(super) cache: CacheOptions,
+    pub(super) allocation: Allocation,
+    pub(super) follow_backing: bool,
+    pub(super) data_file: Option<PathBuf>,
+    pub(super) direct: bool,
+    pub(super) backend: Backend,
+    pub(super) clean_timer: bool,
+    pub(super) trust: Trust,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl OpenOptions {
+    /// Read-only, QEMU's cache defaults, backing chain followed, thread-pool backend without
+    /// `O_DIRECT`, clean timer on, image trusted.
+    pub fn new() -> Self {
+        Self {
+            writable: false,
+            cache: CacheOptions::default(),
+            allocation: Allocation::default(),
+            follow_backing: true,
+            data_file: None,
+            direct: false,
+            backend: Backend::default(),
+            clean_timer: true,
+            trust: Trust::default(),
+        }
+    }
+
+    /// Open for writing (the backing chain is always opened read-only).
+    pub fn writable(mut self, writable: bool) -> Self {
+        self.writable = writable;
+        self
+    }
+
+    /// Cache budgets and the clean interval, with QEMU's option names and defaults.
+    pub fn cache(mut self, cache: CacheOptions) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    /// How new host clusters are reserved in the file.
+    pub fn allocation(mut self, allocation: Allocation) -> Self {
+        self.allocation = allocation;
+        self
+    }
+
+    /// Open the backing chain (the default). Without it unallocated clusters read as zeros,
+    /// which is only good for inspection; an image with a backing file then cannot be opened
+    /// for writing.
+    pub fn follow_backing(mut self, follow: bool) -> Self {
+        self.follow_backing = follow;
+        self
+    }
+
+    /// The external data file, overriding the name stored in the image.
+    pub fn data_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.data_file = Some(path.into());
+        self
+    }
+
+    /// Open files with `O_DIRECT` ([`open`](Self::open) and
+    /// [`open_blocking`](Self::open_blocking); requests of any alignment are accepted, a
+    /// bounce buffer covers unaligned ones). With [`open_with`](Self::open_with) the opener
+    /// decides.
+    pub fn direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    /// The I/O backend of [`open`](Self::open) and [`open_blocking`](Self::open_blocking)
+    /// for the image and every file it refers to.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Run the cache-clean timer (the default): when a tokio runtime is running at open, a
+    /// task writes back and drops cache entries idle for the clean interval. Without it, call
+    /// [`Image::clean_idle_caches`] yourself.
+    pub fn clean_timer(mut self, run: bool) -> Self {
+        self.clean_timer = run;
+        self
+    }
+
+    /// How far the image is trusted (see [`Trust`]).
+    pub fn trust(mut self, trust: Trust) -> Self {
+        self.trust = trust;
+        self
+    }
+
+    /// Whether the image will be opened for writing.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Opens the qcow2 image at `path`, its backing chain and data file on the
+    /// [`backend`](Self::backend), with `O_DIRECT` when [`direct`](Self::direct) is set.
+    pub async fn open(&self, path: impl AsRef<Path>) -> Result<Image<AnyStorage>> {
+        let (backend, direct) = (self.backend, self.direct);
+        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
+        self.open_with(path.as_ref(), &opener).await
+    }
+
+    /// Opens the image at `path` through `opener`, which also opens its backing chain and
+    /// external data file ([`backend`](Self::backend) and [`direct`](Self::direct) do not
+    /// apply: the opener decides).
+    pub async fn open_with<S: Storage + 'static>(
+        &self,
+        path: impl AsRef<Path>,
+        opener: &dyn Opener<S>,
+    ) -> Result<Image<S>> {
+        let path = path.as_ref();
+        let file = opener
+            .open(path, self.writable)
+            .map_err(|e| Error::storage(path, e))?;
+        let mut seen = Vec::new();
+        open_chain(
+            file,
+            path.to_path_buf(),
+            self,
+            Some(opener),
+            None,
+            0,
+            &mut seen,
+        )
+        .await
+    }
+
+    /// Opens an image held in `file` (named `name` in errors and for resolving relative
+    /// names), with the backing image given explicitly (or none). The backing name stored in
+    /// the image is not followed; an external data file must be given in `data_file` when the
+    /// image needs one.
+    pub async fn open_storage<S: Storage + 'static>(
+        &self,
+        file: S,
+        name: impl Into<PathBuf>,
+        backing: Option<Backing<S>>,
+        data_file: Option<S>,
+    ) -> Result<Image<S>> {
+        let name = name.into();
+        let mut seen = Vec::new();
+        let given = Given { backing, data_file };
+        open_chain(file, name, self, None, Some(given), 0, &mut seen).await
+    }
+}

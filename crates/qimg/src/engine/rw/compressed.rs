@@ -1,0 +1,97 @@
+//! Compressed writes (`qimg convert -c`): whole clusters compressed and packed into host
+//! clusters as QEMU packs them.
+
+use qimg_io::Storage;
+
+use super::*;
+
+impl<S: Storage> Inner<S> {
+    /// Stores one whole guest cluster compressed (the last cluster of a disk whose size is not
+    /// a multiple of the cluster size may be shorter). Data that does not shrink is written
+    /// the ordinary way, as QEMU does.
+    pub(crate) async fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_writable()?;
+        let cs = self.geo.cluster_size();
+        let len = data.len() as u64;
+        self.check_range(offset, len)?;
+        if self.data_file.is_some() {
+            return Err(Error::Unsupported {
+                path: self.path.clone(),
+                what: "compressed clusters in an image with an external data file".into(),
+            });
+        }
+        let whole = len == cs || (len > 0 && len < cs && offset + len == self.size());
+        if offset % cs != 0 || !whole {
+            return Err(Error::InvalidOption(format!(
+                "{}: a compressed write must cover one whole cluster ({cs} bytes at a cluster \
+                 boundary, or the disk's last partial cluster), not {len} bytes at {offset:#x}",
+                self.path.display()
+            )));
+        }
+        let mut padded;
+        let input = if len == cs {
+            data
+        } else {
+            padded = vec![0u8; cs as usize];
+            padded[..data.len()].copy_from_slice(data);
+            &padded[..]
+        };
+        let cbits = self.geo.cluster_bits();
+        let Some(packed) = compress::compress(self.compression, input, cs as usize - 1)
+            .filter(|p| CompressedDescriptor::new(0, p.len() as u64, cbits).is_ok())
+        else {
+            return self.write(data, offset).await;
+        };
+        let plen = packed.len() as u64;
+        let _guard = self.locks.lock(offset / cs, offset / cs + 1, true).await;
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        let old = self.lookup(&mut m, offset).await?;
+        // Pack into the tail of the last compressed cluster when the bytes fit there.
+        let at = match m.compressed_tail {
+            Some(t) if t % cs + plen <= cs => {
+                self.update_refcount(&mut m, t / cs, 1).await?;
+                t
+            }
+            _ => {
+                let h = self.alloc_clusters(&mut m, 1).await?;
+                self.counters
+                    .clusters_allocated
+                    .fetch_add(1, Ordering::Relaxed);
+                h
+            }
+        };
+        let end = at + plen;
+        m.compressed_tail = (end % cs != 0).then_some(end);
+        let desc = CompressedDescriptor::new(at, plen, cbits).map_err(|e| self.fmt_err(e))?;
+        self.guard_write(&mut m, at, plen, Writing::Data).await?;
+        drop(m);
+
+        let written = self
+            .file
+            .write_at(&packed, at)
+            .await
+            .map_err(|e| self.storage_error(e));
+        let mut m = self.meta.lock().await;
+        if let Err(e) = written {
+            let _ = self.free_clusters(&mut m, at - at % cs, 1).await;
+            return Err(e);
+        }
+        self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+            .await?;
+        let entry = L2Entry::Compressed(desc);
+        let new = match old {
+            AnyL2Entry::Standard(_) => AnyL2Entry::Standard(entry),
+            AnyL2Entry::Extended(_) => AnyL2Entry::Extended(ExtendedL2Entry {
+                entry,
+                bitmap: SubclusterBitmap { alloc: 0, zero: 0 },
+            }),
+        };
+        self.set_entry(&mut m, offset, &new).await?;
+        m.l2.depend_on_flush();
+        if let Some(freed) = old_reference(old.entry()) {
+            self.release(&mut m, freed).await?;
+        }
+        Ok(())
+    }
+}

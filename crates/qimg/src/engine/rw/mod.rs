@@ -1,0 +1,170 @@
+//! The guest data paths: read, write with subcluster copy-on-write, write-zeroes, discard,
+//! resize.
+//!
+//! | module | what |
+//! |---|---|
+//! | this one | the types a write carries from planning to linking, request splitting |
+//! | `read` | reads: data, zeros, compressed clusters, the backing chain |
+//! | `cow` | copy-on-write planning: what one write does to one cluster |
+//! | `write` | writes: allocation, copy-on-write and guest data, linking; the pieces write leases use |
+//! | `compressed` | compressed cluster writes |
+//! | `zero` | write-zeroes and discard, whole subclusters by bitmap |
+//! | `resize` | growing and shrinking the virtual disk |
+//!
+//! Every request first takes its guest clusters in the range lock (shared for reads, exclusive
+//! otherwise), then works cluster by cluster: look the L2 entry up under the metadata lock,
+//! release it, do the data I/O, and take it again only to link what was written.
+
+use std::sync::atomic::Ordering;
+
+use qimg_format::compressed::CompressedDescriptor;
+use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap, SubclusterState};
+use qimg_format::units::SubclusterIndex;
+use qimg_io::{AllocateOutcome, Storage};
+
+use super::compress;
+use super::image::Inner;
+use super::meta::{CacheKind, Meta};
+use super::open::Backing;
+use super::options::Allocation;
+use super::overlap::Writing;
+use crate::error::{Error, Result};
+
+mod compressed;
+mod cow;
+mod read;
+mod resize;
+mod write;
+mod zero;
+
+pub(super) const ALL: u32 = u32::MAX;
+
+/// Something a rewrite leaves without a reference.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Freed {
+    Cluster(u64),
+    Compressed(CompressedDescriptor),
+}
+
+/// Where the bytes of a write go: the cluster the entry names, or a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Destination {
+    /// The existing host cluster (COPIED), at this offset.
+    InPlace(u64),
+    /// A new host cluster.
+    New,
+}
+
+/// The two requests that drop data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unmap {
+    Zero,
+    Discard,
+}
+
+/// A write to one guest cluster between allocation and linking.
+#[derive(Debug, Clone)]
+pub(crate) struct PreparedWrite {
+    pub(super) gc: u64,
+    pub(super) a: usize,
+    pub(super) b: usize,
+    pub(super) old: AnyL2Entry,
+    pub(super) plan: WritePlan,
+    /// Host offset of the cluster the data goes to (the guest offset with a data file).
+    pub(crate) host: u64,
+    pub(super) fresh: bool,
+}
+
+impl PreparedWrite {
+    /// Where the guest bytes `[a, b)` go in the host file.
+    pub(crate) fn guest_span(&self) -> (u64, u64, u64) {
+        (
+            self.gc + self.a as u64,
+            self.host + self.a as u64,
+            (self.b - self.a) as u64,
+        )
+    }
+}
+
+/// What one write does to one cluster.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WritePlan {
+    pub(super) target: Destination,
+    /// Cluster-relative range written to the target (the guest range plus copy-on-write).
+    pub(super) start: usize,
+    pub(super) end: usize,
+    /// The subcluster bitmap after the write (extended entries), or `None` for standard ones.
+    pub(super) bitmap: Option<SubclusterBitmap>,
+    /// Whether the L2 entry changes.
+    pub(super) relink: bool,
+    pub(super) freed: Option<Freed>,
+}
+
+pub(super) fn old_reference(e: &L2Entry) -> Option<Freed> {
+    match *e {
+        L2Entry::Compressed(d) => Some(Freed::Compressed(d)),
+        other => other.host_cluster().map(|h| Freed::Cluster(h.0)),
+    }
+}
+
+pub(super) fn lowest(mask: u32) -> usize {
+    mask.trailing_zeros() as usize
+}
+
+pub(super) fn highest(mask: u32) -> usize {
+    31 - mask.leading_zeros() as usize
+}
+
+pub(super) fn subcluster_mask(first: usize, end: usize) -> u32 {
+    SubclusterBitmap::range_mask(SubclusterIndex(first as u32), (end - first) as u32)
+}
+
+impl<S: Storage> Inner<S> {
+    /// Splits `[offset, offset + len)` into per-cluster pieces `(cluster start, offset in
+    /// cluster, length, position in the request)`.
+    pub(super) fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, usize, usize, usize)> {
+        let cs = self.geo.cluster_size();
+        let mut out = Vec::new();
+        let mut pos = 0u64;
+        while pos < len {
+            let at = offset + pos;
+            let within = at % cs;
+            let n = (cs - within).min(len - pos);
+            out.push((at - within, within as usize, n as usize, pos as usize));
+            pos += n;
+        }
+        out
+    }
+
+    pub(super) fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {
+        let bits = self.geo.cluster_bits();
+        (offset >> bits, ((offset + len.max(1) - 1) >> bits) + 1)
+    }
+
+    pub(super) fn ensure_open(&self, m: &Meta) -> Result<()> {
+        if m.closed {
+            return Err(Error::InvalidOption(format!(
+                "{}: the image is closed",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Drops the reference a rewritten entry held (after the entry changed).
+    pub(super) async fn release(&self, m: &mut Meta, freed: Freed) -> Result<()> {
+        if self.data_file.is_some() {
+            return Ok(());
+        }
+        self.set_dependency(m, CacheKind::Refcount, CacheKind::L2)
+            .await?;
+        match freed {
+            Freed::Cluster(h) => self.free_clusters(m, h, 1).await,
+            Freed::Compressed(d) => {
+                let (first, n) = d.host_clusters();
+                self.free_clusters(m, first.0 * self.geo.cluster_size(), n)
+                    .await
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Writes: allocating and copying on write, writing the guest data, and linking the new
+//! cluster into the L2 table, in the order crash safety needs (data before the entry). Write
+//! leases use the same three steps (prepare, write copy-on-write, link).
+
+use qimg_io::Storage;
+
+use super::*;
+
+impl<S: Storage> Inner<S> {
+    pub(crate) async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.check_writable()?;
+        let len = buf.len() as u64;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (first, end) = self.cluster_span(offset, len);
+        let _guard = self.locks.lock(first, end, true).await;
+        for (gc, a, n, pos) in self.pieces(offset, len) {
+            self.write_chunk(gc, a, &buf[pos..pos + n]).await?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn linked_entry(&self, host: u64, bitmap: Option<SubclusterBitmap>) -> AnyL2Entry {
+        let entry = L2Entry::Normal {
+            host: qimg_format::units::HostOffset(host),
+            copied: true,
+        };
+        match bitmap {
+            Some(bitmap) => AnyL2Entry::Extended(ExtendedL2Entry { entry, bitmap }),
+            None => AnyL2Entry::Standard(entry),
+        }
+    }
+
+    /// Writes `data` at offset `a` of the guest cluster at `gc` (the caller holds the cluster
+    /// exclusively).
+    pub(super) async fn write_chunk(&self, gc: u64, a: usize, data: &[u8]) -> Result<()> {
+        let p = self.prepare_chunk(gc, a, a + data.len()).await?;
+        let written = self
+            .write_data(&p.old, gc, a, data, &p.plan, p.host, p.fresh)
+            .await;
+        if let Err(e) = written {
+            self.abandon_chunk(&p).await;
+            return Err(e);
+        }
+        self.link_chunk(&p).await
+    }
+
+    /// First half of a write to `[a, b)` of guest cluster `gc`: look the entry up, plan the
+    /// write, and allocate (under the metadata lock). Nothing is linked yet.
+    pub(crate) async fn prepare_chunk(&self, gc: u64, a: usize, b: usize) -> Result<PreparedWrite> {
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        let old = self.lookup(&mut m, gc).await?;
+        let plan = self.plan_write(&old, a, b);
+        let (host, fresh) = match plan.target {
+            Destination::InPlace(h) => (h, false),
+            Destination::New if self.data_file.is_some() => (gc, false),
+            Destination::New => {
+                let h = self.alloc_clusters(&mut m, 1).await?;
+                self.counters
+                    .clusters_allocated
+                    .fetch_add(1, Ordering::Relaxed);
+                (h, true)
+            }
+        };
+        if self.data_file.is_none() {
+            let span = (plan.end - plan.start) as u64;
+            self.guard_write(&mut m, host + plan.start as u64, span, Writing::Data)
+                .await?;
+        }
+        Ok(PreparedWrite {
+            gc,
+            a,
+            b,
+            old,
+            plan,
+            host,
+            fresh,
+        })
+    }
+
+    /// Gives back what [`prepare_chunk`](Self::prepare_chunk) allocated when the data could
+    /// not be written (never linked, so freeing it cannot lose anything).
+    pub(crate) async fn abandon_chunk(&self, p: &PreparedWrite) {
+        if p.fresh {
+            let mut m = self.meta.lock().await;
+            let _ = self.free_clusters(&mut m, p.host, 1).await;
+        }
+    }
+
+    /// Second half: links the written cluster into the L2 table, after the refcounts and the
+    /// data (cache dependencies), and drops the old reference.
+    pub(crate) async fn link_chunk(&self, p: &PreparedWrite) -> Result<()> {
+        let plan = &p.plan;
+        let mut m = self.meta.lock().await;
+        let cow = (p.a - plan.start) + (plan.end - p.b);
+        self.counters
+            .cow_bytes
+            .fetch_add(cow as u64, Ordering::Relaxed);
+        if !plan.relink {
+            return Ok(());
+        }
+        if p.fresh {
+            // Refcount increments reach the disk before the entry that uses them.
+            self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+                .await?;
+        }
+        self.set_entry(&mut m, p.gc, &self.linked_entry(p.host, plan.bitmap))
+            .await?;
+        // The data must be durable before the entry that points at it.
+        m.l2.depend_on_flush();
+        if let Some(freed) = plan.freed {
+            self.release(&mut m, freed).await?;
+        }
+        Ok(())
+    }
+
+    /// The copy-on-write part of a prepared write: reserves a fresh cluster and writes the
+    /// head `[plan.start, a)` and tail `[b, plan.end)` around the guest bytes, which the caller
+    /// writes itself.
+    pub(crate) async fn write_cow(&self, p: &PreparedWrite) -> Result<()> {
+        let (storage, path) = self.data();
+        let cs = self.geo.cluster_size();
+        if p.fresh && self.allocation == Allocation::Contiguous {
+            let _: AllocateOutcome = storage
+                .allocate(p.host, cs)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
+        }
+        let plan = &p.plan;
+        for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
+            if from < to {
+                let mut buf = vec![0u8; to - from];
+                self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
+                storage
+                    .write_at(&buf, p.host + from as u64)
+                    .await
+                    .map_err(|e| Error::storage(path, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn write_data(
+        &self,
+        old: &AnyL2Entry,
+        gc: u64,
+        a: usize,
+        data: &[u8],
+        plan: &WritePlan,
+        host: u64,
+        fresh: bool,
+    ) -> Result<()> {
+        let (storage, path) = self.data();
+        let cs = self.geo.cluster_size();
+        if fresh && self.allocation == Allocation::Contiguous {
+            // Advisory; a backend that cannot reserve just stays sparse.
+            let _: AllocateOutcome = storage
+                .allocate(host, cs)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
+        }
+        let b = a + data.len();
+        if plan.start == a && plan.end == b {
+            return storage
+                .write_at(data, host + a as u64)
+                .await
+                .map_err(|e| Error::storage(path, e));
+        }
+        let mut buf = vec![0u8; plan.end - plan.start];
+        if plan.start < a {
+            self.read_entry_range(old, gc, plan.start, &mut buf[..a - plan.start])
+                .await?;
+        }
+        buf[a - plan.start..b - plan.start].copy_from_slice(data);
+        if b < plan.end {
+            self.read_entry_range(old, gc, b, &mut buf[b - plan.start..])
+                .await?;
+        }
+        storage
+            .write_at(&buf, host + plan.start as u64)
+            .await
+            .map_err(|e| Error::storage(path, e))
+    }
+}

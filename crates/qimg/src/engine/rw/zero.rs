@@ -1,0 +1,209 @@
+//! Write-zeroes and discard: whole subclusters change state by bitmap; partial ones are
+//! written with zeros; host clusters no subcluster uses any more are freed.
+
+use qimg_io::Storage;
+
+use super::*;
+
+impl<S: Storage> Inner<S> {
+    pub(crate) async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, Unmap::Zero).await
+    }
+
+    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, Unmap::Discard).await
+    }
+
+    /// Write-zeroes and discard: cluster by cluster, with the whole range held exclusively.
+    pub(super) async fn unmap(&self, offset: u64, len: u64, how: Unmap) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (first, end) = self.cluster_span(offset, len);
+        let _guard = self.locks.lock(first, end, true).await;
+        for (gc, a, n, _) in self.pieces(offset, len) {
+            match how {
+                Unmap::Zero => self.zero_chunk(gc, a, a + n).await?,
+                Unmap::Discard => self.discard_chunk(gc, a, a + n).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Subclusters `[first, end)` wholly inside `[a, b)`.
+    pub(super) fn whole_subclusters(&self, a: usize, b: usize) -> (usize, usize) {
+        let scs = self.geo.subcluster_size() as usize;
+        let first = a.div_ceil(scs);
+        let end = b / scs;
+        // The last cluster of an image whose size is not cluster aligned: its tail subcluster
+        // counts as whole when the range reaches the end of the disk.
+        (first, end.max(first))
+    }
+
+    pub(super) async fn zero_chunk(&self, gc: u64, a: usize, b: usize) -> Result<()> {
+        let scs = self.geo.subcluster_size() as usize;
+        let b_eff = self.extend_to_cluster_end_at_eof(gc, b);
+        let (first, end) = self.whole_subclusters(a, b_eff);
+        if first >= end {
+            return self.write_chunk(gc, a, &vec![0u8; b - a]).await;
+        }
+        if a < first * scs {
+            self.write_chunk(gc, a, &vec![0u8; first * scs - a]).await?;
+        }
+        if end * scs < b {
+            self.write_chunk(gc, end * scs, &vec![0u8; b - end * scs])
+                .await?;
+        }
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        let old = self.lookup(&mut m, gc).await?;
+        let (new, freed) = match old {
+            AnyL2Entry::Standard(e) => {
+                let new = if self.version == 2 {
+                    if self.backing.is_some() {
+                        drop(m);
+                        return self
+                            .write_chunk(gc, first * scs, &vec![0u8; (end - first) * scs])
+                            .await;
+                    }
+                    L2Entry::Unallocated
+                } else {
+                    L2Entry::Zero {
+                        preallocated: None,
+                        copied: false,
+                    }
+                };
+                (AnyL2Entry::Standard(new), old_reference(&e))
+            }
+            AnyL2Entry::Extended(x) => {
+                let mask = subcluster_mask(first, end);
+                match x.entry {
+                    L2Entry::Compressed(_) if mask != ALL => {
+                        drop(m);
+                        return self
+                            .write_chunk(gc, first * scs, &vec![0u8; (end - first) * scs])
+                            .await;
+                    }
+                    L2Entry::Compressed(d) => (
+                        AnyL2Entry::Extended(ExtendedL2Entry {
+                            entry: L2Entry::Unallocated,
+                            bitmap: SubclusterBitmap {
+                                alloc: 0,
+                                zero: ALL,
+                            },
+                        }),
+                        Some(Freed::Compressed(d)),
+                    ),
+                    entry => self.unlink_if_empty(entry, x.bitmap.with_zero(mask)),
+                }
+            }
+        };
+        if new == old {
+            return Ok(());
+        }
+        if self.data_file_raw {
+            self.zero_raw_data(gc, first * scs, end * scs).await?;
+        }
+        self.set_entry(&mut m, gc, &new).await?;
+        if let Some(freed) = freed.filter(|_| self.data_file.is_none()) {
+            self.release(&mut m, freed).await?;
+        }
+        Ok(())
+    }
+
+    /// Extended entry with a new bitmap; a host cluster left without allocated subclusters is
+    /// unlinked (and returned to be freed).
+    pub(super) fn unlink_if_empty(
+        &self,
+        entry: L2Entry,
+        bitmap: SubclusterBitmap,
+    ) -> (AnyL2Entry, Option<Freed>) {
+        match entry {
+            L2Entry::Normal { host, .. } if bitmap.alloc == 0 => (
+                AnyL2Entry::Extended(ExtendedL2Entry {
+                    entry: L2Entry::Unallocated,
+                    bitmap,
+                }),
+                Some(Freed::Cluster(host.0)),
+            ),
+            other => (
+                AnyL2Entry::Extended(ExtendedL2Entry {
+                    entry: other,
+                    bitmap,
+                }),
+                None,
+            ),
+        }
+    }
+
+    /// At the end of a disk whose size is not a multiple of the cluster size, a range reaching
+    /// the end covers the rest of the last (sub)cluster too.
+    pub(super) fn extend_to_cluster_end_at_eof(&self, gc: u64, b: usize) -> usize {
+        let size = self.size();
+        if gc + b as u64 == size {
+            self.geo.cluster_size() as usize
+        } else {
+            b
+        }
+    }
+
+    pub(super) async fn zero_raw_data(&self, gc: u64, from: usize, to: usize) -> Result<()> {
+        let (storage, path) = self.data();
+        let start = gc + from as u64;
+        let len = (to - from) as u64;
+        let len = len.min(self.size().saturating_sub(start));
+        storage
+            .write_zeroes(start, len)
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::storage(path, e))
+    }
+
+    pub(super) async fn discard_chunk(&self, gc: u64, a: usize, b: usize) -> Result<()> {
+        let scs = self.geo.subcluster_size() as usize;
+        let b = self.extend_to_cluster_end_at_eof(gc, b);
+        let (first, end) = self.whole_subclusters(a, b);
+        if first >= end {
+            return Ok(());
+        }
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        let old = self.lookup(&mut m, gc).await?;
+        let (new, freed) = match old {
+            AnyL2Entry::Standard(e) => (
+                AnyL2Entry::Standard(L2Entry::Unallocated),
+                old_reference(&e),
+            ),
+            AnyL2Entry::Extended(x) => {
+                let mask = subcluster_mask(first, end);
+                match x.entry {
+                    L2Entry::Compressed(_) if mask != ALL => return Ok(()),
+                    L2Entry::Compressed(d) => {
+                        (self.unallocated_entry(), Some(Freed::Compressed(d)))
+                    }
+                    entry => self.unlink_if_empty(entry, x.bitmap.with_unallocated(mask)),
+                }
+            }
+        };
+        if new == old {
+            return Ok(());
+        }
+        if self.data_file_raw {
+            self.zero_raw_data(gc, first * scs, end * scs).await?;
+        }
+        self.set_entry(&mut m, gc, &new).await?;
+        if let Some(freed) = freed {
+            if self.data_file.is_none() {
+                self.release(&mut m, freed).await?;
+            } else if !self.data_file_raw {
+                let (storage, _) = self.data();
+                let _ = storage
+                    .discard(gc + (first * scs) as u64, ((end - first) * scs) as u64)
+                    .await;
+            }
+        }
+        Ok(())
+    }
+}
