@@ -4,7 +4,9 @@
 //! |---|---|
 //! | `options` | [`OpenOptions`] (the open builder), [`Trust`], [`Allocation`] |
 //! | `open` | the [`Opener`] for referenced files, the backing-chain walk, checks at open |
-//! | `image` | the shared state behind an [`Image`] handle and its public async API |
+//! | `state` | what the metadata code works on: files, geometry, options, flags, request checks |
+//! | `image` | the [`Image`] handle and what it shares: state, backing image, metadata lock, range locks |
+//! | `api` | the public async API of [`Image`] |
 //! | `meta` | the metadata lock: L1 table, L2 and refcount slice caches, allocation, write ordering |
 //! | `rw` | read, write with copy-on-write planning, compressed writes, zero, discard, resize |
 //! | `lock` | range locks that serialise overlapping guest requests |
@@ -14,6 +16,7 @@
 //! | [`lease`] | the VMM data path: write leases over host extents |
 //! | `blocking` | [`BlockingImage`]: a blocking facade over the async API (feature `blocking`) |
 
+mod api;
 #[cfg(feature = "blocking")]
 pub mod blocking;
 pub(crate) mod compress;
@@ -27,12 +30,13 @@ mod options;
 mod overlap;
 mod rebuild;
 mod rw;
+mod state;
 
 #[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};
-pub use image::{Image, Stats};
+pub use image::{Backing, Image, Stats};
 pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
-pub use open::{Backing, FileOpener, Opener};
+pub use open::{FileOpener, Opener};
 pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};

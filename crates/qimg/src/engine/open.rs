@@ -19,31 +19,18 @@ use qimg_format::header::{CompressionType, Header};
 use qimg_format::l1::L1_ENTRY_SIZE;
 use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
-use qimg_io::{FileStorage, Storage, StorageError};
+use qimg_io::{AnyStorage, FileStorage, Storage, StorageError};
 
-use super::image::{Counters, Image, Inner};
+use super::image::{Backing, Image, Inner};
 use super::lock::RangeLocks;
 use super::meta::Meta;
 use super::options::{OpenOptions, Trust};
+use super::state::{Counters, Shared};
 use crate::chain::{ImageFormat, data_file_path, probe_format, resolve_backing};
 use crate::error::{Error, Result};
 
 /// Largest cluster 0 read at open (the largest cluster size).
 const MAX_CLUSTER0: usize = 2 << 20;
-
-/// A backing file below an image.
-#[derive(Debug)]
-pub enum Backing<S: Storage> {
-    /// A qcow2 image (opened read-only, with its own chain).
-    Qcow2(Image<S>),
-    /// A raw image: bytes past its end read as zeros.
-    Raw {
-        /// The storage.
-        storage: S,
-        /// Its name, for errors.
-        path: PathBuf,
-    },
-}
 
 /// Opens the files an image refers to (backing files, external data files) as storages of the
 /// same kind as the image.
@@ -245,10 +232,9 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             source,
         })?;
         let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
-        let inner = Arc::new(Inner {
+        let shared = Shared {
             file,
             data_file,
-            backing,
             geo,
             rgeo,
             ctx,
@@ -259,14 +245,18 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             allocation: opts.allocation,
             version: h.version,
             size: AtomicU64::new(h.size),
-            meta: tokio::sync::Mutex::new(meta),
-            locks: RangeLocks::default(),
             counters: Counters::default(),
             epoch: tokio::time::Instant::now(),
             clean_interval: resolved.clean_interval,
             marked_corrupt: AtomicBool::new(false),
             halted: std::sync::OnceLock::new(),
             path,
+        };
+        let inner = Arc::new(Inner {
+            shared,
+            backing,
+            meta: tokio::sync::Mutex::new(meta),
+            locks: RangeLocks::default(),
         });
         if opts.writable {
             inner.prepare_for_writing(&c0.header).await?;
@@ -391,5 +381,57 @@ impl<S: Storage> Inner<S> {
             self.file.flush().await.map_err(|e| self.storage_error(e))?;
         }
         Ok(())
+    }
+}
+
+impl OpenOptions {
+    /// Opens the qcow2 image at `path`, its backing chain and data file on the
+    /// [`backend`](Self::backend), with `O_DIRECT` when [`direct`](Self::direct) is set.
+    pub async fn open(&self, path: impl AsRef<Path>) -> Result<Image<AnyStorage>> {
+        let (backend, direct) = (self.backend, self.direct);
+        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
+        self.open_with(path.as_ref(), &opener).await
+    }
+
+    /// Opens the image at `path` through `opener`, which also opens its backing chain and
+    /// external data file ([`backend`](Self::backend) and [`direct`](Self::direct) do not
+    /// apply: the opener decides).
+    pub async fn open_with<S: Storage + 'static>(
+        &self,
+        path: impl AsRef<Path>,
+        opener: &dyn Opener<S>,
+    ) -> Result<Image<S>> {
+        let path = path.as_ref();
+        let file = opener
+            .open(path, self.writable)
+            .map_err(|e| Error::storage(path, e))?;
+        let mut seen = Vec::new();
+        open_chain(
+            file,
+            path.to_path_buf(),
+            self,
+            Some(opener),
+            None,
+            0,
+            &mut seen,
+        )
+        .await
+    }
+
+    /// Opens an image held in `file` (named `name` in errors and for resolving relative
+    /// names), with the backing image given explicitly (or none). The backing name stored in
+    /// the image is not followed; an external data file must be given in `data_file` when the
+    /// image needs one.
+    pub async fn open_storage<S: Storage + 'static>(
+        &self,
+        file: S,
+        name: impl Into<PathBuf>,
+        backing: Option<Backing<S>>,
+        data_file: Option<S>,
+    ) -> Result<Image<S>> {
+        let name = name.into();
+        let mut seen = Vec::new();
+        let given = Given { backing, data_file };
+        open_chain(file, name, self, None, Some(given), 0, &mut seen).await
     }
 }

@@ -1,15 +1,13 @@
 //! [`OpenOptions`]: how to open an image (a builder) and the calls that open it; the
-//! [`Trust`] policy for images from untrusted sources; how new clusters are reserved.
+//! [`Trust`] policy for images from untrusted sources; how new clusters are reserved. The
+//! calls that open an image with these options are in `open`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use qimg_cache::CacheOptions;
-use qimg_io::{AnyStorage, Backend, Storage};
+use qimg_io::Backend;
 
-use super::image::Image;
-use super::open::{Backing, Given, Opener, open_chain};
 use crate::chain::MAX_CHAIN_DEPTH;
-use crate::error::{Error, Result};
 
 /// How a newly allocated host cluster is reserved in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -84,10 +82,10 @@ impl Trust {
 ///
 /// | call | storage | opens referenced files with |
 /// |---|---|---|
-/// | [`open`](Self::open) | [`AnyStorage`]: the [`backend`](Self::backend), with or without [`direct`](Self::direct) | the same backend |
-/// | [`open_with`](Self::open_with) | whatever the [`Opener`] returns | the opener |
+/// | [`open`](Self::open) | [`AnyStorage`](qimg_io::AnyStorage): the [`backend`](Self::backend), with or without [`direct`](Self::direct) | the same backend |
+/// | [`open_with`](Self::open_with) | whatever the [`Opener`](super::Opener) returns | the opener |
 /// | [`open_storage`](Self::open_storage) | a storage you opened | nothing: backing and data file are given |
-/// | [`open_blocking`](Self::open_blocking) | a [`BlockingImage`](super::BlockingImage) over [`AnyStorage`] | the same backend |
+/// | [`open_blocking`](Self::open_blocking) | a [`BlockingImage`](super::BlockingImage) over [`AnyStorage`](qimg_io::AnyStorage) | the same backend |
 ///
 /// ```no_run
 /// # async fn demo() -> qimg::Result<()> {
@@ -189,7 +187,7 @@ impl OpenOptions {
 
     /// Run the cache-clean timer (the default): when a tokio runtime is running at open, a
     /// task writes back and drops cache entries idle for the clean interval. Without it, call
-    /// [`Image::clean_idle_caches`] yourself.
+    /// [`Image::clean_idle_caches`](super::Image::clean_idle_caches) yourself.
     pub fn clean_timer(mut self, run: bool) -> Self {
         self.clean_timer = run;
         self
@@ -204,55 +202,5 @@ impl OpenOptions {
     /// Whether the image will be opened for writing.
     pub fn is_writable(&self) -> bool {
         self.writable
-    }
-
-    /// Opens the qcow2 image at `path`, its backing chain and data file on the
-    /// [`backend`](Self::backend), with `O_DIRECT` when [`direct`](Self::direct) is set.
-    pub async fn open(&self, path: impl AsRef<Path>) -> Result<Image<AnyStorage>> {
-        let (backend, direct) = (self.backend, self.direct);
-        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
-        self.open_with(path.as_ref(), &opener).await
-    }
-
-    /// Opens the image at `path` through `opener`, which also opens its backing chain and
-    /// external data file ([`backend`](Self::backend) and [`direct`](Self::direct) do not
-    /// apply: the opener decides).
-    pub async fn open_with<S: Storage + 'static>(
-        &self,
-        path: impl AsRef<Path>,
-        opener: &dyn Opener<S>,
-    ) -> Result<Image<S>> {
-        let path = path.as_ref();
-        let file = opener
-            .open(path, self.writable)
-            .map_err(|e| Error::storage(path, e))?;
-        let mut seen = Vec::new();
-        open_chain(
-            file,
-            path.to_path_buf(),
-            self,
-            Some(opener),
-            None,
-            0,
-            &mut seen,
-        )
-        .await
-    }
-
-    /// Opens an image held in `file` (named `name` in errors and for resolving relative
-    /// names), with the backing image given explicitly (or none). The backing name stored in
-    /// the image is not followed; an external data file must be given in `data_file` when the
-    /// image needs one.
-    pub async fn open_storage<S: Storage + 'static>(
-        &self,
-        file: S,
-        name: impl Into<PathBuf>,
-        backing: Option<Backing<S>>,
-        data_file: Option<S>,
-    ) -> Result<Image<S>> {
-        let name = name.into();
-        let mut seen = Vec::new();
-        let given = Given { backing, data_file };
-        open_chain(file, name, self, None, Some(given), 0, &mut seen).await
     }
 }

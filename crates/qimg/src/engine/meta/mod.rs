@@ -30,8 +30,8 @@ use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap};
 use qimg_format::refcount;
 use qimg_io::Storage;
 
-use super::image::Inner;
 use super::overlap::{OverlapIndex, Region, Writing};
+use super::state::Shared;
 use crate::error::{Error, Result};
 
 /// Host offsets in L1/L2 entries must stay below 2^56.
@@ -202,7 +202,7 @@ impl Meta {
     }
 }
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage> Shared<S> {
     pub(crate) fn fmt_err(&self, e: qimg_format::FormatError) -> Error {
         Error::format(&self.path, e)
     }

@@ -11,13 +11,13 @@ use std::sync::atomic::Ordering;
 use qimg_io::Storage;
 
 use super::{CacheKind, MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta};
-use crate::engine::image::Inner;
 use crate::engine::overlap::{Region, Writing};
+use crate::engine::state::Shared;
 use crate::error::{Error, Result};
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage> Shared<S> {
     // ----- refcounts -----
 
     pub(super) fn refblock_of(&self, m: &Meta, cluster: u64) -> (u64, u64) {

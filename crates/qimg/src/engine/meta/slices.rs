@@ -9,11 +9,11 @@ use qimg_format::units::GuestOffset;
 use qimg_io::Storage;
 
 use super::{CacheKind, Meta};
-use crate::engine::image::Inner;
 use crate::engine::overlap::{Region, Writing};
+use crate::engine::state::Shared;
 use crate::error::{Error, Result};
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage> Shared<S> {
     /// Slice key and index in the slice of the L2 entry for `guest` in table `table`.
     pub(super) fn l2_position(&self, m: &Meta, table: u64, guest: u64) -> (SliceKey, usize) {
         let per_slice = m.l2_slice / self.geo.l2_entry_size();

@@ -8,11 +8,11 @@ use qimg_format::units::HostOffset;
 use qimg_io::Storage;
 
 use super::{CacheKind, Meta};
-use crate::engine::image::Inner;
 use crate::engine::overlap::{Region, Writing};
+use crate::engine::state::Shared;
 use crate::error::{Error, Result};
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage> Shared<S> {
     // ----- L1 / L2 tables -----
 
     /// The L2 table for L1 index `l1i`, allocated (zeroed) or un-shared (copied) if needed.

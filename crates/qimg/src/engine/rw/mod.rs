@@ -23,9 +23,9 @@ use qimg_format::units::SubclusterIndex;
 use qimg_io::{AllocateOutcome, Storage};
 
 use super::compress;
+use super::image::Backing;
 use super::image::Inner;
 use super::meta::{CacheKind, Meta};
-use super::open::Backing;
 use super::options::Allocation;
 use super::overlap::Writing;
 use crate::error::{Error, Result};

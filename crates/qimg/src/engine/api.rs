@@ -1,0 +1,142 @@
+//! The public async API of [`Image`]: accessors, reads, writes, write-zeroes, discards,
+//! flushes, resizing, statistics and closing. Each call takes the locks it needs and runs the
+//! data path in `rw`.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use qimg_io::Storage;
+
+use super::image::{Backing, Image, Stats};
+use crate::error::Result;
+
+impl<S: Storage + 'static> Image<S> {
+    /// The virtual disk size in bytes.
+    pub fn size(&self) -> u64 {
+        self.inner.size.load(Ordering::Acquire)
+    }
+
+    /// The cluster size in bytes.
+    pub fn cluster_size(&self) -> u64 {
+        self.inner.geo.cluster_size()
+    }
+
+    /// The subcluster size in bytes (the cluster size without extended L2 entries).
+    pub fn subcluster_size(&self) -> u64 {
+        self.inner.geo.subcluster_size()
+    }
+
+    /// Whether the image has extended L2 entries (32 subclusters per cluster).
+    pub fn extended_l2(&self) -> bool {
+        self.inner.geo.extended_l2()
+    }
+
+    /// Whether the image is open for writing.
+    pub fn is_writable(&self) -> bool {
+        self.inner.writable
+    }
+
+    /// The image file's name as given at open.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The storage holding the image file (for a VMM that issues its own I/O on the same
+    /// file, or to see which backend [`OpenOptions::open`](crate::OpenOptions::open) chose).
+    pub fn storage(&self) -> &S {
+        &self.inner.file
+    }
+
+    /// The backing image, if one is open.
+    pub fn backing(&self) -> Option<&Backing<S>> {
+        self.inner.backing.as_ref()
+    }
+
+    /// Counters and cache statistics.
+    pub async fn stats(&self) -> Stats {
+        let m = self.inner.meta.lock().await;
+        let c = &self.inner.counters;
+        Stats {
+            cow_bytes: c.cow_bytes.load(Ordering::Relaxed),
+            clusters_allocated: c.clusters_allocated.load(Ordering::Relaxed),
+            clusters_freed: c.clusters_freed.load(Ordering::Relaxed),
+            l2_cache: m.l2.stats(),
+            refcount_cache: m.rc.stats(),
+        }
+    }
+
+    /// Fills `buf` with guest data from `offset`.
+    pub async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.inner.read(buf, offset).await
+    }
+
+    /// Writes `buf` at guest `offset`, allocating (and copying on write) as needed.
+    pub async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.inner.write(buf, offset).await
+    }
+
+    /// Writes one whole guest cluster compressed with the image's compression type (zlib or
+    /// zstd), as `qemu-img convert -c` does: `offset` must be cluster aligned and `data` one
+    /// cluster long, or shorter only for the last cluster of a disk whose size is not a
+    /// multiple of the cluster size. Several compressed clusters share a host cluster. Data
+    /// that does not shrink is stored uncompressed. Images with an external data file cannot
+    /// hold compressed clusters.
+    pub async fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.inner.write_compressed(offset, data).await
+    }
+
+    /// Makes `len` bytes at `offset` read as zeros: whole subclusters (clusters without
+    /// extended L2) only change metadata, partial ones are written with zeros.
+    pub async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.write_zeroes(offset, len).await
+    }
+
+    /// Discards `len` bytes at `offset`: every whole subcluster (cluster without extended L2)
+    /// in the range becomes unallocated, reading from the backing file or as zeros; a host
+    /// cluster left with no allocated subcluster is freed and its space punched. Parts of the
+    /// range smaller than a subcluster are left as they are (discard is advisory).
+    pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.discard(offset, len).await
+    }
+
+    /// Writes back every cached metadata change in the safe order and makes everything
+    /// written so far durable.
+    ///
+    /// After a failed flush nothing written since the last successful one is promised. The
+    /// engine keeps its write-back order, so a later flush that works makes everything
+    /// durable on storage that keeps what it could not write; files do not (Linux may drop
+    /// the pages a failed fsync could not write), so on [`qimg_io::FileStorage`] and
+    /// [`qimg_io::UringStorage`] every later flush fails too, as in QEMU: reopen the image.
+    pub async fn flush(&self) -> Result<()> {
+        let mut m = self.inner.meta.lock().await;
+        self.inner.flush_meta(&mut m).await
+    }
+
+    /// Grows the virtual disk to `new_size` bytes (shrinking is refused).
+    pub async fn resize(&self, new_size: u64) -> Result<()> {
+        self.inner.resize(new_size).await
+    }
+
+    /// Runs one pass of the cache-clean timer now: slices unused for a whole clean interval
+    /// are written back if dirty and dropped. The timer task does this by itself when a tokio
+    /// runtime was running at open; returns the bytes freed.
+    pub async fn clean_idle_caches(&self) -> Result<u64> {
+        let mut m = self.inner.meta.lock().await;
+        self.inner.clean_idle(&mut m).await
+    }
+
+    /// Flushes and, for images with lazy refcounts, marks the image clean. Further requests
+    /// on any handle of this image fail.
+    pub async fn close(&self) -> Result<()> {
+        let mut m = self.inner.meta.lock().await;
+        if m.closed {
+            return Ok(());
+        }
+        if self.inner.writable {
+            self.inner.flush_meta(&mut m).await?;
+            self.inner.mark_clean(&mut m).await?;
+        }
+        m.closed = true;
+        Ok(())
+    }
+}
