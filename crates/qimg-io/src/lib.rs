@@ -47,7 +47,7 @@
 //!
 //! ## Unsafe code
 //!
-//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring.rs`, allowed
+//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring/`, allowed
 //! with `#[allow(unsafe_code)]` on the module); the file backend uses `nix`'s safe wrappers and
 //! [`AlignedBuf`] aligns by over-allocating. Each block has a `// SAFETY:` comment; in short:
 //!
