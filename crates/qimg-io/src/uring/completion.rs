@@ -1,6 +1,8 @@
 //! Who waits in the kernel for completions: the completion thread, or (with
-//! [`UringOptions::complete_on_runtime`](crate::UringOptions::complete_on_runtime)) a task of the tokio runtime; and the shutdown when
+//! [`UringOptions::complete_on_runtime`]) a task of the tokio runtime; and the shutdown when
 //! the last handle goes ([`Owner`]).
+//!
+//! [`UringOptions::complete_on_runtime`]: crate::UringOptions::complete_on_runtime
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -61,7 +63,9 @@ pub(super) fn complete(shared: Arc<Shared>) {
 }
 
 /// The ring's descriptor registered with the I/O driver of the tokio runtime current now, or
-/// `None` without a runtime ([`UringOptions::complete_on_runtime`](crate::UringOptions::complete_on_runtime)).
+/// `None` without a runtime ([`UringOptions::complete_on_runtime`]).
+///
+/// [`UringOptions::complete_on_runtime`]: crate::UringOptions::complete_on_runtime
 pub(super) fn runtime_watch(
     ring: &IoUring,
 ) -> std::io::Result<Option<(tokio::runtime::Handle, AsyncFd<OwnedFd>)>> {
@@ -81,9 +85,11 @@ pub(super) fn runtime_watch(
     Ok(Some((handle, afd)))
 }
 
-/// The runtime task of [`UringOptions::complete_on_runtime`](crate::UringOptions::complete_on_runtime): collects completions whenever
+/// The runtime task of [`UringOptions::complete_on_runtime`]: collects completions whenever
 /// the ring's descriptor is readable and wakes their tasks, until the storage is dropped. If
 /// the runtime drops it first, the completion thread takes over.
+///
+/// [`UringOptions::complete_on_runtime`]: crate::UringOptions::complete_on_runtime
 pub(super) async fn reaper(weak: Weak<Shared>, afd: AsyncFd<OwnedFd>) {
     struct Handover(Weak<Shared>);
     impl Drop for Handover {

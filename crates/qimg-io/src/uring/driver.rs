@@ -104,9 +104,13 @@ pub(super) struct Shared {
     pub(super) zero_range: AtomicBool,
     pub(super) punch_hole: AtomicBool,
     pub(super) reserve: AtomicBool,
-    /// [`UringOptions::collect_inline_completions`](crate::UringOptions::collect_inline_completions).
+    /// [`UringOptions::collect_inline_completions`].
+    ///
+    /// [`UringOptions::collect_inline_completions`]: crate::UringOptions::collect_inline_completions
     pub(super) inline: bool,
-    /// Batched submission ([`UringOptions::complete_on_runtime`](crate::UringOptions::complete_on_runtime)).
+    /// Batched submission ([`UringOptions::complete_on_runtime`]).
+    ///
+    /// [`UringOptions::complete_on_runtime`]: crate::UringOptions::complete_on_runtime
     pub(super) batch: bool,
     /// A task on a tokio runtime waits for completions (the completion thread stays parked).
     pub(super) reaper: AtomicBool,

@@ -7,7 +7,7 @@
 //!   more than `entries` requests are ever in flight and the completion queue (twice as
 //!   large) cannot overflow.
 //! * **Buffers are owned by the slot, not by the future.** A request's memory (a bounce
-//!   [`AlignedBuf`](crate::AlignedBuf) and, for vectored opcodes, its `iovec`) moves into its slot before the
+//!   [`AlignedBuf`] and, for vectored opcodes, its `iovec`) moves into its slot before the
 //!   kernel hears of it, and leaves the slot only after the kernel's completion for it has
 //!   been reaped. Reads copy from the bounce buffer into the caller's buffer on completion;
 //!   writes copy the caller's data in before submission. A future dropped while its request
@@ -17,7 +17,7 @@
 //!   (it reaps every completion waiting in the queue and wakes their tasks), or the storage's
 //!   single completion thread, which sleeps in `io_uring_enter(GETEVENTS)` and wakes the tasks
 //!   whose requests completed. No thread per request, and no runtime needed: the futures work
-//!   on any executor, like the rest of the [`Storage`](crate::Storage) contract requires.
+//!   on any executor, like the rest of the [`Storage`] contract requires.
 //! * **Submission** happens outside the driver lock (the system call, which for page-cache
 //!   hits does the whole transfer, holds up nobody), and a submitted request is then *handed
 //!   over* to the completion thread, which sleeps on a condition variable while nothing is
@@ -31,7 +31,7 @@
 //!   are batched: the first request queued yields once, then submits everything queued
 //!   meanwhile in one system call.
 //! * **Fallbacks.** Opcodes are probed at open; any the kernel lacks (or that
-//!   [`UringOptions::fallback_for`] excludes) run through a [`FileStorage`](crate::FileStorage) on the same file
+//!   [`UringOptions::fallback_for`] excludes) run through a [`FileStorage`] on the same file
 //!   instead, with its semantics. `len` and `set_len` always do (`lseek`/`ftruncate` are cheap
 //!   and synchronous).
 //!
@@ -46,7 +46,11 @@
 //!   shutdown.
 //! * [`request`]: the future of one request, and what dropping it does (cancellation).
 //! * [`storage`], [`transfer`], [`storage_impl`]: [`UringStorage`], its transfers through the
-//!   ring, and its [`Storage`](crate::Storage) implementation.
+//!   ring, and its [`Storage`] implementation.
+//!
+//! [`AlignedBuf`]: crate::AlignedBuf
+//! [`Storage`]: crate::Storage
+//! [`FileStorage`]: crate::FileStorage
 
 mod completion;
 mod driver;

@@ -132,9 +132,12 @@ impl UringOptions {
         self
     }
 
-    /// Opens `path` and sets up the ring. Fails with [`StorageError::Open`](crate::StorageError::Open) when the file
-    /// cannot be opened, and with [`StorageError::UringUnavailable`](crate::StorageError::UringUnavailable) when io_uring cannot be
+    /// Opens `path` and sets up the ring. Fails with [`StorageError::Open`] when the file
+    /// cannot be opened, and with [`StorageError::UringUnavailable`] when io_uring cannot be
     /// used on this system.
+    ///
+    /// [`StorageError::Open`]: crate::StorageError::Open
+    /// [`StorageError::UringUnavailable`]: crate::StorageError::UringUnavailable
     pub fn open(&self, path: impl AsRef<Path>) -> Result<UringStorage> {
         let file = self.file.open(path)?;
         UringStorage::with_file_storage(file, self)

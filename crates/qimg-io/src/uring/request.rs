@@ -180,10 +180,12 @@ impl Future for Request<'_> {
 impl Request<'_> {
     /// Submits the queue (without the driver lock, which the system call does not need: the
     /// entry is already published) and hands the request to the completion thread. With
-    /// [`UringOptions::collect_inline_completions`](crate::UringOptions::collect_inline_completions) it first collects the completion if the
+    /// [`UringOptions::collect_inline_completions`] it first collects the completion if the
     /// kernel finished the request inside the call, as it does for reads and writes served by
     /// the page cache; the task then goes on at once instead of sleeping until the
     /// completion thread wakes it.
+    ///
+    /// [`UringOptions::collect_inline_completions`]: crate::UringOptions::collect_inline_completions
     fn submitted(
         &mut self,
         idx: usize,
