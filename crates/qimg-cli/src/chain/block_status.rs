@@ -40,10 +40,12 @@ pub(crate) async fn status(
     len: u64,
     out: &mut Vec<Entry>,
 ) -> Result<()> {
-    Box::pin(status_inner(layers, depth, start, len, out)).await
+    // Boxed: the status of an unallocated range recurses into the layer below.
+    Box::pin(layer_status(layers, depth, start, len, out)).await
 }
 
-async fn status_inner(
+/// [`status`] of one layer, asking the layers below for its unallocated ranges.
+async fn layer_status(
     layers: &[Layer],
     depth: usize,
     start: u64,
@@ -77,12 +79,12 @@ async fn status_inner(
             img,
             name,
             prealloc,
-            l1,
+            l2_presence,
             ..
         } => {
             let mut extents = Vec::new();
-            let runs = match l1 {
-                Some(l1) => l1.runs(start, start + len),
+            let runs = match l2_presence {
+                Some(l2_presence) => l2_presence.runs(start, start + len),
                 None => vec![(start, start + len, true)],
             };
             for (s, e, has_table) in runs {

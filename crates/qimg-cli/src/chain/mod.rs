@@ -55,9 +55,10 @@ pub(crate) enum Layer {
         name: Rc<str>,
         /// The host file, when the image is metadata-preallocated (holes read as zeros).
         prealloc: Option<HostFile>,
-        /// The L1 table as stored, to skip the ranges of empty entries without a lookup per
-        /// cluster (`None` if it could not be read: every range is then looked up).
-        l1: Option<L2Presence>,
+        /// Which L1 entries have an L2 table, to skip the ranges of empty entries without a
+        /// lookup per cluster (`None` if the L1 table could not be read: every range is then
+        /// looked up).
+        l2_presence: Option<L2Presence>,
     },
     /// A raw image.
     Raw(HostFile),
@@ -133,11 +134,11 @@ pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Res
             )?),
             None => None,
         };
-        let l1 = L2Presence::read(img.path());
+        let l2_presence = L2Presence::read(img.path());
         layers.push(Layer::Qcow2 {
             img,
             data_file,
-            l1,
+            l2_presence,
             name,
             prealloc,
         });

@@ -75,58 +75,58 @@ fn bench(cfg: &Config) -> Result<()> {
         .build()
         .context("cannot start the tokio runtime")?;
     let report = rt.block_on(async {
-        match (cfg.aio, cfg.cache_mode.direct) {
-            (Aio::Threads, false) => {
-                let open = |p: &Path, w: bool| {
-                    FileOptions::new()
-                        .read_write(w)
-                        .blocking(BlockingStrategy::Inline)
-                        .open(p)
-                };
-                bench_on(cfg, fmt, &open).await
+        // O_DIRECT storage goes through a bounce layer (any buffer alignment); each choice is
+        // its own storage type, so `bench_on` is instantiated per combination.
+        let direct = cfg.cache_mode.direct;
+        match cfg.aio {
+            Aio::Threads => {
+                let file = file_options(direct);
+                if direct {
+                    let open = |p: &Path, w: bool| {
+                        file.clone().read_write(w).open(p).map(BounceStorage::new)
+                    };
+                    bench_on(cfg, fmt, &open).await
+                } else {
+                    let open = |p: &Path, w: bool| file.clone().read_write(w).open(p);
+                    bench_on(cfg, fmt, &open).await
+                }
             }
-            (Aio::Threads, true) => {
-                let open = |p: &Path, w: bool| {
-                    FileOptions::new()
-                        .read_write(w)
-                        .direct(true)
-                        .blocking(BlockingStrategy::SpawnBlocking)
-                        .open(p)
-                        .map(BounceStorage::new)
-                };
-                bench_on(cfg, fmt, &open).await
-            }
-            (Aio::IoUring | Aio::Native, false) => {
-                let entries = ring_entries(cfg.depth);
-                let on_runtime = cfg.on_runtime;
-                let open = move |p: &Path, w: bool| {
-                    UringOptions::new()
-                        .read_write(w)
-                        .entries(entries)
-                        .collect_inline_completions(true)
-                        .complete_on_runtime(on_runtime)
-                        .open(p)
-                };
-                bench_on(cfg, fmt, &open).await
-            }
-            (Aio::IoUring | Aio::Native, true) => {
-                let entries = ring_entries(cfg.depth);
-                let on_runtime = cfg.on_runtime;
-                let open = move |p: &Path, w: bool| {
-                    UringOptions::new()
-                        .read_write(w)
-                        .direct(true)
-                        .entries(entries)
-                        .collect_inline_completions(true)
-                        .complete_on_runtime(on_runtime)
-                        .open(p)
-                        .map(BounceStorage::new)
-                };
-                bench_on(cfg, fmt, &open).await
+            Aio::IoUring | Aio::Native => {
+                let ring = uring_options(cfg, direct);
+                if direct {
+                    let open = |p: &Path, w: bool| {
+                        ring.clone().read_write(w).open(p).map(BounceStorage::new)
+                    };
+                    bench_on(cfg, fmt, &open).await
+                } else {
+                    let open = |p: &Path, w: bool| ring.clone().read_write(w).open(p);
+                    bench_on(cfg, fmt, &open).await
+                }
             }
         }
     })?;
     print_report(cfg, fmt, &report)
+}
+
+/// `-i threads`: system calls inline on the runtime thread for buffered I/O, on tokio's
+/// blocking pool with O_DIRECT (like QEMU's thread pool).
+fn file_options(direct: bool) -> FileOptions {
+    let blocking = if direct {
+        BlockingStrategy::SpawnBlocking
+    } else {
+        BlockingStrategy::Inline
+    };
+    FileOptions::new().direct(direct).blocking(blocking)
+}
+
+/// `-i io_uring` and `-i native`: a ring for the queue depth, completions collected inline
+/// when the kernel finishes a request at once, and awaited where `--completions` says.
+fn uring_options(cfg: &Config, direct: bool) -> UringOptions {
+    UringOptions::new()
+        .direct(direct)
+        .entries(ring_entries(cfg.depth))
+        .collect_inline_completions(true)
+        .complete_on_runtime(cfg.on_runtime)
 }
 
 /// Ring size for a queue depth: room for every request plus the engine's metadata I/O.

@@ -118,23 +118,17 @@ fn execute(settings: Settings) -> Result<()> {
         .build()
         .context("cannot start the I/O runtime")?;
     rt.block_on(async move {
-        let Settings {
-            dst_file,
-            out_fmt,
-            has_backing,
-            no_create,
-            sparse,
-            cache,
-            ..
-        } = &settings;
-        let (has_backing, no_create, sparse) = (*has_backing, *no_create, *sparse);
+        let dst_file = settings.dst_file.as_str();
+        let (has_backing, no_create, sparse) =
+            (settings.has_backing, settings.no_create, settings.sparse);
         let dst_path = Path::new(dst_file);
         let (srcs, source, size) =
             open_sources(&settings.sources, dst_path, dst_file, settings.src_cache).await?;
         if !no_create {
             create_output(&settings, dst_path, size)?;
         }
-        let target = open_target(dst_path, dst_file, *out_fmt, size, *cache).await?;
+        let target =
+            open_target(dst_path, dst_file, settings.out_fmt, size, settings.cache).await?;
 
         let (zero_unit, compress_cluster) = match &target.out {
             OutputImage::Qcow2(img) if settings.compress => (sparse, img.cluster_size()),
