@@ -47,37 +47,38 @@
 //!
 //! ## Unsafe code
 //!
-//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring.rs`, allowed
+//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring/`, allowed
 //! with `#[allow(unsafe_code)]` on the module); the file backend uses `nix`'s safe wrappers and
 //! [`AlignedBuf`] aligns by over-allocating. Each block has a `// SAFETY:` comment; in short:
 //!
-//! 1. **`unsafe impl Send for Iovec`** (the `iovec` handed to `READV`/`WRITEV`). `libc::iovec`
-//!    is `!Send` only because it holds a raw pointer; ours points into the bounce buffer of
-//!    the same request, is dereferenced only by the kernel, and moves with that buffer.
-//! 2. **`completion_shared()` in `Shared::reap`**. It requires that no other view of the
-//!    completion queue exists at the same time. It is called only with the ring's driver
-//!    mutex held (the function takes `&mut Driver`, which only the mutex guard provides), and
-//!    the view is dropped before the function returns.
-//! 3. **`submission_shared()` in `Shared::unsubmitted`**: the same argument for the
-//!    submission queue.
-//! 4. **`Shared::push`** (an `unsafe fn`) wraps `submission_shared()` (exclusive as above)
-//!    and `SubmissionQueue::push`, passing on the latter's contract to its callers: the entry's
-//!    memory and descriptor must stay valid until its completion is reaped.
-//! 5. **`push` of a request in `Request::step`**. The entry points only into the request's
-//!    bounce buffer and boxed `iovec`, which were moved into the request's slot *before* the
-//!    pointers were taken (moving them moves no heap block) and lengths are capped at the
-//!    buffer's. A slot is emptied only after the completion with its index was reaped: by its
-//!    future (state `Done`), by the reaper if the future was dropped (state `Abandoned`), and
-//!    the ring and slots are dropped only after the completion thread (and `Drop for Shared`)
-//!    saw no slot left with the kernel. Dropping a future early therefore cannot free memory
-//!    the kernel still writes to or reads from. The descriptor belongs to the storage's
-//!    [`FileStorage`], which lives as long as the ring.
-//! 6. **`push` of the shutdown no-op in `Drop for Owner`**: a `NOP` entry carries no pointer
-//!    and no descriptor.
-//! 7. **`AsyncFd::register_with_interest` in `runtime_watch`**
-//!    ([`UringOptions::complete_on_runtime`]): tokio requires the descriptor to stay open and
-//!    the same for the life of the `AsyncFd`; it is an `OwnedFd` (a duplicate of the ring's)
-//!    owned by the `AsyncFd` itself.
+//! 1. **`unsafe impl Send for Iovec`** (`uring/submission.rs`; the `iovec` handed to
+//!    `READV`/`WRITEV`). `libc::iovec` is `!Send` only because it holds a raw pointer; ours points
+//!    into the bounce buffer of the same request, is dereferenced only by the kernel, and moves
+//!    with that buffer.
+//! 2. **`completion_shared()` in `Shared::reap`** (`uring/driver.rs`). It requires that no other
+//!    view of the completion queue exists at the same time. It is called only with the ring's
+//!    driver mutex held (the function takes `&mut Driver`, which only the mutex guard provides),
+//!    and the view is dropped before the function returns.
+//! 3. **`submission_shared()` in `Shared::unsubmitted`** (`uring/driver.rs`): the same argument for
+//!    the submission queue.
+//! 4. **`Shared::push`** (`uring/driver.rs`, an `unsafe fn`) wraps `submission_shared()` (exclusive
+//!    as above) and `SubmissionQueue::push`, passing on the latter's contract to its callers: the
+//!    entry's memory and descriptor must stay valid until its completion is reaped.
+//! 5. **`push` of a request in `Request::step`** (`uring/request.rs`). The entry points only into
+//!    the request's bounce buffer and boxed `iovec`, which were moved into the request's slot
+//!    *before* the pointers were taken (moving them moves no heap block) and lengths are capped at
+//!    the buffer's. A slot is emptied only after the completion with its index was reaped: by its
+//!    future (state `Done`), by the reaper if the future was dropped (state `Abandoned`), and the
+//!    ring and slots are dropped only after the completion thread (and `Drop for Shared`) saw no
+//!    slot left with the kernel. Dropping a future early therefore cannot free memory the kernel
+//!    still writes to or reads from. The descriptor belongs to the storage's [`FileStorage`], which
+//!    lives as long as the ring.
+//! 6. **`push` of the shutdown no-op in `Drop for Owner`** (`uring/completion.rs`): a `NOP` entry
+//!    carries no pointer and no descriptor.
+//! 7. **`AsyncFd::register_with_interest` in `runtime_watch`** (`uring/completion.rs`)
+//!    ([`UringOptions::complete_on_runtime`]): tokio requires the descriptor to stay open and the
+//!    same for the life of the `AsyncFd`; it is an `OwnedFd` (a duplicate of the ring's) owned by
+//!    the `AsyncFd` itself.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -15,7 +15,7 @@ use qimg::io::{AlignedBuf, Storage};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use crate::bench_hist::Histogram;
+use super::hist::Histogram;
 
 /// What the workers read from and write to.
 pub trait Target: Send + Sync + 'static {
@@ -71,10 +71,11 @@ pub enum Offsets {
     },
 }
 
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+/// splitmix64's increment (the golden ratio in 64 bits).
+const SPLITMIX_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// splitmix64's output function.
-fn mix(mut z: u64) -> u64 {
+fn splitmix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -100,7 +101,7 @@ impl Offsets {
                 bufsize,
                 seed,
             } => {
-                let r = mix(seed.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN)));
+                let r = splitmix(seed.wrapping_add(i.wrapping_add(1).wrapping_mul(SPLITMIX_GAMMA)));
                 let slot = ((u128::from(r) * u128::from(slots)) >> 64) as u64;
                 base + slot * bufsize
             }
@@ -148,9 +149,9 @@ pub struct Outcome {
 }
 
 /// qemu-img bench's `BenchData` fields that decide flushes, shared by the workers.
-struct Sched {
+struct FlushSchedule {
     /// Requests not completed.
-    n: u64,
+    not_completed: u64,
     in_flight: u64,
     /// Requests issued so far (the next request's number).
     issued: u64,
@@ -158,14 +159,16 @@ struct Sched {
     blocked: bool,
 }
 
-struct Shared<T> {
+/// What the workers of a run share: the target, the plan, the request counter, the first
+/// error, and the flush schedule.
+struct RunState<T> {
     target: Arc<T>,
     plan: Plan,
     deadline: Option<Instant>,
     next: AtomicU64,
     stop: AtomicBool,
     error: Mutex<Option<anyhow::Error>>,
-    sched: Option<Mutex<Sched>>,
+    sched: Option<Mutex<FlushSchedule>>,
     resume: Notify,
     flushes: AtomicU64,
     background: Mutex<Vec<JoinHandle<Result<()>>>>,
@@ -175,7 +178,7 @@ fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<T: Target> Shared<T> {
+impl<T: Target> RunState<T> {
     fn fail(&self, e: anyhow::Error) {
         let mut slot = lock(&self.error);
         if slot.is_none() {
@@ -241,7 +244,7 @@ impl<T: Target> Shared<T> {
             notified.as_mut().enable();
             {
                 let mut s = lock(sched);
-                if self.stopped() || s.n == s.in_flight {
+                if self.stopped() || s.not_completed == s.in_flight {
                     return None;
                 }
                 if !s.blocked {
@@ -268,8 +271,8 @@ impl<T: Target> Shared<T> {
         }
         let then = {
             let mut s = lock(sched);
-            let remaining = s.n - s.in_flight;
-            s.n -= 1;
+            let remaining = s.not_completed - s.in_flight;
+            s.not_completed -= 1;
             s.in_flight -= 1;
             if interval > 0 && remaining % interval == 0 {
                 if self.plan.drain {
@@ -355,18 +358,18 @@ pub async fn drive<T: Target>(target: Arc<T>, plan: Plan) -> Result<Outcome> {
     let sched = (plan.flush_interval > 0).then(|| {
         // Without a count (a timed run) qemu's "requests not yet issued" is counted down from
         // a multiple of the interval, so flushes still come every `interval` requests.
-        let n = plan
+        let not_completed = plan
             .count
             .unwrap_or(u64::MAX / plan.flush_interval * plan.flush_interval);
-        Mutex::new(Sched {
-            n,
+        Mutex::new(FlushSchedule {
+            not_completed,
             in_flight: 0,
             issued: 0,
             blocked: false,
         })
     });
     let start = Instant::now();
-    let shared = Arc::new(Shared {
+    let shared = Arc::new(RunState {
         target,
         deadline: plan.duration.map(|d| start + d),
         plan,

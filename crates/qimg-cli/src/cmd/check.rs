@@ -9,6 +9,9 @@ use std::process::ExitCode;
 use qimg::chain::{ImageFormat, probe_format};
 use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
 
+use crate::args::{image_format, json_output};
+use crate::status::fail;
+
 /// Arguments of `qimg check`.
 #[derive(clap::Args)]
 pub struct CheckArgs {
@@ -31,50 +34,40 @@ pub struct CheckArgs {
     filename: Option<String>,
 }
 
-fn fail(msg: &str, code: u8) -> ExitCode {
-    eprintln!("qimg: {msg}");
-    ExitCode::from(code)
-}
-
 /// Runs `qimg check`, returning qemu-img check's exit code.
-pub fn run_check(a: CheckArgs) -> ExitCode {
-    let repair = match a.repair.as_deref() {
+pub fn run(args: CheckArgs) -> ExitCode {
+    let repair = match args.repair.as_deref() {
         None => None,
         Some("leaks") => Some(Repair::Leaks),
         Some("all") => Some(Repair::All),
         Some(other) => {
             return fail(
-                &format!("--repair (-r) expects 'leaks' or 'all' not '{other}'"),
+                format!("--repair (-r) expects 'leaks' or 'all' not '{other}'"),
                 1,
             );
         }
     };
-    let json = match a.output.as_str() {
-        "human" => false,
-        "json" => true,
-        other => {
-            return fail(
-                &format!("--output expects 'human' or 'json' not '{other}'"),
-                1,
-            );
-        }
+    let json = match json_output(&args.output) {
+        Ok(json) => json,
+        Err(msg) => return fail(msg, 1),
     };
-    let Some(file) = a.filename else {
+    let Some(file) = args.filename else {
         return fail("Expecting one image file name", 1);
     };
     let path = Path::new(&file);
-    let fmt = match a.fmt.as_deref() {
-        Some("qcow2") => ImageFormat::Qcow2,
-        Some("raw") => ImageFormat::Raw,
-        Some(other) => return fail(&format!("Unknown file format '{other}'"), 1),
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => match image_format(name) {
+            Some(f) => f,
+            None => return fail(format!("Unknown file format '{name}'"), 1),
+        },
         None => match probe_format(path) {
             Ok(f) => f,
-            Err(e) => return fail(&format!("Could not open '{file}': {e}"), 1),
+            Err(e) => return fail(format!("Could not open '{file}': {e}"), 1),
         },
     };
-    if a.force_share && repair.is_some() {
+    if args.force_share && repair.is_some() {
         return fail(
-            &format!(
+            format!(
                 "Could not open '{file}': force-share=on can only be used with read-only images"
             ),
             1,
@@ -84,8 +77,8 @@ pub fn run_check(a: CheckArgs) -> ExitCode {
         return fail("This image format does not support checks", 63);
     }
 
-    let human = !json && !a.quiet;
-    let tty = !a.quiet && std::io::stderr().is_terminal();
+    let human = !json && !args.quiet;
+    let tty = !args.quiet && std::io::stderr().is_terminal();
     let mut progress_shown = false;
     let mut last_progress: Option<std::time::Instant> = None;
     let mut on_event = |e: CheckEvent<'_>| match e {
@@ -129,16 +122,16 @@ pub fn run_check(a: CheckArgs) -> ExitCode {
         Err(e) => {
             let e = e.to_string();
             let e = e.strip_prefix(&format!("{file}: ")).unwrap_or(&e);
-            return fail(&format!("Could not open '{file}': {e}"), 1);
+            return fail(format!("Could not open '{file}': {e}"), 1);
         }
     };
     if progress_shown {
         eprint!("\r\x1b[K");
     }
     if let Some(why) = &report.failure {
-        return fail(&format!("Check failed: {why}"), 1);
+        return fail(format!("Check failed: {why}"), 1);
     }
-    if !a.quiet {
+    if !args.quiet {
         if json {
             print!("{}", json_text(&report));
         } else {

@@ -9,6 +9,8 @@
 
 use qimg::CacheOptions;
 
+use crate::args::{on_off, parse_size, split_opts};
+
 /// The two qemu messages.
 fn invalid(name: &str, s: &str) -> String {
     format!("Invalid {name} specified: '{s}'.")
@@ -74,7 +76,7 @@ pub fn size(name: &str, s: &str, min: u64, max: u64) -> Result<u64, String> {
         if rest.ends_with(char::is_whitespace) {
             return Err(invalid(name, s));
         }
-        crate::opts::parse_size(rest).ok_or_else(|| invalid(name, s))?
+        parse_size(rest).ok_or_else(|| invalid(name, s))?
     };
     if (min..=max).contains(&v) {
         Ok(v)
@@ -121,47 +123,6 @@ impl Aio {
     }
 }
 
-/// What a `-t` cache mode means for the run (`bdrv_parse_cache_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CacheMode {
-    /// The name as given (canonical: `none` for `off`).
-    pub name: &'static str,
-    /// Open with O_DIRECT.
-    pub direct: bool,
-    /// Every write is followed by a flush (no volatile write cache).
-    pub writethrough: bool,
-    /// Flushes are ignored.
-    pub no_flush: bool,
-}
-
-impl CacheMode {
-    /// qemu-img bench's default, `writeback`.
-    pub const DEFAULT: CacheMode = CacheMode {
-        name: "writeback",
-        direct: false,
-        writethrough: false,
-        no_flush: false,
-    };
-
-    /// `-t` values.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let (name, direct, writethrough, no_flush) = match s {
-            "none" | "off" => ("none", true, false, false),
-            "directsync" => ("directsync", true, true, false),
-            "writeback" => ("writeback", false, false, false),
-            "unsafe" => ("unsafe", false, false, true),
-            "writethrough" => ("writethrough", false, true, false),
-            _ => return Err("Invalid cache mode".into()),
-        };
-        Ok(CacheMode {
-            name,
-            direct,
-            writethrough,
-            no_flush,
-        })
-    }
-}
-
 /// Sets one of the qcow2 cache options (names as in qemu's `-o`/`--image-opts`).
 pub fn cache_option(cache: &mut CacheOptions, key: &str, v: &str) -> Result<bool, String> {
     let sz = |name: &str| size(name, v, 0, u64::MAX);
@@ -193,19 +154,11 @@ pub struct ImageOpts {
     pub aio: Option<Aio>,
 }
 
-fn on_off(key: &str, v: &str) -> Result<bool, String> {
-    match v {
-        "on" | "yes" | "true" | "y" => Ok(true),
-        "off" | "no" | "false" | "n" => Ok(false),
-        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
-    }
-}
-
 /// Parses an `--image-opts` string (`driver=qcow2,file.filename=X,l2-cache-size=1M,...`),
 /// putting cache options into `cache`. Only the keys qimg can honour are accepted.
 pub fn image_opts(s: &str, cache: &mut CacheOptions) -> Result<ImageOpts, String> {
     let mut o = ImageOpts::default();
-    for pair in crate::opts::split_opts(s) {
+    for pair in split_opts(s) {
         let Some((k, v)) = pair.split_once('=') else {
             return Err(format!("Invalid parameter '{pair}'"));
         };
@@ -293,17 +246,6 @@ mod tests {
             size("buffer size", "0", 1, INT_MAX),
             Err("Invalid buffer size specified. Must be between 1 and 2147483647.".into())
         );
-    }
-
-    #[test]
-    fn cache_modes() {
-        assert!(CacheMode::parse("none").unwrap().direct);
-        assert!(CacheMode::parse("off").unwrap().direct);
-        let d = CacheMode::parse("directsync").unwrap();
-        assert!(d.direct && d.writethrough);
-        assert!(CacheMode::parse("unsafe").unwrap().no_flush);
-        assert_eq!(CacheMode::parse("writeback"), Ok(CacheMode::DEFAULT));
-        assert!(CacheMode::parse("bogus").is_err());
     }
 
     #[test]

@@ -1,0 +1,127 @@
+//! Option values every command parses the same way, with qemu-img's rules: sizes with
+//! suffixes, `-o` option strings, on/off switches, format names and `--output`.
+
+use anyhow::{Result, bail};
+use qimg::chain::ImageFormat;
+
+/// Parses a size the way qemu-img does: a decimal number, optionally fractional, with an
+/// optional suffix B, K, M, G, T, P or E (case-insensitive, powers of 1024).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()? {
+        c if c.is_ascii_digit() || c == '.' => (s, 1u64),
+        c => {
+            let m = match c.to_ascii_lowercase() {
+                'b' => 1u64,
+                'k' => 1 << 10,
+                'm' => 1 << 20,
+                'g' => 1 << 30,
+                't' => 1 << 40,
+                'p' => 1 << 50,
+                'e' => 1 << 60,
+                _ => return None,
+            };
+            (&s[..s.len() - 1], m)
+        }
+    };
+    if num.is_empty() || !num.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return None;
+    }
+    if let Some((int, frac)) = num.split_once('.') {
+        if frac.contains('.') || mult == 1 {
+            return None;
+        }
+        let int: u64 = if int.is_empty() { 0 } else { int.parse().ok()? };
+        let whole = int.checked_mul(mult)?;
+        // Fraction: exact decimal arithmetic on up to 18 digits.
+        let digits = &frac[..frac.len().min(18)];
+        let f: u128 = if digits.is_empty() {
+            0
+        } else {
+            digits.parse().ok()?
+        };
+        let part = f * u128::from(mult) / 10u128.pow(digits.len() as u32);
+        return whole.checked_add(u64::try_from(part).ok()?);
+    }
+    num.parse::<u64>().ok()?.checked_mul(mult)
+}
+
+/// Splits `a=b,c=d` honouring qemu's `,,` escape for a literal comma.
+pub fn split_opts(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                cur.push(',');
+            } else {
+                out.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    out.push(cur);
+    out.into_iter().filter(|s| !s.is_empty()).collect()
+}
+
+/// An on/off switch as qemu's `-o` and `--image-opts` take it.
+pub fn on_off(key: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "yes" | "true" | "y" => Ok(true),
+        "off" | "no" | "false" | "n" => Ok(false),
+        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
+    }
+}
+
+/// The image format named by `-f`/`-O`/`driver=` (`qcow2` or `raw`).
+pub fn image_format(name: &str) -> Option<ImageFormat> {
+    ImageFormat::from_name(name.as_bytes())
+}
+
+/// `--output human|json`: whether the output is JSON.
+pub fn json_output(value: &str) -> Result<bool, String> {
+    match value {
+        "human" => Ok(false),
+        "json" => Ok(true),
+        other => Err(format!("--output expects 'human' or 'json' not '{other}'")),
+    }
+}
+
+/// `map`'s `--start-offset` and `--max-length`: a qemu-img size within `0..=i64::MAX` (`what`
+/// names it in the error).
+pub fn parse_offset(value: &str, what: &str) -> Result<u64> {
+    match parse_size(value) {
+        Some(v) if v <= i64::MAX as u64 => Ok(v),
+        _ => bail!("Invalid {what} specified. Must be between 0 and 9223372036854775807."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_qemu_img() {
+        assert_eq!(parse_size("1000"), Some(1000));
+        assert_eq!(parse_size("64k"), Some(65536));
+        assert_eq!(parse_size("1.5M"), Some(1_572_864));
+        assert_eq!(parse_size("2G"), Some(2 << 30));
+        assert_eq!(parse_size("1E"), Some(1 << 60));
+        assert_eq!(parse_size("16E"), None);
+        assert_eq!(parse_size("10X"), None);
+        assert_eq!(parse_size("-5"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("1.5"), None);
+    }
+
+    #[test]
+    fn double_commas_escape_a_comma() {
+        assert_eq!(
+            split_opts("backing_file=a,,b,size=1M"),
+            vec!["backing_file=a,b", "size=1M"]
+        );
+    }
+}

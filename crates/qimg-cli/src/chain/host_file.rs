@@ -1,0 +1,116 @@
+//! A file whose data extents and holes the file system reports (`SEEK_DATA`/`SEEK_HOLE`, as
+//! QEMU's file-posix block status): a raw layer, or the host file of a metadata-preallocated
+//! qcow2 image.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use anyhow::{Result, anyhow};
+use nix::errno::Errno;
+use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
+use nix::unistd::{Whence, lseek};
+
+use crate::status::os_msg;
+
+/// Cached pages are dropped in whole units of this size (a power of two above any page size).
+const DROP_CACHE_ALIGN: u64 = 64 << 10;
+
+/// A file whose data extents and holes are asked from the file system.
+pub(crate) struct HostFile {
+    file: File,
+    pub(super) path: PathBuf,
+    /// Drop cached pages of a range before asking for its holes (metadata-preallocated qcow2
+    /// files, whose metadata this process reads).
+    pub(super) drop_cache: bool,
+    /// The file's name as messages and the map show it.
+    pub(super) name: Rc<str>,
+    /// The file length in bytes.
+    pub(super) len: u64,
+}
+
+impl HostFile {
+    pub(super) fn open(path: &Path, name: Rc<str>) -> Result<Self> {
+        let file =
+            File::open(path).map_err(|e| anyhow!("Could not open '{name}': {}", os_msg(&e)))?;
+        let len = file
+            .metadata()
+            .map_err(|e| anyhow!("Could not stat '{name}': {}", os_msg(&e)))?
+            .len();
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            drop_cache: false,
+            name,
+            len,
+        })
+    }
+
+    /// Splits `[start, end)` into (start, length, is_data) runs, as file-posix's block status
+    /// does: `SEEK_DATA`/`SEEK_HOLE`, everything past the end of the file is a hole, and a file
+    /// system that cannot tell is all data.
+    pub(super) fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
+        if self.drop_cache {
+            // Unwritten extents (QEMU zeroes the copy-on-write parts of a cluster with
+            // FALLOC_FL_ZERO_RANGE) are holes to SEEK_DATA only while none of their pages is
+            // cached; our own metadata reads may have pulled them in by readahead. Drop clean
+            // cached pages of the range first so the answer is the one qemu-img, which does
+            // not read there, gets.
+            // Whole pages only are dropped: round out (to 64 KiB, above any page size).
+            let mask = DROP_CACHE_ALIGN - 1;
+            let (a, b) = (start & !mask, end.saturating_add(mask) & !mask);
+            if let (Ok(o), Ok(l)) = (i64::try_from(a), i64::try_from(b - a)) {
+                let _ = posix_fadvise(&self.file, o, l, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+            }
+        }
+        let mut out: Vec<(u64, u64, bool)> = Vec::new();
+        let mut push = |s: u64, e: u64, data: bool| {
+            if e <= s {
+                return;
+            }
+            if let Some(last) = out.last_mut() {
+                if last.2 == data && last.0 + last.1 == s {
+                    last.1 += e - s;
+                    return;
+                }
+            }
+            out.push((s, e - s, data));
+        };
+        let mut pos = start;
+        while pos < end {
+            if pos >= self.len {
+                push(pos, end, false);
+                break;
+            }
+            let Ok(at) = i64::try_from(pos) else {
+                push(pos, end, true);
+                break;
+            };
+            match lseek(&self.file, at, Whence::SeekData) {
+                Err(Errno::ENXIO) => {
+                    push(pos, end, false);
+                    break;
+                }
+                Err(_) => {
+                    push(pos, end, true);
+                    break;
+                }
+                Ok(d) if (d as u64) > pos => {
+                    let d = (d as u64).min(end);
+                    push(pos, d, false);
+                    pos = d;
+                }
+                Ok(_) => {
+                    let h = match lseek(&self.file, at, Whence::SeekHole) {
+                        Ok(h) if (h as u64) > pos => h as u64,
+                        _ => self.len.max(pos + 1),
+                    };
+                    let h = h.min(end);
+                    push(pos, h, true);
+                    pos = h;
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,288 @@
+//! `qimg bench`: qemu-img bench's options, defaults, request sequence and output, on qimg's
+//! engine (qcow2) or directly on the storage (raw), plus a report qemu-img does not give:
+//! IOPS, throughput, latency percentiles, L2 cache hit rate, copy-on-write bytes and clusters
+//! allocated (`--output json` for scripts), random offsets, timed runs and cache options.
+//!
+//! ```text
+//! qimg bench [-f FMT | --image-opts] [-t CACHE] [-c COUNT] [-d DEPTH] [-o OFFSET]
+//!            [-s BUFFER_SIZE] [-S STEP_SIZE] [-i AIO] [-n] [-q] [-U]
+//!            [-w [--pattern PATTERN] [--flush-interval INTERVAL [--no-drain]]]
+//!            [--random [--seed N]] [--time SECONDS] [--l2-cache-size SIZE]
+//!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE] [--cache-size SIZE]
+//!            [--cache-clean-interval SECONDS] [--runtime current|multi]
+//!            [--completions runtime|thread] [--output human|json] FILENAME
+//! ```
+//!
+//! Backends: `-i threads` is `FileStorage` (system calls inline on the runtime thread for
+//! buffered I/O, on tokio's blocking thread pool with O_DIRECT, like QEMU's thread pool);
+//! `-i io_uring` (and `-i native`, which QEMU's rules otherwise follow) is `UringStorage`,
+//! whose completions the runtime's I/O driver waits for (`--completions runtime`, with
+//! batched submission) or its own completion thread. O_DIRECT (`-t none`, `-t directsync`)
+//! goes through `BounceStorage`. The default runtime is one thread, QEMU's event-loop model;
+//! docs/PERFORMANCE.md has the measurements behind these defaults.
+//!
+//! Request `i` (from 0) goes to `offset` for `i = 0` and to `(offset + i * step) % size`
+//! after that, which is what qemu-img 10.0 bench issues (`b->offset += step; b->offset %=
+//! image_size`); a request that then runs past the end of the image fails the run, as it does
+//! in qemu-img. So the same options write the same bytes with both tools.
+
+mod config;
+mod hist;
+mod parse;
+mod report;
+mod run;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow};
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::io::{BlockingStrategy, BounceStorage, FileOptions, Storage, StorageError, UringOptions};
+use qimg::{CacheStats, Image, OpenOptions, Stats};
+
+use self::config::{BenchOpts, Config, config};
+use self::parse::Aio;
+use self::report::{Report, print_report, sending_line};
+use self::run::{Offsets, Outcome, Plan, Raw, Target, drive};
+
+/// Arguments of `qimg bench` (boxed: they are many, and the subcommand enum stays small).
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    opts: Box<BenchOpts>,
+}
+
+/// Runs `qimg bench`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    let cfg = config(*args.opts).map_err(anyhow::Error::msg)?;
+    bench(&cfg)
+}
+
+/// Opens the image with the storage `-i` and `-t` ask for, runs, and prints the report.
+fn bench(cfg: &Config) -> Result<()> {
+    let fmt = match cfg.fmt {
+        Some(f) => f,
+        None => probe_format(&cfg.path).map_err(|e| open_error(cfg, e))?,
+    };
+    let mut rt = if cfg.multi_thread {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    let rt = rt
+        .enable_time()
+        .enable_io()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    let report = rt.block_on(async {
+        // O_DIRECT storage goes through a bounce layer (any buffer alignment); each choice is
+        // its own storage type, so `bench_on` is instantiated per combination.
+        let direct = cfg.cache_mode.direct;
+        match cfg.aio {
+            Aio::Threads => {
+                let file = file_options(direct);
+                if direct {
+                    let open = |p: &Path, w: bool| {
+                        file.clone().read_write(w).open(p).map(BounceStorage::new)
+                    };
+                    bench_on(cfg, fmt, &open).await
+                } else {
+                    let open = |p: &Path, w: bool| file.clone().read_write(w).open(p);
+                    bench_on(cfg, fmt, &open).await
+                }
+            }
+            Aio::IoUring | Aio::Native => {
+                let ring = uring_options(cfg, direct);
+                if direct {
+                    let open = |p: &Path, w: bool| {
+                        ring.clone().read_write(w).open(p).map(BounceStorage::new)
+                    };
+                    bench_on(cfg, fmt, &open).await
+                } else {
+                    let open = |p: &Path, w: bool| ring.clone().read_write(w).open(p);
+                    bench_on(cfg, fmt, &open).await
+                }
+            }
+        }
+    })?;
+    print_report(cfg, fmt, &report)
+}
+
+/// `-i threads`: system calls inline on the runtime thread for buffered I/O, on tokio's
+/// blocking pool with O_DIRECT (like QEMU's thread pool).
+fn file_options(direct: bool) -> FileOptions {
+    let blocking = if direct {
+        BlockingStrategy::SpawnBlocking
+    } else {
+        BlockingStrategy::Inline
+    };
+    FileOptions::new().direct(direct).blocking(blocking)
+}
+
+/// `-i io_uring` and `-i native`: a ring for the queue depth, completions collected inline
+/// when the kernel finishes a request at once, and awaited where `--completions` says.
+fn uring_options(cfg: &Config, direct: bool) -> UringOptions {
+    UringOptions::new()
+        .direct(direct)
+        .entries(ring_entries(cfg.depth))
+        .collect_inline_completions(true)
+        .complete_on_runtime(cfg.on_runtime)
+}
+
+/// Ring size for a queue depth: room for every request plus the engine's metadata I/O.
+fn ring_entries(depth: u64) -> u32 {
+    u32::try_from(depth.saturating_add(16).next_power_of_two())
+        .unwrap_or(4096)
+        .clamp(64, 4096)
+}
+
+/// An open failure as qemu-img words it ("Could not open 'NAME': ...", without the path
+/// the library error starts with).
+fn open_error(cfg: &Config, e: impl std::fmt::Display) -> anyhow::Error {
+    let e = e.to_string();
+    let prefix = format!("{}: ", cfg.path.display());
+    let e = e.strip_prefix(&prefix).unwrap_or(&e);
+    anyhow!("Could not open '{}': {e}", cfg.name)
+}
+
+/// Opens the image (qcow2 through the engine, raw as the storage itself) with `open` and
+/// runs the bench on it.
+async fn bench_on<S, F>(cfg: &Config, fmt: ImageFormat, open: &F) -> Result<Report>
+where
+    S: Storage + 'static,
+    F: Fn(&Path, bool) -> Result<S, StorageError> + Send + Sync,
+{
+    let backend = match cfg.aio {
+        Aio::Native => "native (io_uring)",
+        other => other.name(),
+    };
+    match fmt {
+        ImageFormat::Raw => {
+            let s = open(&cfg.path, cfg.write).map_err(|e| open_error(cfg, e))?;
+            let size = s.len().await.map_err(|e| open_error(cfg, e))?;
+            let align = s.mem_alignment().max(4096);
+            let target = Arc::new(Raw(s));
+            let outcome = announce_and_drive(cfg, size, align, target.clone()).await?;
+            Ok(Report {
+                outcome,
+                size,
+                stats: None,
+                backend,
+            })
+        }
+        ImageFormat::Qcow2 => {
+            let opts = OpenOptions::new()
+                .writable(cfg.write)
+                .cache(cfg.cache)
+                .direct(cfg.cache_mode.direct);
+            let img = opts
+                .open_with(&cfg.path, open)
+                .await
+                .map_err(|e| open_error(cfg, e))?;
+            let size = img.size();
+            let before = chain_stats(&img).await;
+            let target = Arc::new(img.clone());
+            let outcome = announce_and_drive(cfg, size, 4096, target).await;
+            let after = chain_stats(&img).await;
+            let closed = img.close().await;
+            let outcome = outcome?;
+            closed.context("closing the image")?;
+            Ok(Report {
+                outcome,
+                size,
+                stats: Some(delta(&before, &after)),
+                backend,
+            })
+        }
+    }
+}
+
+/// The engine counters of the image, with the L2 cache statistics summed over its chain.
+async fn chain_stats<S: Storage + 'static>(img: &Image<S>) -> Stats {
+    let mut s = img.stats().await;
+    let mut below = img.backing();
+    while let Some(qimg::Backing::Qcow2(b)) = below {
+        let bs = b.stats().await;
+        s.l2_cache.hits += bs.l2_cache.hits;
+        s.l2_cache.misses += bs.l2_cache.misses;
+        s.l2_cache.evictions += bs.l2_cache.evictions;
+        below = b.backing();
+    }
+    s
+}
+
+/// The counters of the run: `after` less `before` (sizes and limits as `after`).
+fn delta(before: &Stats, after: &Stats) -> Stats {
+    let mut d = *after;
+    d.cow_bytes = after.cow_bytes.saturating_sub(before.cow_bytes);
+    d.clusters_allocated = after
+        .clusters_allocated
+        .saturating_sub(before.clusters_allocated);
+    d.clusters_freed = after.clusters_freed.saturating_sub(before.clusters_freed);
+    let c = |x: &CacheStats, y: &CacheStats| {
+        let mut z = *y;
+        z.hits = y.hits.saturating_sub(x.hits);
+        z.misses = y.misses.saturating_sub(x.misses);
+        z.evictions = y.evictions.saturating_sub(x.evictions);
+        z
+    };
+    d.l2_cache = c(&before.l2_cache, &after.l2_cache);
+    d.refcount_cache = c(&before.refcount_cache, &after.refcount_cache);
+    d
+}
+
+/// Prints qemu-img's first lines (human output), then runs.
+async fn announce_and_drive<T: Target>(
+    cfg: &Config,
+    size: u64,
+    mem_align: usize,
+    target: Arc<T>,
+) -> Result<Outcome> {
+    let offsets = match cfg.random {
+        None => Offsets::Sequential {
+            start: cfg.offset,
+            step: cfg.step,
+            size,
+        },
+        Some(seed) => {
+            let room = size.saturating_sub(cfg.offset);
+            let slots = room / cfg.bufsize;
+            if slots == 0 {
+                return Err(anyhow!(
+                    "--random: no {}-byte request fits between offset {} and the end of the \
+                     image ({size} bytes)",
+                    cfg.bufsize,
+                    cfg.offset
+                ));
+            }
+            Offsets::Random {
+                base: cfg.offset,
+                slots,
+                bufsize: cfg.bufsize,
+                seed,
+            }
+        }
+    };
+    if !cfg.json {
+        println!("{}", sending_line(cfg));
+        if cfg.flush_interval > 0 {
+            println!("Sending flush every {} requests", cfg.flush_interval);
+        }
+    }
+    let plan = Plan {
+        write: cfg.write,
+        bufsize: cfg.bufsize as usize,
+        pattern: cfg.pattern,
+        mem_align,
+        count: cfg.count,
+        duration: cfg.duration,
+        offsets,
+        size,
+        workers: cfg.count.map_or(cfg.depth, |c| c.min(cfg.depth)) as usize,
+        writethrough: cfg.cache_mode.writethrough,
+        no_flush: cfg.cache_mode.no_flush,
+        flush_interval: cfg.flush_interval,
+        drain: cfg.drain,
+    };
+    drive(target, plan).await
+}

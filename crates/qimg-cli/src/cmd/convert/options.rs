@@ -1,0 +1,147 @@
+//! `qimg convert`'s arguments, parsed and checked (qemu-img's messages) into [`Settings`]
+//! before anything is opened or created.
+
+use std::path::Path;
+
+use anyhow::{Result, anyhow, bail};
+use qimg::chain::ImageFormat;
+use qimg::tools::create::CreateOptions;
+
+use super::ConvertArgs;
+use crate::args::{image_format, parse_size, split_opts};
+use crate::cache_mode::CacheMode;
+use crate::chain::source_format;
+use crate::create_opts;
+
+/// What the arguments ask for.
+pub(super) struct Settings {
+    /// The sources (as named, and their format), concatenated in this order.
+    pub(super) sources: Vec<(String, ImageFormat)>,
+    /// The output, as named.
+    pub(super) dst_file: String,
+    /// The output's format (`-O`, raw by default).
+    pub(super) out_fmt: ImageFormat,
+    /// The options of the new output (`-o`, `-B`, `-F`); its size is set once the sources
+    /// are open.
+    pub(super) create_options: CreateOptions,
+    /// The output gets (or, with `-n`, is said to have) a backing file.
+    pub(super) has_backing: bool,
+    /// `-n`: the output exists and is not created.
+    pub(super) no_create: bool,
+    /// `-c`.
+    pub(super) compress: bool,
+    /// `-S`: smallest run of zeros left unwritten (0: write everything).
+    pub(super) sparse: u64,
+    /// `-m`: chunks in flight.
+    pub(super) parallel: usize,
+    /// `-W`.
+    pub(super) out_of_order: bool,
+    /// `-p` without `-q`.
+    pub(super) progress: bool,
+    /// `-t` and `-T`.
+    pub(super) cache: CacheMode,
+    pub(super) src_cache: CacheMode,
+}
+
+/// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
+/// was asked for (and printed).
+pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
+    let _ = args.force_share;
+    let out_name = args.out_fmt.clone().unwrap_or_else(|| "raw".to_string());
+    let out_fmt =
+        image_format(&out_name).ok_or_else(|| anyhow!("Unknown file format '{out_name}'"))?;
+    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    if pairs.iter().any(|p| p == "help" || p == "?") {
+        print!("{}", create_opts::help_text(&out_name));
+        return Ok(None);
+    }
+    let cache = CacheMode::parse_option(args.cache.as_deref(), "cache")?;
+    let src_cache = CacheMode::parse_option(args.src_cache.as_deref(), "source cache")?;
+    if out_fmt == ImageFormat::Raw {
+        if args.backing.is_some() {
+            bail!("Backing file not supported for file format 'raw'");
+        }
+        if args.backing_fmt.is_some() {
+            bail!("Backing file format not supported for file format 'raw'");
+        }
+    }
+    if args.compress && out_fmt != ImageFormat::Qcow2 {
+        bail!("Compression not supported for this file format");
+    }
+    let sparse = match &args.sparse {
+        None => 4096,
+        Some(s) => match parse_size(s) {
+            Some(v) if v % 512 == 0 && v <= 16 << 20 => v,
+            _ => bail!(
+                "Invalid buffer size for sparse output specified. Valid sizes are multiples of \
+                 512 up to 16777216. Select 0 to disable sparse detection (fully allocates output)."
+            ),
+        },
+    };
+    let parallel = match &args.parallel {
+        None => 8,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if (1..=16).contains(&n) => n,
+            _ => bail!("Invalid number of coroutines specified. Must be between 1 and 16."),
+        },
+    };
+    let Some((dst_file, src_files)) = args.files.split_last().filter(|(_, s)| !s.is_empty()) else {
+        bail!("Must specify image file name");
+    };
+
+    // The output's options, parsed and checked before anything is opened or created; -B and
+    // -F override -o backing_file and backing_fmt, as in qemu-img.
+    let mut create_options = CreateOptions::default();
+    let mut given = create_opts::Given::default();
+    create_opts::apply(&mut create_options, &mut given, &pairs, &out_name)?;
+    if args.no_create && !pairs.is_empty() {
+        bail!("-o has no effect with -n (the output is not created)");
+    }
+    if let Some(b) = &args.backing {
+        create_options.backing_file = Some(b.clone());
+    }
+    if let Some(f) = &args.backing_fmt {
+        create_options.backing_fmt = Some(f.clone());
+    }
+    let has_backing = create_options.backing_file.is_some();
+    if has_backing && src_files.len() > 1 {
+        bail!(
+            "Having a backing file for the target makes no sense when concatenating multiple \
+             input images"
+        );
+    }
+    if !args.no_create {
+        if has_backing && create_options.backing_fmt.is_none() {
+            bail!("Use of backing file requires explicit backing format");
+        }
+        if !has_backing && create_options.backing_fmt.is_some() {
+            bail!(
+                "{dst_file}: error while converting {out_name}: Backing format cannot be used \
+                 without backing file"
+            );
+        }
+    }
+
+    let sources = src_files
+        .iter()
+        .map(|file| {
+            let fmt = source_format(Path::new(file), file, args.src_fmt.as_deref())?;
+            Ok((file.clone(), fmt))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(Settings {
+        sources,
+        dst_file: dst_file.clone(),
+        out_fmt,
+        create_options,
+        has_backing,
+        no_create: args.no_create,
+        compress: args.compress,
+        sparse,
+        parallel,
+        out_of_order: args.out_of_order,
+        progress: args.progress && !args.quiet,
+        cache,
+        src_cache,
+    }))
+}

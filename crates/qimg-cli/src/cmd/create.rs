@@ -1,0 +1,118 @@
+//! `qimg create [-f qcow2|raw] [-b BACKING [-F FMT]] [-o OPT=VAL,...] [-q] [-u] FILE [SIZE]`:
+//! a new image, with qemu-img create's options, `Formatting ...` line and messages.
+
+use std::io::IsTerminal;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use qimg::tools::create::{CreateOptions, create};
+
+use crate::args::{image_format, parse_size, split_opts};
+use crate::create_opts;
+
+/// Arguments of `qimg create`.
+#[derive(clap::Args)]
+pub struct CreateArgs {
+    /// Image format: qcow2 (default) or raw.
+    #[arg(short = 'f', default_value = "qcow2")]
+    fmt: String,
+    /// Backing file (same as -o backing_file=).
+    #[arg(short = 'b')]
+    backing: Option<String>,
+    /// Backing file format (same as -o backing_fmt=).
+    #[arg(short = 'F')]
+    backing_fmt: Option<String>,
+    /// Format options, comma separated; `-o help` lists them.
+    #[arg(short = 'o', action = clap::ArgAction::Append)]
+    options: Vec<String>,
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Do not open the backing file (the size must then be given).
+    #[arg(short = 'u')]
+    unsafe_backing: bool,
+    /// The image to create.
+    filename: Option<String>,
+    /// Virtual size, with an optional k, M, G, T, P or E suffix.
+    #[arg(allow_hyphen_values = true)]
+    size: Option<String>,
+}
+
+/// Runs `qimg create`.
+pub fn run(args: CreateArgs) -> Result<()> {
+    if image_format(&args.fmt).is_none() {
+        bail!(
+            "Unknown file format '{}' (qimg supports qcow2 and raw)",
+            args.fmt
+        );
+    }
+    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    if pairs.iter().any(|p| p == "help" || p == "?") {
+        print!("{}", create_opts::help_text(&args.fmt));
+        return Ok(());
+    }
+    let Some(file) = args.filename else {
+        bail!("Expecting image file name");
+    };
+    let mut o = CreateOptions::default();
+    let mut given = create_opts::Given::default();
+    create_opts::apply(&mut o, &mut given, &pairs, &args.fmt).with_context(|| file.clone())?;
+    if let Some(b) = args.backing {
+        o.backing_file = Some(b);
+    }
+    if let Some(f) = args.backing_fmt {
+        o.backing_fmt = Some(f);
+    }
+    o.unsafe_backing = args.unsafe_backing;
+    if let Some(s) = &args.size {
+        match parse_size(s) {
+            Some(v) if v <= i64::MAX as u64 => o.size = Some(v),
+            _ if s.starts_with('-') => {
+                bail!("Invalid image size specified. Must be between 0 and 9223372036854775807.")
+            }
+            _ => bail!("Invalid image size specified: '{s}'."),
+        }
+    }
+    let path = Path::new(&file);
+    let show_progress = !args.quiet && std::io::stderr().is_terminal();
+    let mut last = u64::MAX;
+    let mut progress = |done: u64, total: u64| {
+        if !show_progress || total == 0 {
+            return;
+        }
+        let pct = done * 10000 / total;
+        if pct != last {
+            last = pct;
+            eprint!("\r    ({:.2}/100%)", pct as f64 / 100.0);
+            if done == total {
+                eprintln!();
+            }
+        }
+    };
+    if args.fmt == "raw" {
+        if o.backing_file.is_some() || o.backing_fmt.is_some() {
+            bail!("{file}: raw images cannot have a backing file");
+        }
+        let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
+        if !args.quiet {
+            let shown = o.size.unwrap_or(size);
+            println!(
+                "{}",
+                create_opts::formatting_line(&file, "raw", &o, &given, shown)
+            );
+        }
+        qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress)
+            .with_context(|| file.clone())?;
+        return Ok(());
+    }
+    o.validate().with_context(|| file.clone())?;
+    let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
+    if !args.quiet {
+        println!(
+            "{}",
+            create_opts::formatting_line(&file, "qcow2", &o, &given, o.size.unwrap_or(size))
+        );
+    }
+    create(path, &o, &mut progress).with_context(|| file.clone())?;
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! `qimg info [-f FMT] [--output human|json] [--backing-chain] [-U] FILE`: what qemu-img
+//! info reports about an image (read-only), in its human text or JSON.
+
+use std::path::Path;
+
+use anyhow::{Result, anyhow};
+use clap::ValueEnum;
+use qimg::tools::info::{backing_chain, image_info};
+
+use crate::args::image_format;
+use crate::human;
+
+/// `--output` of `info`.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    Human,
+    Json,
+}
+
+/// Arguments of `qimg info`.
+#[derive(clap::Args)]
+pub struct InfoArgs {
+    /// Image format (probed when absent).
+    #[arg(short = 'f')]
+    fmt: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "human")]
+    output: Output,
+    /// Show the whole backing chain.
+    #[arg(long)]
+    backing_chain: bool,
+    /// Accepted for qemu-img compatibility: qimg info never locks or writes.
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// The image.
+    filename: String,
+}
+
+/// Runs `qimg info`.
+pub fn run(args: InfoArgs) -> Result<()> {
+    let _ = args.force_share;
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => Some(image_format(name).ok_or_else(|| {
+            anyhow!("Unknown file format '{name}' (qimg supports qcow2 and raw)")
+        })?),
+        None => None,
+    };
+    let path = Path::new(&args.filename);
+    let list = if args.backing_chain {
+        backing_chain(path, fmt)?
+    } else {
+        vec![image_info(path, fmt)?]
+    };
+    match args.output {
+        Output::Json => {
+            let v = if args.backing_chain {
+                serde_json::to_value(&list)?
+            } else {
+                serde_json::to_value(&list[0])?
+            };
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Output::Human => {
+            let texts: Vec<String> = list.iter().map(human::info).collect();
+            print!("{}", texts.join("\n"));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,8 @@
+//! One module per `qimg` command: its arguments (clap) and its `run`.
+
+pub mod bench;
+pub mod check;
+pub mod convert;
+pub mod create;
+pub mod info;
+pub mod map;

@@ -1,0 +1,65 @@
+//! Exit statuses and error messages, worded as qemu-img words them.
+//!
+//! Every command prints its failure as `qimg: MESSAGE` on stderr; most exit with 1, `check`
+//! with the codes of qemu-img check. OS and library errors are reworded to read like QEMU's
+//! (C's `strerror` text, no repeated file name).
+
+use std::fmt::Display;
+use std::process::ExitCode;
+
+use anyhow::Result;
+
+/// Prints `qimg: MESSAGE` on stderr and returns exit status `code`.
+pub fn fail(msg: impl Display, code: u8) -> ExitCode {
+    eprintln!("qimg: {msg}");
+    ExitCode::from(code)
+}
+
+/// The exit status of a command that succeeds (0) or fails (1, with its error and causes
+/// printed on one line).
+pub fn exit_status(result: Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(format_args!("{e:#}"), 1),
+    }
+}
+
+/// Removes Rust's " (os error N)" suffix from an error text, leaving C's `strerror` words.
+fn strip_os_error(text: &str) -> &str {
+    match text.find(" (os error") {
+        Some(i) => &text[..i],
+        None => text,
+    }
+}
+
+/// An OS error as C's `strerror` words it ("No such file or directory", without Rust's
+/// " (os error 2)").
+pub fn os_msg(e: &std::io::Error) -> String {
+    strip_os_error(&e.to_string()).to_string()
+}
+
+/// The error text of a library error without the leading file name `file`, followed by the
+/// causes its text does not already include (such as the OS error of a failed open).
+pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
+    use std::error::Error as _;
+    let mut s = match e {
+        qimg::Error::Io { source, .. } => return os_msg(source),
+        other => {
+            let s = other.to_string();
+            s.strip_prefix(&format!("{file}: "))
+                .map(str::to_string)
+                .unwrap_or(s)
+        }
+    };
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        let text = strip_os_error(&text);
+        if !s.contains(text) {
+            s.push_str(": ");
+            s.push_str(text);
+        }
+        cause = c.source();
+    }
+    s
+}
