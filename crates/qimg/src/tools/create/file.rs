@@ -1,0 +1,76 @@
+//! File work of creation: opening the new file, reserving or writing its space.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use super::options::{Preallocation, Progress};
+use crate::error::{Error, Result};
+
+/// Writes zeros over the first 4 KiB of a new raw file, as QEMU does so that the first block
+/// is allocated and O_DIRECT alignment can be probed on it later.
+pub(super) fn allocate_first_block(file: &File, path: &Path, len: u64) -> Result<()> {
+    let n = len.min(4096);
+    if n > 0 {
+        file.write_all_at(&vec![0u8; n as usize], 0)
+            .map_err(|e| Error::io(path, format!("write {n} zero bytes at 0x0"), e))?;
+    }
+    Ok(())
+}
+
+pub(super) fn open_new(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| Error::io(path, "create", e))
+}
+
+/// Reserves (`Falloc`) or zero-fills (`Full`) the given byte runs, reporting progress.
+pub(super) fn fill(
+    file: &File,
+    path: &Path,
+    runs: &[(u64, u64)],
+    mode: Preallocation,
+    total: u64,
+    progress: Progress<'_>,
+) -> Result<()> {
+    const CHUNK: u64 = 8 << 20;
+    let zeros = vec![0u8; CHUNK as usize];
+    let mut done = 0;
+    progress(0, total);
+    for &(start, len) in runs {
+        let mut off = start;
+        while off < start + len {
+            let n = CHUNK.min(start + len - off);
+            match mode {
+                Preallocation::Full => {
+                    file.write_all_at(&zeros[..n as usize], off).map_err(|e| {
+                        Error::io(path, format!("write {n} zero bytes at {off:#x}"), e)
+                    })?;
+                }
+                _ => reserve(file, off, n)
+                    .map_err(|e| Error::io(path, format!("fallocate {n} bytes at {off:#x}"), e))?,
+            }
+            off += n;
+            done += n;
+            progress(done, total);
+        }
+    }
+    Ok(())
+}
+
+/// Reserves space without changing the contents: `posix_fallocate`-like, falling back to
+/// writing zeros where the file system cannot allocate.
+pub(super) fn reserve(file: &File, off: u64, len: u64) -> std::io::Result<()> {
+    use nix::fcntl::{FallocateFlags, fallocate};
+    let (Ok(o), Ok(l)) = (i64::try_from(off), i64::try_from(len)) else {
+        return Err(std::io::Error::other("range beyond i64"));
+    };
+    match fallocate(file, FallocateFlags::empty(), o, l) {
+        Ok(()) => Ok(()),
+        Err(_) => file.write_all_at(&vec![0u8; len as usize], off),
+    }
+}
