@@ -35,7 +35,6 @@ pub struct Stats {
 /// at once. Call [`close`](Image::close) (or at least [`flush`](Image::flush)) before dropping
 /// the last handle of a writable image: caches are written back only then.
 #[derive(Debug)]
-#[must_use = "a writable image must be closed (or flushed) before it is dropped: caches are written back only then"]
 pub struct Image<S: Storage> {
     pub(crate) inner: Arc<Inner<S>>,
 }
