@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::engine::qemu_raw;
+use common::qemu_raw;
 use common::{Scratch, have_qemu, ok, qemu_img, qimg, run};
 use qimg::format::refcount;
 

@@ -11,13 +11,13 @@ mod common;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use common::engine::pattern;
 use common::{Scratch, have_qemu, json, ok, qemu_img, qimg};
 
 const MIB: u64 = 1 << 20;
 
 use common::qemu_img_create as create;
 use common::qemu_io;
+use qimg_testkit::{Rng, pattern};
 
 /// `qimg convert ARGS`, which must succeed; returns stdout.
 fn convert(dir: &Path, args: &[&str]) -> String {
@@ -76,17 +76,9 @@ fn allocated_data(dir: &Path, file: &str) -> u64 {
         .sum()
 }
 
-/// Incompressible bytes (xorshift64*).
+/// Incompressible bytes.
 fn noise(len: usize) -> Vec<u8> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    (0..len)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
-        })
-        .collect()
+    Rng(0x9E37_79B9_7F4A_7C15).bytes(len)
 }
 
 fn allocated_bytes(path: &Path) -> u64 {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use qimg::tools::check::{CheckOptions, Repair};
 
 use qimg::format::fuzz as ffuzz;
-use qimg::fuzzing;
+use qimg_testkit::fuzzing;
 
 fn dir(kind: &str, target: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

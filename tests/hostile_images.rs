@@ -65,7 +65,7 @@ async fn the_corpus_and_random_damage_never_panic() {
             ),
             ("zero", "cluster_size=8k", "write -z 0 64k"),
         ] {
-            common::engine::qemu_create(&dir.0, name, opts, 1 << 20, None);
+            common::qemu_create(&dir.0, name, opts, 1 << 20, None);
             for cmd in [script, "write -P 9 100k 3k", "discard 16k 16k"] {
                 common::ok(
                     "qemu-io",
