@@ -432,14 +432,7 @@ impl Images {
         image: &[u8],
         log: Option<Trace>,
     ) -> (qimg::Result<Image<Disk>>, qimg::io::FaultController) {
-        let disk = faulty_disk(image, log);
-        let ctl = disk.controller();
-        let backing = self.backing(|b| faulty_disk(b, None)).await;
-        let img = self
-            .shape
-            .open_options()
-            .open_storage(disk, "img.qcow2", backing, None)
-            .await;
+        let (img, ctl, _) = self.open_armed(image, None, log).await;
         (img, ctl)
     }
 }

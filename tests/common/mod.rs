@@ -219,24 +219,22 @@ pub fn make_with_qemu(dir: &Path, c: &Case) {
         );
     }
     if c.bitmap {
-        ok(
-            "qemu-img bitmap",
-            &qemu_img(dir, &["bitmap", "--add", "img.qcow2", "b0"]),
-        );
-        ok(
-            "qemu-img bitmap",
-            &qemu_img(
-                dir,
-                &[
-                    "bitmap",
-                    "--add",
-                    "-g",
-                    "128k",
-                    "--disable",
-                    "img.qcow2",
-                    "b1",
-                ],
-            ),
-        );
+        add_bitmaps(dir, "img.qcow2");
     }
+}
+
+/// Adds two persistent bitmaps to `file` with qemu-img: `b0` (default granularity, enabled)
+/// and `b1` (128 KiB granularity, disabled).
+pub fn add_bitmaps(dir: &Path, file: &str) {
+    ok(
+        "qemu-img bitmap",
+        &qemu_img(dir, &["bitmap", "--add", file, "b0"]),
+    );
+    ok(
+        "qemu-img bitmap",
+        &qemu_img(
+            dir,
+            &["bitmap", "--add", "-g", "128k", "--disable", file, "b1"],
+        ),
+    );
 }

@@ -662,3 +662,42 @@ pub fn check(data: &[u8]) -> [qimg::Result<CheckReport>; 3] {
     }
     [before, repaired, after]
 }
+
+/// The folder `fuzz/<kind>/<target>/` of the workspace (`kind` is `corpus` for the seed
+/// corpus made by `fuzz/make-corpus.sh`, `regressions` for saved findings).
+pub fn inputs_dir(kind: &str, target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz")
+        .join(kind)
+        .join(target)
+}
+
+/// The files of `fuzz/<kind>/<target>/` as (name, bytes), sorted by name; none when the
+/// folder is missing (a target without saved findings has none).
+pub fn inputs(kind: &str, target: &str) -> Vec<(String, Vec<u8>)> {
+    let d = inputs_dir(kind, target);
+    let Ok(entries) = std::fs::read_dir(&d) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, Vec<u8>)> = entries
+        .map(|e| e.expect("read a fuzz input folder").path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let data = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p.file_name().unwrap().to_string_lossy().into_owned(), data)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The committed seed corpus of `target` (`fuzz/corpus/<target>/`), which must not be empty.
+pub fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
+    let v = inputs("corpus", target);
+    assert!(
+        !v.is_empty(),
+        "{}: no seeds (run fuzz/make-corpus.sh)",
+        inputs_dir("corpus", target).display()
+    );
+    v
+}

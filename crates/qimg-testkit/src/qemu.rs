@@ -319,3 +319,14 @@ pub fn make_backing_file(dir: &Path, data: &[u8], fmt: &str) -> &'static str {
         _ => panic!("backing file format {fmt}: only raw and qcow2"),
     }
 }
+
+/// The extents of `qemu-img map --output=json` of `file`.
+pub fn map_json(dir: &Path, file: &str) -> Vec<serde_json::Value> {
+    json(
+        "qemu-img map",
+        &qemu_img(dir, &["map", "--output=json", file]),
+    )
+    .as_array()
+    .cloned()
+    .unwrap_or_default()
+}
