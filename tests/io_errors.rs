@@ -785,7 +785,7 @@ fn header_switch_case(shape: Shape, steps: &[Step], at: u64, probes: &[GuestOp])
             ctl.disarm_all();
             // Failed requests may have left their data, in part.
             let mut failed: Vec<GuestOp> = match &steps[k] {
-                Step::Op(op) => vec![op.clone()],
+                Step::Op(op) => vec![*op],
                 Step::Resize(_) => Vec::new(),
             };
             let mut acknowledged = model.clone();
@@ -793,7 +793,7 @@ fn header_switch_case(shape: Shape, steps: &[Step], at: u64, probes: &[GuestOp])
                 if run_op(&img, probe).await.is_ok() {
                     acknowledged.apply(probe);
                 } else {
-                    failed.push(probe.clone());
+                    failed.push(*probe);
                 }
             }
             if img.flush().await.is_ok() {
