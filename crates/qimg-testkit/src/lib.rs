@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`model`] | the flat model of guest data ([`GuestModel`]), the guest requests ([`GuestOp`]) and what a crash may leave ([`model::check_possible`]) |
 //! | [`rng`] | the seeded generator ([`Rng`], splitmix64) |
-//! | [`pattern`] | deterministic data patterns ([`pattern()`], [`pattern::word_pattern`]) |
+//! | [`pattern`](mod@pattern) | deterministic data patterns ([`pattern()`], [`pattern::word_pattern`]) |
 //! | [`qemu`] | qemu-img / qemu-io: [`have_qemu`] and its `QIMG_REQUIRE_QEMU` rule, create / check / compare / convert / info wrappers, JSON comparison, scratch directories |
 //! | [`fuzzing`] | the entry points of the engine-level fuzz targets, also replayed by `tests/fuzz_corpus.rs` |
 //!
