@@ -363,7 +363,7 @@ pub fn decode_ops(data: &[u8]) -> Option<(OpsShape, Vec<GuestOp>)> {
 
 /// Runs a sequence of writes, write-zeroes, discards, reads, flushes and reopens decoded from
 /// `data` (see [`decode_ops`]) on a fresh image made by [`qimg::tools::create::create`], in memory,
-/// against a flat model of the disk, and panics on any difference.
+/// against the flat model ([`GuestModel`]), and panics on any difference.
 ///
 /// Every operation must succeed and every read must equal the model: written bytes, zeros, or
 /// for discarded subclusters (whole ones only; the last one counts as whole when the range
