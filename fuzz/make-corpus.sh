@@ -11,7 +11,7 @@
 #                   refcounts image, bitmaps, version 2, every refcount width
 #   check           some of the same images, plus copies of two with a refcount, a refcount
 #                   table entry, an L2 entry or a subcluster bitmap damaged
-#   ops             hand-written operation sequences (see qimg::fuzzing::decode_ops)
+#   ops             hand-written operation sequences (see qimg_testkit::fuzzing::decode_ops)
 #
 # Re-run after changing the lists; the output is committed so that `cargo test` replays it
 # without qemu-img. Every corpus directory but header is emptied first.
@@ -207,7 +207,7 @@ cp std4k "$d/std4k-no-refblock"; poke "$d/std4k-no-refblock" "$reftable" 0000000
 damaged=7
 
 # ---------------------------------------------------------------------------- ops
-# Shape bytes (see qimg::fuzzing::OpsShape), then 8-byte operations
+# Shape bytes (see qimg_testkit::fuzzing::OpsShape), then 8-byte operations
 # [kind, m, s1, s0, l, n1, n0, w]: kind%16 0-5 write, 6-7 zero, 8-10 discard, 11-12 read,
 # 13-14 flush, 15 reopen.
 o="$here/corpus/ops"

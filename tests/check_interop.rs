@@ -9,8 +9,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::engine::qemu_raw;
-use common::{Scratch, have_qemu, ok, qemu_img, qimg, run};
+use common::qemu_raw;
+use common::{Scratch, add_bitmaps, have_qemu, ok, qemu_img, qemu_img_create, qimg};
 use qimg::format::refcount;
 
 const KIB: u64 = 1024;
@@ -19,24 +19,14 @@ const L1E_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const COPIED: u64 = 1 << 63;
 const COMPRESSED: u64 = 1 << 62;
 
+/// `qemu-io -f qcow2 -c CMD... FILE`, which must succeed.
 fn qemu_io(dir: &Path, file: &str, cmds: &[&str]) {
-    let mut args: Vec<&str> = vec!["-f", "qcow2"];
-    for c in cmds {
-        args.push("-c");
-        args.push(c);
-    }
-    args.push(file);
-    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
+    common::qemu_io(dir, "qcow2", file, cmds);
 }
 
 /// `qemu-img create -f qcow2 [-o OPTS] FILE SIZE`.
 fn create(dir: &Path, opts: &str, file: &str, size: &str) {
-    let mut args = vec!["create", "-q", "-f", "qcow2"];
-    if !opts.is_empty() {
-        args.extend(["-o", opts]);
-    }
-    args.extend([file, size]);
-    ok("qemu-img create", &qemu_img(dir, &args));
+    qemu_img_create(dir, "qcow2", opts, &[], file, size);
 }
 
 /// A qcow2 file whose metadata the tests edit in place.
@@ -746,44 +736,17 @@ fn clean_images_report_exactly_what_qemu_img_reports() {
         &qemu_img(dir, &["snapshot", "-c", "s2", "snap.qcow2"]),
     );
     qemu_io(dir, "snap.qcow2", &["write -P 8 0 64k"]);
-    ok(
-        "overlay",
-        &qemu_img(
-            dir,
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-b",
-                "base.qcow2",
-                "-F",
-                "qcow2",
-                "top.qcow2",
-            ],
-        ),
+    qemu_img_create(
+        dir,
+        "qcow2",
+        "",
+        &["-b", "base.qcow2", "-F", "qcow2"],
+        "top.qcow2",
+        "",
     );
     qemu_io(dir, "top.qcow2", &["write -P 9 100k 8k"]);
     copy(dir, "base.qcow2", "bitmaps.qcow2");
-    ok(
-        "bitmap",
-        &qemu_img(dir, &["bitmap", "--add", "bitmaps.qcow2", "b0"]),
-    );
-    ok(
-        "bitmap",
-        &qemu_img(
-            dir,
-            &[
-                "bitmap",
-                "--add",
-                "-g",
-                "128k",
-                "--disable",
-                "bitmaps.qcow2",
-                "b1",
-            ],
-        ),
-    );
+    add_bitmaps(dir, "bitmaps.qcow2");
     for file in [
         "zlib.qcow2",
         "zstd.qcow2",

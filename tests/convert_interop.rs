@@ -11,13 +11,13 @@ mod common;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use common::engine::pattern;
-use common::{Scratch, have_qemu, json, ok, qemu_img, qimg};
+use common::{Scratch, assert_clean, have_qemu, info, map_json, ok, qemu_img, qimg};
 
 const MIB: u64 = 1 << 20;
 
 use common::qemu_img_create as create;
 use common::qemu_io;
+use qimg_testkit::{Rng, pattern};
 
 /// `qimg convert ARGS`, which must succeed; returns stdout.
 fn convert(dir: &Path, args: &[&str]) -> String {
@@ -36,57 +36,18 @@ fn assert_same(dir: &Path, a: &str, b: &str) {
     );
 }
 
-fn assert_clean(dir: &Path, file: &str) {
-    let v = json(
-        &format!("qemu-img check {file}"),
-        &qemu_img(dir, &["check", "--output=json", file]),
-    );
-    for k in ["corruptions", "leaks", "check-errors"] {
-        assert_eq!(
-            v.get(k).and_then(|x| x.as_u64()).unwrap_or(0),
-            0,
-            "{file}: {v}"
-        );
-    }
-}
-
-fn info(dir: &Path, file: &str) -> serde_json::Value {
-    json(
-        "qemu-img info",
-        &qemu_img(dir, &["info", "--output=json", file]),
-    )
-}
-
-fn map(dir: &Path, file: &str) -> Vec<serde_json::Value> {
-    json(
-        "qemu-img map",
-        &qemu_img(dir, &["map", "--output=json", file]),
-    )
-    .as_array()
-    .cloned()
-    .unwrap_or_default()
-}
-
 /// Guest bytes `qemu-img map` reports as data present in the image itself (depth 0).
 fn allocated_data(dir: &Path, file: &str) -> u64 {
-    map(dir, file)
+    map_json(dir, file)
         .iter()
         .filter(|e| e["data"] == true && e["depth"] == 0 && e["zero"] == false)
         .map(|e| e["length"].as_u64().unwrap())
         .sum()
 }
 
-/// Incompressible bytes (xorshift64*).
+/// Incompressible bytes.
 fn noise(len: usize) -> Vec<u8> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    (0..len)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
-        })
-        .collect()
+    Rng(0x9E37_79B9_7F4A_7C15).bytes(len)
 }
 
 fn allocated_bytes(path: &Path) -> u64 {
@@ -173,7 +134,7 @@ fn round_trip_qcow2_raw_extended_standard() {
         ],
     );
     assert_same(d, src, "b.qcow2");
-    assert_clean(d, "b.qcow2");
+    assert_clean(d, "b.qcow2", "b.qcow2");
     let i = info(d, "b.qcow2");
     assert_eq!(i["cluster-size"], 128 * 1024);
     assert_eq!(i["format-specific"]["data"]["extended-l2"], true, "{i}");
@@ -181,7 +142,7 @@ fn round_trip_qcow2_raw_extended_standard() {
 
     convert(d, &["-O", "qcow2", "b.qcow2", "c.qcow2"]);
     assert_same(d, src, "c.qcow2");
-    assert_clean(d, "c.qcow2");
+    assert_clean(d, "c.qcow2", "c.qcow2");
     let i = info(d, "c.qcow2");
     assert_eq!(i["cluster-size"], 65536);
     assert_eq!(i["format-specific"]["data"]["extended-l2"], false, "{i}");
@@ -194,13 +155,13 @@ fn round_trip_qcow2_raw_extended_standard() {
         ],
     );
     assert_same(d, src, "d.qcow2");
-    assert_clean(d, "d.qcow2");
+    assert_clean(d, "d.qcow2", "d.qcow2");
     convert(
         d,
         &["-W", "-O", "qcow2", "-o", "compat=0.10", src, "v2.qcow2"],
     );
     assert_same(d, src, "v2.qcow2");
-    assert_clean(d, "v2.qcow2");
+    assert_clean(d, "v2.qcow2", "v2.qcow2");
     assert_eq!(
         info(d, "v2.qcow2")["format-specific"]["data"]["compat"],
         "0.10"
@@ -241,13 +202,13 @@ fn compressed_outputs_zlib_and_zstd() {
     ] {
         convert(d, &["-c", "-O", "qcow2", "-o", opts, "src.qcow2", name]);
         assert_same(d, "src.qcow2", name);
-        assert_clean(d, name);
+        assert_clean(d, name, name);
         let want = opts.split(',').next().unwrap().split('=').nth(1).unwrap();
         assert_eq!(
             info(d, name)["format-specific"]["data"]["compression-type"],
             want
         );
-        let m = map(d, name);
+        let m = map_json(d, name);
         let compressed: u64 = m
             .iter()
             .filter(|e| e["compressed"] == true)
@@ -274,9 +235,9 @@ fn compressed_outputs_zlib_and_zstd() {
     // Compressed back to plain.
     convert(d, &["-O", "qcow2", "zstd.qcow2", "plain.qcow2"]);
     assert_same(d, "src.qcow2", "plain.qcow2");
-    assert_clean(d, "plain.qcow2");
+    assert_clean(d, "plain.qcow2", "plain.qcow2");
     assert!(
-        map(d, "plain.qcow2")
+        map_json(d, "plain.qcow2")
             .iter()
             .all(|e| e["compressed"] == false)
     );
@@ -306,7 +267,7 @@ fn zeros_are_never_written() {
     let data = 3 * MIB + 4096;
     convert(d, &["-O", "qcow2", "big.qcow2", "out.qcow2"]);
     assert_same(d, "big.qcow2", "out.qcow2");
-    assert_clean(d, "out.qcow2");
+    assert_clean(d, "out.qcow2", "out.qcow2");
     let got = allocated_data(d, "out.qcow2");
     assert!(
         (data..=data + 64 * 1024).contains(&got),
@@ -328,7 +289,7 @@ fn zeros_are_never_written() {
         ],
     );
     assert_same(d, "big.qcow2", "ext.qcow2");
-    assert_clean(d, "ext.qcow2");
+    assert_clean(d, "ext.qcow2", "ext.qcow2");
     assert_eq!(allocated_data(d, "ext.qcow2"), data);
 
     // Raw output is sparse: holes instead of zeros.
@@ -361,7 +322,7 @@ fn raw_sources_and_qimg_made_images() {
     drop(f);
     convert(d, &["-O", "qcow2", "src.raw", "a.qcow2"]);
     assert_same(d, "src.raw", "a.qcow2");
-    assert_clean(d, "a.qcow2");
+    assert_clean(d, "a.qcow2", "a.qcow2");
     assert_eq!(info(d, "a.qcow2")["virtual-size"], 3 * MIB + 1024);
     convert(d, &["-O", "raw", "a.qcow2", "b.raw"]);
     assert_same(d, "src.raw", "b.raw");
@@ -399,7 +360,7 @@ fn raw_sources_and_qimg_made_images() {
     ] {
         convert(d, &["-O", "qcow2", "-o", opts, "q.qcow2", name]);
         assert_same(d, "q.qcow2", name);
-        assert_clean(d, name);
+        assert_clean(d, name, name);
     }
 }
 
@@ -415,7 +376,7 @@ fn into_an_existing_image_with_n() {
     qemu_io(d, "qcow2", "old.qcow2", &["write -P 9 0 16M"]);
     convert(d, &["-n", "-O", "qcow2", src, "old.qcow2"]);
     assert_same(d, src, "old.qcow2");
-    assert_clean(d, "old.qcow2");
+    assert_clean(d, "old.qcow2", "old.qcow2");
     std::fs::write(d.join("old.raw"), vec![0xa5u8; 16 << 20]).unwrap();
     convert(d, &["-n", src, "old.raw"]);
     assert_same(d, src, "old.raw");
@@ -561,7 +522,7 @@ fn bad_input_is_refused_clearly() {
 /// clusters land in the file differs between qemu and qimg; what is allocated where must not).
 fn layout(dir: &Path, file: &str) -> Vec<(u64, u64, u64, bool, bool, bool, bool)> {
     let mut v: Vec<(u64, u64, u64, bool, bool, bool, bool)> = Vec::new();
-    for e in map(dir, file) {
+    for e in map_json(dir, file) {
         let f = |k: &str| e[k].as_bool().unwrap();
         let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
         let key = (
@@ -701,7 +662,7 @@ fn backing_file_for_the_output_like_qemu_img() {
             // Over the source's own base, the guest sees the source.
             assert_same(d, "ov.qcow2", &m);
         }
-        assert_clean(d, &m);
+        assert_clean(d, &m, &m);
         assert_eq!(layout(d, &m), layout(d, &q), "{args:?}");
         let (qi, mi) = (info(d, &q), info(d, &m));
         for k in [
@@ -736,7 +697,7 @@ fn backing_file_for_the_output_like_qemu_img() {
         ],
     );
     assert_same(d, "nq.qcow2", "nm.qcow2");
-    assert_clean(d, "nm.qcow2");
+    assert_clean(d, "nm.qcow2", "nm.qcow2");
     assert!(info(d, "nm.qcow2").get("backing-filename").is_none());
 
     // Refusals, with qemu-img's messages.
@@ -814,7 +775,7 @@ fn cache_modes_change_nothing_in_the_output() {
                 );
                 assert_same(d, reference, &out);
                 if fmt == "qcow2" {
-                    assert_clean(d, &out);
+                    assert_clean(d, &out, &out);
                     assert_eq!(layout(d, &out), layout(d, reference), "-t {mode}");
                 }
             }
@@ -896,7 +857,7 @@ fn several_sources_are_concatenated() {
         assert_same(d, &q, &m);
         assert_eq!(info(d, &m)["virtual-size"], info(d, &q)["virtual-size"]);
         if extra.contains(&"qcow2") {
-            assert_clean(d, &m);
+            assert_clean(d, &m, &m);
         }
     }
     // Two sources of the same format, and -n into a larger image holding old data.
@@ -915,7 +876,7 @@ fn several_sources_are_concatenated() {
     b.push("nm.qcow2");
     convert(d, &b);
     assert_same(d, "nq.qcow2", "nm.qcow2");
-    assert_clean(d, "nm.qcow2");
+    assert_clean(d, "nm.qcow2", "nm.qcow2");
     // Too small a target for all of them.
     create(d, "qcow2", "", &[], "small.qcow2", "7M");
     let mut c = vec!["-n", "-O", "qcow2"];

@@ -54,9 +54,11 @@ mod common;
 use std::path::Path;
 use std::time::Instant;
 
-use common::engine::pattern;
 use common::faults::*;
 use common::{Scratch, have_qemu};
+use qimg_testkit::model::{Effect, GuestOp, check_possible};
+use qimg_testkit::qemu::scratch_in_memory;
+use qimg_testkit::{Rng, pattern};
 
 use qimg::io::{CrashPolicy, FaultAction, FaultPlan, FaultyStorage, MemStorage, OpFilter};
 use qimg::tools::check::Repair;
@@ -90,7 +92,7 @@ async fn record(images: &Images, ops: Vec<GuestOp>) -> Recording {
     let (img, ctl) = images.open_faulty(&images.image, Some(log.clone())).await;
     let img = img.expect("open for recording");
     let mut ends = vec![ctl.counts().total()];
-    let mut model = Model::new(images);
+    let mut model = images.model();
     for op in &ops {
         run_op(&img, op)
             .await
@@ -368,7 +370,7 @@ async fn carry_on(cx: &Ctx<'_>, bytes: &[u8], got: Vec<u8>, what: &str, n: u64, 
     let (img, mem) = cx.images.open_mem(bytes).await;
     let img = img.unwrap();
     t.continued += 1;
-    let mut model = Model::new(cx.images);
+    let mut model = cx.images.model();
     model.data = got;
     for op in continuation(shape, n) {
         run_op(&img, &op)
@@ -464,10 +466,10 @@ async fn campaign(shape: Shape, seed: u64, nops: usize, target: u64) -> Tally {
         qemu_every: env_u64("QIMG_CRASH_QEMU_EVERY", 1).max(1),
     };
     let effects: Vec<Option<Effect>> = {
-        let m = Model::new(&images);
+        let m = images.model();
         rec.ops.iter().map(|o| m.effect(o)).collect()
     };
-    let mut flushed = Model::new(&images);
+    let mut flushed = images.model();
     let mut flushed_steps = 0usize; // guest requests applied to `flushed`
     let durable = MemStorage::from_bytes(&images.image);
     let mut durable_upto = 0usize; // trace operations applied to `durable`

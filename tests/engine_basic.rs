@@ -3,9 +3,9 @@
 
 mod common;
 
-use common::engine::*;
-use common::{Scratch, have_qemu};
+use common::*;
 use qimg::{CacheOptions, OpenOptions};
+use qimg_testkit::pattern;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;

@@ -3,9 +3,9 @@
 
 mod common;
 
-use common::engine::*;
-use common::{Scratch, have_qemu, ok};
+use common::*;
 use qimg::OpenOptions;
+use qimg_testkit::pattern;
 use std::path::Path;
 
 const KIB: u64 = 1024;

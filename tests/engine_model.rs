@@ -7,10 +7,11 @@
 
 mod common;
 
-use common::Scratch;
-use common::engine::*;
+use common::*;
 use proptest::prelude::*;
 use qimg::{Allocation, CacheOptions, OpenOptions};
+use qimg_testkit::model::{Geometry, GuestModel, GuestOp, OpCode};
+use qimg_testkit::pattern::{first_difference, pattern};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BackingKind {
@@ -36,12 +37,8 @@ impl Shape {
         1 << self.cluster_bits
     }
 
-    fn subcluster_size(&self) -> u64 {
-        if self.extended {
-            self.cluster_size() / 32
-        } else {
-            self.cluster_size()
-        }
+    fn geometry(&self) -> Geometry {
+        Geometry::new(self.size(), self.cluster_size(), self.extended)
     }
 
     /// Six and a half clusters, at least 3 MiB (so that small clusters span L2 tables), and
@@ -105,79 +102,33 @@ fn shape() -> impl Strategy<Value = Shape> {
         )
 }
 
-#[derive(Debug, Clone)]
-enum Op {
-    Write { at: u64, len: u64, seed: u64 },
-    Zero { at: u64, len: u64 },
-    Discard { at: u64, len: u64 },
-    Read { at: u64, len: u64 },
-    Flush,
-    Reopen,
-}
-
-/// Ranges in units of the shape's geometry: a start and length expressed as fractions that
-/// are scaled later, biased toward (sub)cluster boundaries.
-#[derive(Debug, Clone)]
-struct RawOp {
-    kind: u8,
-    start: (u8, u16, u16),
-    len: (u8, u16),
-    seed: u64,
-}
-
-fn raw_op() -> impl Strategy<Value = RawOp> {
+/// A request before it is scaled to a shape's geometry (see [`GuestOp::decode`]): a start
+/// and length expressed as fractions that are scaled later, biased toward (sub)cluster
+/// boundaries.
+fn op_code() -> impl Strategy<Value = OpCode> {
     (
         any::<u8>(),
         (any::<u8>(), any::<u16>(), any::<u16>()),
         (any::<u8>(), any::<u16>()),
         any::<u64>(),
     )
-        .prop_map(|(kind, start, len, seed)| RawOp {
-            kind,
-            start,
-            len,
-            seed,
-        })
-}
-
-fn scale(shape: &Shape, r: &RawOp) -> Op {
-    let size = shape.size();
-    let scs = shape.subcluster_size();
-    let sub_count = size.div_ceil(scs);
-    // Start: a subcluster, then an offset inside it that is often 0 or 512-aligned.
-    let sc = u64::from(r.start.1) % sub_count;
-    let within = match r.start.0 % 4 {
-        0 => 0,
-        1 => (u64::from(r.start.2) * 512) % scs,
-        _ => u64::from(r.start.2) % scs,
-    };
-    let at = (sc * scs + within).min(size - 1);
-    let len = match r.len.0 % 5 {
-        0 => scs,
-        1 => scs * (1 + u64::from(r.len.1) % 40),
-        2 => 1 + u64::from(r.len.1) % 4096,
-        _ => 1 + u64::from(r.len.1) * 97 % (3 * shape.cluster_size()),
-    };
-    let len = len.min(size - at).max(1);
-    match r.kind % 16 {
-        0..=5 => Op::Write {
-            at,
-            len,
-            seed: r.seed,
-        },
-        6..=7 => Op::Zero { at, len },
-        8..=10 => Op::Discard { at, len },
-        11..=12 => Op::Read { at, len },
-        13..=14 => Op::Flush,
-        _ => Op::Reopen,
-    }
+        .prop_map(
+            |(kind, (start_mode, subcluster, within), (len_mode, len), seed)| OpCode {
+                kind,
+                start_mode,
+                subcluster,
+                within,
+                len_mode,
+                len,
+                seed,
+            },
+        )
 }
 
 struct World {
     dir: Scratch,
     shape: Shape,
-    backing: Vec<u8>,
-    model: Vec<u8>,
+    model: GuestModel,
 }
 
 impl World {
@@ -190,53 +141,20 @@ impl World {
             BackingKind::None => Vec::new(),
             _ => pattern(0xBAC4, 0, bsize as usize),
         };
-        match shape.backing {
-            BackingKind::None => qemu_create(&dir.0, "img.qcow2", &shape.create_opts(), size, None),
-            BackingKind::Raw => {
-                std::fs::write(dir.path("base.raw"), &backing).unwrap();
-                qemu_create(
-                    &dir.0,
-                    "img.qcow2",
-                    &shape.create_opts(),
-                    size,
-                    Some(("base.raw", "raw")),
-                );
-            }
-            BackingKind::Qcow2 => {
-                std::fs::write(dir.path("base.raw"), &backing).unwrap();
-                common::ok(
-                    "qemu-img convert",
-                    &common::qemu_img(
-                        &dir.0,
-                        &[
-                            "convert",
-                            "-f",
-                            "raw",
-                            "-O",
-                            "qcow2",
-                            "base.raw",
-                            "base.qcow2",
-                        ],
-                    ),
-                );
-                std::fs::remove_file(dir.path("base.raw")).unwrap();
-                qemu_create(
-                    &dir.0,
-                    "img.qcow2",
-                    &shape.create_opts(),
-                    size,
-                    Some(("base.qcow2", "qcow2")),
-                );
-            }
-        }
-        let mut model = vec![0u8; size as usize];
-        model[..backing.len()].copy_from_slice(&backing);
-        Self {
-            dir,
-            shape,
-            backing,
-            model,
-        }
+        let backing_file = match shape.backing {
+            BackingKind::None => None,
+            BackingKind::Raw => Some((make_backing_file(&dir.0, &backing, "raw"), "raw")),
+            BackingKind::Qcow2 => Some((make_backing_file(&dir.0, &backing, "qcow2"), "qcow2")),
+        };
+        qemu_create(
+            &dir.0,
+            "img.qcow2",
+            &shape.create_opts(),
+            size,
+            backing_file,
+        );
+        let model = GuestModel::new(size, backing, shape.geometry().subcluster_size);
+        Self { dir, shape, model }
     }
 
     fn opts(&self) -> OpenOptions {
@@ -255,74 +173,51 @@ impl World {
         }
         o
     }
-
-    fn backing_byte(&self, at: u64) -> u8 {
-        self.backing.get(at as usize).copied().unwrap_or(0)
-    }
-
-    /// What a discard of `[at, at+len)` does to the model: whole subclusters (the last one
-    /// counting as whole when the range reaches the end of the disk) fall through to the
-    /// backing file.
-    fn discard_model(&mut self, at: u64, len: u64) {
-        let scs = self.shape.subcluster_size();
-        let size = self.shape.size();
-        let end = at + len;
-        let mut sc = at.div_ceil(scs);
-        while sc * scs < size {
-            let s = sc * scs;
-            let e = (s + scs).min(size);
-            if e > end {
-                break;
-            }
-            for b in s..e {
-                self.model[b as usize] = self.backing_byte(b);
-            }
-            sc += 1;
-        }
-    }
 }
 
-async fn run(shape: Shape, raw: Vec<RawOp>) -> Result<(), TestCaseError> {
+async fn run(shape: Shape, codes: Vec<OpCode>) -> Result<(), TestCaseError> {
     let mut w = World::new(shape);
     let path = w.dir.path("img.qcow2");
     let what = format!("{:?}", w.shape);
     let mut img = w.opts().open(&path).await.map_err(fail)?;
-    for r in &raw {
-        let op = scale(&w.shape, r);
+    let geometry = w.shape.geometry();
+    for code in &codes {
+        let op = GuestOp::decode(code, &geometry);
         match op {
-            Op::Write { at, len, seed } => {
+            GuestOp::Write { at, len, seed } => {
                 let data = pattern(seed, at, len as usize);
                 img.write(&data, at).await.map_err(|e| fail_op(&op, e))?;
-                w.model[at as usize..(at + len) as usize].copy_from_slice(&data);
+                w.model.write(at, &data);
             }
-            Op::Zero { at, len } => {
+            GuestOp::Zero { at, len } => {
                 img.write_zeroes(at, len)
                     .await
                     .map_err(|e| fail_op(&op, e))?;
-                w.model[at as usize..(at + len) as usize].fill(0);
+                w.model.write_zeroes(at, len);
             }
-            Op::Discard { at, len } => {
+            GuestOp::Discard { at, len } => {
                 img.discard(at, len).await.map_err(|e| fail_op(&op, e))?;
-                w.discard_model(at, len);
+                w.model.discard(at, len);
             }
-            Op::Read { at, len } => {
+            GuestOp::Read { at, len } => {
                 let mut buf = vec![0u8; len as usize];
                 img.read(&mut buf, at).await.map_err(|e| fail_op(&op, e))?;
                 prop_assert!(
-                    buf == w.model[at as usize..(at + len) as usize],
+                    buf == w.model.read(at, len),
                     "{what}: read {at:#x}+{len:#x} differs from the model"
                 );
             }
-            Op::Flush => img.flush().await.map_err(|e| fail_op(&op, e))?,
-            Op::Reopen => {
+            GuestOp::Flush => img.flush().await.map_err(|e| fail_op(&op, e))?,
+            // `decode` makes no Close; it would end the sequence like a reopen does.
+            GuestOp::Reopen | GuestOp::Close => {
                 img.close().await.map_err(|e| fail_op(&op, e))?;
                 img = w.opts().open(&path).await.map_err(fail)?;
             }
         }
     }
-    let mut all = vec![0u8; w.model.len()];
+    let mut all = vec![0u8; w.model.data.len()];
     img.read(&mut all, 0).await.map_err(fail)?;
-    if let Some(i) = all.iter().zip(&w.model).position(|(a, b)| a != b) {
+    if let Some(i) = first_difference(&all, &w.model.data) {
         return Err(TestCaseError::fail(format!(
             "{what}: full read differs from the model first at {i:#x}"
         )));
@@ -330,7 +225,7 @@ async fn run(shape: Shape, raw: Vec<RawOp>) -> Result<(), TestCaseError> {
     img.close().await.map_err(fail)?;
     drop(img);
     assert_clean(&w.dir.0, "img.qcow2", &what);
-    assert_same_as_model(&w.dir.0, "img.qcow2", &w.model, &what);
+    assert_same_as_model(&w.dir.0, "img.qcow2", &w.model.data, &what);
     Ok(())
 }
 
@@ -338,7 +233,7 @@ fn fail(e: qimg::Error) -> TestCaseError {
     TestCaseError::fail(e.to_string())
 }
 
-fn fail_op(op: &Op, e: qimg::Error) -> TestCaseError {
+fn fail_op(op: &GuestOp, e: qimg::Error) -> TestCaseError {
     TestCaseError::fail(format!("{op:?}: {e}"))
 }
 
@@ -350,7 +245,7 @@ proptest! {
     })]
 
     #[test]
-    fn random_operations_match_a_flat_model(shape in shape(), ops in prop::collection::vec(raw_op(), 1..40)) {
+    fn random_operations_match_a_flat_model(shape in shape(), ops in prop::collection::vec(op_code(), 1..40)) {
         if !common::have_qemu("random_operations_match_a_flat_model") {
             return Ok(());
         }

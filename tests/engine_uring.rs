@@ -21,12 +21,13 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::engine::*;
-use common::{Scratch, have_qemu};
+use common::*;
 use qimg::{OpenOptions, Opener};
 use qimg_io::{
     BounceStorage, FileOptions, FileStorage, Storage, StorageError, UringOptions, UringStorage,
 };
+use qimg_testkit::pattern::{first_difference, pattern};
+use qimg_testkit::{GuestModel, Rng};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
@@ -78,49 +79,6 @@ fn usable<S: Storage>(dir: &Scratch, name: &str, opener: &dyn Opener<S>) -> bool
     }
 }
 
-/// xorshift64*: a small seeded generator, so failures reproduce.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// What a discard of `[at, at+len)` does to `model` (covering guest bytes from `base`): whole
-/// subclusters (the last one counting as whole when the range reaches the end of the disk) fall
-/// through to the backing file; partial ones keep their data.
-fn discard_model(
-    model: &mut [u8],
-    base: u64,
-    backing: &[u8],
-    scs: u64,
-    size: u64,
-    at: u64,
-    len: u64,
-) {
-    let end = at + len;
-    let mut s = at.div_ceil(scs) * scs;
-    while s < size {
-        let e = (s + scs).min(size);
-        if e > end {
-            break;
-        }
-        for b in s..e {
-            if b >= base && b < base + model.len() as u64 {
-                model[(b - base) as usize] = backing.get(b as usize).copied().unwrap_or(0);
-            }
-        }
-        s += scs;
-    }
-}
-
 struct Shape {
     opts: &'static str,
     cluster: u64,
@@ -158,40 +116,9 @@ const SHAPES: [Shape; 2] = [
 fn make_image(dir: &Scratch, shape: &Shape, size: u64) -> Vec<u8> {
     let bsize = (size * 2 / 3) / 512 * 512;
     let backing = pattern(0xBAC4, 0, bsize as usize);
-    std::fs::write(dir.path("base.raw"), &backing).unwrap();
-    if shape.qcow2_backing {
-        common::ok(
-            "qemu-img convert",
-            &common::qemu_img(
-                &dir.0,
-                &[
-                    "convert",
-                    "-f",
-                    "raw",
-                    "-O",
-                    "qcow2",
-                    "base.raw",
-                    "base.qcow2",
-                ],
-            ),
-        );
-        std::fs::remove_file(dir.path("base.raw")).unwrap();
-        qemu_create(
-            &dir.0,
-            "img.qcow2",
-            shape.opts,
-            size,
-            Some(("base.qcow2", "qcow2")),
-        );
-    } else {
-        qemu_create(
-            &dir.0,
-            "img.qcow2",
-            shape.opts,
-            size,
-            Some(("base.raw", "raw")),
-        );
-    }
+    let fmt = if shape.qcow2_backing { "qcow2" } else { "raw" };
+    let name = make_backing_file(&dir.0, &backing, fmt);
+    qemu_create(&dir.0, "img.qcow2", shape.opts, size, Some((name, fmt)));
     backing
 }
 
@@ -207,8 +134,7 @@ async fn random_ops<S: Storage + 'static>(
     let scs = shape.scs();
     let size = (6 * cs + cs / 2).max(3 * MIB + cs / 2);
     let backing = make_image(&dir, shape, size);
-    let mut model = vec![0u8; size as usize];
-    model[..backing.len()].copy_from_slice(&backing);
+    let mut model = GuestModel::new(size, backing, scs);
     let path = dir.path("img.qcow2");
     let opts = OpenOptions::new().writable(true);
     let open = || opts.open_with(&path, opener);
@@ -229,7 +155,6 @@ async fn random_ops<S: Storage + 'static>(
             _ => 1 + rng.below(3 * cs),
         };
         let len = len.min(size - at).max(1);
-        let (a, e) = (at as usize, (at + len) as usize);
         let ctx = |op: &str, err: qimg::Error| {
             format!("{what}: step {step}: {op} {at:#x}+{len:#x}: {err}")
         };
@@ -239,19 +164,19 @@ async fn random_ops<S: Storage + 'static>(
                 img.write(&data, at)
                     .await
                     .unwrap_or_else(|err| panic!("{}", ctx("write", err)));
-                model[a..e].copy_from_slice(&data);
+                model.write(at, &data);
             }
             6..=7 => {
                 img.write_zeroes(at, len)
                     .await
                     .unwrap_or_else(|err| panic!("{}", ctx("write_zeroes", err)));
-                model[a..e].fill(0);
+                model.write_zeroes(at, len);
             }
             8..=10 => {
                 img.discard(at, len)
                     .await
                     .unwrap_or_else(|err| panic!("{}", ctx("discard", err)));
-                discard_model(&mut model, 0, &backing, scs, size, at, len);
+                model.discard(at, len);
             }
             11..=12 => {
                 let mut buf = vec![0u8; len as usize];
@@ -259,7 +184,7 @@ async fn random_ops<S: Storage + 'static>(
                     .await
                     .unwrap_or_else(|err| panic!("{}", ctx("read", err)));
                 assert!(
-                    buf == model[a..e],
+                    buf == model.read(at, len),
                     "{what}: step {step}: read {at:#x}+{len:#x} differs from the model"
                 );
             }
@@ -279,13 +204,13 @@ async fn random_ops<S: Storage + 'static>(
     }
     let mut all = vec![0u8; size as usize];
     img.read(&mut all, 0).await.unwrap();
-    if let Some(i) = all.iter().zip(&model).position(|(x, y)| x != y) {
+    if let Some(i) = first_difference(&all, &model.data) {
         panic!("{what}: full read differs from the model first at {i:#x}");
     }
     img.close().await.unwrap();
     drop(img);
     assert_clean(&dir.0, "img.qcow2", &what);
-    assert_same_as_model(&dir.0, "img.qcow2", &model, &what);
+    assert_same_as_model(&dir.0, "img.qcow2", &model.data, &what);
 }
 
 async fn model_on<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>) {
@@ -359,34 +284,31 @@ async fn stress<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>, shape:
             let k = q * TASKS_PER_QUEUE + t;
             tasks.push(tokio::spawn(async move {
                 let (base, plen) = private(k);
-                let mut mine: Vec<u8> = (base..base + plen)
-                    .map(|b| backing.get(b as usize).copied().unwrap_or(0))
-                    .collect();
+                let mut mine = GuestModel::window(size, base, plen, backing, scs);
                 let mut rng = Rng(0xC0FFEE ^ (k + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                 let mut last_shared = None;
                 for step in 0..16u64 {
                     let at = base + rng.below(plen);
                     let len = 1 + rng.below((base + plen - at).min(3 * scs));
-                    let (a, e) = ((at - base) as usize, (at - base + len) as usize);
                     match rng.below(6) {
                         0 | 1 => {
                             let data = pattern(k * 100 + step, at, len as usize);
                             img.write(&data, at)
                                 .await
                                 .unwrap_or_else(|err| panic!("{what}: task {k} write: {err}"));
-                            mine[a..e].copy_from_slice(&data);
+                            mine.write(at, &data);
                         }
                         2 => {
                             img.write_zeroes(at, len).await.unwrap_or_else(|err| {
                                 panic!("{what}: task {k} write_zeroes: {err}")
                             });
-                            mine[a..e].fill(0);
+                            mine.write_zeroes(at, len);
                         }
                         3 => {
                             img.discard(at, len)
                                 .await
                                 .unwrap_or_else(|err| panic!("{what}: task {k} discard: {err}"));
-                            discard_model(&mut mine, base, &backing, scs, size, at, len);
+                            mine.discard(at, len);
                         }
                         4 => img
                             .flush()
@@ -415,18 +337,18 @@ async fn stress<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>, shape:
                 }
                 let mut back = vec![0u8; plen as usize];
                 img.read(&mut back, base).await.unwrap();
-                if let Some(i) = back.iter().zip(&mine).position(|(x, y)| x != y) {
+                if let Some(i) = first_difference(&back, &mine.data) {
                     panic!(
                         "{what}: task {k} reads back something else first at {:#x}",
                         base + i as u64
                     );
                 }
-                (k, mine, last_shared)
+                (k, mine.data, last_shared)
             }));
         }
     }
-    let mut model = vec![0u8; size as usize];
-    model[..backing.len()].copy_from_slice(&backing);
+    // The tasks' windows and the shared range are put in by hand below.
+    let mut model = GuestModel::new(size, backing, scs).data;
     let mut candidates = Vec::new();
     for t in tasks {
         let (k, mine, last) = t.await.expect("stress task");

@@ -12,44 +12,7 @@ use std::time::{Duration, Instant};
 use qimg::tools::check::{CheckOptions, Repair};
 
 use qimg::format::fuzz as ffuzz;
-use qimg::fuzzing;
-
-fn dir(kind: &str, target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz")
-        .join(kind)
-        .join(target)
-}
-
-/// The files of `fuzz/<kind>/<target>/`, sorted by name; none when the directory is missing.
-fn files(kind: &str, target: &str) -> Vec<(String, Vec<u8>)> {
-    let d = dir(kind, target);
-    let Ok(entries) = std::fs::read_dir(&d) else {
-        return Vec::new();
-    };
-    let mut v: Vec<(String, Vec<u8>)> = entries
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
-    let v = files("corpus", target);
-    assert!(
-        !v.is_empty(),
-        "{}: no seeds (run fuzz/make-corpus.sh)",
-        dir("corpus", target).display()
-    );
-    v
-}
+use qimg_testkit::fuzzing::{self, corpus as seeds, inputs, inputs_dir};
 
 /// Most time one input may take in a debug build (a hang is a finding too).
 const TIME_LIMIT: Duration = Duration::from_secs(20);
@@ -75,7 +38,7 @@ fn replay(target: &str, inputs: &[(String, Vec<u8>)], f: impl Fn(&[u8])) {
 
 /// Replays `fuzz/regressions/<target>/`.
 fn regressions(target: &str, f: impl Fn(&[u8])) {
-    replay(target, &files("regressions", target), f);
+    replay(target, &inputs("regressions", target), f);
 }
 
 #[test]
@@ -142,7 +105,7 @@ fn read_seed(name: &str, data: &[u8], len: u64) -> qimg::Result<Vec<u8>> {
 /// size". QEMU (`qcow2_zstd_decompress`) stops when the cluster is full.
 #[test]
 fn finding_zstd_clusters_sharing_a_sector_read() {
-    let data = std::fs::read(dir("corpus", "open_read").join("comp4k-zstd")).unwrap();
+    let data = std::fs::read(inputs_dir("corpus", "open_read").join("comp4k-zstd")).unwrap();
     let buf = read_seed("comp4k-zstd", &data, 64 << 10).unwrap();
     assert!(buf.iter().all(|&b| b == 0x5a));
 }
@@ -293,7 +256,7 @@ fn regressions_check() {
 #[test]
 fn check_repairs_many_l1_entries_without_rescanning_the_table() {
     let name = "l1-reserved-bits-repair-quadratic";
-    let mut img = std::fs::read(dir("regressions", "check").join(name)).unwrap();
+    let mut img = std::fs::read(inputs_dir("regressions", "check").join(name)).unwrap();
     img.resize(img.len().next_multiple_of(8), 0);
     let added = 16_384u64;
     for _ in 0..added {
@@ -329,7 +292,7 @@ fn check_repairs_never_make_qemu_img_check_worse() {
         return;
     }
     let mut inputs = seeds("check");
-    inputs.extend(files("regressions", "check"));
+    inputs.extend(fuzzing::inputs("regressions", "check"));
     if let Ok(extra) = std::env::var("QIMG_CHECK_CORPUS") {
         let mut names: Vec<PathBuf> = std::fs::read_dir(&extra)
             .unwrap_or_else(|e| panic!("QIMG_CHECK_CORPUS={extra}: {e}"))

@@ -3,29 +3,13 @@
 //! `header` fuzz target calls. Nothing may panic; damaged headers give errors that name
 //! the value.
 
-use std::path::PathBuf;
+use qimg_testkit::fuzzing::corpus;
 
 use qimg::format::validate::{OpenMode, validate_cluster0};
 
-fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/header");
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| {
-            let p = e.unwrap().path();
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
 #[test]
 fn the_seed_corpus_replays_without_panics_and_the_seeds_are_valid() {
-    let seeds = corpus();
+    let seeds = corpus("header");
     assert!(seeds.len() >= 15, "corpus has {} seeds", seeds.len());
     for (name, data) in &seeds {
         qimg::format::fuzz::header_and_extensions(data);
@@ -35,7 +19,7 @@ fn the_seed_corpus_replays_without_panics_and_the_seeds_are_valid() {
 
 #[test]
 fn every_truncation_of_every_seed_is_an_error_or_valid_never_a_panic() {
-    for (name, data) in corpus() {
+    for (name, data) in corpus("header") {
         for len in 0..data.len().min(1200) {
             qimg::format::fuzz::header_and_extensions(&data[..len]);
             if len < 72 {
@@ -48,7 +32,7 @@ fn every_truncation_of_every_seed_is_an_error_or_valid_never_a_panic() {
 
 #[test]
 fn every_byte_of_the_header_garbled_is_handled() {
-    for (_, data) in corpus() {
+    for (_, data) in corpus("header") {
         for at in 0..112.min(data.len()) {
             for v in [0x00u8, 0x01, 0x7f, 0x80, 0xff] {
                 let mut d = data.clone();
@@ -61,7 +45,7 @@ fn every_byte_of_the_header_garbled_is_handled() {
 
 #[test]
 fn garbled_extension_lengths_are_refused_naming_the_extension() {
-    let seeds = corpus();
+    let seeds = corpus("header");
     let (_, data) = seeds.iter().find(|(n, _)| n == "cs64k").unwrap();
     let mut d = data.clone();
     // The feature table extension starts at 112 (0x70); give it an absurd length.
@@ -74,7 +58,7 @@ fn garbled_extension_lengths_are_refused_naming_the_extension() {
 
 #[test]
 fn oversized_fields_are_refused_not_allocated() {
-    let seeds = corpus();
+    let seeds = corpus("header");
     let (_, data) = seeds.iter().find(|(n, _)| n == "cs64k").unwrap();
     // l1_size in the billions, a refcount table of 4 Gi clusters, 4 billion snapshots.
     for (at, bytes, field) in [

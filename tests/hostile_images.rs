@@ -4,26 +4,10 @@
 
 mod common;
 
-use std::path::PathBuf;
+use qimg_testkit::fuzzing::corpus;
 
 use qimg::OpenOptions;
 use qimg::io::MemStorage;
-
-fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/header");
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| {
-            let p = e.unwrap().path();
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
 
 /// Opens `data` as an image and reads and maps up to 1 MiB of it; returns whether every
 /// step succeeded.
@@ -52,7 +36,7 @@ async fn the_corpus_and_random_damage_never_panic() {
         x ^= x << 17;
         x
     };
-    let mut inputs = corpus();
+    let mut inputs = corpus("header");
     let mut made = 0;
     let dir = common::Scratch::new("hostile");
     if common::have_qemu("the_corpus_and_random_damage_never_panic") {
@@ -65,7 +49,7 @@ async fn the_corpus_and_random_damage_never_panic() {
             ),
             ("zero", "cluster_size=8k", "write -z 0 64k"),
         ] {
-            common::engine::qemu_create(&dir.0, name, opts, 1 << 20, None);
+            common::qemu_create(&dir.0, name, opts, 1 << 20, None);
             for cmd in [script, "write -P 9 100k 3k", "discard 16k 16k"] {
                 common::ok(
                     "qemu-io",

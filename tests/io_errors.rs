@@ -40,6 +40,9 @@ use std::time::{Duration, Instant};
 use common::faults::*;
 use common::{Scratch, have_qemu};
 use qimg::io::{CrashPolicy, FaultAction, FaultPlan, OpFilter};
+use qimg_testkit::model::{Effect, GuestModel, GuestOp, check_possible};
+use qimg_testkit::qemu::scratch_in_memory;
+use qimg_testkit::{Rng, pattern};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -82,14 +85,14 @@ impl Fault {
 /// What the guest may read: `base` where no failed request could have left anything, and
 /// `base` or a failed request's bytes where one could.
 struct Expect {
-    base: Model,
+    base: GuestModel,
     uncertain: Vec<Effect>,
 }
 
 impl Expect {
     fn new(images: &Images) -> Self {
         Self {
-            base: Model::new(images),
+            base: images.model(),
             uncertain: Vec::new(),
         }
     }
@@ -477,14 +480,10 @@ fn a_failed_flush_loses_the_write_back_order() {
             .open_armed(&images.image, None, Some(log.clone()))
             .await;
         let img = img.unwrap();
-        img.write(&common::engine::pattern(1, 0, 4096), 0)
-            .await
-            .unwrap();
+        img.write(&pattern(1, 0, 4096), 0).await.unwrap();
         img.flush().await.unwrap();
         // A second cluster under the same L2 table: a refcount change, then the L2 entry.
-        img.write(&common::engine::pattern(2, 65536, 4096), 65536)
-            .await
-            .unwrap();
+        img.write(&pattern(2, 65536, 4096), 65536).await.unwrap();
         ctl.arm(FaultPlan::new(OpFilter::Flushes, FaultAction::Eio));
         assert!(img.flush().await.is_err());
         let from = log.lock().unwrap().len();
@@ -520,7 +519,7 @@ fn a_failed_flush_is_reported_and_a_later_one_makes_everything_durable() {
         for n in 0..4 {
             let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
             let img = img.unwrap();
-            let data = common::engine::pattern(7, 100_000, 300_000);
+            let data = pattern(7, 100_000, 300_000);
             img.write(&data, 100_000).await.unwrap();
             let flushes_before = ctl.counts().flushes;
             ctl.arm(FaultPlan::new(OpFilter::Flushes, FaultAction::Eio).after(n));
@@ -607,7 +606,7 @@ fn a_failed_l1_entry_write_loses_later_writes() {
         let img = img.unwrap();
         assert!(run_op(&img, &first).await.is_err(), "the L1 write failed");
         // Another guest cluster under the same L1 entry: acknowledged, flushed, closed.
-        let data = common::engine::pattern(2, 5 * 64 * KIB, 4096);
+        let data = pattern(2, 5 * 64 * KIB, 4096);
         img.write(&data, 5 * 64 * KIB).await.unwrap();
         img.flush().await.unwrap();
         img.close().await.unwrap();
@@ -636,9 +635,9 @@ fn an_evicted_slice_whose_write_back_fails_is_lost() {
         let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
         let img = img.unwrap();
         let cs = 4 * KIB;
-        let a = common::engine::pattern(1, 0, cs as usize);
+        let a = pattern(1, 0, cs as usize);
         img.write(&a, 0).await.unwrap(); // L2 slice 0, dirty
-        img.write(&common::engine::pattern(2, 64 * cs, cs as usize), 64 * cs)
+        img.write(&pattern(2, 64 * cs, cs as usize), 64 * cs)
             .await
             .unwrap(); // L2 slice 1, dirty
         // Reading under slice 2 evicts slice 0; its write-back fails.
@@ -678,9 +677,7 @@ fn a_failed_l1_entry_write_that_landed_leaves_l1_pointing_at_a_freed_table() {
         let img = img.unwrap();
         assert!(run_op(&img, &first).await.is_err(), "the L1 write failed");
         let from = log.lock().unwrap().len();
-        img.write(&common::engine::pattern(2, 65536, 4096), 65536)
-            .await
-            .unwrap();
+        img.write(&pattern(2, 65536, 4096), 65536).await.unwrap();
         img.flush().await.unwrap();
         let trace = log.lock().unwrap().clone();
         let dir = scratch_in_memory("landed-l1");
@@ -771,7 +768,7 @@ fn header_switch_case(shape: Shape, steps: &[Step], at: u64, probes: &[GuestOp])
         for (what, plan) in plans {
             let (img, ctl, _) = images.open_armed(&images.image, None, None).await;
             let img = img.unwrap();
-            let mut model = Model::new(&images);
+            let mut model = images.model();
             for step in &steps[..k] {
                 run_step(&img, step).await.unwrap();
                 if let Step::Op(op) = step {
@@ -788,7 +785,7 @@ fn header_switch_case(shape: Shape, steps: &[Step], at: u64, probes: &[GuestOp])
             ctl.disarm_all();
             // Failed requests may have left their data, in part.
             let mut failed: Vec<GuestOp> = match &steps[k] {
-                Step::Op(op) => vec![op.clone()],
+                Step::Op(op) => vec![*op],
                 Step::Resize(_) => Vec::new(),
             };
             let mut acknowledged = model.clone();
@@ -796,7 +793,7 @@ fn header_switch_case(shape: Shape, steps: &[Step], at: u64, probes: &[GuestOp])
                 if run_op(&img, probe).await.is_ok() {
                     acknowledged.apply(probe);
                 } else {
-                    failed.push(probe.clone());
+                    failed.push(*probe);
                 }
             }
             if img.flush().await.is_ok() {

@@ -10,11 +10,11 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::engine::pattern;
 use common::{Scratch, have_qemu, ok, qemu_img, qimg};
 
 use common::qemu_img_create as create;
 use common::qemu_io;
+use qimg_testkit::pattern;
 
 fn text(o: &Output) -> (String, String, Option<i32>) {
     (

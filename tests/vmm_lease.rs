@@ -8,27 +8,12 @@ mod common;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
-use common::engine::*;
-use common::{Scratch, have_qemu};
+use common::*;
 use qimg::{ExtentKind, Image, OpenOptions};
+use qimg_testkit::{Rng, pattern};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Writes `data` at guest `offset` the way a VMM would: lease, own I/O, commit.
 async fn vmm_write(img: &Image<qimg::io::AnyStorage>, fd: &File, offset: u64, data: &[u8]) {

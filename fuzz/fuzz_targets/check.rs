@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = qimg::fuzzing::check(data);
+    let _ = qimg_testkit::fuzzing::check(data);
 });

@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    qimg::fuzzing::open_read(data);
+    qimg_testkit::fuzzing::open_read(data);
 });

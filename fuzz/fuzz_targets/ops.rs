@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    qimg::fuzzing::ops(data);
+    qimg_testkit::fuzzing::ops(data);
 });

@@ -1,6 +1,7 @@
 //! Helpers for the crash and I/O error tests (`tests/crash.rs`, `tests/io_errors.rs`):
-//! images built in memory, a storage recorder, seeded guest workloads, a flat byte model that
-//! also knows what each operation may have left behind, and the library check on image bytes.
+//! images built in memory, a storage recorder, seeded guest workloads, and the library check
+//! on image bytes. The flat model (and what each request may have left behind), the generator
+//! and the patterns are the test kit's.
 #![allow(dead_code)]
 
 use std::io::IoSlice;
@@ -15,35 +16,13 @@ use qimg::tools::check::{CheckOptions, CheckReport, Repair, check};
 use qimg::tools::create::{Compat, CreateOptions, create};
 use qimg::{Allocation, Backing, CacheOptions, Image, OpenOptions};
 
-use super::engine::pattern;
-use super::{Scratch, qemu_img};
+use qimg_testkit::model::{GuestModel, GuestOp};
+use qimg_testkit::pattern::{cached_pattern, pattern};
+use qimg_testkit::qemu::{Scratch, qemu_check_counts};
+use qimg_testkit::rng::Rng;
 
 pub const KIB: u64 = 1024;
 pub const MIB: u64 = 1024 * KIB;
-
-/// splitmix64: small, fast, deterministic.
-#[derive(Debug, Clone)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform enough in `0..n` (`n` > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    /// True with probability `num / den`.
-    pub fn chance(&mut self, num: u64, den: u64) -> bool {
-        self.below(den) < num
-    }
-}
 
 // ----- recording storage -----
 
@@ -362,6 +341,15 @@ pub async fn make_images(shape: &Shape) -> Images {
 }
 
 impl Images {
+    /// The flat model of the new image: the backing file's contents everywhere.
+    pub fn model(&self) -> GuestModel {
+        GuestModel::new(
+            self.shape.size,
+            self.backing_guest.clone(),
+            self.shape.subcluster_size(),
+        )
+    }
+
     /// The backing image for an engine over storages made by `wrap`.
     pub async fn backing<S: Storage + 'static>(
         &self,
@@ -444,61 +432,12 @@ impl Images {
         image: &[u8],
         log: Option<Trace>,
     ) -> (qimg::Result<Image<Disk>>, qimg::io::FaultController) {
-        let disk = faulty_disk(image, log);
-        let ctl = disk.controller();
-        let backing = self.backing(|b| faulty_disk(b, None)).await;
-        let img = self
-            .shape
-            .open_options()
-            .open_storage(disk, "img.qcow2", backing, None)
-            .await;
+        let (img, ctl, _) = self.open_armed(image, None, log).await;
         (img, ctl)
     }
 }
 
 // ----- guest workloads -----
-
-/// One guest request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GuestOp {
-    Write {
-        at: u64,
-        len: u64,
-        seed: u64,
-    },
-    Zero {
-        at: u64,
-        len: u64,
-    },
-    Discard {
-        at: u64,
-        len: u64,
-    },
-    Read {
-        at: u64,
-        len: u64,
-    },
-    Flush,
-    /// Flush and close (the last operation of a crash workload).
-    Close,
-}
-
-impl GuestOp {
-    /// The guest range the request names, if any.
-    pub fn range(&self) -> Option<(u64, u64)> {
-        match *self {
-            GuestOp::Write { at, len, .. }
-            | GuestOp::Zero { at, len }
-            | GuestOp::Discard { at, len }
-            | GuestOp::Read { at, len } => Some((at, at + len)),
-            _ => None,
-        }
-    }
-
-    pub fn is_barrier(&self) -> bool {
-        matches!(self, GuestOp::Flush | GuestOp::Close)
-    }
-}
 
 /// A seeded workload: writes (subcluster-sized, multi-cluster, small unaligned), write-zeroes,
 /// discards, reads and flushes, mostly in the first quarter of the disk so that clusters are
@@ -543,30 +482,10 @@ pub fn workload(shape: &Shape, seed: u64, n: usize) -> Vec<GuestOp> {
     ops
 }
 
-/// `pattern(seed, at, len)`, remembered per thread: workloads replay the same requests many
-/// times, and the pattern costs more than the rest of a request in a debug build.
-pub fn data(seed: u64, at: u64, len: u64) -> Arc<Vec<u8>> {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-    type Cache = HashMap<(u64, u64, u64), Arc<Vec<u8>>>;
-    thread_local! {
-        static CACHE: RefCell<Cache> = RefCell::new(HashMap::new());
-    }
-    CACHE.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.len() > 512 {
-            c.clear();
-        }
-        c.entry((seed, at, len))
-            .or_insert_with(|| Arc::new(pattern(seed, at, len as usize)))
-            .clone()
-    })
-}
-
 /// Runs one guest request.
 pub async fn run_op<S: Storage + 'static>(img: &Image<S>, op: &GuestOp) -> qimg::Result<()> {
     match *op {
-        GuestOp::Write { at, len, seed } => img.write(&data(seed, at, len), at).await,
+        GuestOp::Write { at, len, seed } => img.write(&cached_pattern(seed, at, len), at).await,
         GuestOp::Zero { at, len } => img.write_zeroes(at, len).await,
         GuestOp::Discard { at, len } => img.discard(at, len).await,
         GuestOp::Read { at, len } => {
@@ -575,169 +494,9 @@ pub async fn run_op<S: Storage + 'static>(img: &Image<S>, op: &GuestOp) -> qimg:
         }
         GuestOp::Flush => img.flush().await,
         GuestOp::Close => img.close().await,
+        // A reopen needs the storage the image was opened on, which only the caller has.
+        GuestOp::Reopen => unreachable!("crash and I/O-error workloads never reopen"),
     }
-}
-
-// ----- the model -----
-
-/// What one request leaves in the guest range `[start, start + bytes.len())`.
-#[derive(Debug, Clone)]
-pub struct Effect {
-    pub start: u64,
-    pub bytes: Vec<u8>,
-}
-
-impl Effect {
-    pub fn end(&self) -> u64 {
-        self.start + self.bytes.len() as u64
-    }
-}
-
-/// A flat model of the guest disk.
-#[derive(Debug, Clone)]
-pub struct Model {
-    pub data: Vec<u8>,
-    pub backing: Arc<Vec<u8>>,
-    pub scs: u64,
-}
-
-impl Model {
-    pub fn new(images: &Images) -> Self {
-        Self {
-            data: images.backing_guest.clone(),
-            backing: Arc::new(images.backing_guest.clone()),
-            scs: images.shape.subcluster_size(),
-        }
-    }
-
-    pub fn size(&self) -> u64 {
-        self.data.len() as u64
-    }
-
-    /// The range a discard of `[at, at + len)` drops: its whole subclusters, the last one
-    /// counting as whole when the range reaches the end of the disk.
-    fn discarded(&self, at: u64, len: u64) -> Option<(u64, u64)> {
-        let size = self.size();
-        let end = at + len;
-        let first = at.div_ceil(self.scs) * self.scs;
-        let mut last = first;
-        while last < size {
-            let e = (last + self.scs).min(size);
-            if e > end {
-                break;
-            }
-            last = e;
-        }
-        (last > first).then_some((first, last))
-    }
-
-    /// What `op` leaves on the disk where it changes anything.
-    pub fn effect(&self, op: &GuestOp) -> Option<Effect> {
-        match *op {
-            GuestOp::Write { at, len, seed } => Some(Effect {
-                start: at,
-                bytes: data(seed, at, len).to_vec(),
-            }),
-            GuestOp::Zero { at, len } => Some(Effect {
-                start: at,
-                bytes: vec![0; len as usize],
-            }),
-            GuestOp::Discard { at, len } => self.discarded(at, len).map(|(s, e)| Effect {
-                start: s,
-                bytes: self.backing[s as usize..e as usize].to_vec(),
-            }),
-            _ => None,
-        }
-    }
-
-    pub fn apply_effect(&mut self, e: &Effect) {
-        self.data[e.start as usize..e.end() as usize].copy_from_slice(&e.bytes);
-    }
-
-    pub fn apply(&mut self, op: &GuestOp) {
-        if let Some(e) = self.effect(op) {
-            self.apply_effect(&e);
-        }
-    }
-}
-
-/// Checks guest contents `read` read after a crash: outside the ranges the `window` requests
-/// touched, every byte must equal `flushed` (the model as of the last completed flush);
-/// inside them, each byte must be its flushed value or a value one of those requests left
-/// there. Compares 512-byte sectors whole where it can.
-pub fn check_possible(
-    read: &[u8],
-    flushed: &[u8],
-    window: &[&Effect],
-) -> Result<(), (u64, String)> {
-    assert_eq!(read.len(), flushed.len());
-    let mut ranges: Vec<(u64, u64)> = window.iter().map(|e| (e.start, e.end())).collect();
-    ranges.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::new();
-    for (s, e) in ranges {
-        match merged.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => merged.push((s, e)),
-        }
-    }
-    let mut pos = 0u64;
-    let gap = |from: u64, to: u64| -> Result<(), (u64, String)> {
-        let (a, b) = (from as usize, to as usize);
-        if read[a..b] != flushed[a..b] {
-            let i = a + (a..b).position(|i| read[i] != flushed[i]).unwrap_or(0);
-            return Err((
-                i as u64,
-                format!(
-                    "guest byte {i:#x} reads {:#04x}, but nothing touched it since the last \
-                     flush, which left {:#04x}",
-                    read[i], flushed[i]
-                ),
-            ));
-        }
-        Ok(())
-    };
-    for &(s, e) in &merged {
-        gap(pos, s)?;
-        let mut c = s;
-        while c < e {
-            let ce = ((c / 512 + 1) * 512).min(e);
-            let (a, b) = (c as usize, ce as usize);
-            let whole = read[a..b] == flushed[a..b]
-                || window.iter().any(|w| {
-                    w.start <= c
-                        && ce <= w.end()
-                        && read[a..b] == w.bytes[(c - w.start) as usize..(ce - w.start) as usize]
-                });
-            if !whole {
-                for i in c..ce {
-                    let v = read[i as usize];
-                    let ok = v == flushed[i as usize]
-                        || window.iter().any(|w| {
-                            w.start <= i && i < w.end() && w.bytes[(i - w.start) as usize] == v
-                        });
-                    if !ok {
-                        let mut cands: Vec<u8> = window
-                            .iter()
-                            .filter(|w| w.start <= i && i < w.end())
-                            .map(|w| w.bytes[(i - w.start) as usize])
-                            .collect();
-                        cands.dedup();
-                        return Err((
-                            i,
-                            format!(
-                                "guest byte {i:#x} reads {v:#04x}: neither its flushed value \
-                                 {:#04x} nor any value written to it since ({cands:02x?})",
-                                flushed[i as usize]
-                            ),
-                        ));
-                    }
-                }
-            }
-            c = ce;
-        }
-        pos = e;
-    }
-    gap(pos, read.len() as u64)
 }
 
 // ----- checking image bytes -----
@@ -759,23 +518,6 @@ pub fn qimg_check_file(path: &Path, repair: Option<Repair>) -> CheckReport {
         .unwrap_or_else(|e| panic!("qimg check {} cannot start: {e}", path.display()))
 }
 
-/// `qemu-img check --output=json` of the file at `path`: (corruptions, leaks, check-errors).
-pub fn qemu_check_counts(path: &Path) -> (u64, u64, u64) {
-    let dir = path.parent().unwrap();
-    let name = path.file_name().unwrap().to_str().unwrap();
-    let o = qemu_img(dir, &["check", "--output=json", name]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|_| {
-        panic!(
-            "qemu-img check printed no JSON (exit {:?}): {}{}",
-            o.status.code(),
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    });
-    let n = |f: &str| v.get(f).and_then(|x| x.as_u64()).unwrap_or(0);
-    (n("corruptions"), n("leaks"), n("check-errors"))
-}
-
 /// Panics unless `qemu-img check` reports what `report` does.
 pub fn assert_qemu_agrees(path: &Path, report: &CheckReport, what: &str) {
     let theirs = qemu_check_counts(path);
@@ -791,25 +533,6 @@ pub async fn read_all<S: Storage + 'static>(img: &Image<S>) -> qimg::Result<Vec<
     let mut buf = vec![0u8; img.size() as usize];
     img.read(&mut buf, 0).await?;
     Ok(buf)
-}
-
-/// A scratch directory in `/dev/shm` when there is one (the check reads files; a tmpfs keeps
-/// thousands of them cheap), else in the temporary directory.
-pub fn scratch_in_memory(tag: &str) -> Scratch {
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        return Scratch::new(tag);
-    }
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let dir = shm.join(format!(
-        "qimg-test-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
-    match std::fs::create_dir_all(&dir) {
-        Ok(()) => Scratch(dir),
-        Err(_) => Scratch::new(tag),
-    }
 }
 
 /// A runtime for one test: current thread, timers enabled (for timeouts).

@@ -1,65 +1,16 @@
-//! Helpers shared by the whole-system tests: finding qemu-img, scratch directories, running
-//! commands, comparing qemu-img JSON.
+//! What only the whole-system tests share: the `qimg` binary under test, the interop matrix
+//! of image options, and (in `faults`) the crash and I/O-error machinery. The qemu-img /
+//! qemu-io helpers, the model, the generator and the patterns are the test kit's
+//! (`qimg-testkit`); they are re-exported here so that `common::qemu_img` and friends keep
+//! one name in every test.
 #![allow(dead_code)]
 
-pub mod engine;
 pub mod faults;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::process::Output;
 
-/// Set to 1 (as `.ci/run` does) to turn "qemu-img is missing" into a failure.
-pub const REQUIRE_ENV: &str = "QIMG_REQUIRE_QEMU";
-
-/// Whether qemu-img is usable. When it is not, says so on stderr, and panics if
-/// `QIMG_REQUIRE_QEMU=1`, so that CI can never skip the interop tests silently.
-pub fn have_qemu(test: &str) -> bool {
-    let ok = Command::new("qemu-img")
-        .arg("--version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
-            panic!(
-                "{test}: qemu-img is not installed but {REQUIRE_ENV}=1 requires the interop tests to run"
-            );
-        }
-        eprintln!(
-            "SKIPPED {test}: qemu-img not found (install qemu-utils to run the interop tests)"
-        );
-    }
-    ok
-}
-
-/// A fresh scratch directory under the target directory, removed on drop.
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    pub fn new(tag: &str) -> Self {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let base = std::env::temp_dir().join(format!(
-            "qimg-test-{}-{}-{}",
-            tag,
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&base);
-        std::fs::create_dir_all(&base).unwrap();
-        Self(base)
-    }
-
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+pub use qimg_testkit::qemu::*;
 
 /// The qimg binary under test.
 pub fn qimg_bin() -> PathBuf {
@@ -69,100 +20,9 @@ pub fn qimg_bin() -> PathBuf {
     }
 }
 
-/// Runs `prog args` in `dir`.
-pub fn run(dir: &Path, prog: &Path, args: &[&str]) -> Output {
-    Command::new(prog)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", prog.display()))
-}
-
-pub fn qemu_img(dir: &Path, args: &[&str]) -> Output {
-    run(dir, Path::new("qemu-img"), args)
-}
-
+/// Runs the qimg binary with `args` in `dir`.
 pub fn qimg(dir: &Path, args: &[&str]) -> Output {
     run(dir, &qimg_bin(), args)
-}
-
-/// Panics with both streams unless the command succeeded.
-pub fn ok(what: &str, o: &Output) -> String {
-    if !o.status.success() {
-        panic!(
-            "{what} failed ({}):\nstdout: {}\nstderr: {}",
-            o.status,
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-pub fn json(what: &str, o: &Output) -> serde_json::Value {
-    let s = ok(what, o);
-    serde_json::from_str(&s).unwrap_or_else(|e| panic!("{what}: bad JSON ({e}): {s}"))
-}
-
-/// Compares every field both values have, recursively; returns the differing paths.
-/// Arrays must have the same length. Keys in `ignore` are skipped at any depth.
-pub fn common_fields_differ(
-    a: &serde_json::Value,
-    b: &serde_json::Value,
-    ignore: &[&str],
-) -> Vec<String> {
-    let mut out = Vec::new();
-    walk(a, b, "", ignore, &mut out);
-    out
-}
-
-fn walk(
-    a: &serde_json::Value,
-    b: &serde_json::Value,
-    at: &str,
-    ignore: &[&str],
-    out: &mut Vec<String>,
-) {
-    use serde_json::Value::*;
-    match (a, b) {
-        (Object(x), Object(y)) => {
-            for (k, va) in x {
-                if ignore.contains(&k.as_str()) {
-                    continue;
-                }
-                if let Some(vb) = y.get(k) {
-                    walk(va, vb, &format!("{at}/{k}"), ignore, out);
-                }
-            }
-        }
-        (Array(x), Array(y)) => {
-            if x.len() != y.len() {
-                out.push(format!("{at}: {} vs {} elements", x.len(), y.len()));
-            } else {
-                for (i, (va, vb)) in x.iter().zip(y).enumerate() {
-                    walk(va, vb, &format!("{at}[{i}]"), ignore, out);
-                }
-            }
-        }
-        _ => {
-            if a != b {
-                out.push(format!("{at}: {a} vs {b}"));
-            }
-        }
-    }
-}
-
-/// Counts the fields of `a` that `b` also has (to show the comparison compared something).
-pub fn count_common(a: &serde_json::Value, b: &serde_json::Value) -> usize {
-    use serde_json::Value::*;
-    match (a, b) {
-        (Object(x), Object(y)) => x
-            .iter()
-            .filter_map(|(k, va)| y.get(k).map(|vb| 1 + count_common(va, vb)))
-            .sum(),
-        (Array(x), Array(y)) => x.iter().zip(y).map(|(p, q)| count_common(p, q)).sum(),
-        _ => 0,
-    }
 }
 
 /// One image of the interop matrix: qemu-img create options and what to do afterwards.
@@ -359,49 +219,22 @@ pub fn make_with_qemu(dir: &Path, c: &Case) {
         );
     }
     if c.bitmap {
-        ok(
-            "qemu-img bitmap",
-            &qemu_img(dir, &["bitmap", "--add", "img.qcow2", "b0"]),
-        );
-        ok(
-            "qemu-img bitmap",
-            &qemu_img(
-                dir,
-                &[
-                    "bitmap",
-                    "--add",
-                    "-g",
-                    "128k",
-                    "--disable",
-                    "img.qcow2",
-                    "b1",
-                ],
-            ),
-        );
+        add_bitmaps(dir, "img.qcow2");
     }
 }
 
-/// `qemu-io -f FMT -c CMD ... FILE`, which must succeed.
-pub fn qemu_io(dir: &Path, fmt: &str, file: &str, cmds: &[&str]) {
-    let mut args: Vec<&str> = vec!["-f", fmt];
-    for c in cmds {
-        args.push("-c");
-        args.push(c);
-    }
-    args.push(file);
-    ok("qemu-io", &run(dir, Path::new("qemu-io"), &args));
-}
-
-/// `qemu-img create -q -f FMT [-o OPTS] EXTRA... FILE [SIZE]`, which must succeed.
-pub fn qemu_img_create(dir: &Path, fmt: &str, opts: &str, extra: &[&str], file: &str, size: &str) {
-    let mut args = vec!["create", "-q", "-f", fmt];
-    if !opts.is_empty() {
-        args.extend(["-o", opts]);
-    }
-    args.extend(extra);
-    args.push(file);
-    if !size.is_empty() {
-        args.push(size);
-    }
-    ok("qemu-img create", &qemu_img(dir, &args));
+/// Adds two persistent bitmaps to `file` with qemu-img: `b0` (default granularity, enabled)
+/// and `b1` (128 KiB granularity, disabled).
+pub fn add_bitmaps(dir: &Path, file: &str) {
+    ok(
+        "qemu-img bitmap",
+        &qemu_img(dir, &["bitmap", "--add", file, "b0"]),
+    );
+    ok(
+        "qemu-img bitmap",
+        &qemu_img(
+            dir,
+            &["bitmap", "--add", "-g", "128k", "--disable", file, "b1"],
+        ),
+    );
 }

@@ -92,8 +92,6 @@
 pub mod chain;
 pub mod engine;
 pub mod error;
-#[doc(hidden)]
-pub mod fuzzing;
 pub mod tools;
 
 pub use engine::lease;

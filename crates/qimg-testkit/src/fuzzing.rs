@@ -19,12 +19,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use qimg_io::MemStorage;
+use qimg::io::MemStorage;
+use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair};
+use qimg::tools::create::{Compat, CreateOptions};
+use qimg::{Allocation, Backing, CacheOptions, Extent, ExtentKind, Image, OpenOptions};
 
-use crate::engine::map::{Extent, ExtentKind};
-use crate::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair};
-use crate::tools::create::{Compat, CreateOptions};
-use crate::{Allocation, Backing, CacheOptions, Image, OpenOptions};
+use crate::model::{Geometry, GuestModel, GuestOp, OpCode};
+use crate::pattern::{first_difference, word_pattern as pattern};
 
 /// Bytes read and mapped from the start of the virtual disk by [`open_read`].
 pub const READ_WINDOW: u64 = 1 << 20;
@@ -46,39 +47,6 @@ fn block_on<F: Future>(f: F) -> F::Output {
             .expect("a current-thread tokio runtime");
     }
     RT.with(|rt| rt.block_on(f))
-}
-
-/// A deterministic, seeded byte pattern: byte `i` depends on `seed` and `at + i` (eight
-/// bytes from each 64-bit hash of an aligned word index).
-fn pattern(seed: u64, at: u64, len: usize) -> Vec<u8> {
-    let k = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let first = at / 8;
-    let words = (at % 8 + len as u64).div_ceil(8);
-    let mut out = Vec::with_capacity(words as usize * 8);
-    for w in first..first + words {
-        let mut x = w.wrapping_add(k).wrapping_mul(k);
-        x ^= x >> 31;
-        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x ^= x >> 29;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    let skip = (at % 8) as usize;
-    out.drain(..skip);
-    out.truncate(len);
-    out
-}
-
-/// The first index where `a` and `b` differ (`None` when equal), comparing slices first.
-fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
-    if a == b {
-        return None;
-    }
-    Some(
-        a.iter()
-            .zip(b)
-            .position(|(x, y)| x != y)
-            .unwrap_or(a.len().min(b.len())),
-    )
 }
 
 /// Open options with caches small enough to evict all the time: two 512-byte L2 slices and
@@ -340,6 +308,11 @@ impl OpsShape {
         }
     }
 
+    /// The sizes the model and the operation decoder need.
+    pub fn geometry(&self) -> Geometry {
+        Geometry::new(self.size(), self.cluster_size(), self.extended)
+    }
+
     fn open_options(&self) -> OpenOptions {
         let mut o = if self.small_cache {
             small_cache(true)
@@ -353,94 +326,29 @@ impl OpsShape {
     }
 }
 
-/// One operation of [`ops`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// Write a pattern with `seed`.
-    Write {
-        /// Guest offset.
-        at: u64,
-        /// Bytes.
-        len: u64,
-        /// Pattern seed.
-        seed: u64,
-    },
-    /// Write zeroes.
-    Zero {
-        /// Guest offset.
-        at: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Discard.
-    Discard {
-        /// Guest offset.
-        at: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Read and compare with the model.
-    Read {
-        /// Guest offset.
-        at: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Flush.
-    Flush,
-    /// Close and open again.
-    Reopen,
-}
-
 /// Bytes per encoded operation of [`ops`].
 pub const OP_BYTES: usize = 8;
 
-impl Op {
-    /// Decodes one operation from 8 bytes `[kind, m, s1, s0, l, n1, n0, w]` for a disk of
-    /// `shape`: `kind % 16` is 0..=5 write, 6..=7 write-zeroes, 8..=10 discard, 11..=12 read,
-    /// 13..=14 flush, 15 reopen. The start is subcluster `s1s0` (modulo the count) plus an
-    /// offset inside it that `m % 4` makes 0 (0), a multiple of 512 (1) or any (2, 3), taken
-    /// from `w` and `m`. The length `l % 5` is one subcluster (0), `1 + n1n0 % 40` subclusters
-    /// (1), `1 + n1n0 % 4096` bytes (2), or up to three clusters (3, 4); clipped at the end of
-    /// the disk.
-    pub fn decode(b: [u8; OP_BYTES], shape: &OpsShape) -> Self {
-        let size = shape.size();
-        let scs = shape.subcluster_size();
-        let sub_count = size.div_ceil(scs);
-        let sc = u64::from(u16::from_be_bytes([b[2], b[3]])) % sub_count;
-        let w = u64::from(u16::from_be_bytes([b[7], b[1]]));
-        let within = match b[1] % 4 {
-            0 => 0,
-            1 => (w * 512) % scs,
-            _ => w % scs,
-        };
-        let at = (sc * scs + within).min(size - 1);
-        let n = u64::from(u16::from_be_bytes([b[5], b[6]]));
-        let len = match b[4] % 5 {
-            0 => scs,
-            1 => scs * (1 + n % 40),
-            2 => 1 + n % 4096,
-            _ => 1 + n * 97 % (3 * shape.cluster_size()),
-        };
-        let len = len.min(size - at).max(1);
-        match b[0] % 16 {
-            0..=5 => Op::Write {
-                at,
-                len,
-                seed: u64::from_le_bytes(b),
-            },
-            6..=7 => Op::Zero { at, len },
-            8..=10 => Op::Discard { at, len },
-            11..=12 => Op::Read { at, len },
-            13..=14 => Op::Flush,
-            _ => Op::Reopen,
-        }
-    }
+/// Decodes one operation of [`ops`] from 8 bytes `[kind, m, s1, s0, l, n1, n0, w]` for a
+/// disk of `shape`: [`GuestOp::decode`] of kind `kind`, start mode `m`, subcluster `s1s0`,
+/// offset `w m` inside it, length mode `l` and length `n1n0`, with the 8 bytes as the seed of
+/// a write. Never [`GuestOp::Close`].
+pub fn decode_op(b: [u8; OP_BYTES], shape: &OpsShape) -> GuestOp {
+    let code = OpCode {
+        kind: b[0],
+        start_mode: b[1],
+        subcluster: u16::from_be_bytes([b[2], b[3]]),
+        within: u16::from_be_bytes([b[7], b[1]]),
+        len_mode: b[4],
+        len: u16::from_be_bytes([b[5], b[6]]),
+        seed: u64::from_le_bytes(b),
+    };
+    GuestOp::decode(&code, &shape.geometry())
 }
 
 /// The shape and operations `data` encodes for [`ops`] (at most [`MAX_OPS`]; a partial last
 /// operation is ignored). `None` for inputs shorter than the two shape bytes.
-pub fn decode_ops(data: &[u8]) -> Option<(OpsShape, Vec<Op>)> {
+pub fn decode_ops(data: &[u8]) -> Option<(OpsShape, Vec<GuestOp>)> {
     let [b0, b1, rest @ ..] = data else {
         return None;
     };
@@ -448,20 +356,20 @@ pub fn decode_ops(data: &[u8]) -> Option<(OpsShape, Vec<Op>)> {
     let ops = rest
         .chunks_exact(OP_BYTES)
         .take(MAX_OPS)
-        .map(|c| Op::decode(c.try_into().expect("8 bytes"), &shape))
+        .map(|c| decode_op(c.try_into().expect("8 bytes"), &shape))
         .collect();
     Some((shape, ops))
 }
 
 /// Runs a sequence of writes, write-zeroes, discards, reads, flushes and reopens decoded from
-/// `data` (see [`decode_ops`]) on a fresh image made by [`crate::tools::create::create`], in memory,
-/// against a flat model of the disk, and panics on any difference.
+/// `data` (see [`decode_ops`]) on a fresh image made by [`qimg::tools::create::create`], in memory,
+/// against the flat model ([`GuestModel`]), and panics on any difference.
 ///
 /// Every operation must succeed and every read must equal the model: written bytes, zeros, or
 /// for discarded subclusters (whole ones only; the last one counts as whole when the range
 /// reaches the end of the disk) the backing file's bytes (zeros without one or past its end).
 /// At the end the whole disk must equal the model, and after close the library
-/// [`check`](crate::tools::check::check) must report no corruption, no leak and no check error.
+/// [`check`](qimg::tools::check::check) must report no corruption, no leak and no check error.
 pub fn ops(data: &[u8]) {
     if let Some((shape, ops)) = decode_ops(data) {
         block_on(run_ops(shape, &ops));
@@ -509,7 +417,7 @@ impl Drop for ScratchFile {
     }
 }
 
-/// The bytes of a new image of `size` bytes made by [`crate::tools::create::create`], cached per
+/// The bytes of a new image of `size` bytes made by [`qimg::tools::create::create`], cached per
 /// options.
 fn template(opts: &CreateOptions) -> Vec<u8> {
     static CACHE: OnceLock<Mutex<HashMap<String, Vec<u8>>>> = OnceLock::new();
@@ -519,7 +427,7 @@ fn template(opts: &CreateOptions) -> Vec<u8> {
         return t.clone();
     }
     let file = ScratchFile::new(&[]);
-    crate::tools::create::create(file.path(), opts, &mut |_, _| {})
+    qimg::tools::create::create(file.path(), opts, &mut |_, _| {})
         .expect("create a template image");
     let bytes = std::fs::read(file.path()).expect("read a template image");
     cache
@@ -589,7 +497,7 @@ struct OpsWorld {
     storage: MemStorage,
     backing: Vec<u8>,
     qcow2_backing: Option<Vec<u8>>,
-    model: Vec<u8>,
+    model: GuestModel,
 }
 
 impl OpsWorld {
@@ -613,28 +521,9 @@ impl OpsWorld {
             .await
             .unwrap_or_else(|e| panic!("{:?}: open: {e}", self.shape))
     }
-
-    /// Whole subclusters of `[at, at + len)` (the last one whole when the range reaches the
-    /// end of the disk) read from the backing file.
-    fn discard(&mut self, at: u64, len: u64) {
-        let scs = self.shape.subcluster_size();
-        let size = self.shape.size();
-        let end = at + len;
-        let mut s = at.div_ceil(scs) * scs;
-        while s < size {
-            let e = (s + scs).min(size);
-            if e > end {
-                break;
-            }
-            for b in s..e {
-                self.model[b as usize] = self.backing.get(b as usize).copied().unwrap_or(0);
-            }
-            s += scs;
-        }
-    }
 }
 
-async fn run_ops(shape: OpsShape, ops: &[Op]) {
+async fn run_ops(shape: OpsShape, ops: &[GuestOp]) {
     let what = format!("{shape:?}");
     let storage = MemStorage::from_bytes(&template(&create_options(&shape)));
     let bsize = shape.backing_size();
@@ -644,8 +533,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     } else {
         None
     };
-    let mut model = vec![0u8; shape.size() as usize];
-    model[..backing.len()].copy_from_slice(&backing);
+    let model = GuestModel::new(shape.size(), backing.clone(), shape.subcluster_size());
     let mut w = OpsWorld {
         shape,
         storage,
@@ -655,25 +543,25 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     };
     let mut img = w.open().await;
     for (i, op) in ops.iter().enumerate() {
-        let fail = |e: crate::Error| -> ! { panic!("{what}: op {i} {op:?}: {e}") };
+        let fail = |e: qimg::Error| -> ! { panic!("{what}: op {i} {op:?}: {e}") };
         match *op {
-            Op::Write { at, len, seed } => {
+            GuestOp::Write { at, len, seed } => {
                 let data = pattern(seed, at, len as usize);
                 img.write(&data, at).await.unwrap_or_else(|e| fail(e));
-                w.model[at as usize..(at + len) as usize].copy_from_slice(&data);
+                w.model.write(at, &data);
             }
-            Op::Zero { at, len } => {
+            GuestOp::Zero { at, len } => {
                 img.write_zeroes(at, len).await.unwrap_or_else(|e| fail(e));
-                w.model[at as usize..(at + len) as usize].fill(0);
+                w.model.write_zeroes(at, len);
             }
-            Op::Discard { at, len } => {
+            GuestOp::Discard { at, len } => {
                 img.discard(at, len).await.unwrap_or_else(|e| fail(e));
-                w.discard(at, len);
+                w.model.discard(at, len);
             }
-            Op::Read { at, len } => {
+            GuestOp::Read { at, len } => {
                 let mut buf = vec![0u8; len as usize];
                 img.read(&mut buf, at).await.unwrap_or_else(|e| fail(e));
-                let want = &w.model[at as usize..(at + len) as usize];
+                let want = w.model.read(at, len);
                 if let Some(j) = first_difference(&buf, want) {
                     panic!(
                         "{what}: op {i} {op:?}: guest byte {:#x} reads {:#x}, the model has {:#x}",
@@ -683,23 +571,24 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
                     );
                 }
             }
-            Op::Flush => img.flush().await.unwrap_or_else(|e| fail(e)),
-            Op::Reopen => {
+            GuestOp::Flush => img.flush().await.unwrap_or_else(|e| fail(e)),
+            // `decode_op` never makes a Close; treat one as a reopen all the same.
+            GuestOp::Reopen | GuestOp::Close => {
                 img.close().await.unwrap_or_else(|e| fail(e));
                 img = w.open().await;
             }
         }
     }
-    let mut all = vec![0u8; w.model.len()];
+    let mut all = vec![0u8; w.model.data.len()];
     img.read(&mut all, 0)
         .await
         .unwrap_or_else(|e| panic!("{what}: final read: {e}"));
-    if let Some(j) = first_difference(&all, &w.model) {
+    if let Some(j) = first_difference(&all, &w.model.data) {
         panic!(
             "{what}: after {} ops guest byte {j:#x} reads {:#x}, the model has {:#x}",
             ops.len(),
             all[j],
-            w.model[j]
+            w.model.data[j]
         );
     }
     img.close()
@@ -708,7 +597,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
     drop(img);
     let file = ScratchFile::new(&w.storage.snapshot());
     let mut messages = Vec::new();
-    let report = crate::tools::check::check(file.path(), &CheckOptions::default(), &mut |ev| {
+    let report = qimg::tools::check::check(file.path(), &CheckOptions::default(), &mut |ev| {
         if let CheckEvent::Message(m) = ev {
             messages.push(m.to_string());
         }
@@ -733,7 +622,7 @@ async fn run_ops(shape: OpsShape, ops: &[Op]) {
 /// * when all three checks complete (no failure, no check error), the check after the repair
 ///   agrees with the repair's own final pass (same corruptions and leaks), and reports no
 ///   more corruptions than the first check: a repair never makes the image worse.
-pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
+pub fn check(data: &[u8]) -> [qimg::Result<CheckReport>; 3] {
     let file = ScratchFile::new(data);
     let path = file.path();
     let none = CheckOptions::default();
@@ -741,10 +630,10 @@ pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
         repair: Some(Repair::All),
     };
     let quiet = &mut |_: CheckEvent<'_>| {};
-    let before = crate::tools::check::check(path, &none, quiet);
-    let repaired = crate::tools::check::check(path, &all, quiet);
-    let after = crate::tools::check::check(path, &none, quiet);
-    fn complete(r: &crate::Result<CheckReport>) -> Option<&CheckReport> {
+    let before = qimg::tools::check::check(path, &none, quiet);
+    let repaired = qimg::tools::check::check(path, &all, quiet);
+    let after = qimg::tools::check::check(path, &none, quiet);
+    fn complete(r: &qimg::Result<CheckReport>) -> Option<&CheckReport> {
         r.as_ref()
             .ok()
             .filter(|r| r.failure.is_none() && r.check_errors == 0)
@@ -772,4 +661,43 @@ pub fn check(data: &[u8]) -> [crate::Result<CheckReport>; 3] {
         );
     }
     [before, repaired, after]
+}
+
+/// The folder `fuzz/<kind>/<target>/` of the workspace (`kind` is `corpus` for the seed
+/// corpus made by `fuzz/make-corpus.sh`, `regressions` for saved findings).
+pub fn inputs_dir(kind: &str, target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz")
+        .join(kind)
+        .join(target)
+}
+
+/// The files of `fuzz/<kind>/<target>/` as (name, bytes), sorted by name; none when the
+/// folder is missing (a target without saved findings has none).
+pub fn inputs(kind: &str, target: &str) -> Vec<(String, Vec<u8>)> {
+    let d = inputs_dir(kind, target);
+    let Ok(entries) = std::fs::read_dir(&d) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, Vec<u8>)> = entries
+        .map(|e| e.expect("read a fuzz input folder").path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let data = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p.file_name().unwrap().to_string_lossy().into_owned(), data)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The committed seed corpus of `target` (`fuzz/corpus/<target>/`), which must not be empty.
+pub fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
+    let v = inputs("corpus", target);
+    assert!(
+        !v.is_empty(),
+        "{}: no seeds (run fuzz/make-corpus.sh)",
+        inputs_dir("corpus", target).display()
+    );
+    v
 }
