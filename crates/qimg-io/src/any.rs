@@ -145,4 +145,8 @@ impl Storage for AnyStorage {
     fn mem_alignment(&self) -> usize {
         each!(self, s => s.mem_alignment())
     }
+
+    fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
+        each!(self, s => s.lock_image(lock))
+    }
 }

@@ -37,6 +37,8 @@ pub enum Op {
     SetLen,
     /// Probing the O_DIRECT alignment of a freshly opened file.
     Probe,
+    /// [`Storage::lock_image`](crate::Storage::lock_image).
+    Lock,
 }
 
 impl fmt::Display for Op {
@@ -51,6 +53,7 @@ impl fmt::Display for Op {
             Op::Len => "len",
             Op::SetLen => "set_len",
             Op::Probe => "alignment probe",
+            Op::Lock => "image lock",
         })
     }
 }
@@ -153,6 +156,13 @@ pub enum StorageError {
         #[source]
         source: io::Error,
     },
+    /// Another process holds the image in a way the requested access conflicts with (QEMU's
+    /// image locking, see [`ImageLock`](crate::ImageLock)).
+    #[error("the image is in use: {holder}; use force-share (-U) to read it anyway")]
+    Locked {
+        /// Who holds the image, and how.
+        holder: String,
+    },
 }
 
 impl StorageError {
@@ -171,11 +181,12 @@ impl StorageError {
             }
             StorageError::UnexpectedEof { .. } => io::ErrorKind::UnexpectedEof,
             StorageError::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
+            StorageError::Locked { .. } => io::ErrorKind::ResourceBusy,
         }
     }
 
     /// The operation that failed, or `None` for [`StorageError::Open`] and
-    /// [`StorageError::UringUnavailable`].
+    /// [`StorageError::UringUnavailable`] ([`Op::Lock`] for [`StorageError::Locked`]).
     pub fn op(&self) -> Option<Op> {
         match self {
             StorageError::Io { op, .. }
@@ -183,6 +194,7 @@ impl StorageError {
             | StorageError::Misaligned { op, .. }
             | StorageError::ReadOnly { op, .. } => Some(*op),
             StorageError::UnexpectedEof { .. } => Some(Op::Read),
+            StorageError::Locked { .. } => Some(Op::Lock),
             StorageError::Open { .. } | StorageError::UringUnavailable { .. } => None,
         }
     }
@@ -193,6 +205,7 @@ impl StorageError {
             StorageError::Io { source, .. }
             | StorageError::Open { source, .. }
             | StorageError::UringUnavailable { source } => source.raw_os_error(),
+            StorageError::Locked { .. } => Some(nix::libc::EAGAIN),
             _ => None,
         }
     }

@@ -225,7 +225,7 @@ impl OpCounts {
             Op::Allocate => &mut self.allocates,
             Op::Flush => &mut self.flushes,
             Op::SetLen => &mut self.set_lens,
-            Op::Len | Op::Probe => return,
+            Op::Len | Op::Probe | Op::Lock => return,
         };
         *n += 1;
     }
@@ -824,6 +824,10 @@ impl<S: Storage> Storage for FaultyStorage<S> {
         self.begin(Op::SetLen, len, 0)?;
         self.inner.set_len(len).await?;
         self.finish(Op::SetLen, len, 0, Some(Change::SetLen { len }))
+    }
+
+    fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
+        self.inner.lock_image(lock)
     }
 
     fn request_alignment(&self) -> usize {

@@ -15,6 +15,7 @@ use nix::unistd::{Whence, fdatasync, ftruncate, lseek};
 
 use crate::aligned::AlignedBuf;
 use crate::error::{Op, Result, StorageError, range_end};
+use crate::image_lock::{ImageLock, LockFailure};
 use crate::storage::{
     AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome, check_aligned, total_len,
 };
@@ -687,6 +688,13 @@ impl Storage for FileStorage {
         self.writable(Op::SetLen, len, 0)?;
         self.run(Op::SetLen, len, 0, move |inner| inner.set_len(len))
             .await
+    }
+
+    fn lock_image(&self, lock: ImageLock) -> Result<()> {
+        crate::image_lock::apply(self.file(), lock).map_err(|failure| match failure {
+            LockFailure::Conflict(holder) => StorageError::Locked { holder },
+            LockFailure::Os(e) => StorageError::io(Op::Lock, 0, 0, e),
+        })
     }
 
     fn request_alignment(&self) -> usize {

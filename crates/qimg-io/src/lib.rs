@@ -90,6 +90,7 @@ pub mod conformance;
 pub mod error;
 mod faulty;
 mod file;
+mod image_lock;
 mod mem;
 mod storage;
 #[cfg(target_os = "linux")]
@@ -105,6 +106,7 @@ pub use faulty::{
     OpFilter,
 };
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
+pub use image_lock::ImageLock;
 pub use mem::MemStorage;
 pub use storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]

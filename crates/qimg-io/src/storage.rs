@@ -5,6 +5,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 
 use crate::error::{Op, Result, StorageError};
+use crate::image_lock::ImageLock;
 
 /// How [`Storage::write_zeroes`] zeroed a range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -175,6 +176,14 @@ pub trait Storage: Send + Sync {
     fn mem_alignment(&self) -> usize {
         1
     }
+
+    /// Takes the image locks QEMU honours for `lock` (see [`ImageLock`]), replacing those
+    /// this storage held before, or fails with [`StorageError::Locked`] naming the holder.
+    /// Storages that are no file of the host (memory) have nothing to lock and succeed.
+    fn lock_image(&self, lock: ImageLock) -> Result<()> {
+        let _ = lock;
+        Ok(())
+    }
 }
 
 /// Shares one storage between owners: every call goes to the inner storage.
@@ -241,6 +250,10 @@ impl<S: Storage + ?Sized> Storage for Arc<S> {
     }
     fn mem_alignment(&self) -> usize {
         (**self).mem_alignment()
+    }
+
+    fn lock_image(&self, lock: ImageLock) -> Result<()> {
+        (**self).lock_image(lock)
     }
 }
 

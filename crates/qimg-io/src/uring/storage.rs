@@ -197,7 +197,7 @@ impl UringStorage {
             Op::WriteZeroes => caps.zero,
             Op::Discard => caps.discard,
             Op::Allocate => caps.allocate,
-            Op::Len | Op::SetLen | Op::Probe => false,
+            Op::Len | Op::SetLen | Op::Probe | Op::Lock => false,
         }
     }
 

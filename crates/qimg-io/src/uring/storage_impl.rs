@@ -173,6 +173,10 @@ impl Storage for UringStorage {
         self.shared().file.set_len(len).await
     }
 
+    fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
+        self.shared().file.lock_image(lock)
+    }
+
     fn request_alignment(&self) -> usize {
         self.shared().file.request_alignment()
     }
