@@ -11,6 +11,7 @@
 
 mod be;
 pub mod bitmap;
+pub mod cluster0;
 pub mod compressed;
 pub mod error;
 pub mod extensions;
@@ -20,6 +21,8 @@ pub mod geometry;
 pub mod header;
 pub mod l1;
 pub mod l2;
+pub mod lenient;
+pub mod magic;
 pub mod refcount;
 pub mod snapshot;
 pub mod units;

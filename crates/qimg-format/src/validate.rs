@@ -6,8 +6,8 @@
 //! reason. (One deviation: a v3 `header_length` below 104 is reported before an out-of-range
 //! `cluster_bits`, because the header cannot be decoded at all without a sane length.)
 
+use crate::cluster0::Cluster0;
 use crate::error::{FormatError, Result};
-use crate::extensions::Cluster0;
 use crate::features::{
     AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE,
     check_incompatible,
