@@ -21,9 +21,10 @@ mod lock;
 pub mod map;
 mod meta;
 mod open;
-mod overlap;
+pub(crate) mod overlap;
 mod rebuild;
 mod rw;
+pub(crate) mod walk;
 
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};
