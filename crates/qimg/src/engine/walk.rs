@@ -50,6 +50,16 @@ pub(crate) enum WalkError {
     },
 }
 
+impl std::fmt::Display for WalkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Storage(e) => write!(f, "{e}"),
+            Self::Format(e) => write!(f, "{e}"),
+            Self::TooLarge { what, bytes } => write!(f, "a {what} of {bytes} bytes is too large"),
+        }
+    }
+}
+
 impl From<StorageError> for WalkError {
     fn from(e: StorageError) -> Self {
         Self::Storage(e)
@@ -114,11 +124,6 @@ impl<'a, S: Storage> Walker<'a, S> {
     pub(crate) fn zero_fill(mut self, yes: bool) -> Self {
         self.zero_fill = yes;
         self
-    }
-
-    /// The L2 layout the walker reads with.
-    pub(crate) fn layout(&self) -> L2Layout {
-        self.layout
     }
 
     /// Reads `buf` at `offset`, as [`zero_fill`](Self::zero_fill) says.
