@@ -28,6 +28,14 @@ pub fn decode_words(bytes: &[u8]) -> Vec<u64> {
         .collect()
 }
 
+/// The big-endian word in `bytes` (8 bytes; a shorter slice is padded with zeros).
+fn word_of(bytes: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    let n = bytes.len().min(8);
+    w[..n].copy_from_slice(&bytes[..n]);
+    u64::from_be_bytes(w)
+}
+
 /// Encodes words as big-endian bytes (the inverse of [`decode_words`]).
 pub fn encode_words(words: &[u64]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_be_bytes()).collect()
@@ -138,10 +146,15 @@ impl L2Layout {
     pub fn entries(self, bytes: &[u8]) -> impl Iterator<Item = (usize, RawL2Entry)> + '_ {
         let es = self.entry_size() as usize;
         bytes.chunks_exact(es).enumerate().map(move |(i, c)| {
-            let words = decode_words(c);
+            // `c` holds one (8 bytes) or two (16 bytes) whole words.
+            let (word, bitmap) = c.split_at(8);
             let entry = RawL2Entry {
-                word: words.first().copied().unwrap_or(0),
-                bitmap: words.get(1).copied().unwrap_or(0),
+                word: word_of(word),
+                bitmap: if bitmap.is_empty() {
+                    0
+                } else {
+                    word_of(bitmap)
+                },
             };
             (i * es, entry)
         })

@@ -8,7 +8,7 @@
 use std::collections::BTreeSet;
 
 use qimg_cache::SliceCache;
-use qimg_format::lenient::L2Layout;
+use qimg_format::lenient::{L2Layout, TABLE_WORD};
 use qimg_io::Storage;
 
 use super::image::Inner;
@@ -34,7 +34,10 @@ impl<S: Storage> Inner<S> {
             WalkError::Format(e) => Error::format(&self.path, e),
             WalkError::TooLarge { bytes, .. } => Error::corrupt(
                 &self.path,
-                format!("snapshot L1 table of {} entries is too large", bytes / 8),
+                format!(
+                    "snapshot L1 table of {} entries is too large",
+                    bytes / TABLE_WORD
+                ),
             ),
         }
     }
@@ -55,7 +58,7 @@ impl<S: Storage> Inner<S> {
         count(super::walk::Reference {
             structure: super::walk::Structure::L1Table,
             offset: m.l1_offset,
-            len: m.l1.len() as u64 * 8,
+            len: m.l1.len() as u64 * TABLE_WORD,
         });
         walker
             .visit_tree(&m.l1, &self.ctx, external, &mut count)
@@ -117,7 +120,7 @@ impl<S: Storage> Inner<S> {
         }
         let area = plan_refcount_area(&skip, 0, start, 1, cs, e);
         let end = area.end();
-        let mut table = vec![0u64; (area.table_clusters * cs / 8) as usize];
+        let mut table = vec![0u64; (area.table_clusters * cs / TABLE_WORD) as usize];
         for (k, &j) in area.blocks.iter().enumerate() {
             let at = (area.start + k as u64) * cs;
             table[j as usize] = at;

@@ -163,14 +163,14 @@ impl<'a, S: Storage> Walker<'a, S> {
         ))
     }
 
-    /// The L2 table at `offset` (one cluster): each entry with its file position.
-    pub(crate) async fn read_l2(&self, offset: u64) -> Result<Vec<(u64, RawL2Entry)>, WalkError> {
-        let table = self.read_cluster(offset).await?;
-        Ok(self
-            .layout
-            .entries(&table)
-            .map(|(at, e)| (offset.saturating_add(at as u64), e))
-            .collect())
+    /// The L2 table at `offset` (one cluster), to iterate over its entries.
+    pub(crate) async fn read_l2(&self, offset: u64) -> Result<L2Table, WalkError> {
+        let bytes = self.read_cluster(offset).await?;
+        Ok(L2Table {
+            offset,
+            bytes,
+            layout: self.layout,
+        })
     }
 
     /// One cluster at `offset`, as bytes (an L2 table to rewrite whole, a refcount block).
@@ -341,6 +341,25 @@ impl<'a, S: Storage> Walker<'a, S> {
             self.visit_tree(&table, ctx, external_data, visit).await?;
         }
         Ok(())
+    }
+}
+
+/// An L2 table as read, decoded entry by entry as it is iterated (a table is walked once per
+/// L1 entry naming it: materialising its entries would cost an allocation per table entry).
+#[derive(Debug, Clone)]
+pub(crate) struct L2Table {
+    offset: u64,
+    bytes: Vec<u8>,
+    layout: L2Layout,
+}
+
+impl L2Table {
+    /// The entries with their file positions.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (u64, RawL2Entry)> + '_ {
+        let offset = self.offset;
+        self.layout
+            .entries(&self.bytes)
+            .map(move |(at, e)| (offset.saturating_add(at as u64), e))
     }
 }
 
@@ -583,7 +602,7 @@ mod tests {
     async fn tables_are_read_with_their_positions_and_bounded() {
         let m = MemStorage::new();
         let l1 = [QCOW_OFLAG_COPIED | 0x2_0000, 0];
-        let bytes: Vec<u8> = l1.iter().flat_map(|w| w.to_be_bytes()).collect();
+        let bytes = qimg_format::lenient::encode_words(&l1);
         m.write_at(&bytes, 0x1_0000).await.unwrap();
         let layout = L2Layout {
             cluster_bits: 16,
@@ -595,7 +614,7 @@ mod tests {
         assert_eq!(t[0], (0x1_0000, RawL1Entry(l1[0])));
         assert_eq!(t[1].0, 0x1_0008);
         // Past the end of the file: zeros.
-        let l2 = w.read_l2(0x2_0000).await.unwrap();
+        let l2: Vec<_> = w.read_l2(0x2_0000).await.unwrap().entries().collect();
         assert_eq!(l2.len(), 8192);
         assert_eq!(l2[1].0, 0x2_0008);
         assert!(matches!(

@@ -11,15 +11,16 @@ use qimg_format::extensions::Extension;
 use qimg_format::features::{
     AUTOCLEAR_BITMAPS, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
 };
+use qimg_format::geometry::RefcountGeometry;
 use qimg_format::header::{encode_incompatible, field};
-use qimg_format::lenient::{L2Layout, RawL1Entry, RawL2Entry, RawReftableEntry, TABLE_WORD};
+use qimg_format::lenient::{L2Layout, RawL1Entry, RawReftableEntry, TABLE_WORD};
 use qimg_format::refcount;
 use qimg_format::validate::{MAX_L1_BYTES, MAX_REFTABLE_BYTES};
 use qimg_io::Storage;
 
 use super::{CheckEvent, EIO, Failure, io_failure, storage_io_error, strerror};
 use crate::engine::overlap::{OverlapIndex, Region};
-use crate::engine::walk::{ReferenceCounts, WalkError, Walker};
+use crate::engine::walk::{L2Table, ReferenceCounts, WalkError, Walker};
 use crate::error::{Error, Result};
 
 /// Clusters past the end of the file remembered as referenced by uncounted ranges.
@@ -155,13 +156,10 @@ impl<'a, S: Storage> Checker<'a, S> {
         let cluster_bits = h.cluster_bits;
         let cluster_size = 1u64 << cluster_bits;
         let order = if h.version >= 3 { h.refcount_order } else { 4 };
-        let bits = 1u32 << order;
-        let refcount_max = if bits >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << bits) - 1
-        };
-        let entries = cluster_size * 8 / u64::from(bits);
+        let geometry =
+            RefcountGeometry::new(cluster_bits, order).map_err(|e| Error::format(path, e))?;
+        let refcount_max = geometry.max_refcount();
+        let entries = geometry.refblock_entries();
         let data_file = h.incompatible_features & INCOMPAT_DATA_FILE != 0;
         let mut ck = Self {
             file,
@@ -286,7 +284,7 @@ impl<'a, S: Storage> Checker<'a, S> {
     }
 
     /// Reads the L2 table at `offset`, with the entries' positions.
-    pub(super) async fn read_l2(&self, offset: u64) -> std::io::Result<Vec<(u64, RawL2Entry)>> {
+    pub(super) async fn read_l2(&self, offset: u64) -> std::io::Result<L2Table> {
         self.walker().read_l2(offset).await.map_err(walk_io_error)
     }
 

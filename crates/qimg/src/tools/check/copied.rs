@@ -42,7 +42,7 @@ impl<S: Storage> Checker<'_, S> {
             let Ok(table) = self.read_l2(l2_offset).await else {
                 continue;
             };
-            for (_, entry) in table {
+            for (_, entry) in table.entries() {
                 if entry.kind(self.layout).has_host_cluster() {
                     out.insert(entry.host_offset() >> self.cluster_bits);
                 }
@@ -95,8 +95,8 @@ impl<S: Storage> Checker<'_, S> {
                     res.corruptions_fixed += 1;
                 }
             }
-            let mut table = match self.read_l2(l2_offset).await {
-                Ok(t) => t,
+            let mut table: Vec<_> = match self.read_l2(l2_offset).await {
+                Ok(t) => t.entries().collect(),
                 Err(e) => {
                     self.msg(format!("ERROR: Could not read L2 table: {}", strerror(&e)));
                     res.check_errors += 1;

@@ -278,7 +278,11 @@ impl<S: Storage> Checker<'_, S> {
         let mut next_contiguous = 0u64;
         let cluster_size = self.cluster_size;
         let cluster_bits = self.cluster_bits;
-        for (i, &(at, raw)) in table.iter().enumerate() {
+        for (i, (at, raw)) in table.entries().enumerate() {
+            if raw == RawL2Entry::default() {
+                // Unallocated, nothing set: nothing to count or judge.
+                continue;
+            }
             let mut entry = raw.word;
             let mut bitmap = raw.bitmap;
             let ty = raw.kind(self.layout);

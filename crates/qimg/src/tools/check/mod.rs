@@ -78,7 +78,9 @@ mod snapshots;
 #[cfg(test)]
 mod tests;
 
+use std::future::Future;
 use std::path::Path;
+use std::task::{Context, Poll, Waker};
 
 use qimg_format::cluster0::Cluster0;
 use qimg_format::header::{Header, SnapshotPointer};
@@ -145,9 +147,6 @@ pub fn check(
     opts: &CheckOptions,
     events: &mut dyn FnMut(CheckEvent<'_>),
 ) -> Result<CheckReport> {
-    let rt = Builder::new_current_thread()
-        .build()
-        .map_err(|e| Error::io(path, "start the I/O runtime", e))?;
     let open = |write: bool| -> Result<FileStorage> {
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -160,12 +159,33 @@ pub fn check(
     // is not qcow2 (or one QEMU refuses) is reported as such even when it is not writable.
     let read_only = open(false)?;
     if opts.repair.is_none() {
-        return rt.block_on(check_storage(&read_only, path, opts, events));
+        return block_on(path, check_storage(&read_only, path, opts, events))?;
     }
-    rt.block_on(read_cluster0(&read_only, path))?;
+    block_on(path, read_cluster0(&read_only, path))??;
     drop(read_only);
     let writable = open(true)?;
-    rt.block_on(check_storage(&writable, path, opts, events))
+    block_on(path, check_storage(&writable, path, opts, events))?
+}
+
+/// Runs `fut` to completion on the calling thread: on a private current-thread runtime, or,
+/// when called from inside a runtime (tokio refuses to nest them: an async caller, a test
+/// harness), by polling it here. The latter never spins: the file storage is opened with
+/// [`BlockingStrategy::Inline`], so every call completes when first polled.
+fn block_on<F: Future>(path: &Path, fut: F) -> Result<F::Output> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        let rt = Builder::new_current_thread()
+            .build()
+            .map_err(|e| Error::io(path, "start the I/O runtime", e))?;
+        return Ok(rt.block_on(fut));
+    }
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return Ok(v);
+        }
+        std::thread::yield_now();
+    }
 }
 
 /// [`check`] on any storage: checks (and with `opts.repair`, repairs) the qcow2 image held by
