@@ -88,8 +88,6 @@ impl<S: Storage> Inner<S> {
     pub(crate) async fn rebuild_refcounts(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
         let e = self.rgeo.refblock_entries();
-        let order = self.rgeo.refcount_order();
-        let max = self.rgeo.max_refcount();
         let refs = self.count_references(m).await?;
         let file_len = self.file.len().await.map_err(|e| self.st(e))?;
         let file_clusters = file_len.div_ceil(cs);
@@ -125,7 +123,7 @@ impl<S: Storage> Inner<S> {
             let at = (area.start + k as u64) * cs;
             table[j as usize] = at;
             let area_here = (start.max(j * e)..end.min((j + 1) * e)).map(|c| (c, 1));
-            let block = encode_refblock(&refs, j, e, order, max, cs, area_here, false).map_err(
+            let block = encode_refblock(&refs, &self.rgeo, j, area_here, false).map_err(
                 |Overflow { cluster: c, value }| {
                     Error::corrupt(
                         &self.path,

@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use qimg_format::geometry::RefcountGeometry;
 use qimg_format::l1::{self, L1Entry};
 use qimg_format::l2::{AnyL2Entry, L2Context, L2Entry, decode_slice};
 use qimg_format::lenient::{
@@ -512,21 +513,20 @@ pub(crate) struct Overflow {
     pub(crate) value: u64,
 }
 
-/// Encodes refcount block `j` (covering clusters `j * entries ..`) from `counts`, plus
-/// `extra` (clusters, with their counts, of the block's range not in `counts`, such as a new
-/// refcount area). With `clamp`, counts above `max` are stored as `max` (QEMU's check
-/// rebuild); without it they are refused.
+/// Encodes refcount block `j` (covering clusters `j * geometry.refblock_entries() ..`) from
+/// `counts`, plus `extra` (clusters, with their counts, of the block's range not in `counts`,
+/// such as a new refcount area). With `clamp`, counts above the refcount width's maximum are
+/// stored as that maximum (QEMU's check rebuild); without it they are refused.
 pub(crate) fn encode_refblock(
     counts: &ReferenceCounts,
+    geometry: &RefcountGeometry,
     j: u64,
-    entries: u64,
-    order: u32,
-    max: u64,
-    cluster_size: u64,
     extra: impl Iterator<Item = (u64, u64)>,
     clamp: bool,
 ) -> Result<Vec<u8>, Overflow> {
-    let mut block = vec![0u8; cluster_size as usize];
+    let entries = geometry.refblock_entries();
+    let max = geometry.max_refcount();
+    let mut block = vec![0u8; geometry.cluster_size() as usize];
     let from = j * entries;
     let to = from + entries;
     let counted = counts
@@ -546,7 +546,7 @@ pub(crate) fn encode_refblock(
             v
         };
         // The index is below `entries`, so the block holds it.
-        let _ = refcount::set(&mut block, order, c - from, value);
+        let _ = refcount::set(&mut block, geometry.refcount_order(), c - from, value);
     }
     Ok(block)
 }
@@ -583,12 +583,13 @@ mod tests {
         let mut r = ReferenceCounts::default();
         r.set(1, 2);
         r.set(600, 70_000);
-        let b = encode_refblock(&r, 0, 256, 4, 65535, 512, [(3, 1)].into_iter(), true).unwrap();
+        let g = RefcountGeometry::new(9, 4).unwrap();
+        let b = encode_refblock(&r, &g, 0, [(3, 1)].into_iter(), true).unwrap();
         assert_eq!(refcount::get(&b, 4, 1).unwrap(), 2);
         assert_eq!(refcount::get(&b, 4, 3).unwrap(), 1);
-        let b = encode_refblock(&r, 2, 256, 4, 65535, 512, std::iter::empty(), true).unwrap();
+        let b = encode_refblock(&r, &g, 2, std::iter::empty(), true).unwrap();
         assert_eq!(refcount::get(&b, 4, 600 - 512).unwrap(), 65535);
-        let e = encode_refblock(&r, 2, 256, 4, 65535, 512, std::iter::empty(), false);
+        let e = encode_refblock(&r, &g, 2, std::iter::empty(), false);
         assert_eq!(
             e,
             Err(Overflow {

@@ -96,6 +96,8 @@ pub(super) struct Checker<'a, S> {
     pub(super) total_sectors: u64,
     pub(super) order: u32,
     pub(super) refcount_max: u64,
+    /// Refcount width and block size.
+    pub(super) refcount_geometry: RefcountGeometry,
     /// Refcounts per refcount block.
     pub(super) entries: u64,
     pub(super) l1_offset: u64,
@@ -177,6 +179,7 @@ impl<'a, S: Storage> Checker<'a, S> {
             total_sectors: h.size / 512,
             order,
             refcount_max,
+            refcount_geometry: geometry,
             entries,
             l1_offset: h.l1_table_offset,
             l1_size: h.l1_size,

@@ -59,11 +59,8 @@ impl<S: Storage> Checker<'_, S> {
     pub(super) fn encode_block(&self, j: u64) -> Vec<u8> {
         let block = encode_refblock(
             &self.refs,
+            &self.refcount_geometry,
             j,
-            self.entries,
-            self.order,
-            self.refcount_max,
-            self.cluster_size,
             std::iter::empty(),
             true,
         );
