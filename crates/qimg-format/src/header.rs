@@ -323,6 +323,10 @@ impl Header {
 
 /// Byte offsets in the header of the fields tools rewrite in place (qcow2-format.md section 1).
 pub mod field {
+    /// `size` (u64): the virtual disk size.
+    pub const SIZE: u64 = 24;
+    /// `l1_size` (u32), followed by `l1_table_offset` (u64) at 40.
+    pub const L1_TABLE: u64 = 36;
     /// `refcount_table_offset` (u64), followed by `refcount_table_clusters` (u32) at 56.
     pub const REFCOUNT_TABLE: u64 = 48;
     /// `nb_snapshots` (u32), followed by `snapshots_offset` (u64) at 64.
@@ -340,6 +344,20 @@ pub mod field {
 /// The bytes of `incompatible_features`, to be written at [`field::INCOMPATIBLE_FEATURES`].
 pub fn encode_incompatible(bits: u64) -> [u8; 8] {
     bits.to_be_bytes()
+}
+
+/// The bytes of `size`, to be written at [`field::SIZE`].
+pub fn encode_size(size: u64) -> [u8; 8] {
+    size.to_be_bytes()
+}
+
+/// The bytes of the L1 table pointer (`l1_size` and `l1_table_offset`), to be written at
+/// [`field::L1_TABLE`].
+pub fn encode_l1_table_pointer(entries: u32, offset: u64) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&entries.to_be_bytes());
+    b[4..].copy_from_slice(&offset.to_be_bytes());
+    b
 }
 
 /// The bytes of `autoclear_features`, to be written at [`field::AUTOCLEAR_FEATURES`].
@@ -530,6 +548,8 @@ mod tests {
         h.refcount_table_clusters = 3;
         h.nb_snapshots = 7;
         h.snapshots_offset = 0x9_0000;
+        h.l1_size = 5;
+        h.l1_table_offset = 0x3_0000;
         let b = h.encode().unwrap();
         let at = |o: u64, n: usize| b[o as usize..o as usize + n].to_vec();
         assert_eq!(
@@ -537,6 +557,11 @@ mod tests {
             encode_incompatible(0x11)
         );
         assert_eq!(at(field::AUTOCLEAR_FEATURES, 8), encode_autoclear(1));
+        assert_eq!(at(field::SIZE, 8), encode_size(1 << 30));
+        assert_eq!(
+            at(field::L1_TABLE, 12),
+            encode_l1_table_pointer(5, 0x3_0000)
+        );
         assert_eq!(
             at(field::REFCOUNT_TABLE, 12),
             encode_refcount_table_pointer(0x1_0000, 3)

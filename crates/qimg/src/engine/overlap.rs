@@ -37,6 +37,19 @@ pub(crate) enum Region {
 }
 
 impl Region {
+    /// Every kind, in declaration order.
+    const ALL: [Region; 9] = [
+        Self::Header,
+        Self::ActiveL1,
+        Self::ActiveL2,
+        Self::RefcountTable,
+        Self::RefcountBlock,
+        Self::SnapshotTable,
+        Self::SnapshotL1,
+        Self::SnapshotL2,
+        Self::BitmapDirectory,
+    ];
+
     /// The name QEMU's overlap check gives the structure (`check` prints it).
     pub(crate) fn qemu_name(self) -> &'static str {
         match self {
@@ -121,6 +134,8 @@ impl OverlapIndex {
         if len == 0 || (start == 0 && region != Region::Header) {
             return;
         }
+        // A second insert at the same place replaces the first (its length too).
+        self.remove(region, start);
         self.place(region, start, len, |_| 1);
     }
 
@@ -226,9 +241,7 @@ impl OverlapIndex {
     /// Where the first covered range of any kind meeting `[start, end)` begins: no large
     /// structure starting before it can meet the range.
     fn first_cover_meeting(&self, start: u64, end: u64) -> Option<u64> {
-        let mut kinds: Vec<Region> = self.cover.keys().map(|k| k.0).collect();
-        kinds.dedup();
-        kinds
+        Region::ALL
             .into_iter()
             .filter_map(|r| self.cover_meeting(r, start, end))
             .min()
@@ -439,5 +452,15 @@ mod tests {
         assert!(ix.meets(Region::SnapshotL1, 0x40_0000, 8));
         ix.remove(Region::SnapshotL1, 0x40_0000);
         assert!(!ix.meets(Region::SnapshotL1, 0x40_0000, 8));
+    }
+
+    #[test]
+    fn a_second_insert_at_one_place_replaces_the_first() {
+        let mut ix = OverlapIndex::new(4096);
+        ix.insert(Region::ActiveL1, 0x10000, 4 * 4096);
+        ix.insert(Region::ActiveL1, 0x10000, 2 * 4096);
+        assert_eq!(ix.find(0x13000, 8, Writing::Data), None);
+        let hit = ix.find(0x11000, 8, Writing::Data).unwrap();
+        assert_eq!((hit.start, hit.end), (0x10000, 0x12000));
     }
 }
