@@ -5,7 +5,7 @@
 use crate::be::pad8;
 use crate::bitmap::BitmapsExtension;
 use crate::error::{FormatError, Result};
-use crate::extensions::{Extension, MAX_BACKING_NAME, decode_backing_name, decode_extensions};
+use crate::extension::{Extension, MAX_BACKING_NAME, decode_backing_name, decode_extensions};
 use crate::features::FeatureName;
 use crate::header::Header;
 
@@ -137,5 +137,197 @@ impl Cluster0 {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::be::pad8;
+    use crate::extension::{
+        EXT_BACKING_FORMAT, EXT_BITMAPS, EXT_CRYPTO, EXT_DATA_FILE, EXT_FEATURE_TABLE,
+    };
+    use crate::features::{FeatureKind, qemu_feature_table};
+    use proptest::prelude::*;
+
+    fn arb_ext() -> impl Strategy<Value = Extension> {
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..15).prop_map(Extension::BackingFormat),
+            proptest::collection::vec(any::<u8>(), 0..200).prop_map(Extension::DataFile),
+            (0u64..1 << 40, any::<u64>()).prop_map(|(o, length)| Extension::Crypto {
+                offset: o << 16,
+                length
+            }),
+            Just(Extension::FeatureTable(qemu_feature_table())),
+            (1u32..65536, any::<u64>(), 0u64..1 << 30).prop_map(|(n, size, o)| {
+                Extension::Bitmaps(BitmapsExtension {
+                    nb_bitmaps: n,
+                    directory_size: size % (1024 * 65535) + 1,
+                    directory_offset: o << 16,
+                })
+            }),
+            (1u32.., proptest::collection::vec(any::<u8>(), 0..100)).prop_filter_map(
+                "known type",
+                |(kind, data)| {
+                    let known = [
+                        EXT_BACKING_FORMAT,
+                        EXT_FEATURE_TABLE,
+                        EXT_BITMAPS,
+                        EXT_CRYPTO,
+                        EXT_DATA_FILE,
+                    ];
+                    (!known.contains(&kind)).then_some(Extension::Unknown { kind, data })
+                }
+            ),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn cluster_zero_round_trips(
+            exts in proptest::collection::vec(arb_ext(), 0..6),
+            backing in proptest::option::of(proptest::collection::vec(any::<u8>(), 0..300)),
+            v3 in any::<bool>(),
+        ) {
+            // Each known extension at most once.
+            let mut seen = Vec::new();
+            let exts: Vec<_> = exts.into_iter().filter(|e| {
+                if matches!(e, Extension::Unknown{..}) { return true; }
+                let k = e.kind();
+                if seen.contains(&k) { false } else { seen.push(k); true }
+            }).collect();
+            let header = if v3 { Header::new_v3(16, 1 << 30, 4) } else { Header::new_v2(16, 1 << 30) };
+            let mut c = Cluster0 { header, extensions: exts, backing_file: backing };
+            let bytes = c.encode().unwrap();
+            let mut cluster = bytes.clone();
+            cluster.resize(65536, 0xa5);
+            prop_assert_eq!(Cluster0::decode(&cluster).unwrap(), c.clone());
+            // A file exactly as long as the encoded bytes decodes too.
+            if c.backing_file.is_some() {
+                prop_assert_eq!(Cluster0::decode(&bytes).unwrap(), c);
+            }
+        }
+
+        #[test]
+        fn decoding_garbage_after_a_valid_header_never_panics(tail in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let mut bytes = Header::new_v3(9, 1 << 20, 4).encode().unwrap();
+            bytes.extend_from_slice(&tail);
+            let _ = Cluster0::decode(&bytes);
+        }
+    }
+
+    fn image_with(exts: &[(u32, Vec<u8>)]) -> Vec<u8> {
+        let mut b = Header::new_v3(16, 1 << 20, 4).encode().unwrap();
+        for (k, d) in exts {
+            b.extend_from_slice(&k.to_be_bytes());
+            b.extend_from_slice(&(d.len() as u32).to_be_bytes());
+            b.extend_from_slice(d);
+            b.resize(pad8(b.len()), 0);
+        }
+        b.resize(65536, 0);
+        b
+    }
+
+    #[test]
+    fn an_extension_longer_than_the_area_is_refused() {
+        let mut b = image_with(&[(0x1234, vec![1, 2, 3])]);
+        b[116..120].copy_from_slice(&100_000u32.to_be_bytes());
+        let err = Cluster0::decode(&b).unwrap_err().to_string();
+        assert!(err.contains("0x00001234"), "{err}");
+        assert!(err.contains("0x70"), "{err}");
+        assert!(err.contains("100000"), "{err}");
+    }
+
+    #[test]
+    fn unknown_extensions_are_kept_byte_for_byte() {
+        let b = image_with(&[(0xcafe, vec![9; 13]), (EXT_BACKING_FORMAT, b"raw".to_vec())]);
+        let mut c = Cluster0::decode(&b).unwrap();
+        assert_eq!(
+            c.extensions[0],
+            Extension::Unknown {
+                kind: 0xcafe,
+                data: vec![9; 13]
+            }
+        );
+        assert_eq!(c.backing_format(), Some(&b"raw"[..]));
+        let again = c.encode().unwrap();
+        assert_eq!(&again[..], &b[..again.len()]);
+    }
+
+    #[test]
+    fn a_backing_format_of_16_bytes_is_refused() {
+        let b = image_with(&[(EXT_BACKING_FORMAT, vec![b'x'; 16])]);
+        let err = Cluster0::decode(&b).unwrap_err().to_string();
+        assert!(err.contains("16 bytes"), "{err}");
+    }
+
+    #[test]
+    fn a_duplicate_data_file_extension_is_refused() {
+        let b = image_with(&[
+            (EXT_DATA_FILE, b"a".to_vec()),
+            (EXT_DATA_FILE, b"b".to_vec()),
+        ]);
+        let err = Cluster0::decode(&b).unwrap_err().to_string();
+        assert!(err.contains("more than once"), "{err}");
+    }
+
+    #[test]
+    fn a_crypto_pointer_of_the_wrong_length_or_alignment_is_refused() {
+        let err = Cluster0::decode(&image_with(&[(EXT_CRYPTO, vec![0; 8])]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("8 bytes, expected 16"), "{err}");
+        let mut d = 0x1200u64.to_be_bytes().to_vec();
+        d.extend_from_slice(&[0; 8]);
+        let err = Cluster0::decode(&image_with(&[(EXT_CRYPTO, d)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("0x1200"), "{err}");
+    }
+
+    #[test]
+    fn a_backing_name_beyond_cluster_zero_is_refused() {
+        let mut b = image_with(&[]);
+        b[8..16].copy_from_slice(&65530u64.to_be_bytes());
+        b[16..20].copy_from_slice(&10u32.to_be_bytes());
+        let err = Cluster0::decode(&b).unwrap_err().to_string();
+        assert!(err.contains("backing_file_offset 65530"), "{err}");
+        b[16..20].copy_from_slice(&1024u32.to_be_bytes());
+        let err = Cluster0::decode(&b).unwrap_err().to_string();
+        assert!(err.contains("backing_file_size 1024"), "{err}");
+    }
+
+    #[test]
+    fn extensions_sort_into_qemu_order() {
+        let mut c = Cluster0 {
+            header: Header::new_v3(16, 0, 4),
+            extensions: vec![
+                Extension::Unknown {
+                    kind: 7,
+                    data: vec![],
+                },
+                Extension::FeatureTable(vec![FeatureName::new(FeatureKind::Compatible, 0, "x")]),
+                Extension::DataFile(b"d".to_vec()),
+                Extension::BackingFormat(b"raw".to_vec()),
+            ],
+            backing_file: None,
+        };
+        c.sort_like_qemu();
+        let kinds: Vec<u32> = c.extensions.iter().map(Extension::kind).collect();
+        assert_eq!(
+            kinds,
+            vec![EXT_BACKING_FORMAT, EXT_DATA_FILE, EXT_FEATURE_TABLE, 7]
+        );
+    }
+
+    #[test]
+    fn cluster_zero_that_overflows_is_refused() {
+        let mut c = Cluster0 {
+            header: Header::new_v3(9, 0, 4),
+            extensions: vec![Extension::FeatureTable(qemu_feature_table())],
+            backing_file: Some(b"base".to_vec()),
+        };
+        let err = c.encode().unwrap_err().to_string();
+        assert!(err.contains("cluster size 512"), "{err}");
     }
 }

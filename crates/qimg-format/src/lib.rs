@@ -14,6 +14,7 @@ pub mod bitmap;
 pub mod cluster0;
 pub mod compressed;
 pub mod error;
+pub mod extension;
 pub mod extensions;
 pub mod features;
 pub mod fuzz;
