@@ -56,10 +56,12 @@
 //! | module | what it holds |
 //! |---|---|
 //! | `report` | the public report and QEMU's signed counters |
-//! | `checker` | the state of a check, its I/O, header updates and the overlap check |
+//! | `checker` | the state of a check, its I/O and header updates |
 //! | `pass` | one pass: reference counting over the whole image, refcount blocks, bitmaps |
 //! | `snapshots` | reading (and trimming) the snapshot table |
-//! | `l1l2` | the L1 and L2 walks with their entry repairs |
+//! | `l1l2` | the L1 and L2 walks, judging every entry |
+//! | `entries` | rewriting single entries where a repair is safe |
+//! | `overlap` | the overlap check of repair writes, on the engine's overlap index |
 //! | `compare` | comparing computed references with the refcounts on disk, and fixing them |
 //! | `copied` | the COPIED flags of the active tables |
 //! | `rebuild` | QEMU's rebuild of the refcount structure |
@@ -70,7 +72,9 @@
 mod checker;
 mod compare;
 mod copied;
+mod entries;
 mod l1l2;
+mod overlap;
 mod pass;
 mod rebuild;
 mod report;
