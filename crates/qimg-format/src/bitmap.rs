@@ -3,7 +3,7 @@
 
 use crate::be::{pad8, u16_at, u32_at, u64_at};
 use crate::error::{FormatError, Result};
-use crate::extensions::EXT_BITMAPS;
+use crate::magic::EXT_BITMAPS;
 
 /// QEMU's limit on the number of bitmaps.
 pub const MAX_BITMAPS: u32 = 65535;

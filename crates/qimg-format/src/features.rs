@@ -122,7 +122,7 @@ pub fn qemu_feature_table() -> Vec<FeatureName> {
 pub fn decode_feature_table(data: &[u8], at: u64) -> Result<Vec<FeatureName>> {
     if data.len() % FEATURE_NAME_ENTRY_LEN != 0 {
         return Err(FormatError::BadExtension {
-            kind: crate::extensions::EXT_FEATURE_TABLE,
+            kind: crate::magic::EXT_FEATURE_TABLE,
             offset: at,
             reason: format!(
                 "feature name table length {} is not a multiple of {FEATURE_NAME_ENTRY_LEN}",

@@ -2,9 +2,9 @@
 //! replays the committed seed corpus through them. Each one must never panic on any input;
 //! a panic is a finding.
 
+use crate::cluster0::Cluster0;
 use crate::compressed::CompressedDescriptor;
 use crate::error::{FormatError, Result};
-use crate::extensions::Cluster0;
 use crate::geometry::{Geometry, MAX_REFCOUNT_ORDER};
 use crate::header::Header;
 use crate::l2::{

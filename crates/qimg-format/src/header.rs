@@ -321,6 +321,100 @@ impl Header {
     }
 }
 
+/// Byte offsets in the header of the fields tools rewrite in place (qcow2-format.md section 1).
+pub mod field {
+    /// `size` (u64): the virtual disk size.
+    pub const SIZE: u64 = 24;
+    /// `l1_size` (u32), followed by `l1_table_offset` (u64) at 40.
+    pub const L1_TABLE: u64 = 36;
+    /// `refcount_table_offset` (u64), followed by `refcount_table_clusters` (u32) at 56.
+    pub const REFCOUNT_TABLE: u64 = 48;
+    /// `nb_snapshots` (u32), followed by `snapshots_offset` (u64) at 64.
+    pub const SNAPSHOTS: u64 = 60;
+    /// Bytes of the snapshot table pointer (`nb_snapshots` and `snapshots_offset`).
+    pub const SNAPSHOTS_LEN: usize = 12;
+    /// `incompatible_features` (u64, version 3).
+    pub const INCOMPATIBLE_FEATURES: u64 = 72;
+    /// `compatible_features` (u64, version 3).
+    pub const COMPATIBLE_FEATURES: u64 = 80;
+    /// `autoclear_features` (u64, version 3).
+    pub const AUTOCLEAR_FEATURES: u64 = 88;
+}
+
+/// The bytes of `incompatible_features`, to be written at [`field::INCOMPATIBLE_FEATURES`].
+pub fn encode_incompatible(bits: u64) -> [u8; 8] {
+    bits.to_be_bytes()
+}
+
+/// The bytes of `size`, to be written at [`field::SIZE`].
+pub fn encode_size(size: u64) -> [u8; 8] {
+    size.to_be_bytes()
+}
+
+/// The bytes of the L1 table pointer (`l1_size` and `l1_table_offset`), to be written at
+/// [`field::L1_TABLE`].
+pub fn encode_l1_table_pointer(entries: u32, offset: u64) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&entries.to_be_bytes());
+    b[4..].copy_from_slice(&offset.to_be_bytes());
+    b
+}
+
+/// The bytes of `autoclear_features`, to be written at [`field::AUTOCLEAR_FEATURES`].
+pub fn encode_autoclear(bits: u64) -> [u8; 8] {
+    bits.to_be_bytes()
+}
+
+/// The bytes of the refcount table pointer (`refcount_table_offset` and
+/// `refcount_table_clusters`), to be written at [`field::REFCOUNT_TABLE`].
+pub fn encode_refcount_table_pointer(offset: u64, clusters: u32) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[..8].copy_from_slice(&offset.to_be_bytes());
+    b[8..].copy_from_slice(&clusters.to_be_bytes());
+    b
+}
+
+/// The snapshot table pointer of the header: where the table is and how many entries it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SnapshotPointer {
+    /// `nb_snapshots`.
+    pub nb_snapshots: u32,
+    /// `snapshots_offset`.
+    pub snapshots_offset: u64,
+}
+
+impl SnapshotPointer {
+    /// Decodes the [`field::SNAPSHOTS_LEN`] bytes at [`field::SNAPSHOTS`].
+    pub fn decode(bytes: &[u8; field::SNAPSHOTS_LEN]) -> Self {
+        Self {
+            nb_snapshots: u32_at(bytes, 0),
+            snapshots_offset: u64_at(bytes, 4),
+        }
+    }
+
+    /// The bytes of `nb_snapshots` alone, to be written at [`field::SNAPSHOTS`].
+    pub fn encode_count(nb_snapshots: u32) -> [u8; 4] {
+        nb_snapshots.to_be_bytes()
+    }
+
+    /// Encodes the pointer (the inverse of [`decode`](Self::decode)).
+    pub fn encode(&self) -> [u8; field::SNAPSHOTS_LEN] {
+        let mut b = [0u8; field::SNAPSHOTS_LEN];
+        b[..4].copy_from_slice(&self.nb_snapshots.to_be_bytes());
+        b[4..].copy_from_slice(&self.snapshots_offset.to_be_bytes());
+        b
+    }
+
+    /// Zeroes the snapshot table pointer inside the start of an image, `bytes`, if it reaches
+    /// that far: for validating a header whose snapshot table is looked at separately.
+    pub fn clear_in(bytes: &mut [u8]) {
+        let at = field::SNAPSHOTS as usize;
+        if let Some(p) = bytes.get_mut(at..at + field::SNAPSHOTS_LEN) {
+            p.fill(0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -443,5 +537,53 @@ mod tests {
         let h = Header::new_v2(16, 1 << 30);
         assert_eq!(h.encode().unwrap().len(), 72);
         assert_eq!(h.refcount_bits(), Some(16));
+    }
+
+    #[test]
+    fn in_place_field_encoders_match_the_header_layout() {
+        let mut h = Header::new_v3(16, 1 << 30, 4);
+        h.incompatible_features = 0x11;
+        h.autoclear_features = 0x1;
+        h.refcount_table_offset = 0x1_0000;
+        h.refcount_table_clusters = 3;
+        h.nb_snapshots = 7;
+        h.snapshots_offset = 0x9_0000;
+        h.l1_size = 5;
+        h.l1_table_offset = 0x3_0000;
+        let b = h.encode().unwrap();
+        let at = |o: u64, n: usize| b[o as usize..o as usize + n].to_vec();
+        assert_eq!(
+            at(field::INCOMPATIBLE_FEATURES, 8),
+            encode_incompatible(0x11)
+        );
+        assert_eq!(at(field::AUTOCLEAR_FEATURES, 8), encode_autoclear(1));
+        assert_eq!(at(field::SIZE, 8), encode_size(1 << 30));
+        assert_eq!(
+            at(field::L1_TABLE, 12),
+            encode_l1_table_pointer(5, 0x3_0000)
+        );
+        assert_eq!(
+            at(field::REFCOUNT_TABLE, 12),
+            encode_refcount_table_pointer(0x1_0000, 3)
+        );
+        let mut p = [0u8; field::SNAPSHOTS_LEN];
+        p.copy_from_slice(&at(field::SNAPSHOTS, field::SNAPSHOTS_LEN));
+        let sp = SnapshotPointer::decode(&p);
+        assert_eq!((sp.nb_snapshots, sp.snapshots_offset), (7, 0x9_0000));
+        assert_eq!(sp.encode(), p);
+        assert_eq!(SnapshotPointer::encode_count(7), p[..4]);
+        let mut c = b.clone();
+        SnapshotPointer::clear_in(&mut c);
+        let d = Header::decode(&c).unwrap();
+        assert_eq!((d.nb_snapshots, d.snapshots_offset), (0, 0));
+        SnapshotPointer::clear_in(&mut [0u8; 10]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn snapshot_pointers_round_trip(nb in proptest::prelude::any::<u32>(), off in proptest::prelude::any::<u64>()) {
+            let p = SnapshotPointer { nb_snapshots: nb, snapshots_offset: off };
+            proptest::prop_assert_eq!(SnapshotPointer::decode(&p.encode()), p);
+        }
     }
 }

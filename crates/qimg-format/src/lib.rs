@@ -11,8 +11,10 @@
 
 mod be;
 pub mod bitmap;
+pub mod cluster0;
 pub mod compressed;
 pub mod error;
+pub mod extension;
 pub mod extensions;
 pub mod features;
 pub mod fuzz;
@@ -20,6 +22,8 @@ pub mod geometry;
 pub mod header;
 pub mod l1;
 pub mod l2;
+pub mod lenient;
+pub mod magic;
 pub mod refcount;
 pub mod snapshot;
 pub mod units;

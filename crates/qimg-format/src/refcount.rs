@@ -149,6 +149,16 @@ pub fn set(block: &mut [u8], order: u32, index: u64, value: u64) -> Result<()> {
     Ok(())
 }
 
+/// The bytes of a refcount block that hold refcount `index` with `2^order`-bit entries (a
+/// whole byte for entries narrower than 8 bits): what to write back after [`set`]. An order
+/// above 6 is taken as 6.
+pub fn entry_bytes(order: u32, index: u64) -> std::ops::Range<usize> {
+    let bits = 1u64 << order.min(6);
+    let first = index.saturating_mul(bits) / 8;
+    let last = index.saturating_add(1).saturating_mul(bits).div_ceil(8);
+    usize::try_from(first).unwrap_or(usize::MAX)..usize::try_from(last).unwrap_or(usize::MAX)
+}
+
 fn check_value(value: u64, bits: u32) -> Result<()> {
     let max = max_of(bits);
     if value > max {
@@ -408,6 +418,21 @@ mod tests {
             let _ = get(&block, order, index);
             let _ = set(&mut block, order, index, value);
             let _ = decode_block(&block, order);
+        }
+    }
+
+    #[test]
+    fn entry_bytes_cover_the_entry_set_writes() {
+        assert_eq!(entry_bytes(4, 3), 6..8);
+        assert_eq!(entry_bytes(0, 9), 1..2);
+        assert_eq!(entry_bytes(6, 1), 8..16);
+        for order in 0..=6 {
+            for index in 0..64 {
+                let mut a = vec![0u8; 512];
+                set(&mut a, order, index, 1).unwrap();
+                let r = entry_bytes(order, index);
+                assert!(a.iter().enumerate().all(|(i, &b)| b == 0 || r.contains(&i)));
+            }
         }
     }
 }

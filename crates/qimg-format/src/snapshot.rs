@@ -161,6 +161,57 @@ pub fn encode_table(snapshots: &[Snapshot]) -> Vec<u8> {
     snapshots.iter().flat_map(Snapshot::encode).collect()
 }
 
+/// Bytes of the fixed part of a snapshot table entry.
+pub const ENTRY_HEADER_LEN: u64 = 40;
+/// Extra data QEMU knows the meaning of (VM state size, disk size, icount), in bytes.
+pub const KNOWN_EXTRA_DATA: u64 = 24;
+
+/// The fixed part of a snapshot table entry, decoded without judging it (for `check`, which
+/// reports and repairs what the strict [`decode_table`] refuses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EntryHeader {
+    /// Offset of the snapshot's L1 table.
+    pub l1_table_offset: u64,
+    /// Entries in the snapshot's L1 table.
+    pub l1_size: u32,
+    /// Bytes of the ID string.
+    pub id_size: u16,
+    /// Bytes of the name.
+    pub name_size: u16,
+    /// Bytes of extra data following the fixed part.
+    pub extra_data_size: u32,
+}
+
+impl EntryHeader {
+    /// Decodes the [`ENTRY_HEADER_LEN`] bytes at the start of an entry.
+    pub fn decode(bytes: &[u8; ENTRY_HEADER_LEN as usize]) -> Self {
+        Self {
+            l1_table_offset: u64_at(bytes, 0),
+            l1_size: u32_at(bytes, 8),
+            id_size: u16_at(bytes, 12),
+            name_size: u16_at(bytes, 14),
+            extra_data_size: u32_at(bytes, 36),
+        }
+    }
+
+    /// Encodes the fields (date, VM clock and 32-bit VM state size as zeros).
+    pub fn encode(&self) -> [u8; ENTRY_HEADER_LEN as usize] {
+        let mut b = [0u8; ENTRY_HEADER_LEN as usize];
+        b[..8].copy_from_slice(&self.l1_table_offset.to_be_bytes());
+        b[8..12].copy_from_slice(&self.l1_size.to_be_bytes());
+        b[12..14].copy_from_slice(&self.id_size.to_be_bytes());
+        b[14..16].copy_from_slice(&self.name_size.to_be_bytes());
+        b[36..40].copy_from_slice(&self.extra_data_size.to_be_bytes());
+        b
+    }
+}
+
+/// A snapshot ID or name as text: up to the first NUL, invalid UTF-8 replaced.
+pub fn decode_text(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&c| c == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,5 +308,42 @@ mod tests {
         let len = one(16).encoded_len() as u64;
         let err = decode_table(&b, 0x10000, 2, 3).unwrap_err().to_string();
         assert!(err.contains(&format!("{:#x}", 0x10000 + len)), "{err}");
+    }
+
+    #[test]
+    fn entry_headers_decode_whatever_their_values() {
+        let s = Snapshot {
+            l1_table_offset: 0x5_0000,
+            l1_size: 9,
+            date_sec: 1,
+            date_nsec: 2,
+            vm_clock_nsec: 3,
+            vm_state_size32: 4,
+            extra_data: vec![0; 16],
+            id: b"1".to_vec(),
+            name: b"snap".to_vec(),
+        };
+        let b = s.encode();
+        let h = EntryHeader::decode(b[..40].try_into().unwrap());
+        assert_eq!(
+            (
+                h.l1_table_offset,
+                h.l1_size,
+                h.id_size,
+                h.name_size,
+                h.extra_data_size
+            ),
+            (0x5_0000, 9, 1, 4, 16)
+        );
+        assert_eq!(decode_text(b"ab\0c"), "ab");
+        assert_eq!(decode_text(b"x"), "x");
+    }
+
+    proptest! {
+        #[test]
+        fn entry_headers_round_trip(off in any::<u64>(), l1 in any::<u32>(), id in any::<u16>(), name in any::<u16>(), extra in any::<u32>()) {
+            let h = EntryHeader { l1_table_offset: off, l1_size: l1, id_size: id, name_size: name, extra_data_size: extra };
+            prop_assert_eq!(EntryHeader::decode(&h.encode()), h);
+        }
     }
 }

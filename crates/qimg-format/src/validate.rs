@@ -6,8 +6,8 @@
 //! reason. (One deviation: a v3 `header_length` below 104 is reported before an out-of-range
 //! `cluster_bits`, because the header cannot be decoded at all without a sane length.)
 
+use crate::cluster0::Cluster0;
 use crate::error::{FormatError, Result};
-use crate::extensions::Cluster0;
 use crate::features::{
     AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE,
     check_incompatible,
@@ -284,7 +284,7 @@ pub fn check_extensions(c: &Cluster0) -> Result<()> {
         && !c
             .extensions
             .iter()
-            .any(|e| matches!(e, crate::extensions::Extension::Crypto { .. }))
+            .any(|e| matches!(e, crate::extension::Extension::Crypto { .. }))
     {
         return Err(field(
             "crypt_method",
@@ -299,7 +299,7 @@ pub fn check_extensions(c: &Cluster0) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extensions::Extension;
+    use crate::extension::Extension;
     use crate::features::{INCOMPAT_EXTENDED_L2, qemu_feature_table};
 
     /// A minimal valid v3 image header as qemu-img would write (64 KiB clusters, 1 GiB).

@@ -11,6 +11,7 @@
 //! | `rw` | read, write with copy-on-write planning, compressed writes, zero, discard, resize |
 //! | `lock` | range locks that serialise overlapping guest requests |
 //! | `overlap` | the index of metadata ranges that every metadata write is checked against |
+//! | `walk` | the one metadata walker: every table read leniently from any `Storage`, every reference visited; reference counting and refcount block encoding shared by both rebuilds |
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
@@ -27,10 +28,11 @@ pub mod map;
 mod meta;
 mod open;
 mod options;
-mod overlap;
+pub(crate) mod overlap;
 mod rebuild;
 mod rw;
 mod state;
+pub(crate) mod walk;
 
 #[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;

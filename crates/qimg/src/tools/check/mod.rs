@@ -1,0 +1,348 @@
+//! Consistency check and repair of qcow2 images: what `qemu-img check [-r leaks|all]` does
+//! (QEMU's `qcow2_co_check` and `qcow2_check_refcounts`, qcow2-format.md section 10).
+//!
+//! [`check`] (on a file) and [`check_storage`] (on any [`Storage`]) walk the header, the active L1 table and its L2 tables, every snapshot's L1 and
+//! L2 tables, the snapshot table, the refcount table and blocks, a LUKS header and persistent
+//! bitmaps; counts the references to every host cluster; compares them with the refcounts on
+//! disk; checks the COPIED flags of the active tables; and reports the same categories,
+//! counters and messages as `qemu-img check`.
+//!
+//! # Memory
+//!
+//! The computed references are kept per host cluster of the image *file* (never per cluster
+//! of the virtual disk), in chunks of 16-bit counters allocated only where references exist,
+//! so a sparse multi-terabyte image costs what its allocated clusters cost. Tables are read
+//! one at a time: an L2 table or refcount block is one cluster, an L1 table at most 32 MiB
+//! (checked before reading), the refcount table at most 8 MiB.
+//!
+//! # Repairs
+//!
+//! `Repair::Leaks` lowers refcounts that are too high (freed clusters are punched out of the
+//! file). `Repair::All` also raises refcounts that are too low, rebuilds the refcount
+//! structure when it is damaged (QEMU's algorithm: new blocks and table go into the first free
+//! clusters, the old structure is then freed as leaks), fixes COPIED flags, and makes the dirty
+//! and corrupt bits clear when nothing is left to fix. After a repair a second pass checks the
+//! image again, as `qemu-img check` does.
+//!
+//! Where QEMU reports a corruption but cannot repair it, `Repair::All` goes further, always
+//! without touching guest data that can still be read:
+//!
+//! * reserved bits in L1 and L2 entries are cleared, and the COPIED flag of compressed entries;
+//! * a non-zero subcluster bitmap of a compressed entry is cleared (QEMU ignores it on reads);
+//! * subclusters marked both allocated and zero become zero (QEMU refuses to read the whole
+//!   cluster), and allocation bits of an unallocated entry become zero bits;
+//! * entries QEMU cannot read at all (a data cluster at an unaligned offset, a data or
+//!   compressed cluster lying one cluster or more past the end of the file, a compressed
+//!   cluster in an image with an external data file) are made to read as zeros, as QEMU itself
+//!   does for unaligned preallocated clusters; an L1 entry whose L2 table is unaligned or past
+//!   the end of the file is cleared;
+//! * the refcount structure is rebuilt without reusing the clusters of the damaged one (QEMU
+//!   may try to and fail), and a refcount block past the end of the file leads to a rebuild
+//!   instead of growing the file to reach it.
+//!
+//! Entries are only ever rewritten inside tables used as nothing but tables: a silent walk
+//! before the repairing one (pretending the repairs, so that references from entries about to
+//! be cleared do not count) finds them. An L2 table that is also guest data or other metadata
+//! is left alone, even where QEMU would rewrite it.
+//!
+//! A dirty bit stays set when corruptions remain (QEMU clears it when it closes the image).
+//!
+//! Not repaired (reported, as QEMU does): snapshot table entries with too little extra data
+//! and snapshots with too much (QEMU rewrites the whole snapshot table), refcount overflows,
+//! an active L1 table past the end of the file.
+//!
+//! # Layout
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | `report` | the public report and QEMU's signed counters |
+//! | `checker` | the state of a check, its I/O and header updates |
+//! | `pass` | one pass: reference counting over the whole image, refcount blocks, bitmaps |
+//! | `snapshots` | reading (and trimming) the snapshot table |
+//! | `l1l2` | the L1 and L2 walks, judging every entry |
+//! | `entries` | rewriting single entries where a repair is safe |
+//! | `overlap` | the overlap check of repair writes, on the engine's overlap index |
+//! | `compare` | comparing computed references with the refcounts on disk, and fixing them |
+//! | `copied` | the COPIED flags of the active tables |
+//! | `rebuild` | QEMU's rebuild of the refcount structure |
+//!
+//! Every table is read through the engine's metadata walker (`engine::walk`) and decoded by
+//! `qimg-format`; nothing here knows a byte offset or an entry mask.
+
+mod checker;
+mod compare;
+mod copied;
+mod entries;
+mod l1l2;
+mod overlap;
+mod pass;
+mod rebuild;
+mod report;
+mod snapshots;
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::path::Path;
+use std::task::{Context, Poll, Waker};
+
+use qimg_format::cluster0::Cluster0;
+use qimg_format::header::{Header, SnapshotPointer};
+use qimg_format::validate::{OpenMode, validate_cluster0};
+use qimg_io::{BlockingStrategy, FileStorage, Storage, StorageError};
+use tokio::runtime::Builder;
+
+use checker::Checker;
+pub use report::CheckReport;
+use report::Counters;
+
+use crate::error::{Error, Result};
+
+/// What `check` may repair (`qemu-img check -r leaks|all`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repair {
+    /// Lower refcounts that are higher than the references (leaked clusters).
+    Leaks,
+    /// Repair leaks and corruptions.
+    All,
+}
+
+/// Options of [`check`].
+#[derive(Debug, Clone, Default)]
+pub struct CheckOptions {
+    /// Repair what was found (the image is opened for writing), or only report it.
+    pub repair: Option<Repair>,
+}
+
+/// Something [`check`] reports while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckEvent<'a> {
+    /// One diagnostic line, as `qemu-img check` prints it on stderr
+    /// (`Leaked cluster 5 refcount=2 reference=1`, `ERROR cluster 3 refcount=1 reference=2`,
+    /// `Repairing ...`).
+    Message(&'a str),
+    /// The first pass repaired something; a second pass checks the repaired image now.
+    Repaired {
+        /// Leaked clusters freed.
+        leaks_fixed: u64,
+        /// Corruptions repaired.
+        corruptions_fixed: u64,
+    },
+    /// Progress of the walk over the active L1 table of the current pass.
+    Progress {
+        /// L1 entries done.
+        done: u64,
+        /// L1 entries in all.
+        total: u64,
+    },
+}
+
+/// Checks (and with `opts.repair`, repairs) the qcow2 image at `path` as `qemu-img check`
+/// does. Diagnostics and progress go to `events`.
+///
+/// Fails (`Err`) only when the image cannot be opened: not qcow2, a header QEMU would refuse
+/// in check mode, an unreadable file. A check that starts but cannot complete returns a
+/// report with [`CheckReport::failure`] set.
+///
+/// A thin wrapper over [`check_storage`]: the file is opened (for writing only when
+/// repairing) as a [`FileStorage`] and the check runs on a private current-thread runtime.
+pub fn check(
+    path: &Path,
+    opts: &CheckOptions,
+    events: &mut dyn FnMut(CheckEvent<'_>),
+) -> Result<CheckReport> {
+    let open = |write: bool| -> Result<FileStorage> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(write)
+            .open(path)
+            .map_err(|e| Error::io(path, "open", e))?;
+        FileStorage::from_file(file, BlockingStrategy::Inline).map_err(|e| Error::storage(path, e))
+    };
+    // Cluster 0 is validated before the image is opened for writing, so that an image that
+    // is not qcow2 (or one QEMU refuses) is reported as such even when it is not writable.
+    let read_only = open(false)?;
+    if opts.repair.is_none() {
+        return block_on(path, check_storage(&read_only, path, opts, events))?;
+    }
+    block_on(path, read_cluster0(&read_only, path))??;
+    drop(read_only);
+    let writable = open(true)?;
+    block_on(path, check_storage(&writable, path, opts, events))?
+}
+
+/// Runs `fut` to completion on the calling thread: on a private current-thread runtime, or,
+/// when called from inside a runtime (tokio refuses to nest them: an async caller, a test
+/// harness), by polling it here. The latter never spins: the file storage is opened with
+/// [`BlockingStrategy::Inline`], so every call completes when first polled.
+fn block_on<F: Future>(path: &Path, fut: F) -> Result<F::Output> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        let rt = Builder::new_current_thread()
+            .build()
+            .map_err(|e| Error::io(path, "start the I/O runtime", e))?;
+        return Ok(rt.block_on(fut));
+    }
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return Ok(v);
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// [`check`] on any storage: checks (and with `opts.repair`, repairs) the qcow2 image held by
+/// `file`; `name` is the file name the report and errors carry. `file` must be writable when
+/// `opts.repair` is set. Freed clusters are discarded through [`Storage::discard`].
+pub async fn check_storage<S: Storage>(
+    file: &S,
+    name: &Path,
+    opts: &CheckOptions,
+    events: &mut dyn FnMut(CheckEvent<'_>),
+) -> Result<CheckReport> {
+    let c0 = read_cluster0(file, name).await?;
+    let writable = opts.repair.is_some();
+    let mut ck = Checker::open(file, name, &c0, writable, events).await?;
+    let fix = match opts.repair {
+        None => RepairScope::NONE,
+        Some(Repair::Leaks) => RepairScope {
+            leaks: true,
+            corruptions: false,
+        },
+        Some(Repair::All) => RepairScope {
+            leaks: true,
+            corruptions: true,
+        },
+    };
+    let name = name.display().to_string();
+    let first = ck.check_pass(fix).await;
+    let mut report = match first {
+        Err(f) => return Ok(failed(name, f)),
+        Ok(r) => r,
+    };
+    if report.corruptions_fixed > 0 || report.leaks_fixed > 0 {
+        let (leaks_fixed, corruptions_fixed) = (report.leaks_fixed, report.corruptions_fixed);
+        (ck.events)(CheckEvent::Repaired {
+            leaks_fixed,
+            corruptions_fixed,
+        });
+        report = match ck.check_pass(RepairScope::NONE).await {
+            Err(f) => return Ok(failed(name, f)),
+            Ok(r) => r,
+        };
+        report.leaks_fixed = leaks_fixed;
+        report.corruptions_fixed = corruptions_fixed;
+        // Beyond QEMU: a first pass that needed a rebuild keeps its check errors (refcounts
+        // that could not be read before the rebuild) and so does not clear the flags; the
+        // second pass proves the image consistent, so clear them now.
+        if report.corruptions == 0 && report.check_errors == 0 {
+            if let Err(f) = ck.mark_clean_and_consistent().await {
+                return Ok(failed(name, f));
+            }
+        }
+    }
+    if writable {
+        // QEMU also clears the dirty bit when it closes the image, even when corruptions
+        // remain; qimg keeps it then, so that the next writable open still rebuilds refcounts.
+        if let Err(e) = ck.file.flush().await {
+            let e = storage_io_error(e);
+            return Ok(failed(name, Failure(format!("flush failed: {e}"))));
+        }
+    }
+    report.filename = name;
+    report.format = "qcow2".into();
+    Ok(report)
+}
+
+/// Cluster 0, validated as QEMU opens an image for a check: the snapshot table pointer is
+/// not looked at (the check reads and validates it itself, and `-r all` may repair it).
+async fn read_cluster0<S: Storage>(file: &S, path: &Path) -> Result<Cluster0> {
+    const MAX_CLUSTER0: u64 = 2 << 20;
+    let len = file
+        .len()
+        .await
+        .map_err(|e| Error::io(path, "stat", storage_io_error(e)))?;
+    let mut bytes = vec![0u8; len.clamp(512, MAX_CLUSTER0) as usize];
+    let n = len.min(MAX_CLUSTER0) as usize;
+    file.read_at(&mut bytes[..n], 0)
+        .await
+        .map_err(|e| Error::io(path, format!("read {n} bytes at 0x0"), storage_io_error(e)))?;
+    if let Ok(h) = Header::decode(&bytes) {
+        if let Some(cluster_size) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
+            bytes.resize(cluster_size as usize, 0);
+        }
+    }
+    let mut masked = bytes.clone();
+    SnapshotPointer::clear_in(&mut masked);
+    validate_cluster0(&masked, OpenMode::Check).map_err(|e| Error::format(path, e))?;
+    // The same bytes again, snapshot pointer included (nothing else depends on it).
+    let mut c0 = Cluster0::decode(&bytes).map_err(|e| Error::format(path, e))?;
+    c0.header.nb_snapshots = 0;
+    Ok(c0)
+}
+
+fn failed(filename: String, f: Failure) -> CheckReport {
+    CheckReport {
+        filename,
+        format: "qcow2".into(),
+        failure: Some(f.0),
+        ..Default::default()
+    }
+}
+
+/// Why a pass stopped (QEMU: a negative errno, printed with `strerror`).
+#[derive(Debug, Clone)]
+struct Failure(String);
+
+const EIO: &str = "Input/output error";
+const EFBIG: &str = "File too large";
+const EINVAL: &str = "Invalid argument";
+
+fn io_failure(e: &std::io::Error) -> Failure {
+    Failure(strerror(e))
+}
+
+/// A storage error as the `std::io::Error` QEMU's errno would be: the OS error where there
+/// is one, `EINVAL` for a range the kernel would refuse (an offset past `i64::MAX`), so that
+/// messages read as they did when check used `pread`/`pwrite` directly.
+fn storage_io_error(e: StorageError) -> std::io::Error {
+    match e {
+        StorageError::Io { source, .. }
+        | StorageError::Open { source, .. }
+        | StorageError::UringUnavailable { source } => source,
+        StorageError::OutOfRange { .. } | StorageError::Misaligned { .. } => {
+            std::io::Error::from_raw_os_error(22)
+        }
+        StorageError::ReadOnly { .. } => std::io::Error::other("the image is open read-only"),
+        other => std::io::Error::other(other.to_string()),
+    }
+}
+
+fn strerror(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// What a pass may fix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RepairScope {
+    /// Lower refcounts that are too high.
+    leaks: bool,
+    /// Repair corruptions (refcounts too low, damaged entries, COPIED flags).
+    corruptions: bool,
+}
+
+impl RepairScope {
+    const NONE: Self = Self {
+        leaks: false,
+        corruptions: false,
+    };
+
+    fn any(self) -> bool {
+        self.leaks || self.corruptions
+    }
+}
