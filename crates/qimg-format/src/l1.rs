@@ -19,6 +19,16 @@ pub const QCOW_OFLAG_COPIED: u64 = 1 << 63;
 /// Size of one L1 entry in bytes.
 pub const L1_ENTRY_SIZE: usize = 8;
 
+/// Bytes of an L1 table of `entries` entries.
+pub fn table_bytes(entries: u64) -> u64 {
+    entries * L1_ENTRY_SIZE as u64
+}
+
+/// Where entry `index` of the L1 table at `table` is.
+pub fn table_entry_offset(table: u64, index: u64) -> u64 {
+    table + index * L1_ENTRY_SIZE as u64
+}
+
 /// A decoded L1 entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct L1Entry {

@@ -225,6 +225,18 @@ pub enum AnyL2Entry {
 }
 
 impl AnyL2Entry {
+    /// An unallocated entry (reads from the backing file, or as zeros) of the image's kind.
+    pub fn unallocated(extended: bool) -> Self {
+        if extended {
+            Self::Extended(ExtendedL2Entry {
+                entry: L2Entry::Unallocated,
+                bitmap: SubclusterBitmap::default(),
+            })
+        } else {
+            Self::Standard(L2Entry::Unallocated)
+        }
+    }
+
     /// Decodes one entry (8 or 16 bytes, per `ctx.geometry`) from the start of `bytes`, which
     /// were read at file offset `at`.
     pub fn decode(bytes: &[u8], ctx: &L2Context, at: u64) -> Result<Self> {

@@ -18,6 +18,16 @@ pub const REFT_RESERVED_MASK: u64 = 0x1FF;
 /// Size of one refcount table entry in bytes.
 pub const REFTABLE_ENTRY_SIZE: usize = 8;
 
+/// Bytes of a refcount table of `entries` entries.
+pub fn table_bytes(entries: u64) -> u64 {
+    entries * REFTABLE_ENTRY_SIZE as u64
+}
+
+/// Where entry `index` of the refcount table at `table` is.
+pub fn table_entry_offset(table: u64, index: u64) -> u64 {
+    table + index * REFTABLE_ENTRY_SIZE as u64
+}
+
 /// A decoded refcount table entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct RefcountTableEntry {

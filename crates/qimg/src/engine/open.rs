@@ -15,8 +15,8 @@ use qimg_format::features::{
     INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
 };
 use qimg_format::geometry::{Geometry, RefcountGeometry};
-use qimg_format::header::{CompressionType, Header};
-use qimg_format::l1::L1_ENTRY_SIZE;
+use qimg_format::header::{self, CompressionType, Header};
+use qimg_format::l1;
 use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
 use qimg_io::{AnyStorage, FileStorage, Storage, StorageError};
@@ -302,7 +302,7 @@ fn within_limits(opts: &OpenOptions, image: &Path, header: &Header) -> Result<()
     let Trust::Untrusted(limits) = opts.trust else {
         return Ok(());
     };
-    let l1_bytes = u64::from(header.l1_size) * L1_ENTRY_SIZE as u64;
+    let l1_bytes = l1::table_bytes(u64::from(header.l1_size));
     if l1_bytes > limits.max_l1_bytes {
         return Err(Error::Unsupported {
             path: image.to_path_buf(),
@@ -375,7 +375,10 @@ impl<S: Storage> Inner<S> {
         let keep = h.autoclear_features & AUTOCLEAR_KNOWN & !AUTOCLEAR_BITMAPS;
         if h.version >= 3 && h.autoclear_features != keep {
             self.file
-                .write_at(&keep.to_be_bytes(), 88)
+                .write_at(
+                    &header::encode_autoclear(keep),
+                    header::field::AUTOCLEAR_FEATURES,
+                )
                 .await
                 .map_err(|e| self.storage_error(e))?;
             self.file.flush().await.map_err(|e| self.storage_error(e))?;

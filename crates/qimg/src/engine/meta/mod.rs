@@ -23,10 +23,10 @@ use std::sync::atomic::Ordering;
 
 use qimg_cache::{ResolvedCache, SliceCache};
 use qimg_format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
-use qimg_format::geometry::Geometry;
+use qimg_format::geometry::{Geometry, QCOW_MAX_CLUSTER_OFFSET};
 use qimg_format::header::Header;
 use qimg_format::l1::{self, L1Entry};
-use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap};
+use qimg_format::l2::AnyL2Entry;
 use qimg_format::refcount;
 use qimg_io::Storage;
 
@@ -35,7 +35,7 @@ use super::state::Shared;
 use crate::error::{Error, Result};
 
 /// Host offsets in L1/L2 entries must stay below 2^56.
-const MAX_HOST_OFFSET: u64 = 1 << 56;
+const MAX_HOST_OFFSET: u64 = QCOW_MAX_CLUSTER_OFFSET + 1;
 /// Punches queued before a flush forces them out.
 const MAX_PENDING_PUNCHES: usize = 4096;
 
@@ -95,7 +95,7 @@ impl Meta {
         writable: bool,
     ) -> Result<Self> {
         let cs = geo.cluster_size();
-        let l1_bytes = u64::from(h.l1_size) * 8;
+        let l1_bytes = l1::table_bytes(u64::from(h.l1_size));
         let mut raw = vec![0u8; l1_bytes as usize];
         file.read_at(&mut raw, h.l1_table_offset)
             .await
@@ -154,7 +154,7 @@ impl Meta {
                 overlap.insert(
                     Region::SnapshotL1,
                     s.l1_table_offset,
-                    u64::from(s.l1_size) * 8,
+                    l1::table_bytes(u64::from(s.l1_size)),
                 );
             }
         }
@@ -186,7 +186,7 @@ impl Meta {
         let cs = self.cluster_size;
         self.overlap.remove_all(Region::RefcountTable);
         self.overlap.remove_all(Region::RefcountBlock);
-        let table_len = (self.reftable.len() as u64 * 8).div_ceil(cs) * cs;
+        let table_len = refcount::table_bytes(self.reftable.len() as u64).div_ceil(cs) * cs;
         self.overlap
             .insert(Region::RefcountTable, self.reftable_offset, table_len);
         for &b in &self.reftable {
@@ -263,13 +263,6 @@ impl<S: Storage> Shared<S> {
     }
 
     pub(crate) fn unallocated_entry(&self) -> AnyL2Entry {
-        if self.geo.extended_l2() {
-            AnyL2Entry::Extended(ExtendedL2Entry {
-                entry: L2Entry::Unallocated,
-                bitmap: SubclusterBitmap::default(),
-            })
-        } else {
-            AnyL2Entry::Standard(L2Entry::Unallocated)
-        }
+        AnyL2Entry::unallocated(self.geo.extended_l2())
     }
 }

@@ -5,6 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use qimg_cache::SliceKey;
+use qimg_format::header;
+use qimg_format::lenient::encode_words;
 use qimg_format::refcount;
 use std::sync::atomic::Ordering;
 
@@ -179,9 +181,10 @@ impl<S: Storage> Shared<S> {
         refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
         let at = first * cs;
         self.guard_write(m, at, cs, Writing::Data).await?;
-        let entry_at = m.reftable_offset + index * 8;
+        let entry_at = refcount::table_entry_offset(m.reftable_offset, index);
         let own = Writing::Own(Region::RefcountTable, m.reftable_offset);
-        self.guard_write(m, entry_at, 8, own).await?;
+        self.guard_write(m, entry_at, refcount::REFTABLE_ENTRY_SIZE as u64, own)
+            .await?;
         self.file
             .write_at(&block, at)
             .await
@@ -189,7 +192,7 @@ impl<S: Storage> Shared<S> {
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         m.overlap.insert(Region::RefcountBlock, at, cs);
         self.file
-            .write_at(&at.to_be_bytes(), entry_at)
+            .write_at(&encode_words(&[at]), entry_at)
             .await
             .map_err(|e| self.storage_error(e))?;
         // The entry becomes durable with the next flush, which comes before any L2 entry
@@ -258,7 +261,7 @@ impl<S: Storage> Shared<S> {
             self.write_back(m, CacheKind::Refcount).await?;
             let table_at = plan.table_offset(cs);
             let old_at = m.reftable_offset;
-            let old_clusters = (m.reftable.len() as u64 * 8).div_ceil(cs);
+            let old_clusters = refcount::table_bytes(m.reftable.len() as u64).div_ceil(cs);
             self.install_reftable(m, table, table_at, plan.table_clusters)
                 .await?;
             m.end_cluster = m.end_cluster.max(end);
@@ -278,7 +281,7 @@ impl<S: Storage> Shared<S> {
         table_at: u64,
         clusters: u64,
     ) -> Result<()> {
-        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_be_bytes()).collect();
+        let bytes = encode_words(&table);
         self.guard_write(m, table_at, bytes.len() as u64, Writing::Data)
             .await?;
         self.file
@@ -286,10 +289,8 @@ impl<S: Storage> Shared<S> {
             .await
             .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        let mut hdr = [0u8; 12];
-        hdr[..8].copy_from_slice(&table_at.to_be_bytes());
-        hdr[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
-        self.switch_header(&hdr, 48, || {
+        let pointer = header::encode_refcount_table_pointer(table_at, clusters as u32);
+        self.switch_header(&pointer, header::field::REFCOUNT_TABLE, || {
             format!("the switch to a new refcount table at {table_at:#x} failed")
         })
         .await?;

@@ -3,6 +3,7 @@
 //! dirty and corrupt flags.
 
 use qimg_format::features::INCOMPAT_DIRTY;
+use qimg_format::header;
 use qimg_format::l1::{self, L1Entry};
 use qimg_format::units::HostOffset;
 use qimg_io::Storage;
@@ -97,10 +98,10 @@ impl<S: Storage> Shared<S> {
         entry: L1Entry,
     ) -> Result<()> {
         self.check_not_halted()?;
-        let raw = entry.encode().to_be_bytes();
-        let at = m.l1_offset + l1i as u64 * 8;
+        let raw = l1::encode_table(&[entry]);
+        let at = l1::table_entry_offset(m.l1_offset, l1i as u64);
         let own = Writing::Own(Region::ActiveL1, m.l1_offset);
-        self.guard_write(m, at, 8, own).await?;
+        self.guard_write(m, at, raw.len() as u64, own).await?;
         self.file
             .write_at(&raw, at)
             .await
@@ -113,7 +114,7 @@ impl<S: Storage> Shared<S> {
         if entries <= m.l1.len() as u64 {
             return Ok(());
         }
-        let bytes = entries * 8;
+        let bytes = l1::table_bytes(entries);
         let clusters = bytes.div_ceil(cs);
         let at = self.alloc_clusters(m, clusters).await?;
         let mut l1 = m.l1.clone();
@@ -130,19 +131,18 @@ impl<S: Storage> Shared<S> {
             self.write_back(m, CacheKind::Refcount).await?;
         }
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        let mut hdr = [0u8; 12];
-        hdr[..4].copy_from_slice(&(entries as u32).to_be_bytes());
-        hdr[4..].copy_from_slice(&at.to_be_bytes());
-        self.switch_header(&hdr, 36, || {
+        let pointer = header::encode_l1_table_pointer(entries as u32, at);
+        self.switch_header(&pointer, header::field::L1_TABLE, || {
             format!("the switch to a new L1 table of {entries} entries at {at:#x} failed")
         })
         .await?;
         let old_at = m.l1_offset;
-        let old_clusters = (m.l1.len() as u64 * 8).div_ceil(cs);
+        let old_clusters = l1::table_bytes(m.l1.len() as u64).div_ceil(cs);
         m.l1 = l1;
         m.l1_offset = at;
         m.overlap.remove_all(Region::ActiveL1);
-        m.overlap.insert(Region::ActiveL1, at, entries * 8);
+        m.overlap
+            .insert(Region::ActiveL1, at, l1::table_bytes(entries));
         if old_clusters > 0 && old_at != 0 {
             self.free_clusters(m, old_at, old_clusters).await?;
         }
@@ -153,7 +153,10 @@ impl<S: Storage> Shared<S> {
 
     pub(super) async fn write_incompatible(&self, m: &mut Meta, bits: u64) -> Result<()> {
         self.file
-            .write_at(&bits.to_be_bytes(), 72)
+            .write_at(
+                &header::encode_incompatible(bits),
+                header::field::INCOMPATIBLE_FEATURES,
+            )
             .await
             .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;

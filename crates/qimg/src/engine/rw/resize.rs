@@ -1,5 +1,6 @@
 //! Resizing the virtual disk.
 
+use qimg_format::header;
 use qimg_io::Storage;
 
 use super::*;
@@ -36,7 +37,7 @@ impl<S: Storage> Inner<S> {
             }
         }
         self.file
-            .write_at(&new_size.to_be_bytes(), 24)
+            .write_at(&header::encode_size(new_size), header::field::SIZE)
             .await
             .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;

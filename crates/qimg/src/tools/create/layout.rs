@@ -42,7 +42,7 @@ pub(super) fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
     let cs = opts.cluster_size;
     let bits = cs.trailing_zeros();
     let l1_entries = l1_entries_for(size, bits, opts.extended_l2);
-    let l1_clusters = (l1_entries * 8).div_ceil(cs);
+    let l1_clusters = qimg_format::l1::table_bytes(l1_entries).div_ceil(cs);
     let prealloc_clusters = if opts.preallocation != Preallocation::Off || opts.data_file_raw {
         let data = if opts.data_file.is_some() {
             0

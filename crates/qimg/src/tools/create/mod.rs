@@ -21,8 +21,12 @@ use qimg_format::features::{
     AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_DATA_FILE, INCOMPAT_EXTENDED_L2,
     qemu_feature_table,
 };
+use qimg_format::geometry::{Geometry, RefcountGeometry};
 use qimg_format::header::Header;
-use qimg_format::refcount;
+use qimg_format::l1::{self, L1Entry};
+use qimg_format::l2::{self, AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap};
+use qimg_format::refcount::{self, RefcountTableEntry};
+use qimg_format::units::HostOffset;
 
 use crate::error::{Error, Result};
 use file::{allocate_first_block, fill, open_new};
@@ -104,12 +108,16 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
 
     // Refcount table and blocks: every cluster of the layout has refcount 1.
     let order = rb_order(opts.refcount_bits);
-    let mut table = vec![0u8; (layout.reftable_clusters * cs) as usize];
-    for i in 0..layout.refblocks {
-        let off = (layout.refblocks_at() + i) * cs;
-        table[(i * 8) as usize..(i * 8 + 8) as usize].copy_from_slice(&off.to_be_bytes());
+    let table_entries = layout.reftable_clusters * cs / refcount::REFTABLE_ENTRY_SIZE as u64;
+    let mut table = vec![RefcountTableEntry::UNALLOCATED; table_entries as usize];
+    for (i, entry) in table.iter_mut().take(layout.refblocks as usize).enumerate() {
+        let off = (layout.refblocks_at() + i as u64) * cs;
+        entry.block_offset = Some(HostOffset(off));
     }
-    let per_block = (cs * 8) >> order;
+    let table = refcount::encode_table(&table);
+    let per_block = RefcountGeometry::new(cs.trailing_zeros(), order)
+        .map_err(|e| Error::format(path, e))?
+        .refblock_entries();
     let mut block = vec![0u8; cs as usize];
     for i in 0..layout.refblocks {
         block.fill(0);
@@ -123,41 +131,60 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     w(&table, layout.reftable_at() * cs)?;
 
     // L1 (and, with preallocation, L2 tables and data).
-    let mut l1 = vec![0u8; (layout.l1_entries * 8) as usize];
-    let entry = if opts.extended_l2 { 16 } else { 8 };
-    let l2_entries = cs / entry;
+    let mut l1 = vec![L1Entry::UNALLOCATED; layout.l1_entries as usize];
+    let geometry =
+        Geometry::new(cs.trailing_zeros(), opts.extended_l2).map_err(|e| Error::format(path, e))?;
+    let l2_entries = geometry.l2_entries();
+    // A preallocated cluster: data at `host`, COPIED; with extended L2 entries no subcluster
+    // is marked allocated, so it reads as zeros (or the backing file) until written, as QEMU
+    // preallocates.
+    let linked = |host: u64| {
+        let entry = L2Entry::Normal {
+            host: HostOffset(host),
+            copied: true,
+        };
+        if opts.extended_l2 {
+            AnyL2Entry::Extended(ExtendedL2Entry {
+                entry,
+                bitmap: SubclusterBitmap::default(),
+            })
+        } else {
+            AnyL2Entry::Standard(entry)
+        }
+    };
     let clusters = size.div_ceil(cs);
     let mut data_runs: Vec<(u64, u64)> = Vec::new();
     if layout.prealloc_clusters > 0 {
         let mut next = layout.prealloc_at();
-        let mut l2 = vec![0u8; cs as usize];
-        for i in 0..layout.l1_entries {
+        for (i, l1_entry) in l1.iter_mut().enumerate() {
             let l2_off = next * cs;
             next += 1;
-            l1[(i * 8) as usize..(i * 8 + 8) as usize]
-                .copy_from_slice(&(l2_off | 1 << 63).to_be_bytes());
-            l2.fill(0);
-            let first = i * l2_entries;
+            *l1_entry = L1Entry {
+                l2_offset: Some(HostOffset(l2_off)),
+                copied: true,
+            };
+            let first = i as u64 * l2_entries;
             let n = clusters.saturating_sub(first).min(l2_entries);
-            for j in 0..n {
-                let host = if opts.data_file.is_some() {
-                    (first + j) * cs
+            let mut l2 = vec![linked(0); l2_entries as usize];
+            for (j, slot) in l2.iter_mut().enumerate() {
+                let j = j as u64;
+                *slot = if j >= n {
+                    AnyL2Entry::unallocated(opts.extended_l2)
+                } else if opts.data_file.is_some() {
+                    linked((first + j) * cs)
                 } else {
-                    let h = next * cs;
                     next += 1;
-                    h
+                    linked((next - 1) * cs)
                 };
-                let at = (j * entry) as usize;
-                l2[at..at + 8].copy_from_slice(&(host | 1 << 63).to_be_bytes());
             }
             if opts.data_file.is_none() && n > 0 {
                 data_runs.push((l2_off + cs, n * cs));
             }
-            w(&l2, l2_off)?;
+            w(&l2::encode_slice(&l2), l2_off)?;
         }
     }
     if !l1.is_empty() {
-        w(&l1, layout.l1_at() * cs)?;
+        w(&l1::encode_table(&l1), layout.l1_at() * cs)?;
     }
     w(&cluster0, 0)?;
 
@@ -165,7 +192,7 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     let end = if layout.prealloc_clusters > 0 {
         layout.total() * cs
     } else if layout.l1_entries > 0 {
-        layout.l1_at() * cs + layout.l1_entries * 8
+        layout.l1_at() * cs + l1::table_bytes(layout.l1_entries)
     } else {
         layout.l1_at() * cs
     };
