@@ -9,6 +9,11 @@ use crate::features::{INCOMPAT_COMPRESSION, INCOMPAT_EXTENDED_L2};
 
 /// `QFI\xfb`.
 pub const MAGIC: u32 = 0x5146_49fb;
+
+/// Whether `bytes` start with the qcow2 magic (`QFI\xfb`): how a file is recognised as qcow2.
+pub fn has_magic(bytes: &[u8]) -> bool {
+    bytes.len() >= 4 && bytes[..4] == MAGIC.to_be_bytes()
+}
 /// Length of a version 2 header.
 pub const V2_HEADER_LEN: u32 = 72;
 /// Smallest legal version 3 header.
@@ -419,6 +424,15 @@ impl SnapshotPointer {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_magic_is_recognised_in_the_first_four_bytes_only() {
+        assert!(has_magic(b"QFI\xfb"));
+        assert!(has_magic(b"QFI\xfb\0\0\0\x03"));
+        assert!(!has_magic(b"QFI"));
+        assert!(!has_magic(b"\0QFI\xfb"));
+        assert!(!has_magic(b""));
+    }
 
     pub(crate) fn arb_header() -> impl Strategy<Value = Header> {
         let v2 = (any::<[u64; 6]>(), any::<[u32; 6]>()).prop_map(|(a, b)| Header {

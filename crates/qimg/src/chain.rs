@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use qimg_format::extensions::Cluster0;
-use qimg_format::header::MAGIC;
+use qimg_format::header;
 use qimg_format::validate::{OpenMode, validate_cluster0};
 
 use crate::error::{Error, Result};
@@ -68,7 +68,7 @@ pub(crate) fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> R
 pub fn probe_format(path: &Path) -> Result<ImageFormat> {
     let f = open(path)?;
     let b = read_at_most(&f, path, 0, 4)?;
-    Ok(if b.len() == 4 && b[..] == MAGIC.to_be_bytes() {
+    Ok(if header::has_magic(&b) {
         ImageFormat::Qcow2
     } else {
         ImageFormat::Raw
