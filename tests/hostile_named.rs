@@ -317,6 +317,50 @@ fn backing_names_that_escape_are_refused_when_names_are_confined() {
 }
 
 #[test]
+fn an_l2_table_named_twice_stays_guarded_after_one_entry_unshares_it() {
+    if !have_qemu("an_l2_table_named_twice_stays_guarded_after_one_entry_unshares_it") {
+        return;
+    }
+    // 64 KiB clusters: one L1 entry covers 512 MiB, so a 1 GiB image has two. Entry 1 is made
+    // to name entry 0's L2 table without the COPIED flag (refcount stays 1): a damaged image.
+    let dir = Scratch::new("l2-named-twice");
+    create(&dir.0, "t.qcow2", "cluster_size=64k", "1G");
+    qemu_io(&dir.0, "t.qcow2", &["write -P 0x5a 0 64k"]);
+    let p = dir.path("t.qcow2");
+    let l1 = peek_u64(&p, 40);
+    let table = l2_of_first_cluster(&p);
+    poke(&p, l1 + 8, &table.to_be_bytes());
+    bounded(async {
+        let img = opts(true).open(&p).await.unwrap();
+        // A write through entry 1 copies the shared table and drops one reference to it:
+        // its refcount falls to 0 although entry 0 still uses it.
+        img.write(&[1u8; 4096], (512 << 20) + (5 << 16))
+            .await
+            .unwrap();
+        // The flush punches freed clusters, except where the overlap index knows metadata;
+        // then new data clusters go to the lowest free cluster: the table entry 0 still
+        // uses. The index must still know it as an active L2 table.
+        img.flush().await.unwrap();
+        let mut refused = None;
+        for i in 1..8u64 {
+            if let Err(e) = img.write(&[2u8; 4096], i << 20).await {
+                refused = Some(e.to_string());
+                break;
+            }
+        }
+        let text = refused.expect("a data write landed on a live L2 table");
+        assert_mentions(&text, &["overlap", "active L2 table"]);
+        let mut buf = vec![0u8; 65536];
+        img.read(&mut buf, 0).await.unwrap();
+        assert!(
+            buf.iter().all(|&b| b == 0x5a),
+            "guest data under entry 0 changed"
+        );
+    });
+    assert!(marked_corrupt(&dir.0, "t.qcow2"));
+}
+
+#[test]
 fn untrusted_limits_bound_the_chain_depth_and_the_l1_table() {
     if !have_qemu("untrusted_limits_bound_the_chain_depth_and_the_l1_table") {
         return;

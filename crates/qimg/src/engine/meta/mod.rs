@@ -130,7 +130,8 @@ impl Meta {
         overlap.insert(Region::ActiveL1, h.l1_table_offset, l1_bytes);
         for e in &l1 {
             if let Some(t) = e.l2_offset {
-                overlap.insert(Region::ActiveL2, t.0, cs);
+                // Counted: a damaged image may name one L2 table from several entries.
+                overlap.insert_counted(Region::ActiveL2, t.0, cs);
             }
         }
         if writable && h.nb_snapshots > 0 {

@@ -59,9 +59,9 @@ impl<S: Storage> Shared<S> {
         // image stays consistent; at worst the cluster leaks.
         self.write_l1_entry(m, l1i, linked).await?;
         m.l1[l1i] = linked;
-        m.overlap.insert(Region::ActiveL2, new, cs);
+        m.overlap.insert_counted(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
-            m.overlap.remove(Region::ActiveL2, old.0);
+            m.overlap.remove_one(Region::ActiveL2, old.0);
             self.file.flush().await.map_err(|e| self.storage_error(e))?;
             let _ = m.l2.remove(old.0);
             self.free_clusters(m, old.0, 1).await?;
