@@ -135,6 +135,9 @@ fn refcount_table_overlapping_the_l1_table() {
         let mut buf = vec![0u8; 65536];
         img.read(&mut buf, 0).await.unwrap();
         assert!(buf.iter().all(|&b| b == 7));
+        // The read-only handle's image lock would keep the writer out: close it first
+        // (close releases the locks at once; a drop only when the last I/O lets go).
+        img.close().await.unwrap();
         let text = err_text(opts(true).open(&p).await, "read-write open");
         assert_mentions(
             &text,
@@ -186,6 +189,7 @@ fn l2_table_past_the_end_of_the_file() {
         let mut buf = vec![0u8; 4096];
         let text = err_text(img.read(&mut buf, 0).await, "read");
         assert_mentions(&text, &["L2 table", "0x10000000000"]);
+        img.close().await.unwrap();
         let img = opts(true).open(&p).await.unwrap();
         let text = err_text(img.write(&buf, 0).await, "write");
         assert_mentions(&text, &["L2 table", "0x10000000000", "marked corrupt"]);
@@ -517,6 +521,7 @@ fn extended_l2_entries_with_invalid_bit_combinations() {
         let mut buf = vec![0u8; 4096];
         let text = err_text(img.read(&mut buf, 0).await, "read");
         assert_mentions(&text, &[&format!("{l2:#x}")]);
+        img.close().await.unwrap();
         let img = opts(true).open(&p).await.unwrap();
         let text = err_text(img.read(&mut buf, 0).await, "read-write read");
         assert_mentions(&text, &["marked corrupt"]);

@@ -185,6 +185,7 @@ async fn a_lease_holds_its_range_until_commit() {
     // Read-only images and out-of-range leases are refused.
     let ro = OpenOptions::new().open(dir.path("a.qcow2")).await.unwrap();
     assert!(ro.write_lease(0, 1).await.is_err());
+    ro.close().await.unwrap();
     let img = OpenOptions::new()
         .writable(true)
         .open(dir.path("a.qcow2"))

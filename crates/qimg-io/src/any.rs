@@ -149,4 +149,8 @@ impl Storage for AnyStorage {
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         each!(self, s => s.lock_image(lock))
     }
+
+    fn unlock_image(&self) {
+        each!(self, s => s.unlock_image())
+    }
 }

@@ -257,6 +257,10 @@ impl<S: Storage> Storage for BounceStorage<S> {
         self.inner.set_len(len).await
     }
 
+    fn unlock_image(&self) {
+        self.inner.unlock_image()
+    }
+
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         self.inner.lock_image(lock)
     }

@@ -826,6 +826,10 @@ impl<S: Storage> Storage for FaultyStorage<S> {
         self.finish(Op::SetLen, len, 0, Some(Change::SetLen { len }))
     }
 
+    fn unlock_image(&self) {
+        self.inner.unlock_image()
+    }
+
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         self.inner.lock_image(lock)
     }

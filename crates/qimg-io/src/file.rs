@@ -697,6 +697,10 @@ impl Storage for FileStorage {
         })
     }
 
+    fn unlock_image(&self) {
+        crate::image_lock::release(self.file());
+    }
+
     fn request_alignment(&self) -> usize {
         self.inner.request_alignment
     }

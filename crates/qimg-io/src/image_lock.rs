@@ -118,6 +118,11 @@ fn held_elsewhere(file: &File, byte: i64) -> Result<bool, Errno> {
     Ok(probe.l_type != libc::F_UNLCK as libc::c_short)
 }
 
+/// Releases every image lock this descriptor holds.
+pub(crate) fn release(file: &File) {
+    release_all(file);
+}
+
 fn release_all(file: &File) {
     // Both lock ranges at once; bytes this descriptor never locked are left as they are.
     let _ = fcntl(
@@ -177,10 +182,15 @@ fn conflict(file: &File, uses: u8, shares: u8) -> Result<Option<String>, Errno> 
             )));
         }
         if shares & p.bit() == 0 && held_elsewhere(file, USES_BASE + p as i64)? {
+            let holder = match p {
+                Permission::Write => "has it open for writing".to_string(),
+                other => format!(
+                    "has it open with the \"{}\" permission, which this open does not share",
+                    other.name()
+                ),
+            };
             return Ok(Some(format!(
-                "another process has it open with the \"{}\" permission, which this open \
-                 does not share (QEMU's \"{}\" lock is taken)",
-                p.name(),
+                "another process {holder} (QEMU's \"{}\" lock is taken)",
                 p.name()
             )));
         }

@@ -184,6 +184,10 @@ pub trait Storage: Send + Sync {
         let _ = lock;
         Ok(())
     }
+
+    /// Releases the image locks [`lock_image`](Self::lock_image) took (closing the file
+    /// releases them too). Other processes may then open the image as they like.
+    fn unlock_image(&self) {}
 }
 
 /// Shares one storage between owners: every call goes to the inner storage.
@@ -254,6 +258,9 @@ impl<S: Storage + ?Sized> Storage for Arc<S> {
 
     fn lock_image(&self, lock: ImageLock) -> Result<()> {
         (**self).lock_image(lock)
+    }
+    fn unlock_image(&self) {
+        (**self).unlock_image()
     }
 }
 

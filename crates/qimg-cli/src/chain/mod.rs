@@ -87,11 +87,18 @@ impl Layer {
 }
 
 /// Opens the image and lists the layers of its chain, top first.
-pub(crate) async fn open_chain(path: &Path, file: &str, fmt: ImageFormat) -> Result<Vec<Layer>> {
+pub(crate) async fn open_chain(
+    path: &Path,
+    file: &str,
+    fmt: ImageFormat,
+    force_share: bool,
+) -> Result<Vec<Layer>> {
     if fmt == ImageFormat::Raw {
         return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
     }
-    let opts = OpenOptions::new().clean_timer(false);
+    let opts = OpenOptions::new()
+        .clean_timer(false)
+        .force_share(force_share);
     let img = opts
         .open(path)
         .await

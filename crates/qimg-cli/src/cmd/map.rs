@@ -104,7 +104,6 @@ fn hex16(v: u64) -> String {
 
 /// Runs `qimg map`.
 pub fn run(args: MapArgs) -> Result<()> {
-    let _ = args.force_share;
     let json = json_output(&args.output).map_err(anyhow::Error::msg)?;
     let start = match &args.start_offset {
         Some(s) => parse_offset(s, "start offset")?,
@@ -124,7 +123,7 @@ pub fn run(args: MapArgs) -> Result<()> {
         .build()
         .context("cannot start the I/O runtime")?;
     rt.block_on(async {
-        let layers = open_chain(path, &file, fmt).await?;
+        let layers = open_chain(path, &file, fmt, args.force_share).await?;
         let mut length = layers[0].size();
         if let Some(m) = max_length {
             length = length.min(start.saturating_add(m));

@@ -173,6 +173,10 @@ impl Storage for UringStorage {
         self.shared().file.set_len(len).await
     }
 
+    fn unlock_image(&self) {
+        self.shared().file.unlock_image()
+    }
+
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         self.shared().file.lock_image(lock)
     }

@@ -125,8 +125,9 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.clean_idle(&mut m).await
     }
 
-    /// Flushes and, for images with lazy refcounts, marks the image clean. Further requests
-    /// on any handle of this image fail.
+    /// Flushes and, for images with lazy refcounts, marks the image clean, then releases the
+    /// image locks of every file of the chain. Further requests on any handle of this image
+    /// fail.
     pub async fn close(&self) -> Result<()> {
         let mut m = self.inner.meta.lock().await;
         if m.closed {
@@ -137,6 +138,8 @@ impl<S: Storage + 'static> Image<S> {
             self.inner.mark_clean(&mut m).await?;
         }
         m.closed = true;
+        // As QEMU on close: other processes may open the files from now on.
+        self.inner.release_locks();
         Ok(())
     }
 }

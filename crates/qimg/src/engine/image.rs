@@ -73,6 +73,22 @@ pub(crate) struct Inner<S: Storage> {
     pub(crate) locks: RangeLocks,
 }
 
+impl<S: Storage> Inner<S> {
+    /// Releases the image locks of every file of the chain (see
+    /// [`OpenOptions::locking`](super::OpenOptions::locking)).
+    pub(crate) fn release_locks(&self) {
+        self.file.unlock_image();
+        if let Some((_, data)) = &self.data_file {
+            data.unlock_image();
+        }
+        match &self.backing {
+            Some(Backing::Qcow2(image)) => image.inner.release_locks(),
+            Some(Backing::Raw { storage, .. }) => storage.unlock_image(),
+            None => {}
+        }
+    }
+}
+
 /// The data paths (`rw`, `map`, `lease`) reach the shared state and the metadata methods
 /// through the handle they run on.
 impl<S: Storage> Deref for Inner<S> {

@@ -19,7 +19,7 @@ use qimg_format::header::{self, CompressionType, Header};
 use qimg_format::l1;
 use qimg_format::l2::L2Context;
 use qimg_format::validate::{OpenMode, validate_cluster0};
-use qimg_io::{AnyStorage, FileStorage, Storage, StorageError};
+use qimg_io::{AnyStorage, FileStorage, ImageLock, Storage, StorageError};
 
 use super::image::{Backing, Image, Inner};
 use super::lock::RangeLocks;
@@ -83,6 +83,13 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
     seen: &'a mut Vec<PathBuf>,
 ) -> BoxFuture<'a, Result<Image<S>>> {
     Box::pin(async move {
+        if opts.writable && opts.force_share {
+            return Err(Error::InvalidOption(format!(
+                "{}: force-share (-U) can only be used with read-only opens",
+                path.display()
+            )));
+        }
+        lock(&file, &path, opts.image_lock(opts.writable))?;
         let mode = if opts.writable {
             OpenMode::ReadWrite
         } else {
@@ -149,11 +156,15 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 (None, None) => PathBuf::new(),
             };
             match (given_data, opener) {
-                (Some(s), _) => Some((name, s)),
+                (Some(s), _) => {
+                    lock(&s, &name, opts.image_lock(opts.writable))?;
+                    Some((name, s))
+                }
                 (None, Some(op)) if !name.as_os_str().is_empty() => {
                     let s = op
                         .open(&name, opts.writable)
                         .map_err(|e| Error::storage(&name, e))?;
+                    lock(&s, &name, opts.image_lock(opts.writable))?;
                     Some((name, s))
                 }
                 _ => {
@@ -196,10 +207,13 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                     .open(&bpath, false)
                     .map_err(|e| Error::storage(&bpath, e))?;
                 Some(match fmt {
-                    ImageFormat::Raw => Backing::Raw {
-                        storage,
-                        path: bpath,
-                    },
+                    ImageFormat::Raw => {
+                        lock(&storage, &bpath, opts.image_lock(false))?;
+                        Backing::Raw {
+                            storage,
+                            path: bpath,
+                        }
+                    }
                     ImageFormat::Qcow2 => {
                         let mut bopts = opts.clone();
                         bopts.writable = false;
@@ -314,6 +328,14 @@ fn within_limits(opts: &OpenOptions, image: &Path, header: &Header) -> Result<()
         });
     }
     Ok(())
+}
+
+/// Takes QEMU's image locks on a file of the chain (see [`OpenOptions::locking`]).
+fn lock<S: Storage>(file: &S, path: &Path, lock: Option<ImageLock>) -> Result<()> {
+    match lock {
+        Some(l) => file.lock_image(l).map_err(|e| Error::storage(path, e)),
+        None => Ok(()),
+    }
 }
 
 fn spawn_cleaner<S: Storage + 'static>(

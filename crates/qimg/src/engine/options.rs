@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use qimg_cache::CacheOptions;
-use qimg_io::Backend;
+use qimg_io::{Backend, ImageLock};
 
 use crate::chain::MAX_CHAIN_DEPTH;
 
@@ -112,6 +112,8 @@ pub struct OpenOptions {
     pub(super) backend: Backend,
     pub(super) clean_timer: bool,
     pub(super) trust: Trust,
+    pub(super) force_share: bool,
+    pub(super) locking: bool,
 }
 
 impl Default for OpenOptions {
@@ -134,6 +136,8 @@ impl OpenOptions {
             backend: Backend::default(),
             clean_timer: true,
             trust: Trust::default(),
+            force_share: false,
+            locking: true,
         }
     }
 
@@ -193,6 +197,24 @@ impl OpenOptions {
         self
     }
 
+    /// Let other processes do anything with the files meanwhile, even write them (`qemu-img
+    /// -U`, QEMU's `force-share=on`): for inspecting an image a VM is running on. Only for
+    /// read-only opens; what is read may be changing underneath.
+    pub fn force_share(mut self, share: bool) -> Self {
+        self.force_share = share;
+        self
+    }
+
+    /// Take the image locks QEMU honours (the default; QEMU's `file.locking=on`): a writable
+    /// open refuses to proceed while another process (QEMU or qimg) has the image open, and
+    /// keeps others from writing it; a read-only open refuses while a process writes it and
+    /// keeps others from starting to. See [`ImageLock`](qimg_io::ImageLock). `false` takes
+    /// no lock at all (QEMU's `file.locking=off`).
+    pub fn locking(mut self, lock: bool) -> Self {
+        self.locking = lock;
+        self
+    }
+
     /// How far the image is trusted (see [`Trust`]).
     pub fn trust(mut self, trust: Trust) -> Self {
         self.trust = trust;
@@ -202,5 +224,19 @@ impl OpenOptions {
     /// Whether the image will be opened for writing.
     pub fn is_writable(&self) -> bool {
         self.writable
+    }
+
+    /// The lock a file opened with these options takes (`writable` for the file itself:
+    /// backing files are always read), or `None` without locking.
+    pub(super) fn image_lock(&self, writable: bool) -> Option<ImageLock> {
+        if !self.locking {
+            None
+        } else if writable {
+            Some(ImageLock::ReadWrite)
+        } else if self.force_share {
+            Some(ImageLock::SharedRead)
+        } else {
+            Some(ImageLock::Read)
+        }
     }
 }

@@ -99,7 +99,6 @@ pub struct ConvertArgs {
 
 /// Runs `qimg convert`.
 pub fn run(args: ConvertArgs) -> Result<()> {
-    let _ = args.force_share;
     match options::settings(args)? {
         Some(settings) => execute(settings),
         None => Ok(()),
@@ -122,8 +121,14 @@ fn execute(settings: Settings) -> Result<()> {
         let (has_backing, no_create, sparse) =
             (settings.has_backing, settings.no_create, settings.sparse);
         let dst_path = Path::new(dst_file);
-        let (srcs, source, size) =
-            open_sources(&settings.sources, dst_path, dst_file, settings.src_cache).await?;
+        let (srcs, source, size) = open_sources(
+            &settings.sources,
+            dst_path,
+            dst_file,
+            settings.src_cache,
+            settings.force_share,
+        )
+        .await?;
         if !no_create {
             create_output(&settings, dst_path, size)?;
         }

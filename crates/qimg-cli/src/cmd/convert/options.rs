@@ -41,12 +41,13 @@ pub(super) struct Settings {
     /// `-t` and `-T`.
     pub(super) cache: CacheMode,
     pub(super) src_cache: CacheMode,
+    /// `-U`: read the sources without keeping others from writing them.
+    pub(super) force_share: bool,
 }
 
 /// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
 /// was asked for (and printed).
 pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
-    let _ = args.force_share;
     let out_name = args.out_fmt.clone().unwrap_or_else(|| "raw".to_string());
     let out_fmt =
         image_format(&out_name).ok_or_else(|| anyhow!("Unknown file format '{out_name}'"))?;
@@ -143,5 +144,6 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         progress: args.progress && !args.quiet,
         cache,
         src_cache,
+        force_share: args.force_share,
     }))
 }

@@ -62,20 +62,22 @@ pub(super) async fn open_sources(
     dst_path: &Path,
     dst_file: &str,
     src_cache: CacheMode,
+    force_share: bool,
 ) -> Result<(Vec<SourceChain>, Source, u64)> {
     let mut srcs = Vec::new();
     let mut readers = Vec::new();
     let mut size = 0u64;
     for (file, fmt) in sources {
         let path = Path::new(file);
-        let layers = open_chain(path, file, *fmt).await?;
+        let layers = open_chain(path, file, *fmt, force_share).await?;
         refuse_overwriting_source(&layers, dst_path, dst_file)?;
         let src_size = layers[0].size();
         let reader = match fmt {
             ImageFormat::Qcow2 => {
                 let o = OpenOptions::new()
                     .direct(src_cache.direct)
-                    .clean_timer(false);
+                    .clean_timer(false)
+                    .force_share(force_share);
                 SourceImage::Qcow2(
                     o.open(path)
                         .await
