@@ -11,7 +11,7 @@ const SLICE: usize = 512;
 const TABLES: [u64; 3] = [0x10000, 0x20000, 0x30000];
 
 #[derive(Debug, Clone)]
-enum Op {
+enum CacheOp {
     Advance(u64),
     Get(SliceKey),
     GetMut(SliceKey, u16, u8),
@@ -29,19 +29,19 @@ fn key() -> impl Strategy<Value = SliceKey> {
     (0..TABLES.len(), 0u32..3).prop_map(|(t, s)| SliceKey::new(TABLES[t], s))
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op() -> impl Strategy<Value = CacheOp> {
     prop_oneof![
-        2 => (0u64..40).prop_map(Op::Advance),
-        4 => key().prop_map(Op::Get),
-        2 => (key(), 0u16..SLICE as u16, any::<u8>()).prop_map(|(k, at, b)| Op::GetMut(k, at, b)),
-        5 => key().prop_map(Op::Insert),
-        2 => key().prop_map(Op::MarkDirty),
-        1 => Just(Op::SnapshotDirty),
-        2 => (0usize..8).prop_map(Op::MarkClean),
-        2 => key().prop_map(Op::Pin),
-        2 => key().prop_map(Op::Unpin),
-        1 => (0..TABLES.len()).prop_map(|t| Op::Remove(TABLES[t])),
-        1 => (0u64..100).prop_map(Op::CleanIdle),
+        2 => (0u64..40).prop_map(CacheOp::Advance),
+        4 => key().prop_map(CacheOp::Get),
+        2 => (key(), 0u16..SLICE as u16, any::<u8>()).prop_map(|(k, at, b)| CacheOp::GetMut(k, at, b)),
+        5 => key().prop_map(CacheOp::Insert),
+        2 => key().prop_map(CacheOp::MarkDirty),
+        1 => Just(CacheOp::SnapshotDirty),
+        2 => (0usize..8).prop_map(CacheOp::MarkClean),
+        2 => key().prop_map(CacheOp::Pin),
+        2 => key().prop_map(CacheOp::Unpin),
+        1 => (0..TABLES.len()).prop_map(|t| CacheOp::Remove(TABLES[t])),
+        1 => (0u64..100).prop_map(CacheOp::CleanIdle),
     ]
 }
 
@@ -142,7 +142,7 @@ fn settle(ledger: &mut Ledger, handed_back: &[DirtySlice]) -> Result<(), TestCas
     Ok(())
 }
 
-fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
     let budget = (capacity * SLICE) as u64 + (SLICE as u64 - 1);
     let mut cache = SliceCache::new(budget, SLICE as u64).expect("valid cache");
     prop_assert_eq!(cache.capacity(), capacity);
@@ -157,8 +157,8 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
 
     for op in ops {
         match op {
-            Op::Advance(by) => now += by,
-            Op::Get(key) => {
+            CacheOp::Advance(by) => now += by,
+            CacheOp::Get(key) => {
                 let got = cache.get(key, ms(now)).map(<[u8]>::to_vec);
                 match model.touch(key, now) {
                     Some(entry) => {
@@ -171,7 +171,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Op::GetMut(key, at, byte) => {
+            CacheOp::GetMut(key, at, byte) => {
                 let got = cache.get_mut(key, ms(now)).map(|data| {
                     data[usize::from(at)] = byte;
                     data.to_vec()
@@ -188,7 +188,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     prop_assert_eq!(got, None);
                 }
             }
-            Op::Insert(key) => {
+            CacheOp::Insert(key) => {
                 fill = fill.wrapping_add(1);
                 let data = vec![fill; SLICE];
                 let result = cache.insert(key, data.clone().into_boxed_slice(), ms(now));
@@ -231,7 +231,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     });
                 }
             }
-            Op::MarkDirty(key) => {
+            CacheOp::MarkDirty(key) => {
                 let result = cache.mark_dirty(key);
                 if model.dirty(key) {
                     prop_assert_eq!(result, Ok(()));
@@ -241,8 +241,8 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     prop_assert_eq!(result, Err(CacheError::NotCached { key }));
                 }
             }
-            Op::SnapshotDirty => snapshot = cache.dirty_entries(),
-            Op::MarkClean(i) => {
+            CacheOp::SnapshotDirty => snapshot = cache.dirty_entries(),
+            CacheOp::MarkClean(i) => {
                 let Some(&written) = snapshot.get(i) else {
                     continue;
                 };
@@ -261,7 +261,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Op::Pin(key) => {
+            CacheOp::Pin(key) => {
                 let result = cache.pin(key);
                 match model.find(key) {
                     Some(entry) => {
@@ -271,7 +271,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     None => prop_assert_eq!(result, Err(CacheError::NotCached { key })),
                 }
             }
-            Op::Unpin(key) => {
+            CacheOp::Unpin(key) => {
                 let result = cache.unpin(key);
                 match model.find(key) {
                     Some(entry) if entry.pins > 0 => {
@@ -282,7 +282,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     None => prop_assert_eq!(result, Err(CacheError::NotCached { key })),
                 }
             }
-            Op::Remove(table) => {
+            CacheOp::Remove(table) => {
                 let result = cache.remove(table);
                 let mut of_table: Vec<&ModelEntry> = model
                     .entries
@@ -313,7 +313,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     model.entries.retain(|e| e.key.table != table);
                 }
             }
-            Op::CleanIdle(interval) => {
+            CacheOp::CleanIdle(interval) => {
                 let idle_keys = cache.idle_since(ms(now), ms(interval));
                 let mut expected_idle: Vec<SliceKey> = model
                     .entries

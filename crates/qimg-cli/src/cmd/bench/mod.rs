@@ -43,7 +43,7 @@ use qimg::{CacheStats, Image, OpenOptions, Stats};
 use self::config::{BenchOpts, Config, config};
 use self::parse::Aio;
 use self::report::{Report, print_report, sending_line};
-use self::run::{Offsets, Outcome, Plan, Raw, Target, drive};
+use self::run::{BenchTarget, Offsets, Outcome, Plan, Raw, drive};
 
 /// Arguments of `qimg bench` (boxed: they are many, and the subcommand enum stays small).
 #[derive(clap::Args)]
@@ -232,7 +232,7 @@ fn delta(before: &Stats, after: &Stats) -> Stats {
 }
 
 /// Prints qemu-img's first lines (human output), then runs.
-async fn announce_and_drive<T: Target>(
+async fn announce_and_drive<T: BenchTarget>(
     cfg: &Config,
     size: u64,
     mem_align: usize,

@@ -1,4 +1,4 @@
-//! The request loop of `qimg bench`: `depth` worker tasks issue requests against a [`Target`]
+//! The request loop of `qimg bench`: `depth` worker tasks issue requests against a [`BenchTarget`]
 //! (a qcow2 [`Image`] or a raw [`Storage`]), taking request numbers from one shared counter, so
 //! request `i` always goes to the same offset whatever the scheduling; with a flush interval a
 //! small state machine shared by the workers reproduces qemu-img bench's `bench_cb` (drain,
@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use super::hist::Histogram;
 
 /// What the workers read from and write to.
-pub trait Target: Send + Sync + 'static {
+pub trait BenchTarget: Send + Sync + 'static {
     /// Fills `buf` from `offset`.
     fn read(&self, buf: &mut [u8], offset: u64) -> impl Future<Output = Result<()>> + Send;
     /// Writes `buf` at `offset`.
@@ -27,7 +27,7 @@ pub trait Target: Send + Sync + 'static {
     fn flush(&self) -> impl Future<Output = Result<()>> + Send;
 }
 
-impl<S: Storage + 'static> Target for Image<S> {
+impl<S: Storage + 'static> BenchTarget for Image<S> {
     async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Ok(Image::read(self, buf, offset).await?)
     }
@@ -42,7 +42,7 @@ impl<S: Storage + 'static> Target for Image<S> {
 /// A raw image: the storage itself, so the same tool measures the raw-file baseline.
 pub struct Raw<S>(pub S);
 
-impl<S: Storage + 'static> Target for Raw<S> {
+impl<S: Storage + 'static> BenchTarget for Raw<S> {
     async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Ok(self.0.read_at(buf, offset).await?)
     }
@@ -178,7 +178,7 @@ fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<T: Target> RunState<T> {
+impl<T: BenchTarget> RunState<T> {
     fn fail(&self, e: anyhow::Error) {
         let mut slot = lock(&self.error);
         if slot.is_none() {
@@ -354,7 +354,7 @@ impl<T: Target> RunState<T> {
 }
 
 /// Runs the plan on the current tokio runtime.
-pub async fn drive<T: Target>(target: Arc<T>, plan: Plan) -> Result<Outcome> {
+pub async fn drive<T: BenchTarget>(target: Arc<T>, plan: Plan) -> Result<Outcome> {
     let sched = (plan.flush_interval > 0).then(|| {
         // Without a count (a timed run) qemu's "requests not yet issued" is counted down from
         // a multiple of the interval, so flushes still come every `interval` requests.

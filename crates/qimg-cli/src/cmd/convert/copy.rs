@@ -7,12 +7,12 @@ use tokio::task::JoinSet;
 
 use super::plan::{Job, Jobs, Plan, SourceChain, push_range};
 use super::source::Source;
-use super::target::Target;
+use super::target::ConvertOutput;
 
 /// Writes the maximal runs of non-zero `zero_unit` blocks of `buf` (at guest `offset`); with
 /// `zero_target`, zero blocks are zeroed in the target.
 async fn write_nonzero(
-    dst: &Target,
+    dst: &ConvertOutput,
     buf: &[u8],
     offset: u64,
     zero_unit: u64,
@@ -50,7 +50,7 @@ async fn write_nonzero(
 /// the target's clusters in guest order, as qemu-img without `-W`), and `done` tells the next.
 async fn run_job(
     src: Source,
-    dst: Target,
+    dst: ConvertOutput,
     job: Job,
     plan: Plan,
     turn: Option<oneshot::Receiver<()>>,
@@ -175,7 +175,7 @@ fn joined(r: Option<std::result::Result<Result<u64>, tokio::task::JoinError>>) -
 pub(super) async fn copy(
     srcs: &[SourceChain],
     source: Source,
-    target: Target,
+    target: ConvertOutput,
     plan: Plan,
     progress: &mut Progress,
 ) -> Result<()> {

@@ -127,12 +127,12 @@ pub(super) enum OutputImage {
 
 /// Where it is written; with `writethrough` every write is followed by a flush.
 #[derive(Clone)]
-pub(super) struct Target {
+pub(super) struct ConvertOutput {
     pub(super) out: OutputImage,
     writethrough: bool,
 }
 
-impl Target {
+impl ConvertOutput {
     /// The flush of a writethrough cache mode.
     pub(super) async fn written(&self) -> Result<()> {
         if self.writethrough {
@@ -213,7 +213,7 @@ pub(super) async fn open_target(
     fmt: ImageFormat,
     size: u64,
     cache: CacheMode,
-) -> Result<Target> {
+) -> Result<ConvertOutput> {
     if let Err(e) = std::fs::metadata(path) {
         bail!("Could not open '{file}': {}", os_msg(&e));
     }
@@ -243,7 +243,7 @@ pub(super) async fn open_target(
             OutputImage::Raw(f)
         }
     };
-    Ok(Target {
+    Ok(ConvertOutput {
         out,
         writethrough: cache.writethrough,
     })

@@ -315,8 +315,8 @@ impl RefcountArea {
         self.start + self.blocks.len() as u64 + self.table_clusters
     }
 
-    pub(crate) fn table_offset(&self, cs: u64) -> u64 {
-        (self.start + self.blocks.len() as u64) * cs
+    pub(crate) fn table_offset(&self, cluster_size: u64) -> u64 {
+        (self.start + self.blocks.len() as u64) * cluster_size
     }
 }
 
@@ -329,10 +329,10 @@ pub(crate) fn plan_refcount_area(
     cover_from: u64,
     start: u64,
     min_entries: u64,
-    cs: u64,
+    cluster_size: u64,
     entries: u64,
 ) -> RefcountArea {
-    let per_table_cluster = cs / 8;
+    let per_table_cluster = cluster_size / 8;
     let mut area = RefcountArea {
         start,
         blocks: Vec::new(),
