@@ -109,6 +109,7 @@ impl<S: Storage + 'static> Image<S> {
     /// [`qimg_io::UringStorage`] every later flush fails too, as in QEMU: reopen the image.
     pub async fn flush(&self) -> Result<()> {
         let mut m = self.inner.meta.lock().await;
+        self.inner.free_abandoned(&mut m).await?;
         self.inner.flush_meta(&mut m).await
     }
 
@@ -134,6 +135,7 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(());
         }
         if self.inner.writable {
+            self.inner.free_abandoned(&mut m).await?;
             self.inner.flush_meta(&mut m).await?;
             self.inner.mark_clean(&mut m).await?;
         }

@@ -21,8 +21,8 @@
 //!    durable calls `flush` after `commit`, exactly as for [`Image::write`].
 //! 4. If the data write fails, call [`abort`](WriteLease::abort): freshly allocated clusters
 //!    are given back and the range keeps its old contents. Dropping a lease without either
-//!    releases the range at once and gives the clusters back on a background task (when a
-//!    tokio runtime is running; otherwise they leak until `qimg check -r leaks`).
+//!    releases the range at once; its fresh clusters are given back by the next
+//!    [`Image::flush`] or [`Image::close`] (no runtime needed).
 //!
 //! Compressed clusters and clusters shared with snapshots are copied into fresh clusters like
 //! any write; an in-place cluster (already allocated to this image) is handed out directly.
@@ -177,19 +177,14 @@ impl<S: Storage + 'static> WriteLease<S> {
 impl<S: Storage + 'static> Drop for WriteLease<S> {
     fn drop(&mut self) {
         self.unlock();
-        let pieces = std::mem::take(&mut self.pieces);
-        if pieces.is_empty() {
-            return;
-        }
-        // Neither committed nor aborted: give the clusters back in the background if a
-        // runtime is there to do it (they were never linked, so this is always safe).
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let inner = self.image.inner.clone();
-            rt.spawn(async move {
-                for p in pieces {
-                    inner.abandon_chunk(&p).await;
-                }
-            });
-        }
+        // Neither committed nor aborted: the next flush or close gives the fresh clusters
+        // back (they were never linked, so this is always safe), with or without a runtime.
+        let fresh = self.pieces.iter().filter(|p| p.fresh).map(|p| p.host);
+        self.image
+            .inner
+            .abandoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(fresh);
     }
 }

@@ -264,6 +264,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             clean_interval: resolved.clean_interval,
             marked_corrupt: AtomicBool::new(false),
             halted: std::sync::OnceLock::new(),
+            abandoned: std::sync::Mutex::new(Vec::new()),
             path,
         };
         let inner = Arc::new(Inner {

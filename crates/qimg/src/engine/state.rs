@@ -47,6 +47,10 @@ pub(crate) struct Shared<S: Storage> {
     /// A header switch failed (see [`Error::Halted`]): further writes are refused until the
     /// image is reopened. Holds what failed.
     pub(crate) halted: std::sync::OnceLock<String>,
+    /// Host clusters reserved by write leases that were dropped without commit or abort:
+    /// freed by the next flush (or close) under the metadata lock. A drop cannot wait for the
+    /// lock, and a task spawned for it could run after `close`.
+    pub(crate) abandoned: std::sync::Mutex<Vec<u64>>,
 }
 
 impl<S: Storage> Shared<S> {

@@ -144,6 +144,16 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// Frees the clusters of write leases dropped without commit or abort (see
+    /// [`Shared::abandoned`]): they were never linked, so this is always safe.
+    pub(crate) async fn free_abandoned(&self, m: &mut Meta) -> Result<()> {
+        let hosts = std::mem::take(&mut *self.abandoned.lock().unwrap_or_else(|e| e.into_inner()));
+        for host in hosts {
+            self.free_clusters(m, host, 1).await?;
+        }
+        Ok(())
+    }
+
     /// Drops one reference to each of `n` clusters from `offset`; clusters reaching zero are
     /// dropped from the caches and queued for punching.
     pub(crate) async fn free_clusters(&self, m: &mut Meta, offset: u64, n: u64) -> Result<()> {
