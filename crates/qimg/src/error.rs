@@ -1,5 +1,6 @@
 //! The engine's error type.
 
+use std::io;
 use std::path::PathBuf;
 
 use thiserror::Error;
@@ -135,3 +136,105 @@ impl Error {
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The closest [`io::ErrorKind`]: the system's for failed system calls, `InvalidData` for
+    /// damaged images, `InvalidInput` for bad requests and options, `PermissionDenied` for
+    /// writes to a read-only image, `Unsupported` for what qimg cannot do, `ResourceBusy`
+    /// when another process holds the image.
+    pub fn kind(&self) -> io::ErrorKind {
+        match self {
+            Self::Io { source, .. } => source.kind(),
+            Self::Storage { source, .. } => source.kind(),
+            Self::Format { .. } | Self::Corrupt { .. } => io::ErrorKind::InvalidData,
+            Self::InvalidOption(_) | Self::OutOfRange { .. } | Self::Cache { .. } => {
+                io::ErrorKind::InvalidInput
+            }
+            Self::Unsupported { .. } => io::ErrorKind::Unsupported,
+            Self::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
+            Self::Halted { .. } => io::ErrorKind::Other,
+        }
+    }
+
+    /// The operating system's error number when a system call failed, else `None`.
+    pub fn os_error(&self) -> Option<i32> {
+        match self {
+            Self::Io { source, .. } => source.raw_os_error(),
+            Self::Storage { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+
+    /// An errno for every error, for a device model or an export that must answer a guest
+    /// or a client with one: the system's when a system call failed; else `EPERM` for writes
+    /// to a read-only image, `EINVAL` for requests outside the disk and bad options,
+    /// `ENOTSUP` for what qimg cannot do, `EIO` for damaged images and everything else.
+    pub fn errno(&self) -> i32 {
+        if let Some(e) = self.os_error() {
+            return e;
+        }
+        match self {
+            Self::ReadOnly { .. } => libc_errno::EPERM,
+            Self::OutOfRange { .. } | Self::InvalidOption(_) | Self::Cache { .. } => {
+                libc_errno::EINVAL
+            }
+            Self::Unsupported { .. } => libc_errno::ENOTSUP,
+            _ => libc_errno::EIO,
+        }
+    }
+}
+
+/// The errno values [`Error::errno`] uses (Linux numbering, which qimg targets).
+mod libc_errno {
+    pub(super) const EPERM: i32 = 1;
+    pub(super) const EIO: i32 = 5;
+    pub(super) const EINVAL: i32 = 22;
+    pub(super) const ENOTSUP: i32 = 95;
+}
+
+impl From<Error> for io::Error {
+    /// Keeps the kind (see [`Error::kind`]) and the whole error as the source.
+    fn from(e: Error) -> Self {
+        io::Error::new(e.kind(), e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_a_kind_and_an_errno() {
+        let p = PathBuf::from("d.qcow2");
+        let enoent = Error::io(&p, "open", io::Error::from_raw_os_error(2));
+        assert_eq!(
+            (enoent.kind(), enoent.errno()),
+            (io::ErrorKind::NotFound, 2)
+        );
+        assert_eq!(enoent.os_error(), Some(2));
+        let ro = Error::ReadOnly { path: p.clone() };
+        assert_eq!(
+            (ro.kind(), ro.errno()),
+            (io::ErrorKind::PermissionDenied, 1)
+        );
+        let range = Error::OutOfRange {
+            path: p.clone(),
+            offset: 1,
+            len: 2,
+            size: 0,
+        };
+        assert_eq!(
+            (range.kind(), range.errno()),
+            (io::ErrorKind::InvalidInput, 22)
+        );
+        let corrupt = Error::corrupt(&p, "bad");
+        assert_eq!(
+            (corrupt.kind(), corrupt.errno()),
+            (io::ErrorKind::InvalidData, 5)
+        );
+        assert_eq!(corrupt.os_error(), None);
+        let as_io: io::Error = corrupt.into();
+        assert_eq!(as_io.kind(), io::ErrorKind::InvalidData);
+        assert!(as_io.to_string().contains("bad"));
+    }
+}
