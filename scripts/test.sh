@@ -5,5 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The lean library a VMM can build: no blocking facade, no codecs, no JSON.
+cargo clippy -p qimg --no-default-features --lib --locked -- -D warnings
+# No module cycle inside any crate (needs python3; CI has it).
+if command -v python3 >/dev/null 2>&1; then
+  python3 scripts/module-cycles.py
+else
+  echo "SKIPPED module cycle check: python3 not found"
+fi
 cargo test --workspace --locked
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked

@@ -78,8 +78,8 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`engine`] | the open [`Image`]: options ([`OpenOptions`]), reads, writes, copy-on-write, zero, discard, flush, caches, [`map`](engine::map), [`lease`], the [`BlockingImage`] facade |
-//! | [`tools`] | what `qemu-img` does to whole images: [`create`](tools::create), [`info`](tools::info), [`check`](tools::check) |
+//! | [`engine`] | the open [`Image`]: options ([`OpenOptions`]), reads, writes, copy-on-write, zero, discard, flush, caches, [`map`](engine::map), [`lease`], the `BlockingImage` facade (feature `blocking`) |
+//! | [`tools`] | what `qemu-img` does to whole images: [`create`](tools::create), `info` (feature `json`), [`check`](tools::check) |
 //! | [`chain`] | backing chains: format probing, stored-name resolution, the depth limit |
 //! | [`format`](mod@format) | the on-disk structures (the `qimg-format` crate) |
 //! | [`io`] | the storage backends (the `qimg-io` crate) |

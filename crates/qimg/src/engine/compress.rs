@@ -1,12 +1,18 @@
 //! Cluster compression as QEMU does it: zlib as a raw deflate stream with a 4 KiB window, and
 //! zstd frames (compression type 1).
 //!
+//! Each codec is a cargo feature (`zlib`, `zstd`, both on by default). Without a codec, its
+//! compressed clusters cannot be read (an error names the missing feature) and compressed
+//! writes store their clusters uncompressed, as QEMU does for data that does not shrink.
+//!
 //! Decompression must produce exactly one cluster; extra input (the rest of the last sector,
 //! or the next compressed cluster sharing it) is ignored, and input that ends before a whole
 //! cluster came out is an error.
 
+#[cfg(feature = "zlib")]
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
 use qimg_format::header::CompressionType;
+#[cfg(feature = "zstd")]
 use zstd::stream::raw::{InBuffer, Operation, OutBuffer};
 
 /// Why a compressed cluster could not be inflated.
@@ -36,12 +42,31 @@ pub fn decompress(
     input: &[u8],
     out: &mut [u8],
 ) -> Result<(), DecompressError> {
+    let _ = (input, &out);
     match kind {
+        #[cfg(feature = "zlib")]
         CompressionType::Zlib => inflate(input, out),
+        #[cfg(feature = "zstd")]
         CompressionType::Zstd => unzstd(input, out),
+        #[allow(unreachable_patterns)]
+        other => Err(fail(format!(
+            "{} compressed clusters cannot be read: qimg was built without its codec \
+             (cargo feature `{}`)",
+            codec_name(other),
+            codec_name(other)
+        ))),
     }
 }
 
+/// The codec's name, which is also the name of its cargo feature.
+fn codec_name(kind: CompressionType) -> &'static str {
+    match kind {
+        CompressionType::Zlib => "zlib",
+        CompressionType::Zstd => "zstd",
+    }
+}
+
+#[cfg(feature = "zlib")]
 fn inflate(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
     // A decoder with the largest window accepts every stream a 4 KiB-window encoder makes.
     let mut d = Decompress::new(false);
@@ -76,6 +101,7 @@ fn inflate(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
     }
 }
 
+#[cfg(feature = "zstd")]
 fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
     let mut dec = zstd::stream::raw::Decoder::new().map_err(|e| fail(format!("zstd: {e}")))?;
     let want = out.len();
@@ -115,13 +141,24 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), DecompressError> {
 /// Compresses one cluster; `None` when the result would not be smaller than `limit` bytes
 /// (QEMU stores such clusters uncompressed).
 pub fn compress(kind: CompressionType, input: &[u8], limit: usize) -> Option<Vec<u8>> {
-    let out = match kind {
-        CompressionType::Zlib => deflate(input, limit)?,
-        CompressionType::Zstd => zstd::bulk::compress(input, 0).ok()?,
-    };
+    let out = compress_with(kind, input, limit)?;
     (out.len() < limit).then_some(out)
 }
 
+/// The codec's output; `None` without the codec (the cluster is then stored as it is).
+fn compress_with(kind: CompressionType, input: &[u8], limit: usize) -> Option<Vec<u8>> {
+    let _ = (input, limit);
+    match kind {
+        #[cfg(feature = "zlib")]
+        CompressionType::Zlib => deflate(input, limit),
+        #[cfg(feature = "zstd")]
+        CompressionType::Zstd => zstd::bulk::compress(input, 0).ok(),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+#[cfg(feature = "zlib")]
 fn deflate(input: &[u8], limit: usize) -> Option<Vec<u8>> {
     let mut c = Compress::new_with_window_bits(Compression::default(), false, 12);
     let mut out = vec![0u8; limit];
@@ -134,7 +171,7 @@ fn deflate(input: &[u8], limit: usize) -> Option<Vec<u8>> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "zlib", feature = "zstd"))]
 mod tests {
     use super::*;
 

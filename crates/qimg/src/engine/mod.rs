@@ -15,7 +15,7 @@
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
-//! | `blocking` | [`BlockingImage`]: a blocking facade over the async API (feature `blocking`) |
+//! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
 #[cfg(feature = "blocking")]

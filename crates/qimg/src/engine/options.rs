@@ -85,7 +85,7 @@ impl Trust {
 /// | [`open`](Self::open) | [`AnyStorage`](qimg_io::AnyStorage): the [`backend`](Self::backend), with or without [`direct`](Self::direct) | the same backend |
 /// | [`open_with`](Self::open_with) | whatever the [`Opener`](super::Opener) returns | the opener |
 /// | [`open_storage`](Self::open_storage) | a storage you opened | nothing: backing and data file are given |
-/// | [`open_blocking`](Self::open_blocking) | a [`BlockingImage`](super::BlockingImage) over [`AnyStorage`](qimg_io::AnyStorage) | the same backend |
+/// | `open_blocking` (feature `blocking`) | a `BlockingImage` over [`AnyStorage`](qimg_io::AnyStorage) | the same backend |
 ///
 /// ```no_run
 /// # async fn demo() -> qimg::Result<()> {
@@ -174,7 +174,7 @@ impl OpenOptions {
     }
 
     /// Open files with `O_DIRECT` ([`open`](Self::open) and
-    /// [`open_blocking`](Self::open_blocking); requests of any alignment are accepted, a
+    /// `open_blocking`; requests of any alignment are accepted, a
     /// bounce buffer covers unaligned ones). With [`open_with`](Self::open_with) the opener
     /// decides.
     pub fn direct(mut self, direct: bool) -> Self {
@@ -182,7 +182,7 @@ impl OpenOptions {
         self
     }
 
-    /// The I/O backend of [`open`](Self::open) and [`open_blocking`](Self::open_blocking)
+    /// The I/O backend of [`open`](Self::open) and `open_blocking`
     /// for the image and every file it refers to.
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;

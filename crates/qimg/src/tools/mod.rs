@@ -4,9 +4,10 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`create`] | `qemu-img create`: new qcow2 and raw images, every create option |
-//! | [`info`] | `qemu-img info`: header fields, snapshots, bitmaps, the backing chain |
+//! | `info` | `qemu-img info`: header fields, snapshots, bitmaps, the backing chain, as qemu-img's JSON (feature `json`) |
 //! | [`check`] | `qemu-img check [-r leaks\|all]`: the consistency walk and its repairs |
 
 pub mod check;
 pub mod create;
+#[cfg(feature = "json")]
 pub mod info;

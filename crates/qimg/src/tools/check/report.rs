@@ -1,8 +1,10 @@
 //! The report of a check ([`CheckReport`], `qemu-img check --output=json`'s fields) and the
 //! signed counters a pass keeps while it runs (QEMU's `BdrvCheckResult`).
 
+#[cfg(feature = "json")]
 use serde::Serialize;
 
+#[cfg(feature = "json")]
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
@@ -10,34 +12,53 @@ fn is_zero(v: &u64) -> bool {
 /// The result of a check, with `qemu-img check --output=json`'s field names (QAPI
 /// `ImageCheck`). Counters that are zero are left out of the JSON, except `check-errors`;
 /// the fields are in the order qemu-img prints them.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "json", derive(Serialize))]
 pub struct CheckReport {
     /// End of the last cluster in use (referenced or with a refcount), in bytes.
-    #[serde(rename = "image-end-offset", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "image-end-offset", skip_serializing_if = "is_zero")
+    )]
     pub image_end_offset: u64,
     /// Compressed clusters among the allocated ones.
-    #[serde(rename = "compressed-clusters", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "compressed-clusters", skip_serializing_if = "is_zero")
+    )]
     pub compressed_clusters: u64,
     /// Clusters of the virtual disk.
-    #[serde(rename = "total-clusters", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "total-clusters", skip_serializing_if = "is_zero")
+    )]
     pub total_clusters: u64,
     /// Corruptions found and not repaired.
-    #[serde(skip_serializing_if = "is_zero")]
+    #[cfg_attr(feature = "json", serde(skip_serializing_if = "is_zero"))]
     pub corruptions: u64,
     /// Corruptions repaired.
-    #[serde(rename = "corruptions-fixed", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "corruptions-fixed", skip_serializing_if = "is_zero")
+    )]
     pub corruptions_fixed: u64,
     /// Internal errors (I/O errors, impossible repairs): the check is not complete.
-    #[serde(rename = "check-errors")]
+    #[cfg_attr(feature = "json", serde(rename = "check-errors"))]
     pub check_errors: u64,
     /// Leaked clusters found and not freed.
-    #[serde(skip_serializing_if = "is_zero")]
+    #[cfg_attr(feature = "json", serde(skip_serializing_if = "is_zero"))]
     pub leaks: u64,
     /// Leaked clusters freed.
-    #[serde(rename = "leaks-fixed", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "leaks-fixed", skip_serializing_if = "is_zero")
+    )]
     pub leaks_fixed: u64,
     /// Guest clusters mapped by the active L1 table (data, preallocated or compressed).
-    #[serde(rename = "allocated-clusters", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "allocated-clusters", skip_serializing_if = "is_zero")
+    )]
     pub allocated_clusters: u64,
     /// The image file name as given.
     pub filename: String,
@@ -45,11 +66,14 @@ pub struct CheckReport {
     pub format: String,
     /// Allocated clusters not contiguous with the previous one of their L2 table (every
     /// compressed cluster counts).
-    #[serde(rename = "fragmented-clusters", skip_serializing_if = "is_zero")]
+    #[cfg_attr(
+        feature = "json",
+        serde(rename = "fragmented-clusters", skip_serializing_if = "is_zero")
+    )]
     pub fragmented_clusters: u64,
     /// Set when the check could not be completed (qemu-img prints `Check failed: ...` and
     /// nothing else); the counters are then meaningless.
-    #[serde(skip)]
+    #[cfg_attr(feature = "json", serde(skip))]
     pub failure: Option<String>,
 }
 
