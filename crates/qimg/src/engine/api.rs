@@ -2,6 +2,7 @@
 //! flushes, resizing, statistics and closing. Each call takes the locks it needs and runs the
 //! data path in `rw`.
 
+use std::io::{IoSlice, IoSliceMut};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
@@ -70,9 +71,21 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.read(buf, offset).await
     }
 
+    /// Fills the segments in turn with guest data from `offset` (as a virtio or NBD request
+    /// with several buffers): one request, the data read straight into each segment.
+    pub async fn read_vectored(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> Result<()> {
+        self.inner.read_vectored(bufs, offset).await
+    }
+
     /// Writes `buf` at guest `offset`, allocating (and copying on write) as needed.
     pub async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.inner.write(buf, offset).await
+    }
+
+    /// Writes the segments in turn at consecutive guest offsets from `offset`: one request
+    /// (no other request sees it half done), the data written straight from each segment.
+    pub async fn write_vectored(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
+        self.inner.write_vectored(bufs, offset).await
     }
 
     /// Writes one whole guest cluster compressed with the image's compression type (zlib or

@@ -15,6 +15,7 @@
 //! otherwise), then works cluster by cluster: look the L2 entry up under the metadata lock,
 //! release it, do the data I/O, and take it again only to link what was written.
 
+use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::Ordering;
 
 use qimg_format::compressed::CompressedDescriptor;
@@ -134,6 +135,20 @@ impl<S: Storage> Inner<S> {
             pos += n;
         }
         out
+    }
+
+    /// The total length of a request's segments, checked against the disk.
+    pub(super) fn request_len(
+        &self,
+        segments: impl Iterator<Item = usize>,
+        offset: u64,
+    ) -> Result<u64> {
+        let len = segments
+            .map(|n| n as u64)
+            .try_fold(0u64, u64::checked_add)
+            .unwrap_or(u64::MAX);
+        self.check_range(offset, len)?;
+        Ok(len)
     }
 
     pub(super) fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {

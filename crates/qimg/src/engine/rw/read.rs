@@ -9,22 +9,39 @@ use std::pin::Pin;
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 impl<S: Storage> Inner<S> {
+    /// Reads guest bytes from `offset` into `buf` (one segment).
     pub(crate) async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let len = buf.len() as u64;
-        self.check_range(offset, len)?;
+        self.read_vectored(&mut [IoSliceMut::new(buf)], offset)
+            .await
+    }
+
+    /// Reads consecutive guest bytes from `offset` into the segments in turn, straight into
+    /// each segment, with the whole range held at once (one request, as a virtio or NBD
+    /// request with several buffers is).
+    pub(crate) async fn read_vectored(
+        &self,
+        bufs: &mut [IoSliceMut<'_>],
+        offset: u64,
+    ) -> Result<()> {
+        let len = self.request_len(bufs.iter().map(|b| b.len()), offset)?;
         if len == 0 {
             return Ok(());
         }
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, false).await;
-        for (gc, a, n, pos) in self.pieces(offset, len) {
-            let entry = {
-                let mut m = self.meta.lock().await;
-                self.ensure_open(&m)?;
-                self.lookup(&mut m, gc).await?
-            };
-            self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
-                .await?;
+        let mut at = offset;
+        for buf in bufs.iter_mut() {
+            let segment_len = buf.len() as u64;
+            for (gc, a, n, pos) in self.pieces(at, segment_len) {
+                let entry = {
+                    let mut m = self.meta.lock().await;
+                    self.ensure_open(&m)?;
+                    self.lookup(&mut m, gc).await?
+                };
+                self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
+                    .await?;
+            }
+            at += segment_len;
         }
         Ok(())
     }

@@ -7,17 +7,28 @@ use qimg_io::Storage;
 use super::*;
 
 impl<S: Storage> Inner<S> {
+    /// Writes `buf` at guest `offset` (one segment).
     pub(crate) async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write_vectored(&[IoSlice::new(buf)], offset).await
+    }
+
+    /// Writes the segments in turn at consecutive guest offsets from `offset`, straight from
+    /// each segment, with the whole range held exclusively at once (one request).
+    pub(crate) async fn write_vectored(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         self.check_writable()?;
-        let len = buf.len() as u64;
-        self.check_range(offset, len)?;
+        let len = self.request_len(bufs.iter().map(|b| b.len()), offset)?;
         if len == 0 {
             return Ok(());
         }
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
-        for (gc, a, n, pos) in self.pieces(offset, len) {
-            self.write_chunk(gc, a, &buf[pos..pos + n]).await?;
+        let mut at = offset;
+        for buf in bufs {
+            let segment_len = buf.len() as u64;
+            for (gc, a, n, pos) in self.pieces(at, segment_len) {
+                self.write_chunk(gc, a, &buf[pos..pos + n]).await?;
+            }
+            at += segment_len;
         }
         Ok(())
     }
