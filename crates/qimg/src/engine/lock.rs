@@ -6,24 +6,49 @@
 //! requests, and there is no lock ordering to get wrong). Requests on disjoint clusters never
 //! wait for each other. The lock is held across data I/O; the metadata lock is not.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
+/// A guest cluster range `[start, end)`, held or wanted.
 #[derive(Debug, Clone, Copy)]
-struct Held {
+struct Range {
     start: u64,
     end: u64,
     exclusive: bool,
     id: u64,
 }
 
+impl Range {
+    fn conflicts(&self, start: u64, end: u64, exclusive: bool) -> bool {
+        self.start < end && start < self.end && (exclusive || self.exclusive)
+    }
+}
+
+/// A request waiting for a range; woken only by releases that overlap it.
+#[derive(Debug)]
+struct Waiter {
+    range: Range,
+    wake: Arc<Notify>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    held: Vec<Range>,
+    waiting: Vec<Waiter>,
+}
+
 /// The set of guest cluster ranges held by requests in flight.
+///
+/// Uncontended, taking and releasing a range is one short critical section on a std mutex:
+/// no waiter registration, no wake-up. A request that must wait registers its range with a
+/// wake-up of its own, and a release wakes only the waiters whose range overlaps the released
+/// one (each then checks again, so a wake-up that finds the range still taken costs one
+/// check).
 #[derive(Debug, Default)]
 pub(crate) struct RangeLocks {
-    held: Mutex<Vec<Held>>,
-    released: Notify,
+    state: Mutex<State>,
     next_id: AtomicU64,
 }
 
@@ -34,7 +59,25 @@ pub(crate) struct RangeGuard<'a> {
     id: u64,
 }
 
+/// Removes a waiter's registration if its future is dropped before it got the range.
+struct Registration<'a> {
+    locks: &'a RangeLocks,
+    id: u64,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let mut state = self.locks.state();
+        let id = self.id;
+        state.waiting.retain(|w| w.range.id != id);
+    }
+}
+
 impl RangeLocks {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Waits until `[start, end)` (guest cluster indices) conflicts with no held range, then
     /// holds it. Shared holders conflict only with exclusive ones.
     pub(crate) async fn lock(&self, start: u64, end: u64, exclusive: bool) -> RangeGuard<'_> {
@@ -45,46 +88,75 @@ impl RangeLocks {
     /// Takes `[start, end)` and returns the holder id to pass to [`release`](Self::release)
     /// (for holders that outlive a borrow, such as write leases).
     pub(crate) async fn acquire(&self, start: u64, end: u64, exclusive: bool) -> u64 {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        loop {
-            let notified = self.released.notified();
-            let mut notified = std::pin::pin!(notified);
-            // Registered before the check, so a release between the check and the await is
-            // not missed.
-            notified.as_mut().enable();
+        let range = Range {
+            start,
+            end,
+            exclusive,
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+        };
+        let wake = {
+            let mut state = self.state();
+            if !state
+                .held
+                .iter()
+                .any(|h| h.conflicts(start, end, exclusive))
             {
-                let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-                let conflict = held
-                    .iter()
-                    .any(|h| h.start < end && start < h.end && (exclusive || h.exclusive));
-                if !conflict {
-                    held.push(Held {
-                        start,
-                        end,
-                        exclusive,
-                        id,
-                    });
-                    return id;
-                }
+                state.held.push(range);
+                return range.id;
             }
-            notified.await;
+            let wake = Arc::new(Notify::new());
+            state.waiting.push(Waiter {
+                range,
+                wake: wake.clone(),
+            });
+            wake
+        };
+        let registration = Registration {
+            locks: self,
+            id: range.id,
+        };
+        loop {
+            // `notify_one` leaves a permit when it comes before this await: no lost wake-up.
+            wake.notified().await;
+            let mut state = self.state();
+            if !state
+                .held
+                .iter()
+                .any(|h| h.conflicts(start, end, exclusive))
+            {
+                state.waiting.retain(|w| w.range.id != range.id);
+                state.held.push(range);
+                drop(state);
+                std::mem::forget(registration);
+                return range.id;
+            }
         }
     }
 
     /// Number of ranges held now.
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.state().held.len()
     }
-}
 
-impl RangeLocks {
-    /// Gives up the range held under `id`.
+    /// Number of requests waiting now.
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.state().waiting.len()
+    }
+
+    /// Gives up the range held under `id`, waking the waiters it was keeping out.
     pub(crate) fn release(&self, id: u64) {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.retain(|h| h.id != id);
-        drop(held);
-        self.released.notify_waiters();
+        let mut state = self.state();
+        let Some(i) = state.held.iter().position(|h| h.id == id) else {
+            return;
+        };
+        let gone = state.held.swap_remove(i);
+        for w in &state.waiting {
+            if gone.conflicts(w.range.start, w.range.end, w.range.exclusive) {
+                w.wake.notify_one();
+            }
+        }
     }
 }
 
@@ -136,5 +208,77 @@ mod tests {
             .await
             .expect("disjoint range granted at once");
         assert_eq!(locks.held(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_release_wakes_only_the_waiters_it_kept_out() {
+        let locks = Arc::new(RangeLocks::default());
+        let a = locks.lock(0, 2, true).await;
+        let b = locks.lock(10, 12, true).await;
+        let (l1, l2) = (locks.clone(), locks.clone());
+        let behind_a = tokio::spawn(async move { drop(l1.lock(1, 2, true).await) });
+        let behind_b = tokio::spawn(async move { drop(l2.lock(11, 12, false).await) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(locks.waiting(), 2);
+        drop(b);
+        tokio::time::timeout(Duration::from_secs(5), behind_b)
+            .await
+            .expect("waiter behind b woke")
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!behind_a.is_finished(), "waiter behind a got a held range");
+        assert_eq!(locks.waiting(), 1);
+        drop(a);
+        tokio::time::timeout(Duration::from_secs(5), behind_a)
+            .await
+            .expect("waiter behind a woke")
+            .unwrap();
+        assert_eq!((locks.held(), locks.waiting()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_waiter_leaves_no_registration() {
+        let locks = RangeLocks::default();
+        let held = locks.lock(0, 4, true).await;
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(20), locks.lock(1, 2, false)).await;
+        assert!(gave_up.is_err());
+        assert_eq!(locks.waiting(), 0);
+        drop(held);
+        assert_eq!(locks.held(), 0);
+        let _again = locks.lock(1, 2, true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_tasks_on_overlapping_ranges_all_finish_and_never_share_a_cluster() {
+        let locks = Arc::new(RangeLocks::default());
+        // Holders per cluster: an exclusive holder must find its clusters empty.
+        let clusters: Arc<Vec<AtomicU64>> = Arc::new((0..20).map(|_| AtomicU64::new(0)).collect());
+        let mut tasks = Vec::new();
+        for t in 0..32u64 {
+            let (locks, clusters) = (locks.clone(), clusters.clone());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..50u64 {
+                    let start = (t * 7 + i * 3) % 16;
+                    let g = locks.lock(start, start + 4, true).await;
+                    for c in start..start + 4 {
+                        let before = clusters[c as usize].fetch_add(1, Ordering::SeqCst);
+                        assert_eq!(before, 0, "cluster {c} held twice");
+                    }
+                    tokio::task::yield_now().await;
+                    for c in start..start + 4 {
+                        clusters[c as usize].fetch_sub(1, Ordering::SeqCst);
+                    }
+                    drop(g);
+                }
+            }));
+        }
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .expect("no deadlock")
+                .unwrap();
+        }
+        assert_eq!((locks.held(), locks.waiting()), (0, 0));
     }
 }
