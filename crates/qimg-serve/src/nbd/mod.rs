@@ -19,6 +19,7 @@
 //! - The minimum block size is 1: the engine takes requests of any alignment.
 
 pub mod handshake;
+mod host_holes;
 pub mod proto;
 mod status;
 pub mod transmission;

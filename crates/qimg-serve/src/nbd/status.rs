@@ -8,6 +8,7 @@ use std::pin::Pin;
 use qimg::io::Storage;
 use qimg::{Backing, ExtentKind, Image};
 
+use super::host_holes::HostFile;
 use super::proto::{STATE_HOLE, STATE_ZERO};
 
 /// A run of bytes with one status.
@@ -37,14 +38,24 @@ pub(crate) fn layer<'a, S: Storage + 'static>(
             flags: STATE_HOLE | STATE_ZERO,
             depth: 0,
         };
-        for e in img.map(offset, len).await? {
+        let extents = img.map(offset, len).await?;
+        // Opened only when a data extent needs it.
+        let mut host: Option<HostFile> = None;
+        for e in extents {
             let run = |flags| Run {
                 len: e.length,
                 flags,
                 depth,
             };
             match e.kind {
-                ExtentKind::Data { .. } | ExtentKind::Compressed { .. } => out.push(run(0)),
+                ExtentKind::Data { host_offset } => {
+                    let host = host.get_or_insert_with(|| HostFile::open(img.data_path()));
+                    for (len, data) in host.runs(host_offset, e.length) {
+                        let flags = if data { 0 } else { STATE_ZERO };
+                        out.push(Run { len, flags, depth });
+                    }
+                }
+                ExtentKind::Compressed { .. } => out.push(run(0)),
                 ExtentKind::Zero { .. } => out.push(run(STATE_HOLE | STATE_ZERO)),
                 ExtentKind::Unallocated { .. } => {
                     let end = e.start + e.length;
