@@ -21,4 +21,6 @@
 
 #![forbid(unsafe_code)]
 
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod nbd;
