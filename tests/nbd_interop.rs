@@ -14,8 +14,14 @@ use common::*;
 /// Whether `tool` runs; the same rule as `have_qemu`: skip with a message, or fail when
 /// `QIMG_REQUIRE_QEMU=1`.
 fn have_tool(test: &str, tool: &str, package: &str) -> bool {
+    // openssl has a `version` command instead of the option.
+    let version = if tool == "openssl" {
+        "version"
+    } else {
+        "--version"
+    };
     let ok = Command::new(tool)
-        .arg("--version")
+        .arg(version)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -470,4 +476,126 @@ fn a_read_only_export_refuses_writes_and_leaves_the_image_unchanged() {
     assert!(!out.contains("failed"), "{out}");
     server.stop();
     assert_eq!(std::fs::read(s.path("a.qcow2")).unwrap(), before);
+}
+
+/// Makes, under `dir`, credentials as QEMU's tls-creds-x509 reads them: `srv` (CA 1's
+/// server), `cli` (CA 1's client), `bad` (a client of CA 2 trusting only CA 2) and `mixed`
+/// (a client of CA 2 that trusts both CAs, so that only the server can refuse it).
+fn make_credentials(dir: &Path) {
+    let script = r#"set -e
+mkca() { mkdir -p $1; openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+  -keyout $1/ca-key.pem -out $1/ca-cert.pem -days 2 -subj /CN=$1 \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign; }
+leaf() { mkdir -p $2; openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+  -keyout $2/$3-key.pem -out $2/$3.csr -subj /CN=$3
+  printf "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=${3}Auth\nsubjectAltName=DNS:localhost\n" > $2/$3.ext
+  openssl x509 -req -in $2/$3.csr -CA $1/ca-cert.pem -CAkey $1/ca-key.pem -set_serial $4 \
+    -out $2/$3-cert.pem -days 2 -extfile $2/$3.ext
+  cp $1/ca-cert.pem $2/ca-cert.pem; }
+mkca ca1; mkca ca2
+leaf ca1 srv server 11; leaf ca1 cli client 12; leaf ca2 bad client 21; leaf ca2 mixed client 22
+cat ca1/ca-cert.pem ca2/ca-cert.pem > mixed/ca-cert.pem
+"#;
+    ok("openssl", &run(dir, Path::new("sh"), &["-c", script]));
+}
+
+/// qemu's image options for the export over TLS with the client credentials in `creds`.
+fn tls_args(dir: &Path, sock: &Path, creds: &str) -> [String; 4] {
+    [
+        "--object".into(),
+        format!(
+            "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+            dir.join(creds).display()
+        ),
+        "--image-opts".into(),
+        format!(
+            "driver=nbd,path={},tls-creds=tls0,tls-hostname=localhost",
+            sock.display()
+        ),
+    ]
+}
+
+#[test]
+fn tls_is_required_and_only_clients_of_the_ca_get_in() {
+    let test = "tls_is_required_and_only_clients_of_the_ca_get_in";
+    if !have_qemu_tools(test) || !have_tool(test, "openssl", "openssl") {
+        return;
+    }
+    let s = Scratch::new("nbd-tls");
+    let dir = &s.0;
+    make_credentials(dir);
+    create(dir, "a.qcow2", true, None);
+    create(dir, "model.qcow2", true, None);
+    let sock = s.path("s.sock");
+    let server = qimg_serve(
+        dir,
+        "a.qcow2",
+        &sock,
+        &["--tls-creds", "srv", "--shared", "2"],
+    );
+    let io = |creds: &str, cmds: &[&str]| {
+        let mut args: Vec<String> = tls_args(dir, &sock, creds).into();
+        for c in cmds {
+            args.push("-c".into());
+            args.push((*c).into());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run(dir, Path::new("qemu-io"), &args)
+    };
+    let writes = [
+        "write -P 0x5a 0 1M",
+        "write -P 0x6b 3M 100k",
+        "write -z 512k 64k",
+    ];
+    let out = ok("qemu-io over TLS", &io("cli", &writes));
+    assert!(!out.contains("failed"), "{out}");
+    let out = ok(
+        "qemu-io over TLS",
+        &io("cli", &["read -P 0x6b 3M 100k", "read -P 0 512k 64k"]),
+    );
+    assert!(!out.contains("failed"), "{out}");
+    // Without TLS: refused during the handshake.
+    let o = qemu_img(dir, &["info", &uri("", &sock)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("TLS"),
+        "plain client: {err}"
+    );
+    // A server certificate from a CA the client does not trust: the client refuses.
+    let o = io("bad", &["read 0 4k"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !o.status.success() || text.contains("failed"),
+        "client of CA 2: {text}"
+    );
+    assert!(
+        !text.contains("read 4096/4096"),
+        "client of CA 2 read data: {text}"
+    );
+    // A client certificate from another CA: the server refuses.
+    let o = io("mixed", &["read 0 4k"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !text.contains("read 4096/4096"),
+        "client certificate of CA 2 got in: {text}"
+    );
+    // The server still serves clients of its CA.
+    let mut info: Vec<String> = vec!["info".into()];
+    info.extend(tls_args(dir, &sock, "cli"));
+    let info: Vec<&str> = info.iter().map(String::as_str).collect();
+    let out = ok("qemu-img info over TLS", &qemu_img(dir, &info));
+    assert!(out.contains("virtual size: 64 MiB"), "{out}");
+    server.stop();
+    let w: Vec<String> = writes.iter().map(|w| w.to_string()).collect();
+    qemu_io(dir, "qcow2", "model.qcow2", &w);
+    assert_check_clean(dir, "a.qcow2");
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
 }

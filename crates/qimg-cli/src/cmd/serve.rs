@@ -1,6 +1,8 @@
 //! `qimg serve --nbd ADDR IMAGE`: exports an image over NBD (the server is
 //! [`qimg_serve::nbd`]), with qemu-nbd's options where they exist.
 //!
+//! With `--tls-creds` every client must run `NBD_OPT_STARTTLS` first.
+//!
 //! The socket is bound to exactly the address given (`unix:PATH` or `HOST:PORT`); at most
 //! `--shared` clients are served at once (more wait in the listen queue, as with qemu-nbd).
 //! Without `--persistent` the server exits once its last client has left. SIGINT and SIGTERM
@@ -14,7 +16,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use qimg::io::Backend;
 use qimg::{CacheOptions, OpenOptions};
-use qimg_serve::nbd::{BoxStream, Export, Shutdown, serve_connection};
+use qimg_serve::nbd::tls::TlsCreds;
+use qimg_serve::nbd::{BoxStream, Export, Shutdown, StartTls, serve_connection};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Semaphore;
@@ -57,6 +60,10 @@ pub struct ServeArgs {
     /// Write the process id to FILE once the socket accepts connections.
     #[arg(long = "pidfile", visible_alias = "pid-file", value_name = "FILE")]
     pub pidfile: Option<PathBuf>,
+    /// Require TLS, with the credentials in DIR (ca-cert.pem, server-cert.pem,
+    /// server-key.pem, as QEMU's tls-creds-x509); clients need a certificate of that CA.
+    #[arg(long = "tls-creds", value_name = "DIR")]
+    pub tls_creds: Option<PathBuf>,
 }
 
 /// Where to listen.
@@ -136,6 +143,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
 }
 
 async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
+    // Credentials first: a mistake there must not leave an image opened for nothing.
+    let tls = match &a.tls_creds {
+        Some(dir) => Some(Arc::new(TlsCreds::from_dir(dir)?) as Arc<dyn StartTls>),
+        None => None,
+    };
     let image = OpenOptions::new()
         .writable(!a.readonly)
         .cache(CacheOptions::default())
@@ -151,6 +163,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.allocation_depth = a.allocation_depth;
     export.writethrough = mode.writethrough;
     export.no_flush = mode.no_flush;
+    export.tls = tls;
     let export = Arc::new(export);
 
     let listener = Listener::bind(&a.nbd)?;

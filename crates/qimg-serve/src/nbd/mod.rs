@@ -22,6 +22,7 @@ pub mod handshake;
 mod host_holes;
 pub mod proto;
 mod status;
+pub mod tls;
 pub mod transmission;
 
 use std::future::Future;
