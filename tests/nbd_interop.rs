@@ -599,3 +599,52 @@ fn tls_is_required_and_only_clients_of_the_ca_get_in() {
     assert_check_clean(dir, "a.qcow2");
     assert_same_content(dir, "a.qcow2", "model.qcow2");
 }
+
+#[test]
+fn without_persistent_the_server_exits_after_its_client_and_leaves_the_image_clean() {
+    let test = "without_persistent_the_server_exits_after_its_client";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-once");
+    let dir = &s.0;
+    create(dir, "a.qcow2", false, None);
+    let (sock, pid) = (s.path("s.sock"), s.path("pid"));
+    let nbd = format!("unix:{}", sock.display());
+    let pid_s = pid.display().to_string();
+    let args = ["serve", "--nbd", &nbd, "--pidfile", &pid_s, "a.qcow2"];
+    let mut server = Server::start(dir, &qimg_bin(), &args, &pid);
+    let text = std::fs::read_to_string(&pid).unwrap();
+    assert_eq!(text.trim(), server.child.id().to_string());
+    qemu_io(
+        dir,
+        "raw",
+        &uri("", &sock),
+        &["write -P 7 100k 300k".into()],
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = server.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the server did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(
+        !sock.exists() && !pid.exists(),
+        "socket or pid file left behind"
+    );
+    assert_check_clean(dir, "a.qcow2");
+    create(dir, "model.qcow2", false, None);
+    qemu_io(
+        dir,
+        "qcow2",
+        "model.qcow2",
+        &["write -P 7 100k 300k".into()],
+    );
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
+}

@@ -300,3 +300,18 @@ async fn sixteen_clients_with_mixed_requests_leave_the_image_as_the_model() {
     img.read(&mut all, 0).await.unwrap();
     assert!(all == model, "the image differs from the model");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_idles_in_the_handshake_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = make_image(dir.path(), "a.qcow2", MIB, true);
+    let export = export(&path).await;
+    let mut c = connect_raw(export.clone(), 1 << 20);
+    c.greet().await;
+    let start = std::time::Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(30), c.server)
+        .await
+        .unwrap();
+    assert!(matches!(end.unwrap(), Err(Error::HandshakeTimeout(_))));
+    assert!(start.elapsed() >= qimg_serve::nbd::HANDSHAKE_TIMEOUT - Duration::from_secs(1));
+}

@@ -41,6 +41,10 @@ pub const MAX_IN_FLIGHT: usize = 64;
 /// Payload bytes (write data received, read data to send) one connection may hold at once.
 pub const IN_FLIGHT_BYTES: usize = 64 << 20;
 
+/// How long a client may take from connecting to choosing an export (as qemu-nbd's
+/// default handshake limit): a client that idles cannot hold a `--shared` slot forever.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A byte stream the server can run on (a socket, an in-memory pipe, a TLS session).
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
@@ -102,6 +106,9 @@ pub enum Error {
         /// [`proto::MAX_PAYLOAD`].
         max: u32,
     },
+    /// The client did not finish the handshake within [`HANDSHAKE_TIMEOUT`].
+    #[error("the client did not finish the handshake within {0:?}")]
+    HandshakeTimeout(std::time::Duration),
     /// The TLS handshake failed.
     #[error("TLS handshake: {0}")]
     Tls(io::Error),
@@ -202,7 +209,10 @@ pub async fn serve_connection<S: Storage + 'static>(
     export: Arc<Export<S>>,
     shutdown: Shutdown,
 ) -> Result<(), Error> {
-    match handshake::negotiate(stream, &export).await? {
+    let negotiated = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::negotiate(stream, &export))
+        .await
+        .map_err(|_| Error::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    match negotiated {
         None => Ok(()),
         Some((stream, negotiated)) => transmission::run(stream, export, negotiated, shutdown).await,
     }
