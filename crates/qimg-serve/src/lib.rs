@@ -1,7 +1,7 @@
 //! Exports of qcow2 images built on the [`qimg`] engine.
 //!
 //! [`nbd`] is a Network Block Device server: the fixed newstyle handshake, structured
-//! replies, `base:allocation` and `qemu:allocation-depth` block status, requests of one
+//! replies, extended headers, TLS, `base:allocation` and `qemu:allocation-depth` block status, requests of one
 //! connection running concurrently on the shared [`qimg::Image`]. It runs over any tokio
 //! stream, so that tests and fuzzers drive it in memory and the `qimg serve --nbd` command
 //! over unix or TCP sockets.

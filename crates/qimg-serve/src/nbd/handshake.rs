@@ -18,8 +18,10 @@ const MAX_OPTIONS: usize = 4096;
 /// What the client negotiated for the transmission phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Negotiated {
-    /// Structured replies (`NBD_OPT_STRUCTURED_REPLY`).
+    /// Structured replies (`NBD_OPT_STRUCTURED_REPLY`, or implied by extended headers).
     pub structured: bool,
+    /// Extended headers (`NBD_OPT_EXTENDED_HEADERS`): 64-bit lengths, no simple replies.
+    pub extended: bool,
     /// `base:allocation` was selected.
     pub base_allocation: bool,
     /// `qemu:allocation-depth` was selected.
@@ -104,6 +106,7 @@ pub async fn negotiate<S: Storage + 'static>(
     let no_zeroes = client & FLAG_C_NO_ZEROES != 0;
     let mut tls_active = false;
     let mut structured = false;
+    let mut extended = false;
     let mut selected = Selected::default();
     for _ in 0..MAX_OPTIONS {
         let magic = s.read_u64().await?;
@@ -158,9 +161,15 @@ pub async fn negotiate<S: Storage + 'static>(
                 tls_active = true;
                 // What was negotiated before TLS does not carry over.
                 structured = false;
+                extended = false;
                 selected = Selected::default();
             }
             OPT_EXPORT_NAME => {
+                // Clients that negotiated extended headers must use GO (the reply of
+                // EXPORT_NAME cannot report errors).
+                if extended {
+                    return Err(Error::ExportNameWithExtendedHeaders);
+                }
                 if data != export.name.as_bytes() {
                     return Err(Error::UnknownExport(
                         String::from_utf8_lossy(&data).into_owned(),
@@ -174,7 +183,10 @@ pub async fn negotiate<S: Storage + 'static>(
                 }
                 s.write_all(&m).await?;
                 s.flush().await?;
-                return Ok(Some((s, negotiated(structured, &selected, &export.name))));
+                return Ok(Some((
+                    s,
+                    negotiated(structured, false, &selected, &export.name),
+                )));
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -204,9 +216,26 @@ pub async fn negotiate<S: Storage + 'static>(
                 structured = true;
                 reply(&mut s, option, REP_ACK, &[]).await?;
             }
+            OPT_EXTENDED_HEADERS => {
+                if !data.is_empty() {
+                    error(
+                        &mut s,
+                        option,
+                        REP_ERR_INVALID,
+                        "EXTENDED_HEADERS carries no data",
+                    )
+                    .await?;
+                    continue;
+                }
+                // Extended headers include structured replies.
+                structured = true;
+                extended = true;
+                reply(&mut s, option, REP_ACK, &[]).await?;
+            }
             OPT_INFO | OPT_GO => {
                 if info(&mut s, option, &data, export, structured).await? {
-                    return Ok(Some((s, negotiated(structured, &selected, &export.name))));
+                    let n = negotiated(structured, extended, &selected, &export.name);
+                    return Ok(Some((s, n)));
                 }
             }
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
@@ -222,10 +251,11 @@ pub async fn negotiate<S: Storage + 'static>(
 }
 
 /// The contexts kept for the transmission: only those selected for the export chosen.
-fn negotiated(structured: bool, selected: &Selected, name: &str) -> Negotiated {
+fn negotiated(structured: bool, extended: bool, selected: &Selected, name: &str) -> Negotiated {
     let same = selected.export == name;
     Negotiated {
         structured,
+        extended,
         base_allocation: structured && same && selected.base,
         allocation_depth: structured && same && selected.depth,
     }

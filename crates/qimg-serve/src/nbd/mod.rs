@@ -8,6 +8,9 @@
 //! time: a client that stops reading replies stops the server reading its requests, and
 //! nothing more is buffered for it.
 //!
+//! Extended headers (`NBD_OPT_EXTENDED_HEADERS`) are offered: 32-byte requests and replies,
+//! 64-bit effect lengths for trim, write-zeroes and block status (`BLOCK_STATUS_EXT`).
+//!
 //! Choices the specification leaves open:
 //! - `NBD_CMD_WRITE_ZEROES` without `NO_HOLE` is [`Image::write_zeroes`] (whole subclusters
 //!   change metadata only, partial ones are written: bounded work whatever the length), so
@@ -17,6 +20,9 @@
 //! - `CAN_MULTI_CONN` is advertised: every connection works on the one shared image, so a
 //!   flush on any of them flushes everything any of them wrote.
 //! - The minimum block size is 1: the engine takes requests of any alignment.
+//! - With extended headers a `WRITE` without `NBD_CMD_FLAG_PAYLOAD_LEN` still carries its
+//!   payload (QEMU's client sends it so, and qemu-nbd accepts it).
+//! - Block status answers at most 1 GiB per request (the client asks again for the rest).
 
 pub mod handshake;
 mod host_holes;
@@ -98,11 +104,14 @@ pub enum Error {
     /// `NBD_OPT_EXPORT_NAME` before TLS on a server that requires it.
     #[error("the client asked for an export without TLS on a server that requires TLS")]
     TlsRequired,
+    /// `NBD_OPT_EXPORT_NAME` after `NBD_OPT_EXTENDED_HEADERS`, which the protocol forbids.
+    #[error("the client asked for an export by NBD_OPT_EXPORT_NAME after extended headers")]
+    ExportNameWithExtendedHeaders,
     /// A write payload over the maximum cannot be skipped safely: the connection is closed.
     #[error("the client sent a write of {len} bytes, over the maximum of {max}")]
     PayloadTooBig {
         /// The request's length.
-        len: u32,
+        len: u64,
         /// [`proto::MAX_PAYLOAD`].
         max: u32,
     },

@@ -36,6 +36,9 @@ pub const OPT_LIST_META_CONTEXT: u32 = 9;
 /// `NBD_OPT_SET_META_CONTEXT`.
 pub const OPT_SET_META_CONTEXT: u32 = 10;
 
+/// `NBD_OPT_EXTENDED_HEADERS`.
+pub const OPT_EXTENDED_HEADERS: u32 = 11;
+
 /// `NBD_REP_ACK`.
 pub const REP_ACK: u32 = 1;
 /// `NBD_REP_SERVER`.
@@ -90,6 +93,10 @@ pub const TF_SEND_FAST_ZERO: u16 = 1 << 11;
 
 /// Magic of a (compact) request.
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+/// Magic of an extended request (after `NBD_OPT_EXTENDED_HEADERS`).
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+/// Magic of an extended reply chunk.
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 /// Magic of a simple reply.
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 /// Magic of a structured reply chunk.
@@ -123,6 +130,9 @@ pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 /// Command flag `NBD_CMD_FLAG_FAST_ZERO`.
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
+/// Command flag `NBD_CMD_FLAG_PAYLOAD_LEN` (extended headers: `length` is a payload).
+pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
+
 /// Structured reply flag `NBD_REPLY_FLAG_DONE`.
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 /// `NBD_REPLY_TYPE_NONE`.
@@ -133,6 +143,8 @@ pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 /// `NBD_REPLY_TYPE_BLOCK_STATUS`.
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+/// `NBD_REPLY_TYPE_BLOCK_STATUS_EXT` (extended headers).
+pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 /// `NBD_REPLY_TYPE_ERROR`.
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 

@@ -37,7 +37,10 @@ struct Request {
     kind: u16,
     handle: u64,
     offset: u64,
-    len: u32,
+    /// Payload length (WRITE) or effect length; 64 bits with extended headers.
+    len: u64,
+    /// The request carries `len` bytes of payload.
+    carries: bool,
 }
 
 type Writer = Arc<Mutex<WriteHalf<BoxStream>>>;
@@ -57,11 +60,12 @@ pub async fn run<S: Storage + 'static>(
     let mut tasks = JoinSet::new();
     let result = loop {
         while tasks.try_join_next().is_some() {}
-        let mut hdr = [0u8; 28];
+        let mut hdr = [0u8; 32];
+        let size = if neg.extended { 32 } else { 28 };
         let got = tokio::select! {
             biased;
             _ = shutdown.wait() => break Ok(()),
-            r = read_header(&mut rd, &mut hdr) => r,
+            r = read_header(&mut rd, &mut hdr[..size]) => r,
         };
         match got {
             Ok(true) => {}
@@ -69,33 +73,48 @@ pub async fn run<S: Storage + 'static>(
             Err(e) => break Err(e),
         }
         let magic = u32::from_be_bytes(hdr[0..4].try_into().unwrap_or_default());
-        if magic != REQUEST_MAGIC {
+        let expected = if neg.extended {
+            EXTENDED_REQUEST_MAGIC
+        } else {
+            REQUEST_MAGIC
+        };
+        if magic != expected {
             break Err(Error::BadMagic {
                 found: magic.into(),
-                expected: REQUEST_MAGIC.into(),
+                expected: expected.into(),
             });
         }
+        let flags = u16::from_be_bytes([hdr[4], hdr[5]]);
+        let kind = u16::from_be_bytes([hdr[6], hdr[7]]);
+        let len = if neg.extended {
+            u64::from_be_bytes(hdr[24..32].try_into().unwrap_or_default())
+        } else {
+            u32::from_be_bytes(hdr[24..28].try_into().unwrap_or_default()).into()
+        };
         let req = Request {
-            flags: u16::from_be_bytes([hdr[4], hdr[5]]),
-            kind: u16::from_be_bytes([hdr[6], hdr[7]]),
+            flags,
+            kind,
             handle: u64::from_be_bytes(hdr[8..16].try_into().unwrap_or_default()),
             offset: u64::from_be_bytes(hdr[16..24].try_into().unwrap_or_default()),
-            len: u32::from_be_bytes(hdr[24..28].try_into().unwrap_or_default()),
+            len,
+            // WRITE always has its payload: the specification asks clients to flag it with
+            // extended headers, but QEMU's client does not, and qemu-nbd accepts that too.
+            carries: kind == CMD_WRITE || neg.extended && flags & CMD_FLAG_PAYLOAD_LEN != 0,
         };
         if req.kind == CMD_DISC {
             break Ok(());
         }
-        let carries = req.kind == CMD_WRITE;
-        if carries && req.len > MAX_PAYLOAD {
+        if req.carries && req.len > u64::from(MAX_PAYLOAD) {
             // The payload cannot be skipped safely: answer, then close.
-            let _ = send(&wr, &simple(req.handle, EINVAL, &[])).await;
+            let reply = error_reply(neg, req, EINVAL, "payload over the maximum");
+            let _ = send(&wr, &reply).await;
             break Err(Error::PayloadTooBig {
                 len: req.len,
                 max: MAX_PAYLOAD,
             });
         }
-        let buffered = if carries || req.kind == CMD_READ {
-            req.len.min(MAX_PAYLOAD) as usize
+        let buffered = if req.carries || req.kind == CMD_READ {
+            req.len.min(MAX_PAYLOAD.into()) as usize
         } else {
             0
         };
@@ -108,7 +127,7 @@ pub async fn run<S: Storage + 'static>(
             break Ok(());
         };
         let mut payload = Vec::new();
-        if carries {
+        if req.carries {
             payload = vec![0u8; buffered];
             if let Err(e) = rd.read_exact(&mut payload).await {
                 break Err(e.into());
@@ -140,7 +159,7 @@ pub async fn run<S: Storage + 'static>(
 }
 
 /// Reads a request header. `Ok(false)`: the client closed the connection between requests.
-async fn read_header(rd: &mut ReadHalf<BoxStream>, hdr: &mut [u8; 28]) -> Result<bool, Error> {
+async fn read_header(rd: &mut ReadHalf<BoxStream>, hdr: &mut [u8]) -> Result<bool, Error> {
     let n = rd.read(&mut hdr[..]).await?;
     if n == 0 {
         return Ok(false);
@@ -155,6 +174,17 @@ async fn send(wr: &Writer, bytes: &[u8]) -> io::Result<()> {
     w.flush().await
 }
 
+/// A successful reply without data: simple, or a `NONE` chunk with extended headers
+/// (which forbid simple replies).
+fn success(neg: Negotiated, req: Request) -> Vec<u8> {
+    if neg.extended {
+        let mut m = Vec::with_capacity(32);
+        chunk(&mut m, neg, req, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0);
+        return m;
+    }
+    simple(req.handle, 0, &[])
+}
+
 /// A simple reply.
 fn simple(handle: u64, error: u32, data: &[u8]) -> Vec<u8> {
     let mut m = Vec::with_capacity(16 + data.len());
@@ -165,25 +195,37 @@ fn simple(handle: u64, error: u32, data: &[u8]) -> Vec<u8> {
     m
 }
 
-/// Appends a structured reply chunk header (the payload follows).
-fn chunk(m: &mut Vec<u8>, flags: u16, kind: u16, handle: u64, len: u32) {
-    m.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+/// Appends a structured (or, with extended headers, extended) reply chunk header for the
+/// reply to `req`; the `len` bytes of payload follow. Payloads are at most
+/// [`MAX_PAYLOAD`] plus a few headers, so they fit the 32-bit length of structured replies.
+fn chunk(m: &mut Vec<u8>, neg: Negotiated, req: Request, flags: u16, kind: u16, len: usize) {
+    let magic = if neg.extended {
+        EXTENDED_REPLY_MAGIC
+    } else {
+        STRUCTURED_REPLY_MAGIC
+    };
+    m.extend_from_slice(&magic.to_be_bytes());
     m.extend_from_slice(&flags.to_be_bytes());
     m.extend_from_slice(&kind.to_be_bytes());
-    m.extend_from_slice(&handle.to_be_bytes());
-    m.extend_from_slice(&len.to_be_bytes());
+    m.extend_from_slice(&req.handle.to_be_bytes());
+    if neg.extended {
+        m.extend_from_slice(&req.offset.to_be_bytes());
+        m.extend_from_slice(&(len as u64).to_be_bytes());
+    } else {
+        m.extend_from_slice(&(len as u32).to_be_bytes());
+    }
 }
 
 /// The error reply: an error chunk for commands that answer in chunks, else simple.
 fn error_reply(neg: Negotiated, req: Request, errno: u32, msg: &str) -> Vec<u8> {
-    let chunked = neg.structured && matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS);
+    let chunked = neg.extended || neg.structured && matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS);
     if !chunked {
         return simple(req.handle, errno, &[]);
     }
     let msg = &msg.as_bytes()[..msg.len().min(MAX_STRING)];
     let mut m = Vec::new();
-    let len = 6 + msg.len() as u32;
-    chunk(&mut m, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, req.handle, len);
+    let len = 6 + msg.len();
+    chunk(&mut m, neg, req, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, len);
     m.extend_from_slice(&errno.to_be_bytes());
     m.extend_from_slice(&(msg.len() as u16).to_be_bytes());
     m.extend_from_slice(msg);
@@ -226,6 +268,12 @@ fn check<S: Storage + 'static>(
         CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
         other => return Err((EINVAL, format!("unknown command {other}"))),
     };
+    // With extended headers every command may announce a payload; only WRITE has one.
+    let allowed = if neg.extended {
+        allowed | CMD_FLAG_PAYLOAD_LEN
+    } else {
+        allowed
+    };
     if req.flags & !allowed != 0 {
         let msg = format!(
             "flags {:#x} are not valid for command {}",
@@ -233,11 +281,15 @@ fn check<S: Storage + 'static>(
         );
         return Err((EINVAL, msg));
     }
+    if req.carries && req.kind != CMD_WRITE {
+        let msg = format!("command {} does not take a payload", req.kind);
+        return Err((EINVAL, msg));
+    }
     let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
     if writes && export.read_only {
         return Err((EPERM, "the export is read-only".into()));
     }
-    if req.kind == CMD_READ && req.len > MAX_PAYLOAD {
+    if req.kind == CMD_READ && req.len > u64::from(MAX_PAYLOAD) {
         let msg = format!(
             "read of {} bytes is over the maximum of {MAX_PAYLOAD}",
             req.len
@@ -247,7 +299,7 @@ fn check<S: Storage + 'static>(
     let size = export.image.size();
     let inside = req
         .offset
-        .checked_add(req.len.into())
+        .checked_add(req.len)
         .is_some_and(|end| end <= size);
     if req.kind != CMD_FLUSH && !inside {
         let msg = format!(
@@ -291,7 +343,7 @@ async fn execute<S: Storage + 'static>(
     }
     let img = &export.image;
     let fua = req.flags & CMD_FLAG_FUA != 0 || export.writethrough;
-    let (offset, len) = (req.offset, u64::from(req.len));
+    let (offset, len) = (req.offset, req.len);
     let done = match req.kind {
         CMD_READ => return read(img, neg, req).await,
         CMD_BLOCK_STATUS => return block_status(img, neg, req).await,
@@ -299,7 +351,8 @@ async fn execute<S: Storage + 'static>(
         CMD_FLUSH if export.no_flush => Ok(()),
         CMD_FLUSH => img.flush().await,
         CMD_TRIM => img.discard(offset, len).await,
-        CMD_CACHE => img.map(offset, len).await.map(drop),
+        // Advisory: the first span only, so that the mapping stays bounded.
+        CMD_CACHE => img.map(offset, len.min(MAX_STATUS_SPAN)).await.map(drop),
         CMD_WRITE_ZEROES if req.flags & CMD_FLAG_NO_HOLE != 0 => {
             write_zeros_as_data(img, offset, len).await
         }
@@ -312,7 +365,7 @@ async fn execute<S: Storage + 'static>(
         other => other,
     };
     match done {
-        Ok(()) => simple(req.handle, 0, &[]),
+        Ok(()) => success(neg, req),
         Err(e) => error_reply(neg, req, errno(&e), &e.to_string()),
     }
 }
@@ -344,7 +397,7 @@ async fn read<S: Storage + 'static>(img: &Image<S>, neg: Negotiated, req: Reques
     }
     if buf.is_empty() {
         let mut m = Vec::new();
-        chunk(&mut m, REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.handle, 0);
+        chunk(&mut m, neg, req, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0);
         return m;
     }
     // Which parts read as zeros without being data (holes); data everywhere with DF.
@@ -352,10 +405,10 @@ async fn read<S: Storage + 'static>(img: &Image<S>, neg: Negotiated, req: Reques
     let map = if req.flags & CMD_FLAG_DF != 0 {
         None
     } else {
-        img.map(req.offset, req.len.into()).await.ok()
+        img.map(req.offset, req.len).await.ok()
     };
     match map {
-        None => pieces.push((req.offset, req.len.into(), false)),
+        None => pieces.push((req.offset, req.len, false)),
         Some(extents) => {
             for e in extents {
                 let hole = match e.kind {
@@ -375,19 +428,14 @@ async fn read<S: Storage + 'static>(img: &Image<S>, neg: Negotiated, req: Reques
     for (i, (start, length, hole)) in pieces.into_iter().enumerate() {
         let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
         if hole {
-            chunk(&mut m, flags, REPLY_TYPE_OFFSET_HOLE, req.handle, 12);
+            chunk(&mut m, neg, req, flags, REPLY_TYPE_OFFSET_HOLE, 12);
             m.extend_from_slice(&start.to_be_bytes());
             m.extend_from_slice(&(length as u32).to_be_bytes());
         } else {
             let from = (start - req.offset) as usize;
             let data = &buf[from..from + length as usize];
-            chunk(
-                &mut m,
-                flags,
-                REPLY_TYPE_OFFSET_DATA,
-                req.handle,
-                8 + length as u32,
-            );
+            let len = 8 + length as usize;
+            chunk(&mut m, neg, req, flags, REPLY_TYPE_OFFSET_DATA, len);
             m.extend_from_slice(&start.to_be_bytes());
             m.extend_from_slice(data);
         }
@@ -401,7 +449,7 @@ async fn block_status<S: Storage + 'static>(
     neg: Negotiated,
     req: Request,
 ) -> Vec<u8> {
-    let len = u64::from(req.len).min(MAX_STATUS_SPAN);
+    let len = req.len.min(MAX_STATUS_SPAN);
     let mut runs: Vec<Run> = Vec::new();
     if let Err(e) = status::layer(img, 1, req.offset, len, &mut runs).await {
         return error_reply(neg, req, errno(&e), &e.to_string());
@@ -421,13 +469,24 @@ async fn block_status<S: Storage + 'static>(
             descs.truncate(1);
         }
         let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
-        let len = 4 + 8 * descs.len() as u32;
-        chunk(&mut m, flags, REPLY_TYPE_BLOCK_STATUS, req.handle, len);
-        m.extend_from_slice(&id.to_be_bytes());
-        for (length, value) in descs {
-            // Each run is within MAX_STATUS_SPAN (1 GiB), so it fits a u32.
-            m.extend_from_slice(&(length as u32).to_be_bytes());
-            m.extend_from_slice(&value.to_be_bytes());
+        if neg.extended {
+            let len = 8 + 16 * descs.len();
+            chunk(&mut m, neg, req, flags, REPLY_TYPE_BLOCK_STATUS_EXT, len);
+            m.extend_from_slice(&id.to_be_bytes());
+            m.extend_from_slice(&(descs.len() as u32).to_be_bytes());
+            for (length, value) in descs {
+                m.extend_from_slice(&length.to_be_bytes());
+                m.extend_from_slice(&u64::from(value).to_be_bytes());
+            }
+        } else {
+            let len = 4 + 8 * descs.len();
+            chunk(&mut m, neg, req, flags, REPLY_TYPE_BLOCK_STATUS, len);
+            m.extend_from_slice(&id.to_be_bytes());
+            for (length, value) in descs {
+                // Each run is within MAX_STATUS_SPAN (1 GiB), so it fits a u32.
+                m.extend_from_slice(&(length as u32).to_be_bytes());
+                m.extend_from_slice(&value.to_be_bytes());
+            }
         }
     }
     m
