@@ -377,3 +377,26 @@ async fn extended_headers_carry_64_bit_lengths_and_never_simple_replies() {
     export.image.close().await.unwrap();
     assert_clean(&path);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_a_connection_after_its_requests() {
+    use qimg_serve::nbd::{Shutdown, serve_connection};
+    let dir = tempfile::tempdir().unwrap();
+    let path = make_image(dir.path(), "a.qcow2", MIB, true);
+    let export = export(&path).await;
+    let (stop, shutdown) = Shutdown::new();
+    let (cs, ss) = tokio::io::duplex(1 << 20);
+    let server = tokio::spawn(serve_connection(Box::new(ss), export.clone(), shutdown));
+    let mut c = Client {
+        s: cs,
+        server,
+        structured: false,
+    };
+    c.go("", false, &[]).await;
+    assert_eq!(c.call(CMD_WRITE, 0, 0, 5, b"hello").await.error, 0);
+    stop.send(true).unwrap();
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), c.server).await;
+    end.expect("the connection did not end").unwrap().unwrap();
+    export.image.close().await.unwrap();
+    assert_clean(&path);
+}
