@@ -69,7 +69,7 @@ bench() {
     local out secs
     out=$(qemu-img bench -f raw -c "$COUNT" -s 4096 "$@" "nbd+unix:///?socket=$sock")
     secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds\./\1/p' <<<"$out")
-    awk -v c="$COUNT" -v s="$secs" 'BEGIN { printf "%d", c / s }'
+    awk -v c="$COUNT" -v s="$secs" 'BEGIN { printf "%d\n", c / s }'
 }
 
 best() { sort -n | tail -1; }
