@@ -423,6 +423,17 @@ async fn read<S: Storage + 'static>(img: &Image<S>, neg: Negotiated, req: Reques
             }
         }
     }
+    // The chunks must tile the request exactly (and index `buf` safely): if the mapping did
+    // not, send everything as one data chunk rather than a wrong reply.
+    let mut at = req.offset;
+    let tiles = pieces.iter().all(|&(start, length, _)| {
+        let ok = start == at && length > 0;
+        at = start.saturating_add(length);
+        ok
+    });
+    if !tiles || at != req.offset + req.len {
+        pieces = vec![(req.offset, req.len, false)];
+    }
     let mut m = Vec::with_capacity(buf.len() + 32 * pieces.len() + 32);
     let last = pieces.len() - 1;
     for (i, (start, length, hole)) in pieces.into_iter().enumerate() {
