@@ -648,3 +648,47 @@ fn without_persistent_the_server_exits_after_its_client_and_leaves_the_image_cle
     );
     assert_same_content(dir, "a.qcow2", "model.qcow2");
 }
+
+#[test]
+fn tcp_exports_bind_the_address_given() {
+    let test = "tcp_exports_bind_the_address_given";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-tcp");
+    let dir = &s.0;
+    create(dir, "a.qcow2", true, None);
+    // A free loopback port (the kernel's choice; released just before the server binds it).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let pid = s.path("pid");
+    let pid_s = pid.display().to_string();
+    let args = [
+        "serve",
+        "--nbd",
+        &addr,
+        "--persistent",
+        "--pidfile",
+        &pid_s,
+        "-x",
+        "t",
+        "a.qcow2",
+    ];
+    let server = Server::start(dir, &qimg_bin(), &args, &pid);
+    let url = format!("nbd://127.0.0.1:{port}/t");
+    qemu_io(
+        dir,
+        "raw",
+        &url,
+        &["write -P 0x77 0 64k".into(), "read -P 0x77 0 64k".into()],
+    );
+    server.stop();
+    assert_check_clean(dir, "a.qcow2");
+    create(dir, "model.qcow2", true, None);
+    qemu_io(dir, "qcow2", "model.qcow2", &["write -P 0x77 0 64k".into()]);
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
+}

@@ -155,7 +155,13 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
         .backend(backend)
         .open(&a.image)
         .await
-        .map_err(|e| anyhow!("Could not open '{}': {e}", a.image.display()))?;
+        .map_err(|e| {
+            // The library's error starts with the file name, which qemu's wording already has.
+            let e = e.to_string();
+            let prefix = format!("{}: ", a.image.display());
+            let e = e.strip_prefix(&prefix).unwrap_or(&e);
+            anyhow!("Could not open '{}': {e}", a.image.display())
+        })?;
     let mut export = Export::new(image.clone());
     export.name = a.export_name.clone();
     export.description = a.description.clone();
