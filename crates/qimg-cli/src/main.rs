@@ -48,6 +48,8 @@ enum Command {
     Convert(cmd::convert::ConvertArgs),
     /// Measure I/O performance: `qimg bench [-c COUNT] [-d DEPTH] [-w] ... FILE`
     Bench(cmd::bench::BenchArgs),
+    /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,5 +61,6 @@ fn main() -> ExitCode {
         Command::Map(a) => exit_status(cmd::map::run(a)),
         Command::Convert(a) => exit_status(cmd::convert::run(a)),
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
+        Command::Serve(a) => exit_status(cmd::serve::run(a)),
     }
 }

@@ -6,3 +6,4 @@ pub mod convert;
 pub mod create;
 pub mod info;
 pub mod map;
+pub mod serve;

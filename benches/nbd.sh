@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# qimg serve --nbd vs qemu-nbd: qemu-img bench through nbd+unix:// against each server
+# exporting the same image, as ratios.
+#
+#   benches/nbd.sh
+#   COUNT=100000 REPS=5 benches/nbd.sh
+#
+# Rows (4 KiB requests, both servers with -t none, i.e. O_DIRECT on the image file):
+#   read  QD1 / QD32   scattered reads of a fully written image: qemu-img bench has no random
+#                      mode, so requests walk the disk with a stride of 7 MiB + 4 KiB
+#                      (wrapping), which touches every L2 table and defeats readahead
+#   write QD1 / QD32   allocating writes to an empty image, one per 64 KiB cluster (stride
+#                      68 KiB); the image is made afresh before every run
+#
+# Columns: IOPS through qimg serve, through qemu-nbd, and qimg / qemu-nbd (> 1: qimg is
+# faster). Each cell is the best of REPS runs (the machine is shared; interference only
+# slows a run down).
+#
+# Environment: QIMG (binary; default: build target/release/qimg), BENCH_DIR (scratch; default
+# a fresh directory under ${TMPDIR:-/var/tmp}, removed at the end unless KEEP=1), SIZE
+# (image size, 1G), COUNT (requests per run, 50000), REPS (3).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+SIZE=${SIZE:-1G}
+COUNT=${COUNT:-50000}
+REPS=${REPS:-3}
+for tool in qemu-img qemu-io qemu-nbd; do
+    command -v "$tool" >/dev/null || { echo "$tool not found (install qemu-utils)" >&2; exit 1; }
+done
+if [[ -z "${QIMG:-}" ]]; then
+    (cd "$here" && cargo build --release -q -p qimg-cli)
+    QIMG=$here/target/release/qimg
+fi
+dir=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/var/tmp}/qimg-nbd-bench.XXXXXX")}
+mkdir -p "$dir"
+server_pid=
+cleanup() {
+    [[ -n "$server_pid" ]] && kill "$server_pid" 2>/dev/null || true
+    [[ "${KEEP:-0}" == 1 ]] || rm -rf "$dir"
+}
+trap cleanup EXIT
+
+sock=$dir/s.sock
+pidfile=$dir/server.pid
+
+# start_server qimg|qemu IMAGE: serves IMAGE on $sock and waits until it accepts.
+start_server() {
+    rm -f "$sock" "$pidfile"
+    case $1 in
+    qimg) "$QIMG" serve --nbd "unix:$sock" -t none --persistent --pidfile "$pidfile" "$2" & ;;
+    qemu) qemu-nbd --socket="$sock" --format=qcow2 --cache=none --persistent \
+            --pid-file="$pidfile" "$2" & ;;
+    esac
+    server_pid=$!
+    for _ in $(seq 200); do [[ -s "$pidfile" ]] && return; sleep 0.05; done
+    echo "$1 server did not start" >&2
+    exit 1
+}
+
+stop_server() {
+    kill -TERM "$server_pid"
+    wait "$server_pid" || true
+    server_pid=
+}
+
+# bench ARGS...: IOPS of one qemu-img bench run through the export.
+bench() {
+    local out secs
+    out=$(qemu-img bench -f raw -c "$COUNT" -s 4096 "$@" "nbd+unix:///?socket=$sock")
+    secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds\./\1/p' <<<"$out")
+    awk -v c="$COUNT" -v s="$secs" 'BEGIN { printf "%d\n", c / s }'
+}
+
+best() { sort -n | tail -1; }
+
+full=$dir/full.qcow2
+qemu-img create -q -f qcow2 "$full" "$SIZE"
+qemu-io -f qcow2 -c "write -P 0x5a 0 $SIZE" "$full" >/dev/null
+
+read_row() { # SERVER DEPTH
+    start_server "$1" "$full"
+    for _ in $(seq "$REPS"); do bench -d "$2" -S $((7 * 1048576 + 4096)); done | best
+    stop_server
+}
+
+write_row() { # SERVER DEPTH
+    for _ in $(seq "$REPS"); do
+        qemu-img create -q -f qcow2 "$dir/empty.qcow2" "$SIZE"
+        start_server "$1" "$dir/empty.qcow2"
+        bench -w -d "$2" -S $((68 * 1024))
+        stop_server
+    done | best
+}
+
+printf '%-14s %12s %12s %8s\n' row "qimg IOPS" "qemu-nbd" ratio
+for kind in read write; do
+    for depth in 1 32; do
+        q=$(${kind}_row qimg "$depth")
+        n=$(${kind}_row qemu "$depth")
+        r=$(awk -v a="$q" -v b="$n" 'BEGIN { printf "%.2f", a / b }')
+        printf '%-14s %12s %12s %8s\n' "$kind QD$depth" "$q" "$n" "$r"
+    done
+done

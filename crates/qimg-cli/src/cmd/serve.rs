@@ -1,0 +1,234 @@
+//! `qimg serve --nbd ADDR IMAGE`: exports an image over NBD (the server is
+//! [`qimg_serve::nbd`]), with qemu-nbd's options where they exist.
+//!
+//! With `--tls-creds` every client must run `NBD_OPT_STARTTLS` first.
+//!
+//! The socket is bound to exactly the address given (`unix:PATH` or `HOST:PORT`); at most
+//! `--shared` clients are served at once (more wait in the listen queue, as with qemu-nbd).
+//! Without `--persistent` the server exits once its last client has left. SIGINT and SIGTERM
+//! stop accepting, let the connections finish their requests in flight, then flush and close
+//! the image so that it is left clean.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use qimg::io::Backend;
+use qimg::{CacheOptions, OpenOptions};
+use qimg_serve::nbd::tls::TlsCreds;
+use qimg_serve::nbd::{BoxStream, Export, Shutdown, StartTls, serve_connection};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::cache_mode::CacheMode;
+
+/// `qimg serve` arguments.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Serve NBD on ADDR: `unix:PATH` or `HOST:PORT`.
+    #[arg(long = "nbd", value_name = "ADDR")]
+    pub nbd: String,
+    /// The qcow2 image to export.
+    pub image: PathBuf,
+    /// The export name clients ask for.
+    #[arg(short = 'x', long = "export-name", default_value = "")]
+    pub export_name: String,
+    /// A description sent to clients that ask for it.
+    #[arg(short = 'D', long = "description")]
+    pub description: Option<String>,
+    /// Export read-only (writes fail with EPERM).
+    #[arg(short = 'r', long = "readonly", visible_alias = "read-only")]
+    pub readonly: bool,
+    /// Clients served at once.
+    #[arg(short = 'e', long = "shared", default_value_t = 1)]
+    pub shared: usize,
+    /// Keep serving after the last client left.
+    #[arg(long = "persistent")]
+    pub persistent: bool,
+    /// Cache mode (none, writeback, writethrough, directsync, unsafe).
+    #[arg(short = 't', long = "cache")]
+    pub cache: Option<String>,
+    /// I/O backend (threads, io_uring; native means io_uring and needs O_DIRECT).
+    #[arg(short = 'i', long = "aio")]
+    pub aio: Option<String>,
+    /// Offer the qemu:allocation-depth metadata context.
+    #[arg(short = 'A', long = "allocation-depth")]
+    pub allocation_depth: bool,
+    /// Write the process id to FILE once the socket accepts connections.
+    #[arg(long = "pidfile", visible_alias = "pid-file", value_name = "FILE")]
+    pub pidfile: Option<PathBuf>,
+    /// Require TLS, with the credentials in DIR (ca-cert.pem, server-cert.pem,
+    /// server-key.pem, as QEMU's tls-creds-x509); clients need a certificate of that CA.
+    #[arg(long = "tls-creds", value_name = "DIR")]
+    pub tls_creds: Option<PathBuf>,
+}
+
+/// Where to listen.
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    fn bind(addr: &str) -> Result<Self> {
+        if let Some(path) = addr.strip_prefix("unix:") {
+            if path.is_empty() {
+                bail!("--nbd unix: needs a socket path");
+            }
+            let l = UnixListener::bind(path)
+                .with_context(|| format!("cannot listen on unix socket '{path}'"))?;
+            return Ok(Listener::Unix(l, PathBuf::from(path)));
+        }
+        let std = std::net::TcpListener::bind(addr).with_context(|| {
+            format!("cannot listen on '{addr}' (expected unix:PATH or HOST:PORT)")
+        })?;
+        std.set_nonblocking(true)?;
+        Ok(Listener::Tcp(TcpListener::from_std(std)?))
+    }
+
+    async fn accept(&self) -> std::io::Result<BoxStream> {
+        Ok(match self {
+            Listener::Unix(l, _) => Box::new(l.accept().await?.0),
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                s.set_nodelay(true)?;
+                Box::new(s)
+            }
+        })
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The storage backend of `-i`, checked against the cache mode as qemu does.
+fn backend(aio: Option<&str>, mode: &CacheMode) -> Result<Backend> {
+    match aio {
+        None | Some("threads") => Ok(Backend::Threads),
+        Some("io_uring") => Ok(Backend::IoUring),
+        Some("native") if mode.direct => Ok(Backend::IoUring),
+        Some("native") => bail!("aio=native was specified, but it requires cache.direct=on"),
+        Some(other) => bail!("Invalid aio option: {other}"),
+    }
+}
+
+/// Writes the pid file whole (through a rename, so a reader never sees it half written).
+fn write_pidfile(path: &Path) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{}\n", std::process::id()))
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("cannot write the pid file '{}'", path.display()))
+}
+
+/// Runs `qimg serve`.
+pub fn run(a: ServeArgs) -> Result<()> {
+    if a.shared == 0 {
+        bail!("--shared 0: at least one client must be allowed");
+    }
+    let mode = CacheMode::parse_option(a.cache.as_deref(), "cache")?;
+    let backend = backend(a.aio.as_deref(), &mode)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    rt.block_on(serve(a, mode, backend))
+}
+
+async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
+    // Credentials first: a mistake there must not leave an image opened for nothing.
+    let tls = match &a.tls_creds {
+        Some(dir) => Some(Arc::new(TlsCreds::from_dir(dir)?) as Arc<dyn StartTls>),
+        None => None,
+    };
+    let image = OpenOptions::new()
+        .writable(!a.readonly)
+        .cache(CacheOptions::default())
+        .direct(mode.direct)
+        .backend(backend)
+        .open(&a.image)
+        .await
+        .map_err(|e| {
+            // The library's error starts with the file name, which qemu's wording already has.
+            let e = e.to_string();
+            let prefix = format!("{}: ", a.image.display());
+            let e = e.strip_prefix(&prefix).unwrap_or(&e);
+            anyhow!("Could not open '{}': {e}", a.image.display())
+        })?;
+    let mut export = Export::new(image.clone());
+    export.name = a.export_name.clone();
+    export.description = a.description.clone();
+    export.read_only = a.readonly;
+    export.allocation_depth = a.allocation_depth;
+    export.writethrough = mode.writethrough;
+    export.no_flush = mode.no_flush;
+    export.tls = tls;
+    let export = Arc::new(export);
+
+    let listener = Listener::bind(&a.nbd)?;
+    if let Some(p) = &a.pidfile {
+        write_pidfile(p)?;
+    }
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let (stop, shutdown) = Shutdown::new();
+    let slots = Arc::new(Semaphore::new(a.shared));
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            Some(done) = conns.join_next(), if !conns.is_empty() => {
+                match done {
+                    Ok(Err(e)) => eprintln!("qimg: client: {e}"),
+                    Err(e) => eprintln!("qimg: client task: {e}"),
+                    Ok(Ok(())) => {}
+                }
+                if conns.is_empty() && !a.persistent {
+                    break;
+                }
+            }
+            accepted = async {
+                let slot = slots.clone().acquire_owned().await;
+                (slot, listener.accept().await)
+            } => {
+                let (Ok(slot), stream) = accepted else { break };
+                match stream {
+                    Ok(stream) => {
+                        let (export, shutdown) = (export.clone(), shutdown.clone());
+                        conns.spawn(async move {
+                            let r = serve_connection(stream, export, shutdown).await;
+                            drop(slot);
+                            r
+                        });
+                    }
+                    Err(e) => eprintln!("qimg: accept: {e}"),
+                }
+            }
+        }
+    }
+    drop(listener);
+    // Connections finish their requests in flight, then close.
+    let _ = stop.send(true);
+    while let Some(done) = conns.join_next().await {
+        if let Ok(Err(e)) = done {
+            eprintln!("qimg: client: {e}");
+        }
+    }
+    drop(export);
+    image
+        .close()
+        .await
+        .with_context(|| format!("closing '{}'", a.image.display()))?;
+    if let Some(p) = &a.pidfile {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}

@@ -1,0 +1,228 @@
+//! An NBD server for one [`Image`]: the fixed newstyle handshake ([`handshake`]) and the
+//! transmission phase ([`transmission`]), over any tokio stream.
+//!
+//! One [`Export`] is shared by every connection (the image handle is cheap to clone and the
+//! engine runs many requests at once); [`serve_connection`] runs one client to the end.
+//! Requests of one connection run as concurrent tasks and their replies go out as they
+//! complete, at most [`MAX_IN_FLIGHT`] requests and [`IN_FLIGHT_BYTES`] of payload at a
+//! time: a client that stops reading replies stops the server reading its requests, and
+//! nothing more is buffered for it.
+//!
+//! Extended headers (`NBD_OPT_EXTENDED_HEADERS`) are offered: 32-byte requests and replies,
+//! 64-bit effect lengths for trim, write-zeroes and block status (`BLOCK_STATUS_EXT`).
+//!
+//! Choices the specification leaves open:
+//! - `NBD_CMD_WRITE_ZEROES` without `NO_HOLE` is [`Image::write_zeroes`] (whole subclusters
+//!   change metadata only, partial ones are written: bounded work whatever the length), so
+//!   `FAST_ZERO` succeeds; with `NO_HOLE` zeros are written as data, whose cost grows with
+//!   the length, so `FAST_ZERO | NO_HOLE` fails at once with `ENOTSUP`.
+//! - `NBD_CMD_CACHE` maps the range (loading its L2 slices into the cache) and reads nothing.
+//! - `CAN_MULTI_CONN` is advertised: every connection works on the one shared image, so a
+//!   flush on any of them flushes everything any of them wrote.
+//! - The minimum block size is 1: the engine takes requests of any alignment.
+//! - With extended headers a `WRITE` without `NBD_CMD_FLAG_PAYLOAD_LEN` still carries its
+//!   payload (QEMU's client sends it so, and qemu-nbd accepts it).
+//! - Block status answers at most 1 GiB per request (the client asks again for the rest).
+
+pub mod handshake;
+mod host_holes;
+pub mod proto;
+mod status;
+pub mod tls;
+pub mod transmission;
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use qimg::Image;
+use qimg::io::{AnyStorage, Storage};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub use handshake::Negotiated;
+
+/// Requests of one connection running at once.
+pub const MAX_IN_FLIGHT: usize = 64;
+/// Payload bytes (write data received, read data to send) one connection may hold at once.
+pub const IN_FLIGHT_BYTES: usize = 64 << 20;
+
+/// How long a client may take from connecting to choosing an export (as qemu-nbd's
+/// default handshake limit): a client that idles cannot hold a `--shared` slot forever.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A byte stream the server can run on (a socket, an in-memory pipe, a TLS session).
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
+
+/// A boxed [`Stream`], so that `NBD_OPT_STARTTLS` can replace the stream mid-handshake.
+pub type BoxStream = Box<dyn Stream>;
+
+/// What `NBD_OPT_STARTTLS` runs: the TLS handshake as a server on the client's stream.
+pub trait StartTls: Send + Sync + std::fmt::Debug {
+    /// Wraps `stream` in a TLS session once the handshake succeeded.
+    fn accept(
+        &self,
+        stream: BoxStream,
+    ) -> Pin<Box<dyn Future<Output = io::Result<BoxStream>> + Send>>;
+}
+
+/// Why a connection ended other than by the client's choice.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Reading from or writing to the client failed (including a message cut short).
+    #[error("NBD connection: {0}")]
+    Io(#[from] io::Error),
+    /// A magic number is not what the protocol requires.
+    #[error("the client sent magic {found:#x} where {expected:#x} was due")]
+    BadMagic {
+        /// What was received.
+        found: u64,
+        /// What the protocol requires.
+        expected: u64,
+    },
+    /// The client flags have bits this server does not know.
+    #[error("the client flags {0:#x} have unknown bits")]
+    ClientFlags(u32),
+    /// An option is longer than the server reads.
+    #[error("option {option} carries {len} bytes, over the limit of {limit}")]
+    OptionTooBig {
+        /// The option number.
+        option: u32,
+        /// Its announced length.
+        len: u32,
+        /// [`proto::MAX_OPTION`].
+        limit: u32,
+    },
+    /// The client sent more options than one handshake may have.
+    #[error("the client sent over {0} options")]
+    TooManyOptions(usize),
+    /// `NBD_OPT_EXPORT_NAME` named an export that does not exist (the protocol closes).
+    #[error("the client asked for export {0:?}, which does not exist")]
+    UnknownExport(String),
+    /// `NBD_OPT_EXPORT_NAME` before TLS on a server that requires it.
+    #[error("the client asked for an export without TLS on a server that requires TLS")]
+    TlsRequired,
+    /// `NBD_OPT_EXPORT_NAME` after `NBD_OPT_EXTENDED_HEADERS`, which the protocol forbids.
+    #[error("the client asked for an export by NBD_OPT_EXPORT_NAME after extended headers")]
+    ExportNameWithExtendedHeaders,
+    /// A write payload over the maximum cannot be skipped safely: the connection is closed.
+    #[error("the client sent a write of {len} bytes, over the maximum of {max}")]
+    PayloadTooBig {
+        /// The request's length.
+        len: u64,
+        /// [`proto::MAX_PAYLOAD`].
+        max: u32,
+    },
+    /// The client did not finish the handshake within [`HANDSHAKE_TIMEOUT`].
+    #[error("the client did not finish the handshake within {0:?}")]
+    HandshakeTimeout(std::time::Duration),
+    /// The TLS handshake failed.
+    #[error("TLS handshake: {0}")]
+    Tls(io::Error),
+}
+
+/// One exported image and how it is offered.
+#[derive(Debug)]
+pub struct Export<S: Storage + 'static = AnyStorage> {
+    /// The image (read-only exports may hold a writable handle; the server refuses writes).
+    pub image: Image<S>,
+    /// The export name clients ask for (`NBD_OPT_GO`, `NBD_OPT_EXPORT_NAME`).
+    pub name: String,
+    /// Text sent as `NBD_INFO_DESCRIPTION`.
+    pub description: Option<String>,
+    /// Refuse writes (`NBD_FLAG_READ_ONLY`; write commands get `EPERM`).
+    pub read_only: bool,
+    /// Offer the `qemu:allocation-depth` metadata context.
+    pub allocation_depth: bool,
+    /// Flush after every write (cache mode `writethrough`, `directsync`).
+    pub writethrough: bool,
+    /// Ignore flushes (cache mode `unsafe`).
+    pub no_flush: bool,
+    /// When set, the client must run `NBD_OPT_STARTTLS` before anything else.
+    pub tls: Option<Arc<dyn StartTls>>,
+}
+
+impl<S: Storage + 'static> Export<S> {
+    /// A writable export named "" (read-only when the image is), without description,
+    /// `qemu:allocation-depth` or TLS.
+    pub fn new(image: Image<S>) -> Self {
+        let read_only = !image.is_writable();
+        Self {
+            image,
+            name: String::new(),
+            description: None,
+            read_only,
+            allocation_depth: false,
+            writethrough: false,
+            no_flush: false,
+            tls: None,
+        }
+    }
+
+    /// The transmission flags of this export (`structured`: structured replies negotiated,
+    /// which `NBD_FLAG_SEND_DF` needs).
+    pub fn transmission_flags(&self, structured: bool) -> u16 {
+        use proto::*;
+        let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_CACHE | TF_CAN_MULTI_CONN;
+        if structured {
+            f |= TF_SEND_DF;
+        }
+        if self.read_only {
+            f |= TF_READ_ONLY;
+        } else {
+            f |= TF_SEND_FUA | TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+        }
+        f
+    }
+}
+
+/// Tells connections to stop: they finish the requests in flight and close.
+#[derive(Debug, Clone)]
+pub struct Shutdown(tokio::sync::watch::Receiver<bool>);
+
+impl Shutdown {
+    /// A shutdown signal and the sender that triggers it (`send(true)`).
+    pub fn new() -> (tokio::sync::watch::Sender<bool>, Self) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (tx, Self(rx))
+    }
+
+    /// A signal that never fires.
+    pub fn never() -> Self {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        // Dropping the sender makes `changed` fail, which `wait` reads as "never".
+        drop(tx);
+        Self(rx)
+    }
+
+    /// Resolves once shutdown was asked for.
+    pub async fn wait(&mut self) {
+        loop {
+            if *self.0.borrow_and_update() {
+                return;
+            }
+            if self.0.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Runs one client: the handshake, then requests until the client disconnects, `shutdown`
+/// fires or the client breaks the protocol. Ends with `Ok` when the client ended the
+/// connection (`NBD_OPT_ABORT`, `NBD_CMD_DISC`, or closing between messages).
+pub async fn serve_connection<S: Storage + 'static>(
+    stream: BoxStream,
+    export: Arc<Export<S>>,
+    shutdown: Shutdown,
+) -> Result<(), Error> {
+    let negotiated = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::negotiate(stream, &export))
+        .await
+        .map_err(|_| Error::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    match negotiated {
+        None => Ok(()),
+        Some((stream, negotiated)) => transmission::run(stream, export, negotiated, shutdown).await,
+    }
+}

@@ -1,0 +1,694 @@
+//! `qimg serve --nbd` against real NBD clients: qemu-io, qemu-img (map, also of the
+//! `qemu:allocation-depth` context), nbdinfo and nbdcopy; block status compared with
+//! qemu-nbd serving a copy of the same image. After each run the server is stopped with
+//! SIGTERM and the image must pass `qemu-img check` and hold what the clients wrote.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Whether `tool` runs; the same rule as `have_qemu`: skip with a message, or fail when
+/// `QIMG_REQUIRE_QEMU=1`.
+fn have_tool(test: &str, tool: &str, package: &str) -> bool {
+    // openssl has a `version` command instead of the option.
+    let version = if tool == "openssl" {
+        "version"
+    } else {
+        "--version"
+    };
+    let ok = Command::new(tool)
+        .arg(version)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
+            panic!(
+                "{test}: {tool} is not installed but {REQUIRE_ENV}=1 requires the interop tests to run"
+            );
+        }
+        eprintln!("SKIPPED {test}: {tool} not found (install {package})");
+    }
+    ok
+}
+
+fn have_qemu_tools(test: &str) -> bool {
+    have_qemu(test)
+        && have_tool(test, "qemu-io", "qemu-utils")
+        && have_tool(test, "qemu-nbd", "qemu-utils")
+}
+
+/// A server process (qimg serve or qemu-nbd) that is stopped with SIGTERM.
+struct Server {
+    child: Child,
+    what: String,
+}
+
+impl Server {
+    /// Starts `prog args` and waits (bounded) until `pidfile` exists.
+    fn start(dir: &Path, prog: &Path, args: &[&str], pidfile: &Path) -> Server {
+        let child = Command::new(prog)
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", prog.display()));
+        let mut s = Server {
+            child,
+            what: format!("{} {}", prog.display(), args.join(" ")),
+        };
+        let start = Instant::now();
+        while !pidfile.exists() {
+            if let Some(status) = s.child.try_wait().unwrap() {
+                panic!("{} exited before serving: {status}", s.what);
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "{} did not start",
+                s.what
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    /// Sends SIGTERM and requires a clean exit within 30 seconds.
+    fn stop(mut self) {
+        let pid = self.child.id().to_string();
+        let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(st.success());
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "{} ended with {status}", self.what);
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{} did not stop",
+                self.what
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // A failed test must not leave a server running.
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `qimg serve --nbd unix:SOCK IMAGE --persistent` with `extra` options.
+fn qimg_serve(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
+    let pid = dir.join(format!("{image}.qimg.pid"));
+    let nbd = format!("unix:{}", sock.display());
+    let pid_s = pid.display().to_string();
+    let mut args = vec!["serve", "--nbd", &nbd, "--persistent", "--pidfile", &pid_s];
+    args.extend_from_slice(extra);
+    args.push(image);
+    Server::start(dir, &qimg_bin(), &args, &pid)
+}
+
+/// `qemu-nbd --socket=SOCK --format=qcow2 --persistent IMAGE` with `extra` options.
+fn qemu_nbd(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
+    let pid = dir.join(format!("{image}.qemu.pid"));
+    let sock_o = format!("--socket={}", sock.display());
+    let pid_o = format!("--pid-file={}", pid.display());
+    let mut args = vec![sock_o.as_str(), "--format=qcow2", "--persistent", &pid_o];
+    args.extend_from_slice(extra);
+    args.push(image);
+    Server::start(dir, Path::new("qemu-nbd"), &args, &pid)
+}
+
+fn uri(name: &str, sock: &Path) -> String {
+    format!("nbd+unix:///{name}?socket={}", sock.display())
+}
+
+/// Runs qemu-io with `cmds` on `target` (`-f fmt`); output must not report an error.
+fn qemu_io(dir: &Path, fmt: &str, target: &str, cmds: &[String]) -> String {
+    let mut args = vec!["-f".to_string(), fmt.to_string(), target.to_string()];
+    for c in cmds {
+        args.push("-c".into());
+        args.push(c.clone());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = run(dir, Path::new("qemu-io"), &args);
+    let out = ok("qemu-io", &o);
+    assert!(
+        !out.contains("failed") && !out.contains("Pattern verification failed"),
+        "qemu-io {args:?}: {out}"
+    );
+    out
+}
+
+fn create(dir: &Path, name: &str, extended_l2: bool, backing: Option<&str>) {
+    let mut o = format!("extended_l2={}", if extended_l2 { "on" } else { "off" });
+    if let Some(b) = backing {
+        o.push_str(&format!(",backing_file={b},backing_fmt=qcow2"));
+    }
+    ok(
+        "qemu-img create",
+        &qemu_img(dir, &["create", "-q", "-f", "qcow2", "-o", &o, name, "64M"]),
+    );
+}
+
+fn assert_check_clean(dir: &Path, image: &str) {
+    ok("qemu-img check", &qemu_img(dir, &["check", image]));
+}
+
+fn assert_same_content(dir: &Path, a: &str, b: &str) {
+    ok(
+        "qemu-img compare",
+        &qemu_img(dir, &["compare", "-f", "qcow2", "-F", "qcow2", a, b]),
+    );
+}
+
+/// The writes of the qemu-io test: patterns (aligned and not), zeroes with and without
+/// unmap, discards, and many asynchronous writes in flight at once.
+fn workload() -> Vec<String> {
+    let mut c = vec![
+        "write -P 0x11 0 64k".to_string(),
+        "write -P 0x22 100k 3k".into(),
+        "write -P 0x33 1M 256k".into(),
+        "write -z 1M 64k".into(),
+        "write -z -u 1088k 64k".into(),
+        "write -P 0x44 2M 128k".into(),
+        "discard 2M 64k".into(),
+        "write -z 5M 1000".into(),
+    ];
+    for i in 0..64u64 {
+        c.push(format!(
+            "aio_write -P {} {} 4k",
+            0x50 + i % 16,
+            8 * 1024 * 1024 + i * 12 * 1024
+        ));
+    }
+    c.push("aio_flush".into());
+    c.push("flush".into());
+    c
+}
+
+/// Reads that verify the workload through the export.
+fn verification() -> Vec<String> {
+    let mut c = vec![
+        "read -P 0x11 0 64k".to_string(),
+        "read -P 0x22 100k 3k".into(),
+        "read -P 0 1M 128k".into(),
+        "read -P 0x33 1152k 128k".into(),
+        "read -P 0x44 2112k 64k".into(),
+    ];
+    for i in 0..64u64 {
+        c.push(format!(
+            "read -P {} {} 4k",
+            0x50 + i % 16,
+            8 * 1024 * 1024 + i * 12 * 1024
+        ));
+    }
+    c
+}
+
+fn qemu_io_workload(extended_l2: bool) {
+    let test = "qemu_io_workload";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-io");
+    let dir = &s.0;
+    create(dir, "served.qcow2", extended_l2, None);
+    create(dir, "model.qcow2", extended_l2, None);
+    let sock = dir.join("s.sock");
+    let server = qimg_serve(dir, "served.qcow2", &sock, &["--export-name", "disk"]);
+    qemu_io(dir, "raw", &uri("disk", &sock), &workload());
+    qemu_io(dir, "raw", &uri("disk", &sock), &verification());
+    server.stop();
+    // The same writes straight into a model image by qemu-io.
+    qemu_io(dir, "qcow2", "model.qcow2", &workload());
+    assert_check_clean(dir, "served.qcow2");
+    assert_same_content(dir, "served.qcow2", "model.qcow2");
+}
+
+#[test]
+fn qemu_io_writes_through_the_export_extended_l2() {
+    qemu_io_workload(true);
+}
+
+#[test]
+fn qemu_io_writes_through_the_export_standard_l2() {
+    qemu_io_workload(false);
+}
+
+/// A two-layer chain with data, zeros and unallocated ranges in each layer.
+fn make_chain(dir: &Path, extended_l2: bool) {
+    create(dir, "base.qcow2", extended_l2, None);
+    qemu_io(
+        dir,
+        "qcow2",
+        "base.qcow2",
+        &[
+            "write -P 1 0 192k".into(),
+            "write -P 2 1M 4k".into(),
+            "write -z 2M 64k".into(),
+        ],
+    );
+    create(dir, "top.qcow2", extended_l2, Some("base.qcow2"));
+    qemu_io(
+        dir,
+        "qcow2",
+        "top.qcow2",
+        &[
+            "write -P 3 64k 64k".into(),
+            "write -P 4 4M 8k".into(),
+            "write -z 128k 64k".into(),
+            "write -z -u 3M 64k".into(),
+        ],
+    );
+}
+
+fn map_json(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["map", "--output=json"];
+    a.extend_from_slice(args);
+    json("qemu-img map", &qemu_img(dir, &a))
+}
+
+fn block_status_matches_qemu_nbd(extended_l2: bool) {
+    let test = "block_status_matches_qemu_nbd";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-map");
+    let (src, ours, theirs) = (s.path("src"), s.path("ours"), s.path("theirs"));
+    std::fs::create_dir_all(&src).unwrap();
+    make_chain(&src, extended_l2);
+    // Both servers get a copy made the same way (cp turns unwritten extents into holes).
+    ok("cp", &run(&s.0, Path::new("cp"), &["-r", "src/.", "ours"]));
+    ok(
+        "cp",
+        &run(&s.0, Path::new("cp"), &["-r", "src/.", "theirs"]),
+    );
+    let (sq, sn) = (s.path("q.sock"), s.path("n.sock"));
+    let q = qimg_serve(
+        &ours,
+        "top.qcow2",
+        &sq,
+        &["--readonly", "--allocation-depth"],
+    );
+    let n = qemu_nbd(
+        &theirs,
+        "top.qcow2",
+        &sn,
+        &["--read-only", "--allocation-depth"],
+    );
+    let q_map = map_json(&s.0, &[&uri("", &sq)]);
+    let n_map = map_json(&s.0, &[&uri("", &sn)]);
+    assert_eq!(q_map, n_map, "base:allocation through qemu-img map");
+    let opts = |sock: &PathBuf| {
+        format!(
+            "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:allocation-depth",
+            sock.display()
+        )
+    };
+    let q_depth = map_json(&s.0, &["--image-opts", &opts(&sq)]);
+    let n_depth = map_json(&s.0, &["--image-opts", &opts(&sn)]);
+    assert_eq!(
+        q_depth, n_depth,
+        "qemu:allocation-depth through x-dirty-bitmap"
+    );
+    if have_tool(test, "nbdinfo", "libnbd-bin") {
+        for ctx in ["base:allocation", "qemu:allocation-depth"] {
+            let m = format!("--map={ctx}");
+            let qo = ok(
+                "nbdinfo",
+                &run(&s.0, Path::new("nbdinfo"), &[&m, &uri("", &sq)]),
+            );
+            let no = ok(
+                "nbdinfo",
+                &run(&s.0, Path::new("nbdinfo"), &[&m, &uri("", &sn)]),
+            );
+            assert_eq!(qo, no, "nbdinfo {m}");
+            assert!(
+                qo.lines().count() >= 4,
+                "too few extents to prove anything: {qo}"
+            );
+        }
+    }
+    q.stop();
+    n.stop();
+    assert_check_clean(&ours, "top.qcow2");
+    assert_same_content(&ours, "top.qcow2", "../theirs/top.qcow2");
+}
+
+#[test]
+fn block_status_matches_qemu_nbd_extended_l2() {
+    block_status_matches_qemu_nbd(true);
+}
+
+#[test]
+fn block_status_matches_qemu_nbd_standard_l2() {
+    block_status_matches_qemu_nbd(false);
+}
+
+#[test]
+fn nbdinfo_lists_and_nbdcopy_copies_both_ways() {
+    let test = "nbdinfo_lists_and_nbdcopy_copies_both_ways";
+    if !have_qemu(test)
+        || !have_tool(test, "nbdinfo", "libnbd-bin")
+        || !have_tool(test, "nbdcopy", "libnbd-bin")
+    {
+        return;
+    }
+    let s = Scratch::new("nbd-copy");
+    let dir = &s.0;
+    create(dir, "a.qcow2", true, None);
+    // 64 MiB of input: a pattern with runs of zeros (which nbdcopy may send as zeroing).
+    let mut data = vec![0u8; 64 << 20];
+    for (i, chunk) in data.chunks_mut(1 << 16).enumerate() {
+        if i % 3 != 0 {
+            for (j, b) in chunk.iter_mut().enumerate() {
+                *b = (i * 7 + j / 512) as u8 | 1;
+            }
+        }
+    }
+    std::fs::write(s.path("in.raw"), &data).unwrap();
+    let sock = s.path("s.sock");
+    let server = qimg_serve(
+        dir,
+        "a.qcow2",
+        &sock,
+        &[
+            "--export-name",
+            "vol",
+            "--description",
+            "a test volume",
+            "--shared",
+            "4",
+        ],
+    );
+    let list = ok(
+        "nbdinfo --list",
+        &run(dir, Path::new("nbdinfo"), &["--list", &uri("", &sock)]),
+    );
+    assert!(list.contains("export=\"vol\""), "{list}");
+    assert!(list.contains("a test volume"), "{list}");
+    assert!(list.contains("can_multi_conn: true"), "{list}");
+    let u = uri("vol", &sock);
+    ok(
+        "nbdcopy in",
+        &run(dir, Path::new("nbdcopy"), &["in.raw", &u]),
+    );
+    ok(
+        "nbdcopy out",
+        &run(dir, Path::new("nbdcopy"), &[&u, "out.raw"]),
+    );
+    let map = ok(
+        "nbdinfo --map",
+        &run(dir, Path::new("nbdinfo"), &["--map", &u]),
+    );
+    assert!(map.contains("data") && map.contains("hole,zero"), "{map}");
+    server.stop();
+    assert_eq!(
+        std::fs::read(s.path("out.raw")).unwrap(),
+        data,
+        "nbdcopy out differs"
+    );
+    assert_check_clean(dir, "a.qcow2");
+    ok(
+        "qemu-img compare",
+        &qemu_img(
+            dir,
+            &["compare", "-f", "raw", "-F", "qcow2", "in.raw", "a.qcow2"],
+        ),
+    );
+}
+
+#[test]
+fn a_read_only_export_refuses_writes_and_leaves_the_image_unchanged() {
+    let test = "a_read_only_export_refuses_writes";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-ro");
+    let dir = &s.0;
+    create(dir, "a.qcow2", true, None);
+    qemu_io(dir, "qcow2", "a.qcow2", &["write -P 9 0 64k".into()]);
+    let before = std::fs::read(s.path("a.qcow2")).unwrap();
+    let sock = s.path("s.sock");
+    let server = qimg_serve(dir, "a.qcow2", &sock, &["--readonly"]);
+    // qemu-io refuses to open the export for writing once it sees NBD_FLAG_READ_ONLY (the
+    // server's EPERM for writes that do arrive is tested in qimg-serve's hostile tests).
+    for cmd in ["write -P 1 0 4k", "write -z 0 4k", "discard 0 64k"] {
+        let o = run(
+            dir,
+            Path::new("qemu-io"),
+            &["-f", "raw", "-c", cmd, &uri("", &sock)],
+        );
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            text.contains("read-only")
+                || text.contains("not permitted")
+                || text.contains("Permission denied")
+                || text.contains("failed"),
+            "{cmd} on a read-only export: {text}"
+        );
+    }
+    let u = uri("", &sock);
+    let o = run(
+        dir,
+        Path::new("qemu-io"),
+        &["-r", "-f", "raw", "-c", "read -P 9 0 64k", &u],
+    );
+    let out = ok("qemu-io -r", &o);
+    assert!(!out.contains("failed"), "{out}");
+    server.stop();
+    assert_eq!(std::fs::read(s.path("a.qcow2")).unwrap(), before);
+}
+
+/// Makes, under `dir`, credentials as QEMU's tls-creds-x509 reads them: `srv` (CA 1's
+/// server), `cli` (CA 1's client), `bad` (a client of CA 2 trusting only CA 2) and `mixed`
+/// (a client of CA 2 that trusts both CAs, so that only the server can refuse it).
+fn make_credentials(dir: &Path) {
+    let script = r#"set -e
+mkca() { mkdir -p $1; openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+  -keyout $1/ca-key.pem -out $1/ca-cert.pem -days 2 -subj /CN=$1 \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign; }
+leaf() { mkdir -p $2; openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+  -keyout $2/$3-key.pem -out $2/$3.csr -subj /CN=$3
+  printf "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=${3}Auth\nsubjectAltName=DNS:localhost\n" > $2/$3.ext
+  openssl x509 -req -in $2/$3.csr -CA $1/ca-cert.pem -CAkey $1/ca-key.pem -set_serial $4 \
+    -out $2/$3-cert.pem -days 2 -extfile $2/$3.ext
+  cp $1/ca-cert.pem $2/ca-cert.pem; }
+mkca ca1; mkca ca2
+leaf ca1 srv server 11; leaf ca1 cli client 12; leaf ca2 bad client 21; leaf ca2 mixed client 22
+cat ca1/ca-cert.pem ca2/ca-cert.pem > mixed/ca-cert.pem
+"#;
+    ok("openssl", &run(dir, Path::new("sh"), &["-c", script]));
+}
+
+/// qemu's image options for the export over TLS with the client credentials in `creds`.
+fn tls_args(dir: &Path, sock: &Path, creds: &str) -> [String; 4] {
+    [
+        "--object".into(),
+        format!(
+            "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+            dir.join(creds).display()
+        ),
+        "--image-opts".into(),
+        format!(
+            "driver=nbd,path={},tls-creds=tls0,tls-hostname=localhost",
+            sock.display()
+        ),
+    ]
+}
+
+#[test]
+fn tls_is_required_and_only_clients_of_the_ca_get_in() {
+    let test = "tls_is_required_and_only_clients_of_the_ca_get_in";
+    if !have_qemu_tools(test) || !have_tool(test, "openssl", "openssl") {
+        return;
+    }
+    let s = Scratch::new("nbd-tls");
+    let dir = &s.0;
+    make_credentials(dir);
+    create(dir, "a.qcow2", true, None);
+    create(dir, "model.qcow2", true, None);
+    let sock = s.path("s.sock");
+    let server = qimg_serve(
+        dir,
+        "a.qcow2",
+        &sock,
+        &["--tls-creds", "srv", "--shared", "2"],
+    );
+    let io = |creds: &str, cmds: &[&str]| {
+        let mut args: Vec<String> = tls_args(dir, &sock, creds).into();
+        for c in cmds {
+            args.push("-c".into());
+            args.push((*c).into());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run(dir, Path::new("qemu-io"), &args)
+    };
+    let writes = [
+        "write -P 0x5a 0 1M",
+        "write -P 0x6b 3M 100k",
+        "write -z 512k 64k",
+    ];
+    let out = ok("qemu-io over TLS", &io("cli", &writes));
+    assert!(!out.contains("failed"), "{out}");
+    let out = ok(
+        "qemu-io over TLS",
+        &io("cli", &["read -P 0x6b 3M 100k", "read -P 0 512k 64k"]),
+    );
+    assert!(!out.contains("failed"), "{out}");
+    // Without TLS: refused during the handshake.
+    let o = qemu_img(dir, &["info", &uri("", &sock)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("TLS"),
+        "plain client: {err}"
+    );
+    // A server certificate from a CA the client does not trust: the client refuses.
+    let o = io("bad", &["read 0 4k"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !o.status.success() || text.contains("failed"),
+        "client of CA 2: {text}"
+    );
+    assert!(
+        !text.contains("read 4096/4096"),
+        "client of CA 2 read data: {text}"
+    );
+    // A client certificate from another CA: the server refuses.
+    let o = io("mixed", &["read 0 4k"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !text.contains("read 4096/4096"),
+        "client certificate of CA 2 got in: {text}"
+    );
+    // The server still serves clients of its CA.
+    let mut info: Vec<String> = vec!["info".into()];
+    info.extend(tls_args(dir, &sock, "cli"));
+    let info: Vec<&str> = info.iter().map(String::as_str).collect();
+    let out = ok("qemu-img info over TLS", &qemu_img(dir, &info));
+    assert!(out.contains("virtual size: 64 MiB"), "{out}");
+    server.stop();
+    let w: Vec<String> = writes.iter().map(|w| w.to_string()).collect();
+    qemu_io(dir, "qcow2", "model.qcow2", &w);
+    assert_check_clean(dir, "a.qcow2");
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
+}
+
+#[test]
+fn without_persistent_the_server_exits_after_its_client_and_leaves_the_image_clean() {
+    let test = "without_persistent_the_server_exits_after_its_client";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-once");
+    let dir = &s.0;
+    create(dir, "a.qcow2", false, None);
+    let (sock, pid) = (s.path("s.sock"), s.path("pid"));
+    let nbd = format!("unix:{}", sock.display());
+    let pid_s = pid.display().to_string();
+    let args = ["serve", "--nbd", &nbd, "--pidfile", &pid_s, "a.qcow2"];
+    let mut server = Server::start(dir, &qimg_bin(), &args, &pid);
+    let text = std::fs::read_to_string(&pid).unwrap();
+    assert_eq!(text.trim(), server.child.id().to_string());
+    qemu_io(
+        dir,
+        "raw",
+        &uri("", &sock),
+        &["write -P 7 100k 300k".into()],
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = server.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the server did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(
+        !sock.exists() && !pid.exists(),
+        "socket or pid file left behind"
+    );
+    assert_check_clean(dir, "a.qcow2");
+    create(dir, "model.qcow2", false, None);
+    qemu_io(
+        dir,
+        "qcow2",
+        "model.qcow2",
+        &["write -P 7 100k 300k".into()],
+    );
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
+}
+
+#[test]
+fn tcp_exports_bind_the_address_given() {
+    let test = "tcp_exports_bind_the_address_given";
+    if !have_qemu_tools(test) {
+        return;
+    }
+    let s = Scratch::new("nbd-tcp");
+    let dir = &s.0;
+    create(dir, "a.qcow2", true, None);
+    // A free loopback port (the kernel's choice; released just before the server binds it).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let pid = s.path("pid");
+    let pid_s = pid.display().to_string();
+    let args = [
+        "serve",
+        "--nbd",
+        &addr,
+        "--persistent",
+        "--pidfile",
+        &pid_s,
+        "-x",
+        "t",
+        "a.qcow2",
+    ];
+    let server = Server::start(dir, &qimg_bin(), &args, &pid);
+    let url = format!("nbd://127.0.0.1:{port}/t");
+    qemu_io(
+        dir,
+        "raw",
+        &url,
+        &["write -P 0x77 0 64k".into(), "read -P 0x77 0 64k".into()],
+    );
+    server.stop();
+    assert_check_clean(dir, "a.qcow2");
+    create(dir, "model.qcow2", true, None);
+    qemu_io(dir, "qcow2", "model.qcow2", &["write -P 0x77 0 64k".into()]);
+    assert_same_content(dir, "a.qcow2", "model.qcow2");
+}
