@@ -117,6 +117,8 @@ pub(super) struct Config {
     pub(super) step: u64,
     pub(super) pattern: u8,
     pub(super) write: bool,
+    /// `-U`: read without keeping other processes from writing the image.
+    pub(super) force_share: bool,
     pub(super) flush_interval: u64,
     pub(super) drain: bool,
     pub(super) aio: Aio,
@@ -297,6 +299,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         step: if step == 0 { bufsize } else { step },
         pattern,
         write: args.write,
+        force_share: args.force_share,
         flush_interval,
         drain: !args.no_drain,
         aio,

@@ -173,6 +173,7 @@ where
         ImageFormat::Qcow2 => {
             let opts = OpenOptions::new()
                 .writable(cfg.write)
+                .force_share(cfg.force_share)
                 .cache(cfg.cache)
                 .direct(cfg.cache_mode.direct);
             let img = opts
