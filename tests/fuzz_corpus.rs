@@ -241,6 +241,17 @@ fn regressions_ops() {
 ///   using the L1 table read before the rebuild, reported 4. QEMU's repair of the same image
 ///   refuses the write ("Preventing invalid write on metadata (overlaps with active L1
 ///   table)").
+/// * `snapshot-l1-past-eof-rebuilt-over`: a 61,583-byte image (fuzz seed 777) whose two
+///   snapshots' L1 tables start at offset 0 and run past the end of the file (36,864 and
+///   1,048,576 entries), so none of their clusters is counted, and whose refcount block 1
+///   lies outside the image. `check -r all` rebuilt the refcount structure into clusters 2
+///   and 4, which the snapshots' L1 tables read: the refcounts became L1 entries, and 13,702
+///   corruptions became 13,707 (for qimg and qemu-img alike; QEMU's own repair leaves
+///   13,726), while the repair reported 13,702. Placing the structure past those clusters
+///   instead grows the file over 8 MiB, which brings the L1 tables inside it (then counted:
+///   thousands more errors). The rebuild now avoids every uncounted region's clusters inside
+///   the file, and is refused, before anything is written, when it would have to grow the
+///   file so far that an uncounted region comes within a cluster of its end.
 #[test]
 fn regressions_check() {
     regressions("check", |d| {
@@ -310,7 +321,7 @@ fn check_repairs_never_make_qemu_img_check_worse() {
     let all = CheckOptions {
         repair: Some(Repair::All),
     };
-    let (mut checked, mut improved, mut failed) = (0, 0, 0);
+    let (mut checked, mut improved, mut failed, mut untouched) = (0, 0, 0, 0);
     for (name, data) in &inputs {
         std::fs::write(&path, data).unwrap();
         let Some((before, _)) = qemu_check(&scratch.0, "x.qcow2") else {
@@ -322,6 +333,17 @@ fn check_repairs_never_make_qemu_img_check_worse() {
             .is_ok_and(|r| r.failure.is_none() && r.check_errors == 0)
         {
             failed += 1;
+            // A repair refused before it writes anything (a rebuild that would make things
+            // worse) must leave the image as it was, for qemu-img too.
+            if std::fs::read(&path).unwrap() == *data {
+                let after = qemu_check(&scratch.0, "x.qcow2").map(|(c, _)| c);
+                assert_eq!(
+                    after,
+                    Some(before),
+                    "{name}: qemu-img check changed on an untouched image ({repair:?})"
+                );
+                untouched += 1;
+            }
             continue;
         }
         let after = qemu_check(&scratch.0, "x.qcow2");
@@ -338,7 +360,8 @@ fn check_repairs_never_make_qemu_img_check_worse() {
     }
     println!(
         "{} inputs, {checked} checkable by qemu-img and repaired, {improved} with fewer \
-         corruptions after qimg check -r all, none with more; {failed} repairs failed part way",
+         corruptions after qimg check -r all, none with more; {failed} repairs failed part way \
+         ({untouched} of them refused before writing anything)",
         inputs.len()
     );
     assert!(

@@ -379,7 +379,7 @@ const CHUNK: u64 = 4096;
 /// references exist (so a sparse multi-terabyte image costs what its allocated clusters
 /// cost), with larger values kept aside. `size` is QEMU's `nb_clusters`: the clusters of the
 /// file, grown by references just past its end and by rebuild allocations.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct ReferenceCounts {
     chunks: BTreeMap<u64, Box<[u16]>>,
     big: HashMap<u64, u64>,

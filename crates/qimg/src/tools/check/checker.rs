@@ -110,6 +110,16 @@ pub(super) struct Checker<'a, S> {
     /// Clusters just past the end of the file that entries refer to although their ranges
     /// were not counted (past the end): a rebuild must not place its structure there.
     pub(super) beyond_eof: BTreeSet<u64>,
+    /// The clusters inside the file (as `[start, end)` ranges, unmerged) of regions that were
+    /// not counted because they run past its end. The walk still reads them (the part of an
+    /// L1 or bitmap table inside the file gives its entries), so their bytes decide what a
+    /// check finds although their refcount may be 0: a rebuild must not place its structure
+    /// there, or the next check reads refcounts as table entries.
+    pub(super) uncounted: Vec<(u64, u64)>,
+    /// The longest the file may grow without bringing an uncounted region within one
+    /// cluster of its end: the next check would count that region, and report its clusters
+    /// instead of it. `u64::MAX` when no region was left uncounted.
+    pub(super) grow_limit: u64,
     /// How often each cluster is used as (part of) an L1 or L2 table in the current walk.
     pub(super) table_uses: HashMap<u64, u64>,
     /// With `-r all`: the clusters of tables referenced as nothing else (from a silent walk
@@ -185,6 +195,8 @@ impl<'a, S: Storage> Checker<'a, S> {
             crypto: None,
             refs: ReferenceCounts::default(),
             beyond_eof: BTreeSet::new(),
+            uncounted: Vec::new(),
+            grow_limit: u64::MAX,
             table_uses: HashMap::new(),
             exclusive: None,
             mute: false,

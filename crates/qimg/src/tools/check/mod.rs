@@ -38,7 +38,13 @@
 //!   the end of the file is cleared;
 //! * the refcount structure is rebuilt without reusing the clusters of the damaged one (QEMU
 //!   may try to and fail), and a refcount block past the end of the file leads to a rebuild
-//!   instead of growing the file to reach it.
+//!   instead of growing the file to reach it;
+//! * a rebuild never places its structure in a cluster of a region left uncounted because it
+//!   runs past the end of the file (the check still reads the part inside, e.g. a snapshot's
+//!   L1 table), and is refused before anything is written (the pass fails with an
+//!   input/output error, the image untouched) when it would have to grow the file so far
+//!   that such a region comes within a cluster of its end: either would leave more
+//!   corruptions than it found.
 //!
 //! Entries are only ever rewritten inside tables used as nothing but tables: a silent walk
 //! before the repairing one (pretending the repairs, so that references from entries about to

@@ -52,6 +52,8 @@ impl<S: Storage> Checker<'_, S> {
         self.refs.clear();
         self.refs.size = nb_clusters;
         self.beyond_eof.clear();
+        self.uncounted.clear();
+        self.grow_limit = u64::MAX;
         let mut rebuild = false;
         self.exclusive = None;
         if fix.corruptions {
@@ -81,6 +83,8 @@ impl<S: Storage> Checker<'_, S> {
             self.refs.clear();
             self.refs.size = nb_clusters;
             self.beyond_eof.clear();
+            self.uncounted.clear();
+            self.grow_limit = u64::MAX;
         }
         self.calculate_refcounts(res, fix, &mut rebuild).await?;
         let pre_compare = *res;
@@ -212,6 +216,15 @@ impl<S: Storage> Checker<'_, S> {
             ));
             res.corruptions += 1;
             let end_cluster = self.file_len.div_ceil(self.cluster_size);
+            let first = offset / self.cluster_size;
+            if first < end_cluster {
+                self.uncounted.push((first, end_cluster));
+            }
+            // past_eof() holds while the file is at most this long.
+            let limit = i128::from(offset) + i128::from(size) - i128::from(self.cluster_size);
+            self.grow_limit = self
+                .grow_limit
+                .min(u64::try_from(limit.max(0)).unwrap_or(u64::MAX));
             let window = end_cluster.saturating_sub(1)..end_cluster + BEYOND_EOF_WINDOW;
             let last = (offset.saturating_add(size - 1) / self.cluster_size).min(window.end);
             for k in (offset / self.cluster_size).max(window.start)..=last {

@@ -14,21 +14,56 @@ use super::checker::{Checker, c_hex};
 use super::{Counters, EFBIG, EIO, Failure, io_failure, strerror};
 use crate::engine::walk::encode_refblock;
 
+/// The clusters a rebuild must not place its structure in: single clusters and ranges.
+pub(super) struct Avoid {
+    clusters: BTreeSet<u64>,
+    /// Sorted, merged `[start, end)` cluster ranges.
+    ranges: Vec<(u64, u64)>,
+}
+
+impl Avoid {
+    fn new(clusters: BTreeSet<u64>, ranges: &[(u64, u64)]) -> Self {
+        let mut sorted = ranges.to_vec();
+        sorted.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+        for (start, end) in sorted {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        Self {
+            clusters,
+            ranges: merged,
+        }
+    }
+
+    fn insert(&mut self, cluster: u64) {
+        self.clusters.insert(cluster);
+    }
+
+    fn contains(&self, cluster: u64) -> bool {
+        if self.clusters.contains(&cluster) {
+            return true;
+        }
+        let i = self.ranges.partition_point(|&(start, _)| start <= cluster);
+        i > 0 && cluster < self.ranges[i - 1].1
+    }
+}
+
 impl<S: Storage> Checker<'_, S> {
     // ----- rebuild -----
 
     /// `alloc_clusters_imrt`, never handing out a cluster in `avoid`.
-    pub(super) fn alloc_imrt(
-        &mut self,
-        count: u64,
-        first_free: &mut u64,
-        avoid: &BTreeSet<u64>,
-    ) -> u64 {
+    pub(super) fn alloc_imrt(&mut self, count: u64, first_free: &mut u64, avoid: &Avoid) -> u64 {
         let mut cluster = *first_free;
         let mut contiguous = 0u64;
         let mut first_gap = true;
-        while cluster < self.refs.size && contiguous < count {
-            if self.refs.get(cluster) == 0 && !avoid.contains(&cluster) {
+        // Past the end of the references every cluster is free but for the avoided ones
+        // (finitely many): the search goes on over those too, where stopping at the end of
+        // the references would have placed the structure on them.
+        while contiguous < count {
+            if self.refs.get(cluster) == 0 && !avoid.contains(cluster) {
                 contiguous += 1;
                 if first_gap {
                     *first_free = cluster;
@@ -39,9 +74,7 @@ impl<S: Storage> Checker<'_, S> {
             }
             cluster += 1;
         }
-        if contiguous < count {
-            self.refs.size = cluster + count - contiguous;
-        }
+        self.refs.size = self.refs.size.max(cluster);
         let start = cluster - contiguous;
         if first_gap {
             // No free cluster from *first_free up to `start`: the next search may begin here
@@ -73,7 +106,7 @@ impl<S: Storage> Checker<'_, S> {
         first: u64,
         end: u64,
         table: &mut Vec<u64>,
-        avoid: &BTreeSet<u64>,
+        avoid: &Avoid,
     ) -> std::result::Result<bool, Failure> {
         let e = self.entries;
         let cluster_size = self.cluster_size;
@@ -127,7 +160,13 @@ impl<S: Storage> Checker<'_, S> {
     ) -> std::result::Result<(), Failure> {
         self.cache.clear();
         let cluster_size = self.cluster_size;
-        let mut avoid = self.beyond_eof.clone();
+        // Besides the damaged structure: clusters past the end of the file that entries
+        // name, and the part inside the file of every region that was not counted because it
+        // runs past the end (a snapshot's L1 table at offset 0 with a huge size: a fuzz
+        // finding). Such clusters may have refcount 0, yet the check reads them as tables;
+        // a refcount block written there turns into entries that the next check reports,
+        // and the repair would leave more corruptions than it found.
+        let mut avoid = Avoid::new(self.beyond_eof.clone(), &self.uncounted);
         let rt_clusters = (self.reftable.len() as u64 * TABLE_WORD).div_ceil(cluster_size);
         for k in 0..rt_clusters {
             avoid.insert(self.reftable_offset / cluster_size + k);
@@ -154,31 +193,43 @@ impl<S: Storage> Checker<'_, S> {
             res.check_errors += 1;
             return Err(Failure(EIO.into()));
         }
-        let mut table = Vec::new();
-        let size = self.refs.size;
-        if let Err(f) = self.write_refblocks(0, size, &mut table, &avoid).await {
-            res.check_errors += 1;
-            return Err(f);
-        }
-        let mut table_offset;
-        let mut table_clusters;
-        loop {
-            let mut first_free = 0;
-            table_clusters = (table.len() as u64 * TABLE_WORD).div_ceil(cluster_size);
-            table_offset = self.alloc_imrt(table_clusters, &mut first_free, &avoid);
-            let start = table_offset / cluster_size;
-            match self
-                .write_refblocks(start, start + table_clusters, &mut table, &avoid)
-                .await
-            {
-                Err(f) => {
-                    res.check_errors += 1;
-                    return Err(f);
-                }
-                Ok(true) => continue,
-                Ok(false) => break,
+        // Where the structure would go, found without writing anything (the walk is muted
+        // and the references restored). A structure that must grow the file so far that an
+        // uncounted region comes within one cluster of its end is not written at all: the
+        // next check would count that region and find refcount 0 for each of its clusters,
+        // so the repair would leave more corruptions than it found. The image is left as it
+        // was and the pass fails, as when the active L1 table lies past the end.
+        let saved = self.refs.clone();
+        let mute = std::mem::replace(&mut self.mute, true);
+        let plan = self.place_structure(&avoid).await;
+        self.mute = mute;
+        self.refs = saved;
+        if let Ok((table, table_offset, table_clusters)) = &plan {
+            let end = table
+                .iter()
+                .filter(|&&o| o != 0)
+                .map(|&o| o / cluster_size + 1)
+                .chain([table_offset / cluster_size + table_clusters])
+                .max()
+                .unwrap_or(0)
+                .saturating_mul(cluster_size);
+            if end > self.file_len && end > self.grow_limit {
+                self.msg(format!(
+                    "ERROR the refcount structure cannot be rebuilt without growing the file \
+                     to {} bytes, which would bring regions past its end into it",
+                    end
+                ));
+                res.check_errors += 1;
+                return Err(Failure(EIO.into()));
             }
         }
+        let (mut table, table_offset, table_clusters) = match self.place_structure(&avoid).await {
+            Ok(p) => p,
+            Err(f) => {
+                res.check_errors += 1;
+                return Err(f);
+            }
+        };
         let mut bytes = encode_words(&table);
         bytes.resize((table_clusters * cluster_size) as usize, 0);
         let pointer = encode_refcount_table_pointer(table_offset, table_clusters as u32);
@@ -191,6 +242,32 @@ impl<S: Storage> Checker<'_, S> {
         self.reftable_offset = table_offset;
         self.index = None;
         Ok(())
+    }
+
+    /// `rebuild_refcounts_write_refblocks` over the whole image, then the table placed
+    /// (and the blocks it needs written) until it stops growing: returns the table, its
+    /// offset and its length in clusters. Writes nothing while the checker is muted.
+    async fn place_structure(
+        &mut self,
+        avoid: &Avoid,
+    ) -> std::result::Result<(Vec<u64>, u64, u64), Failure> {
+        let cluster_size = self.cluster_size;
+        let mut table = Vec::new();
+        let size = self.refs.size;
+        self.write_refblocks(0, size, &mut table, avoid).await?;
+        loop {
+            let mut first_free = 0;
+            let table_clusters = (table.len() as u64 * TABLE_WORD).div_ceil(cluster_size);
+            let table_offset = self.alloc_imrt(table_clusters, &mut first_free, avoid);
+            let start = table_offset / cluster_size;
+            if self
+                .write_refblocks(start, start + table_clusters, &mut table, avoid)
+                .await?
+            {
+                continue;
+            }
+            return Ok((table, table_offset, table_clusters));
+        }
     }
 
     /// Writes the new refcount table, then points the header at it, each made durable before
