@@ -320,6 +320,7 @@ fn check_repairs_never_make_qemu_img_check_worse() {
     let path = scratch.path("x.qcow2");
     let all = CheckOptions {
         repair: Some(Repair::All),
+        ..Default::default()
     };
     let (mut checked, mut improved, mut failed, mut untouched) = (0, 0, 0, 0);
     for (name, data) in &inputs {

@@ -622,6 +622,7 @@ fn an_allocation_steered_onto_an_l2_table_by_a_bad_refcount_is_refused() {
     // qimg check -r all repairs it and clears the mark; qemu-img then finds it clean.
     let o = qimg::tools::check::CheckOptions {
         repair: Some(qimg::tools::check::Repair::All),
+        ..Default::default()
     };
     qimg::tools::check::check(&p, &o, &mut |_| {}).unwrap();
     assert!(!marked_corrupt(&dir.0, "a.qcow2"));

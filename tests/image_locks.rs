@@ -161,6 +161,16 @@ fn qimg_is_refused_while_qemu_writes_and_reads_with_force_share() {
     assert!(!ok && err.contains("in use"), "qimg map without -U: {err}");
     let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), &["map", "-U", "a.qcow2"]);
     assert!(ok, "qimg map -U: {err}");
+    // check takes the read lock, a repair the write lock; -U checks anyway.
+    for args in [
+        &["check", "a.qcow2"][..],
+        &["check", "-r", "all", "a.qcow2"][..],
+    ] {
+        let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), args);
+        assert!(!ok && err.contains("in use"), "qimg {args:?}: {err}");
+    }
+    let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), &["check", "-U", "a.qcow2"]);
+    assert!(ok, "qimg check -U: {err}");
     drop(holder);
     rt.block_on(OpenOptions::new().writable(true).open(&p))
         .expect("open after qemu-io quit");

@@ -514,8 +514,15 @@ pub fn qimg_check(path: &Path, image: &[u8]) -> CheckReport {
 
 /// The library check of the file at `path`, repairing as asked.
 pub fn qimg_check_file(path: &Path, repair: Option<Repair>) -> CheckReport {
-    check(path, &CheckOptions { repair }, &mut |_| {})
-        .unwrap_or_else(|e| panic!("qimg check {} cannot start: {e}", path.display()))
+    check(
+        path,
+        &CheckOptions {
+            repair,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap_or_else(|e| panic!("qimg check {} cannot start: {e}", path.display()))
 }
 
 /// Panics unless `qemu-img check` reports what `report` does.

@@ -176,6 +176,8 @@ struct Inner {
     reserve: AtomicBool,
     /// A flush failed: every later flush fails too (see [`FileStorage`]).
     flush_failed: AtomicBool,
+    /// Image locks were taken on the file (see [`Storage::lock_image`]).
+    locked: AtomicBool,
 }
 
 fn off(pos: u64) -> i64 {
@@ -185,6 +187,17 @@ fn off(pos: u64) -> i64 {
 
 fn unsupported(e: Errno) -> bool {
     matches!(e, Errno::EOPNOTSUPP | Errno::ENOSYS)
+}
+
+impl Drop for Inner {
+    /// Releases the image locks before the descriptor closes: the locks belong to the open
+    /// file description, which a process forking in another thread shares until its `exec`,
+    /// so a plain close could leave them held a moment longer than this storage.
+    fn drop(&mut self) {
+        if *self.locked.get_mut() {
+            crate::image_lock::release(&self.file);
+        }
+    }
 }
 
 impl Inner {
@@ -475,6 +488,7 @@ impl FileStorage {
                 punch_hole: AtomicBool::new(true),
                 flush_failed: AtomicBool::new(false),
                 reserve: AtomicBool::new(true),
+                locked: AtomicBool::new(false),
             }),
             blocking,
         })
@@ -691,6 +705,7 @@ impl Storage for FileStorage {
     }
 
     fn lock_image(&self, lock: ImageLock) -> Result<()> {
+        self.inner.locked.store(true, Ordering::Relaxed);
         crate::image_lock::apply(self.file(), lock).map_err(|failure| match failure {
             LockFailure::Conflict(holder) => StorageError::Locked { holder },
             LockFailure::Os(e) => StorageError::io(Op::Lock, 0, 0, e),
@@ -698,7 +713,9 @@ impl Storage for FileStorage {
     }
 
     fn unlock_image(&self) {
-        crate::image_lock::release(self.file());
+        if self.inner.locked.swap(false, Ordering::Relaxed) {
+            crate::image_lock::release(self.file());
+        }
     }
 
     fn request_alignment(&self) -> usize {

@@ -628,6 +628,7 @@ pub fn check(data: &[u8]) -> [qimg::Result<CheckReport>; 3] {
     let none = CheckOptions::default();
     let all = CheckOptions {
         repair: Some(Repair::All),
+        ..Default::default()
     };
     let quiet = &mut |_: CheckEvent<'_>| {};
     let before = qimg::tools::check::check(path, &none, quiet);

@@ -117,7 +117,11 @@ pub fn run(args: CheckArgs) -> ExitCode {
             }
         }
     };
-    let report = match check(path, &CheckOptions { repair }, &mut on_event) {
+    let opts = CheckOptions {
+        repair,
+        force_share: args.force_share,
+    };
+    let report = match check(path, &opts, &mut on_event) {
         Ok(r) => r,
         Err(e) => {
             let e = e.to_string();

@@ -95,7 +95,7 @@ use std::task::{Context, Poll, Waker};
 use qimg_format::cluster0::Cluster0;
 use qimg_format::header::{Header, SnapshotPointer};
 use qimg_format::validate::{OpenMode, validate_cluster0};
-use qimg_io::{BlockingStrategy, FileStorage, Storage, StorageError};
+use qimg_io::{BlockingStrategy, FileStorage, ImageLock, Storage, StorageError};
 use tokio::runtime::Builder;
 
 use checker::Checker;
@@ -118,6 +118,10 @@ pub enum Repair {
 pub struct CheckOptions {
     /// Repair what was found (the image is opened for writing), or only report it.
     pub repair: Option<Repair>,
+    /// Check without keeping other processes from writing the image (`qemu-img check -U`):
+    /// by default [`check`] takes QEMU's image locks (read, or read-write when repairing) and
+    /// refuses an image another process writes. Only without `repair`.
+    pub force_share: bool,
 }
 
 /// Something [`check`] reports while it runs.
@@ -168,12 +172,29 @@ pub fn check(
     // Cluster 0 is validated before the image is opened for writing, so that an image that
     // is not qcow2 (or one QEMU refuses) is reported as such even when it is not writable.
     let read_only = open(false)?;
+    let lock = match (opts.repair, opts.force_share) {
+        (None, true) => ImageLock::SharedRead,
+        (None, false) => ImageLock::Read,
+        (Some(_), false) => ImageLock::ReadWrite,
+        (Some(_), true) => {
+            return Err(Error::InvalidOption(format!(
+                "{}: force-share (-U) can only be used without repairing",
+                path.display()
+            )));
+        }
+    };
     if opts.repair.is_none() {
+        read_only
+            .lock_image(lock)
+            .map_err(|e| Error::storage(path, e))?;
         return block_on(path, check_storage(&read_only, path, opts, events))?;
     }
     block_on(path, read_cluster0(&read_only, path))??;
     drop(read_only);
     let writable = open(true)?;
+    writable
+        .lock_image(lock)
+        .map_err(|e| Error::storage(path, e))?;
     block_on(path, check_storage(&writable, path, opts, events))?
 }
 

@@ -19,11 +19,18 @@ fn scratch(tag: &str) -> PathBuf {
 
 fn run(path: &Path, repair: Option<Repair>) -> (CheckReport, Vec<String>) {
     let mut lines = Vec::new();
-    let r = check(path, &CheckOptions { repair }, &mut |e| {
-        if let CheckEvent::Message(m) = e {
-            lines.push(m.to_string());
-        }
-    })
+    let r = check(
+        path,
+        &CheckOptions {
+            repair,
+            ..Default::default()
+        },
+        &mut |e| {
+            if let CheckEvent::Message(m) = e {
+                lines.push(m.to_string());
+            }
+        },
+    )
     .unwrap();
     (r, lines)
 }
@@ -164,7 +171,10 @@ fn run_on(storage: &MemStorage, repair: Option<Repair>) -> (CheckReport, Vec<Str
         .block_on(check_storage(
             storage,
             Path::new("mem.qcow2"),
-            &CheckOptions { repair },
+            &CheckOptions {
+                repair,
+                ..Default::default()
+            },
             &mut |e| {
                 if let CheckEvent::Message(m) = e {
                     lines.push(m.to_string());
