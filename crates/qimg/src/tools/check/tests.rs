@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use qimg_io::{MemStorage, Storage};
 
 use super::*;
-use crate::engine::walk::ReferenceCounts;
 use crate::tools::create::{CreateOptions, create};
 
 fn scratch(tag: &str) -> PathBuf {
@@ -48,24 +47,6 @@ fn set_refcount16(path: &Path, cluster: u64, value: u16) {
     let block = u64::from_be_bytes(b);
     f.write_all_at(&value.to_be_bytes(), block + cluster * 2)
         .unwrap();
-}
-
-#[test]
-fn refs_count_past_16_bits_and_iterate_in_order() {
-    let mut r = ReferenceCounts::default();
-    r.set(5, 1);
-    r.set(70_000, 70_000);
-    r.set(4095, 2);
-    assert_eq!(r.get(70_000), 70_000);
-    assert_eq!(r.get(6), 0);
-    assert_eq!(
-        r.nonzero_in(0, 100_000),
-        vec![(5, 1), (4095, 2), (70_000, 70_000)]
-    );
-    assert_eq!(r.next_nonzero(6, 100_000), Some(4095));
-    assert_eq!(r.next_nonzero(4096, 70_000), None);
-    r.set(70_000, 3);
-    assert_eq!(r.get(70_000), 3);
 }
 
 #[test]
