@@ -171,6 +171,11 @@ fn qimg_is_refused_while_qemu_writes_and_reads_with_force_share() {
     }
     let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), &["check", "-U", "a.qcow2"]);
     assert!(ok, "qimg check -U: {err}");
+    // info too, as qemu-img info.
+    let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), &["info", "a.qcow2"]);
+    assert!(!ok && err.contains("in use"), "qimg info without -U: {err}");
+    let (ok, err) = stderr_of(&dir.0, qimg.to_str().unwrap(), &["info", "-U", "a.qcow2"]);
+    assert!(ok, "qimg info -U: {err}");
     drop(holder);
     rt.block_on(OpenOptions::new().writable(true).open(&p))
         .expect("open after qemu-io quit");

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::{Result, anyhow};
 use clap::ValueEnum;
+use qimg::io::{FileStorage, ImageLock, Storage};
 use qimg::tools::info::{backing_chain, image_info};
 
 use crate::args::image_format;
@@ -29,7 +30,8 @@ pub struct InfoArgs {
     /// Show the whole backing chain.
     #[arg(long)]
     backing_chain: bool,
-    /// Accepted for qemu-img compatibility: qimg info never locks or writes.
+    /// Read even while another process writes the image (info takes QEMU's read lock,
+    /// as qemu-img info does, unless this is given).
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
     /// The image.
@@ -38,7 +40,6 @@ pub struct InfoArgs {
 
 /// Runs `qimg info`.
 pub fn run(args: InfoArgs) -> Result<()> {
-    let _ = args.force_share;
     let fmt = match args.fmt.as_deref() {
         Some(name) => Some(image_format(name).ok_or_else(|| {
             anyhow!("Unknown file format '{name}' (qimg supports qcow2 and raw)")
@@ -46,6 +47,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
         None => None,
     };
     let path = Path::new(&args.filename);
+    // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
+    // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
+    let _lock = read_lock(path, args.force_share)
+        .map_err(|e| anyhow!("Could not open '{}': {e}", args.filename))?;
     let list = if args.backing_chain {
         backing_chain(path, fmt)?
     } else {
@@ -66,4 +71,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Opens `path` and takes QEMU's read lock on it (a shared read with `force_share`); a file
+/// that cannot be opened is left for `image_info` to report as it does.
+fn read_lock(path: &Path, force_share: bool) -> Result<Option<FileStorage>> {
+    let Ok(file) = FileStorage::open(path) else {
+        return Ok(None);
+    };
+    let lock = if force_share {
+        ImageLock::SharedRead
+    } else {
+        ImageLock::Read
+    };
+    file.lock_image(lock)?;
+    Ok(Some(file))
 }
