@@ -16,22 +16,28 @@ fn scratch(tag: &str) -> PathBuf {
     d
 }
 
-fn run(path: &Path, repair: Option<Repair>) -> (CheckReport, Vec<String>) {
+/// The report and the diagnostic lines of one check (`run_check` gets the options and the
+/// event sink).
+fn with_messages(
+    repair: Option<Repair>,
+    run_check: impl FnOnce(&CheckOptions, &mut dyn FnMut(CheckEvent<'_>)) -> Result<CheckReport>,
+) -> (CheckReport, Vec<String>) {
     let mut lines = Vec::new();
-    let r = check(
-        path,
-        &CheckOptions {
-            repair,
-            ..Default::default()
-        },
-        &mut |e| {
-            if let CheckEvent::Message(m) = e {
-                lines.push(m.to_string());
-            }
-        },
-    )
+    let opts = CheckOptions {
+        repair,
+        ..Default::default()
+    };
+    let r = run_check(&opts, &mut |e| {
+        if let CheckEvent::Message(m) = e {
+            lines.push(m.to_string());
+        }
+    })
     .unwrap();
     (r, lines)
+}
+
+fn run(path: &Path, repair: Option<Repair>) -> (CheckReport, Vec<String>) {
+    with_messages(repair, |opts, events| check(path, opts, events))
 }
 
 fn set_refcount16(path: &Path, cluster: u64, value: u16) {
@@ -147,23 +153,9 @@ fn run_on(storage: &MemStorage, repair: Option<Repair>) -> (CheckReport, Vec<Str
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
-    let mut lines = Vec::new();
-    let r = rt
-        .block_on(check_storage(
-            storage,
-            Path::new("mem.qcow2"),
-            &CheckOptions {
-                repair,
-                ..Default::default()
-            },
-            &mut |e| {
-                if let CheckEvent::Message(m) = e {
-                    lines.push(m.to_string());
-                }
-            },
-        ))
-        .unwrap();
-    (r, lines)
+    with_messages(repair, |opts, events| {
+        rt.block_on(check_storage(storage, Path::new("mem.qcow2"), opts, events))
+    })
 }
 
 #[test]
