@@ -153,4 +153,8 @@ impl Storage for AnyStorage {
     fn unlock_image(&self) {
         each!(self, s => s.unlock_image())
     }
+
+    fn direct_access(&self) -> Option<crate::DirectAccess<'_>> {
+        each!(self, s => s.direct_access())
+    }
 }

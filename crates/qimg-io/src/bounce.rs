@@ -272,6 +272,12 @@ impl<S: Storage> Storage for BounceStorage<S> {
     fn mem_alignment(&self) -> usize {
         1
     }
+
+    /// The inner storage's descriptor and its (`O_DIRECT`) alignment: direct requests are
+    /// not bounced.
+    fn direct_access(&self) -> Option<crate::storage::DirectAccess<'_>> {
+        self.inner().direct_access()
+    }
 }
 
 /// Locks on byte ranges `[start, end)`, granted in arrival order among overlapping ranges.

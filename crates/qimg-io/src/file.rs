@@ -725,4 +725,12 @@ impl Storage for FileStorage {
     fn mem_alignment(&self) -> usize {
         self.inner.mem_alignment
     }
+
+    fn direct_access(&self) -> Option<crate::storage::DirectAccess<'_>> {
+        Some(crate::storage::DirectAccess {
+            fd: self.as_fd(),
+            request_alignment: self.inner.request_alignment,
+            mem_alignment: self.inner.mem_alignment,
+        })
+    }
 }

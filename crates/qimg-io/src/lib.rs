@@ -92,6 +92,9 @@ mod faulty;
 mod file;
 mod image_lock;
 mod mem;
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+pub mod queue;
 mod storage;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
@@ -108,6 +111,6 @@ pub use faulty::{
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
 pub use image_lock::ImageLock;
 pub use mem::MemStorage;
-pub use storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
+pub use storage::{AllocateOutcome, DirectAccess, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringStorage};

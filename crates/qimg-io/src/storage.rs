@@ -188,10 +188,35 @@ pub trait Storage: Send + Sync {
     /// Releases the image locks [`lock_image`](Self::lock_image) took (closing the file
     /// releases them too). Other processes may then open the image as they like.
     fn unlock_image(&self) {}
+
+    /// The descriptor that a per-queue ring (`qimg_io::queue::QueueRing`) may read and write
+    /// directly, bypassing this storage, with the alignment such requests need. `None` (the
+    /// default) for storages that are not one plain file (memory, fault injection), whose
+    /// requests must go through the storage itself.
+    fn direct_access(&self) -> Option<DirectAccess<'_>> {
+        None
+    }
+}
+
+/// A file descriptor requests may use directly, and the alignment they need: offsets and
+/// lengths multiples of `request_alignment`, buffer addresses of `mem_alignment` (both 1 for a
+/// buffered file, the device's for `O_DIRECT`).
+#[derive(Debug, Clone, Copy)]
+pub struct DirectAccess<'a> {
+    /// The descriptor.
+    pub fd: std::os::fd::BorrowedFd<'a>,
+    /// Alignment of offsets and lengths.
+    pub request_alignment: usize,
+    /// Alignment of buffer addresses.
+    pub mem_alignment: usize,
 }
 
 /// Shares one storage between owners: every call goes to the inner storage.
 impl<S: Storage + ?Sized> Storage for Arc<S> {
+    fn direct_access(&self) -> Option<DirectAccess<'_>> {
+        (**self).direct_access()
+    }
+
     fn read_at_most(
         &self,
         buf: &mut [u8],

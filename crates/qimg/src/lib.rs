@@ -98,6 +98,8 @@ pub use engine::lease;
 
 #[cfg(feature = "blocking")]
 pub use engine::BlockingImage;
+#[cfg(target_os = "linux")]
+pub use engine::queue::{self, Completion, Queue, QueueOptions, QueueStats, Request};
 pub use engine::{
     Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, OpenOptions, Opener,
     Stats, Trust, UntrustedLimits, WriteLease,
@@ -108,3 +110,5 @@ pub use qimg_cache::{CacheOptions, CacheStats};
 pub use qimg_format as format;
 /// The storage crate, re-exported.
 pub use qimg_io as io;
+#[cfg(target_os = "linux")]
+pub use qimg_io::queue::{IoBuffers, Notifier};

@@ -188,4 +188,8 @@ impl Storage for UringStorage {
     fn mem_alignment(&self) -> usize {
         self.shared().file.mem_alignment()
     }
+
+    fn direct_access(&self) -> Option<crate::storage::DirectAccess<'_>> {
+        self.shared().file.direct_access()
+    }
 }

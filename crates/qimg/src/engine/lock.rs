@@ -133,6 +133,27 @@ impl RangeLocks {
         }
     }
 
+    /// Takes `[start, end)` if nothing conflicts with it now, without waiting: the holder id
+    /// for [`release`](Self::release), or `None`.
+    pub(crate) fn try_acquire(&self, start: u64, end: u64, exclusive: bool) -> Option<u64> {
+        let mut state = self.state();
+        if state
+            .held
+            .iter()
+            .any(|h| h.conflicts(start, end, exclusive))
+        {
+            return None;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        state.held.push(Range {
+            start,
+            end,
+            exclusive,
+            id,
+        });
+        Some(id)
+    }
+
     /// Number of ranges held now.
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {

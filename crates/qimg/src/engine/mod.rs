@@ -29,6 +29,8 @@ mod meta;
 mod open;
 mod options;
 pub(crate) mod overlap;
+#[cfg(target_os = "linux")]
+pub mod queue;
 mod rebuild;
 mod rw;
 mod state;
@@ -42,3 +44,5 @@ pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
 pub use open::{FileOpener, Opener};
 pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};
+#[cfg(target_os = "linux")]
+pub use queue::{Completion, Queue, QueueOptions, QueueStats, Request};

@@ -52,6 +52,25 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// The L2 entry of the guest cluster containing `guest` if it is known without I/O (its
+    /// slice cached, or no L2 table): the lookup of requests that must not wait. `None` on a
+    /// cache miss or an entry that does not decode (the full [`lookup`](Self::lookup) reports
+    /// that).
+    pub(crate) fn lookup_cached(&self, m: &mut Meta, guest: u64) -> Option<AnyL2Entry> {
+        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
+        let Some(table) = m.l1.get(l1i)?.l2_offset else {
+            return Some(self.unallocated_entry());
+        };
+        let (key, idx) = self.l2_position(m, table.0, guest);
+        m.l2.peek(key)?;
+        let now = self.now();
+        let es = self.geo.l2_entry_size() as usize;
+        let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
+        // A counted hit, as the full lookup's.
+        let slice = m.l2.get(key, now)?;
+        AnyL2Entry::decode(slice.get(idx * es..(idx + 1) * es)?, &self.ctx, at).ok()
+    }
+
     /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or
     /// un-sharing) its L2 table first.
     pub(crate) async fn set_entry(

@@ -7,7 +7,7 @@ use qimg_io::Storage;
 use super::*;
 
 impl<S: Storage> Inner<S> {
-    pub(super) fn plan_write(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
+    pub(crate) fn plan_write(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
         let cs = self.geo.cluster_size() as usize;
         let external = self.data_file.is_some();
         match old {

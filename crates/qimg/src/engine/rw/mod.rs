@@ -42,14 +42,14 @@ pub(super) const ALL: u32 = u32::MAX;
 
 /// Something a rewrite leaves without a reference.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Freed {
+pub(crate) enum Freed {
     Cluster(u64),
     Compressed(CompressedDescriptor),
 }
 
 /// Where the bytes of a write go: the cluster the entry names, or a new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Destination {
+pub(crate) enum Destination {
     /// The existing host cluster (COPIED), at this offset.
     InPlace(u64),
     /// A new host cluster.
@@ -89,16 +89,16 @@ impl PreparedWrite {
 
 /// What one write does to one cluster.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct WritePlan {
-    pub(super) target: Destination,
+pub(crate) struct WritePlan {
+    pub(crate) target: Destination,
     /// Cluster-relative range written to the target (the guest range plus copy-on-write).
-    pub(super) start: usize,
-    pub(super) end: usize,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
     /// The subcluster bitmap after the write (extended entries), or `None` for standard ones.
     pub(super) bitmap: Option<SubclusterBitmap>,
     /// Whether the L2 entry changes.
-    pub(super) relink: bool,
-    pub(super) freed: Option<Freed>,
+    pub(crate) relink: bool,
+    pub(crate) freed: Option<Freed>,
 }
 
 pub(super) fn old_reference(e: &L2Entry) -> Option<Freed> {
@@ -123,7 +123,7 @@ pub(super) fn subcluster_mask(first: usize, end: usize) -> u32 {
 impl<S: Storage> Inner<S> {
     /// Splits `[offset, offset + len)` into per-cluster pieces `(cluster start, offset in
     /// cluster, length, position in the request)`.
-    pub(super) fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, usize, usize, usize)> {
+    pub(crate) fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, usize, usize, usize)> {
         let cs = self.geo.cluster_size();
         let mut out = Vec::new();
         let mut pos = 0u64;
@@ -151,12 +151,12 @@ impl<S: Storage> Inner<S> {
         Ok(len)
     }
 
-    pub(super) fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {
+    pub(crate) fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {
         let bits = self.geo.cluster_bits();
         (offset >> bits, ((offset + len.max(1) - 1) >> bits) + 1)
     }
 
-    pub(super) fn ensure_open(&self, m: &Meta) -> Result<()> {
+    pub(crate) fn ensure_open(&self, m: &Meta) -> Result<()> {
         if m.closed {
             return Err(Error::InvalidOption(format!(
                 "{}: the image is closed",

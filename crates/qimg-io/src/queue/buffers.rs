@@ -1,0 +1,348 @@
+//! [`IoBuffers`]: memory lent to a queued request, from the caller's raw iovecs (guest memory)
+//! or owned buffers.
+
+use std::any::Any;
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::Arc;
+
+use nix::libc;
+
+use crate::AlignedBuf;
+
+/// One segment: `len` bytes at `base`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Segment {
+    pub(super) base: *mut u8,
+    pub(super) len: usize,
+}
+
+/// The segments and whatever keeps them alive.
+pub(super) struct Memory {
+    pub(super) segments: Vec<Segment>,
+    pub(super) len: usize,
+    /// Owned buffers the segments point into (`None` for the caller's raw memory).
+    owner: Option<Box<dyn Any + Send>>,
+}
+
+// SAFETY: `Memory` is `!Send`/`!Sync` only because of the raw segment pointers. They point into
+// either `owner` (a heap block that moves with the value and is never reallocated while a
+// segment points into it) or memory the caller of `IoBuffers::from_raw` promised is valid and
+// not otherwise accessed until the request completes. Shared access happens only between an
+// `IoBuffers` and the ring operations that hold a clone of its `Arc`: the kernel transfers into
+// the segments while the operation is in flight, and `IoBuffers` creates Rust references to the
+// memory only when no ring operation holds it (`Arc::get_mut`-style uniqueness checks below).
+unsafe impl Send for Memory {}
+// SAFETY: see `Send` above; `&Memory` gives no access to the bytes, only to the pointers.
+unsafe impl Sync for Memory {}
+
+/// Memory lent to a queued request: the segments of a vectored read or write.
+///
+/// A VMM hands its guest memory over with [`from_raw`](Self::from_raw) (an `unsafe` promise
+/// that the iovecs stay valid until the request's completion is collected); safe code lends
+/// owned buffers with [`from_vec`](Self::from_vec) or [`from_aligned`](Self::from_aligned) and
+/// gets them back with [`into_owner`](Self::into_owner) once the request completed.
+///
+/// A request whose segments are aligned for `O_DIRECT` goes to the kernel as it is (no copy);
+/// see `qimg::Queue`.
+pub struct IoBuffers {
+    pub(super) memory: Arc<Memory>,
+}
+
+impl std::fmt::Debug for IoBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoBuffers")
+            .field("segments", &self.memory.segments.len())
+            .field("len", &self.memory.len)
+            .field("owned", &self.memory.owner.is_some())
+            .finish()
+    }
+}
+
+impl IoBuffers {
+    /// Lends the memory the iovecs describe (for example guest memory a VMM translated).
+    ///
+    /// # Safety
+    ///
+    /// For every iovec, `iov_base` must point to `iov_len` bytes that stay allocated, valid for
+    /// reads and writes, and are not read or written by anything else (other than through this
+    /// value) from this call until the request that takes these buffers has completed: its
+    /// completion returned by `next_completed`, or the request refused at submission, or the
+    /// queue dropped (dropping waits for every request). Segments must not overlap.
+    pub unsafe fn from_raw(iovecs: &[libc::iovec]) -> Self {
+        let segments: Vec<Segment> = iovecs
+            .iter()
+            .map(|v| Segment {
+                base: v.iov_base.cast::<u8>(),
+                len: v.iov_len,
+            })
+            .collect();
+        Self::new(segments, None)
+    }
+
+    /// Lends an owned buffer (one segment); [`into_owner`](Self::into_owner) gives it back.
+    pub fn from_vec(mut buf: Vec<u8>) -> Self {
+        let segments = vec![Segment {
+            base: buf.as_mut_ptr(),
+            len: buf.len(),
+        }];
+        Self::new(segments, Some(Box::new(buf)))
+    }
+
+    /// Lends several owned buffers as consecutive segments.
+    pub fn from_vecs(mut bufs: Vec<Vec<u8>>) -> Self {
+        let segments = bufs
+            .iter_mut()
+            .map(|b| Segment {
+                base: b.as_mut_ptr(),
+                len: b.len(),
+            })
+            .collect();
+        Self::new(segments, Some(Box::new(bufs)))
+    }
+
+    /// Lends an aligned buffer (one segment), as `O_DIRECT` needs it.
+    pub fn from_aligned(mut buf: AlignedBuf) -> Self {
+        let segments = vec![Segment {
+            base: buf.as_mut_ptr(),
+            len: buf.len(),
+        }];
+        Self::new(segments, Some(Box::new(buf)))
+    }
+
+    /// Lends several aligned buffers as consecutive segments.
+    pub fn from_aligned_vec(mut bufs: Vec<AlignedBuf>) -> Self {
+        let segments = bufs
+            .iter_mut()
+            .map(|b| Segment {
+                base: b.as_mut_ptr(),
+                len: b.len(),
+            })
+            .collect();
+        Self::new(segments, Some(Box::new(bufs)))
+    }
+
+    fn new(segments: Vec<Segment>, owner: Option<Box<dyn Any + Send>>) -> Self {
+        let len = segments.iter().map(|s| s.len).sum();
+        IoBuffers {
+            memory: Arc::new(Memory {
+                segments,
+                len,
+                owner,
+            }),
+        }
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.memory.len
+    }
+
+    /// Whether there are no bytes at all.
+    pub fn is_empty(&self) -> bool {
+        self.memory.len == 0
+    }
+
+    /// Number of segments.
+    pub fn segments(&self) -> usize {
+        self.memory.segments.len()
+    }
+
+    /// Whether every segment starts on a multiple of `mem_align` and has a length that is a
+    /// multiple of `len_align` (what `O_DIRECT` needs to take the memory as it is).
+    pub fn is_aligned(&self, mem_align: usize, len_align: usize) -> bool {
+        let mem_align = mem_align.max(1);
+        let len_align = len_align.max(1);
+        self.memory
+            .segments
+            .iter()
+            .all(|s| (s.base as usize) % mem_align == 0 && s.len % len_align == 0)
+    }
+
+    /// Whether no ring operation holds the memory now (then the methods that touch the bytes
+    /// work).
+    pub fn is_idle(&self) -> bool {
+        Arc::strong_count(&self.memory) == 1
+    }
+
+    /// The segments as slices for reading, or `None` while a ring operation holds them.
+    pub fn slices(&self) -> Option<Vec<IoSlice<'_>>> {
+        if !self.is_idle() {
+            return None;
+        }
+        Some(
+            self.memory
+                .segments
+                .iter()
+                .map(|s| {
+                    // SAFETY: the segment is valid for `len` bytes (from_raw's contract, or it
+                    // points into `owner`). No ring operation holds the memory (checked above),
+                    // and while the returned slices borrow `self` shared, the only operation
+                    // that can start is a ring write (the kernel reads the memory), because a
+                    // ring read (the kernel writes) needs `&mut IoBuffers`: nothing writes the
+                    // bytes while the slices exist.
+                    let bytes = unsafe { std::slice::from_raw_parts(s.base.cast_const(), s.len) };
+                    IoSlice::new(bytes)
+                })
+                .collect(),
+        )
+    }
+
+    /// The segments as slices for filling, or `None` while a ring operation holds them.
+    pub fn slices_mut(&mut self) -> Option<Vec<IoSliceMut<'_>>> {
+        if !self.is_idle() {
+            return None;
+        }
+        Some(
+            self.memory
+                .segments
+                .iter()
+                .map(|s| {
+                    // SAFETY: valid for `len` bytes and unaliased (from_raw's contract, or it
+                    // points into `owner`); no ring operation holds the memory (checked above)
+                    // and none can start while `&mut self` is borrowed; segments do not overlap.
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(s.base, s.len) };
+                    IoSliceMut::new(bytes)
+                })
+                .collect(),
+        )
+    }
+
+    /// Copies `len` bytes starting `pos` bytes into the buffers to `out`; `false` while a
+    /// ring operation holds the memory or the range is out of bounds.
+    pub fn copy_out(&self, pos: usize, out: &mut [u8]) -> bool {
+        let Some(slices) = self.slices() else {
+            return false;
+        };
+        copy_range(&slices, pos, out.len(), |src, done| {
+            out[done..done + src.len()].copy_from_slice(src)
+        })
+    }
+
+    /// Fills `len` bytes starting `pos` bytes into the buffers with zeros; `false` while a ring
+    /// operation holds the memory or the range is out of bounds.
+    pub fn fill_zero(&mut self, pos: usize, len: usize) -> bool {
+        let Some(end) = pos.checked_add(len) else {
+            return false;
+        };
+        if end > self.len() {
+            return false;
+        }
+        let Some(mut slices) = self.slices_mut() else {
+            return false;
+        };
+        let mut at = 0usize;
+        for s in slices.iter_mut() {
+            let (a, b) = (at, at + s.len());
+            let lo = pos.max(a);
+            let hi = end.min(b);
+            if lo < hi {
+                s[lo - a..hi - a].fill(0);
+            }
+            at = b;
+        }
+        true
+    }
+
+    /// The iovecs for bytes `[pos, pos + len)` of the buffers (`None` when out of bounds).
+    pub(super) fn iovecs(&self, pos: usize, len: usize) -> Option<Vec<libc::iovec>> {
+        let end = pos.checked_add(len)?;
+        if end > self.len() {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        for s in &self.memory.segments {
+            let (a, b) = (at, at + s.len);
+            let lo = pos.max(a);
+            let hi = end.min(b);
+            if lo < hi {
+                out.push(libc::iovec {
+                    // Address arithmetic inside one segment; `wrapping_add` keeps it free of
+                    // `unsafe` (the pointer is only handed to the kernel).
+                    iov_base: s.base.wrapping_add(lo - a).cast::<libc::c_void>(),
+                    iov_len: hi - lo,
+                });
+            }
+            at = b;
+        }
+        Some(out)
+    }
+
+    /// The owned buffer this value was made from (`Vec<u8>`, `Vec<Vec<u8>>`, [`AlignedBuf`] or
+    /// `Vec<AlignedBuf>`), once no ring operation holds it; `None` for raw memory. Downcast
+    /// with `Box::downcast`.
+    pub fn into_owner(self) -> Result<Option<Box<dyn Any + Send>>, Self> {
+        match Arc::try_unwrap(self.memory) {
+            Ok(m) => Ok(m.owner),
+            Err(memory) => Err(IoBuffers { memory }),
+        }
+    }
+
+    /// A handle a ring operation keeps while the kernel uses the memory.
+    pub(super) fn share(&self) -> Arc<Memory> {
+        self.memory.clone()
+    }
+}
+
+/// Calls `f` on the pieces of `[pos, pos + len)` across `slices`, with the number of bytes
+/// already done; `false` when the range is out of bounds.
+fn copy_range(
+    slices: &[IoSlice<'_>],
+    pos: usize,
+    len: usize,
+    mut f: impl FnMut(&[u8], usize),
+) -> bool {
+    let total: usize = slices.iter().map(|s| s.len()).sum();
+    let Some(end) = pos.checked_add(len) else {
+        return false;
+    };
+    if end > total {
+        return false;
+    }
+    let mut at = 0usize;
+    let mut done = 0usize;
+    for s in slices {
+        let (a, b) = (at, at + s.len());
+        let lo = pos.max(a);
+        let hi = end.min(b);
+        if lo < hi {
+            f(&s[lo - a..hi - a], done);
+            done += hi - lo;
+        }
+        at = b;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_buffers_come_back_and_iovecs_cut_across_segments() {
+        let b = IoBuffers::from_vecs(vec![vec![1u8; 4], vec![2u8; 4], vec![3u8; 4]]);
+        assert_eq!(b.len(), 12);
+        let v = b.iovecs(2, 8).unwrap();
+        assert_eq!(v.iter().map(|v| v.iov_len).collect::<Vec<_>>(), [2, 4, 2]);
+        assert!(b.iovecs(10, 3).is_none());
+        let mut out = [0u8; 6];
+        assert!(b.copy_out(3, &mut out));
+        assert_eq!(out, [1, 2, 2, 2, 2, 3]);
+        let mut b = b;
+        assert!(b.fill_zero(3, 2));
+        let owner = b.into_owner().unwrap().unwrap();
+        let bufs = owner.downcast::<Vec<Vec<u8>>>().unwrap();
+        assert_eq!(bufs[0], [1, 1, 1, 0]);
+        assert_eq!(bufs[1], [0, 2, 2, 2]);
+    }
+
+    #[test]
+    fn shared_memory_refuses_access() {
+        let mut b = IoBuffers::from_vec(vec![0u8; 8]);
+        let held = b.share();
+        assert!(b.slices().is_none());
+        assert!(!b.fill_zero(0, 1));
+        drop(held);
+        assert!(b.fill_zero(0, 1));
+    }
+}

@@ -1,0 +1,96 @@
+use std::io::Write;
+use std::os::fd::AsFd;
+
+use nix::sys::eventfd::EventFd;
+
+use super::Notifier;
+
+use super::*;
+use crate::AlignedBuf;
+
+#[test]
+fn reads_and_writes_lent_memory_and_signals_the_eventfd() {
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(&[7u8; 8192]).unwrap();
+    let mut ring = match QueueRing::new(4) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("SKIPPED: io_uring unavailable: {e}");
+            return;
+        }
+    };
+    let efd = EventFd::new().unwrap();
+    ring.register_eventfd(efd.as_fd()).unwrap();
+
+    let out = IoBuffers::from_vecs(vec![vec![1u8; 100], vec![2u8; 412]]);
+    ring.write(file.as_fd(), 4096, &out, 0, 512, 11).unwrap();
+    let mut back = IoBuffers::from_vec(vec![0u8; 1024]);
+    ring.submit().unwrap();
+    ring.wait().unwrap();
+    let mut seen = Vec::new();
+    ring.reap(|c| seen.push(c));
+    assert_eq!(
+        seen,
+        [RingCompletion {
+            token: 11,
+            result: 512,
+            expected: 512
+        }]
+    );
+    assert!(efd.read().unwrap() >= 1, "the kernel signalled the eventfd");
+
+    ring.read(file.as_fd(), 4000, &mut back, 24, 1000, 12)
+        .unwrap();
+    assert!(!back.is_idle(), "the ring holds the memory while in flight");
+    ring.submit().unwrap();
+    ring.wait().unwrap();
+    seen.clear();
+    ring.reap(|c| seen.push(c));
+    assert_eq!(seen[0].result, 1000);
+    let owner = back.into_owner().unwrap().unwrap();
+    let v = owner.downcast::<Vec<u8>>().unwrap();
+    assert!(v[..24].iter().all(|&b| b == 0));
+    assert!(v[24..24 + 96].iter().all(|&b| b == 7));
+    assert!(v[120..220].iter().all(|&b| b == 1));
+    assert!(v[220..632].iter().all(|&b| b == 2));
+    assert!(v[632..1024].iter().all(|&b| b == 7));
+    assert!(v.len() == 1024);
+    drop(out);
+}
+
+#[test]
+fn a_full_queue_refuses_and_drop_waits_for_the_kernel() {
+    let file = tempfile::tempfile().unwrap();
+    let Ok(mut ring) = QueueRing::new(2) else {
+        return;
+    };
+    let a = IoBuffers::from_aligned(AlignedBuf::zeroed(4096, 4096).unwrap());
+    ring.write(file.as_fd(), 0, &a, 0, 4096, 1).unwrap();
+    ring.fsync(file.as_fd(), true, 2).unwrap();
+    let err = ring.write(file.as_fd(), 0, &a, 0, 4096, 3).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock);
+    let err = ring.write(file.as_fd(), 0, &a, 4000, 200, 3).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    ring.submit().unwrap();
+    drop(ring);
+    assert!(
+        a.is_idle(),
+        "dropping the ring waited and released the memory"
+    );
+}
+
+#[test]
+fn depth_out_of_range_is_refused_with_the_value() {
+    let err = QueueRing::new(0).unwrap_err();
+    assert!(err.to_string().contains("queue depth 0"), "{err}");
+}
+
+#[test]
+fn the_notifier_counts_signals_and_drains_to_zero() {
+    let n = Notifier::new().unwrap();
+    assert_eq!(n.drain().unwrap(), 0);
+    n.notify().unwrap();
+    n.clone().notify().unwrap();
+    assert_eq!(n.drain().unwrap(), 2);
+    assert_eq!(n.drain().unwrap(), 0);
+}

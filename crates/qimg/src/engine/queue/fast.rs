@@ -1,0 +1,170 @@
+//! The direct path's planning: where each byte of a request is, when that is known without
+//! metadata I/O and nothing in the image has to change.
+
+use qimg_format::l2::{L2Entry, SubclusterState};
+use qimg_format::units::SubclusterIndex;
+use qimg_io::Storage;
+
+use crate::engine::image::Inner;
+use crate::engine::meta::Meta;
+use crate::engine::overlap::Writing;
+use crate::engine::rw::Destination;
+
+/// One piece of a request on the direct path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part {
+    /// Bytes `[pos, pos + len)` of the request move to or from host offset `host`.
+    Io { host: u64, pos: usize, len: usize },
+    /// Bytes `[pos, pos + len)` of a read are zeros.
+    Zero { pos: usize, len: usize },
+}
+
+impl<S: Storage> Inner<S> {
+    /// The parts of a `len`-byte request at guest `offset`, or `None` when the request needs
+    /// the engine: an L2 slice not cached, a backing file to read, a compressed cluster, or a
+    /// write that allocates, copies on write or changes an entry. Adjacent parts merge.
+    pub(super) fn plan_direct(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        len: u64,
+        write: bool,
+    ) -> Option<Vec<Part>> {
+        let scs = self.geo.subcluster_size() as usize;
+        let mut parts: Vec<Part> = Vec::new();
+        for (gc, a, n, pos) in self.pieces(offset, len) {
+            let entry = self.lookup_cached(m, gc)?;
+            if write {
+                let plan = self.plan_write(&entry, a, a + n);
+                let Destination::InPlace(host) = plan.target else {
+                    return None;
+                };
+                if plan.relink || plan.start != a || plan.end != a + n || plan.freed.is_some() {
+                    return None;
+                }
+                let at = host + a as u64;
+                if self.data_file.is_none() && m.overlap.find(at, n as u64, Writing::Data).is_some()
+                {
+                    return None;
+                }
+                push(
+                    &mut parts,
+                    Part::Io {
+                        host: at,
+                        pos,
+                        len: n,
+                    },
+                );
+                continue;
+            }
+            let host = match entry.entry() {
+                L2Entry::Compressed(_) => return None,
+                e => e.host_cluster().map(|h| h.0),
+            };
+            let state = |off: usize| entry.state(SubclusterIndex((off / scs) as u32));
+            let end = a + n;
+            let mut at = a;
+            while at < end {
+                let s = state(at);
+                let mut run_end = ((at / scs + 1) * scs).min(end);
+                while run_end < end && state(run_end) == s {
+                    run_end = (run_end + scs).min(end);
+                }
+                let (p, l) = (pos + (at - a), run_end - at);
+                match s {
+                    SubclusterState::Normal => push(
+                        &mut parts,
+                        Part::Io {
+                            host: host? + at as u64,
+                            pos: p,
+                            len: l,
+                        },
+                    ),
+                    SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => {
+                        push(&mut parts, Part::Zero { pos: p, len: l })
+                    }
+                    SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
+                        if self.backing.is_some() {
+                            return None;
+                        }
+                        push(&mut parts, Part::Zero { pos: p, len: l })
+                    }
+                    SubclusterState::Compressed => return None,
+                }
+                at = run_end;
+            }
+        }
+        Some(parts)
+    }
+}
+
+/// Appends `part`, merging it into the last one when they continue each other (in the request
+/// and, for I/O, on the host).
+fn push(parts: &mut Vec<Part>, part: Part) {
+    match (parts.last_mut(), part) {
+        (
+            Some(Part::Io { host, pos, len }),
+            Part::Io {
+                host: h,
+                pos: p,
+                len: l,
+            },
+        ) if *pos + *len == p && *host + *len as u64 == h => *len += l,
+        (Some(Part::Zero { pos, len }), Part::Zero { pos: p, len: l }) if *pos + *len == p => {
+            *len += l
+        }
+        _ => parts.push(part),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_merge_only_when_contiguous_in_request_and_host() {
+        let mut v = Vec::new();
+        push(
+            &mut v,
+            Part::Io {
+                host: 100,
+                pos: 0,
+                len: 10,
+            },
+        );
+        push(
+            &mut v,
+            Part::Io {
+                host: 110,
+                pos: 10,
+                len: 5,
+            },
+        );
+        push(
+            &mut v,
+            Part::Io {
+                host: 200,
+                pos: 15,
+                len: 5,
+            },
+        );
+        push(&mut v, Part::Zero { pos: 20, len: 4 });
+        push(&mut v, Part::Zero { pos: 24, len: 4 });
+        assert_eq!(
+            v,
+            [
+                Part::Io {
+                    host: 100,
+                    pos: 0,
+                    len: 15
+                },
+                Part::Io {
+                    host: 200,
+                    pos: 15,
+                    len: 5
+                },
+                Part::Zero { pos: 20, len: 8 },
+            ]
+        );
+    }
+}

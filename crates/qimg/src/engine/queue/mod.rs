@@ -1,0 +1,617 @@
+//! [`Queue`]: a per-queue completion handle for VMMs that run their own event loops.
+//!
+//! A VMM serves each guest queue (virtqueue) from its own thread: it takes requests off the
+//! queue, submits them to the disk with a `user_data`, sleeps in `epoll` until an eventfd says
+//! that something completed, and collects the completions. [`Image::queue`] gives it a
+//! [`Queue`] made for that loop:
+//!
+//! * each queue has its own io_uring ring (depth chosen by the caller) and an eventfd (the
+//!   caller's or one the queue owns) that the kernel signals for every completion;
+//! * [`Queue::submit`] takes a [`Request`] and a `user_data`; [`Queue::next_completed`] returns
+//!   [`Completion`]s in the caller's thread;
+//! * a read or write whose place in the image is known without metadata I/O (its L2 slice is
+//!   cached, and a write lands in place on an allocated subcluster) goes from the caller's
+//!   thread straight to the ring, with the caller's memory ([`IoBuffers`]) handed to the kernel
+//!   as it is when it is aligned for `O_DIRECT` (no copy, no allocation of data buffers);
+//!   zero and unallocated ranges are filled in place;
+//! * everything else (allocation, copy-on-write, slice loads, backing files, compressed
+//!   clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine
+//!   on a thread of the queue's own, and its completion is posted to the same eventfd: the
+//!   caller's loop never blocks on it.
+//!
+//! Requests on one queue or several run concurrently; overlapping ones are ordered by the
+//! engine's cluster range locks, which direct requests hold until their completion is
+//! collected. A flush covers every write completed before it was submitted.
+//!
+//! ## Mapping onto a ring-per-queue VMM disk interface
+//!
+//! cloud-hypervisor's `AsyncIo` trait (one object per virtqueue) maps one to one:
+//!
+//! | `AsyncIo` | `Queue` |
+//! |---|---|
+//! | `notifier()` (an `EventFd`) | [`Queue::notifier`] (or pass the VMM's own with [`QueueOptions::eventfd`]) |
+//! | `read_vectored(offset, iovecs, user_data)` | `submit(Request::Read { offset, buffers: unsafe { IoBuffers::from_raw(iovecs) } }, user_data)` |
+//! | `write_vectored(offset, iovecs, user_data)` | `submit(Request::Write { .. }, user_data)` |
+//! | `fsync(Some(user_data))` | `submit(Request::Flush, user_data)` |
+//! | `write_zeroes` / `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap }` / `Request::Discard` |
+//! | `next_completed_request() -> Option<(u64, i32)>` | `next_completed().map(\|c\| (c.user_data, c.raw_result()))` |
+//!
+//! The example `examples/epoll_queue.rs` runs queues from plain `epoll` loops without any
+//! async runtime in those threads.
+
+mod fast;
+mod worker;
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use qimg_io::queue::{IoBuffers, Notifier, QueueRing, RingCompletion};
+use qimg_io::{Op, Storage, StorageError};
+
+use self::fast::Part;
+use self::worker::Worker;
+use super::image::Image;
+use crate::error::{Error, Result};
+
+/// A request for [`Queue::submit`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Request {
+    /// Reads `buffers.len()` guest bytes at `offset` into the buffers, segment after segment.
+    Read {
+        /// Guest offset.
+        offset: u64,
+        /// Where the bytes go.
+        buffers: IoBuffers,
+    },
+    /// Writes the buffers' bytes at guest `offset`.
+    Write {
+        /// Guest offset.
+        offset: u64,
+        /// The bytes.
+        buffers: IoBuffers,
+    },
+    /// Makes every write completed before this request was submitted durable, with the
+    /// metadata that reaches it.
+    Flush,
+    /// Makes `len` bytes at `offset` read as zeros. With `unmap` the space may be released;
+    /// without it the engine still changes only metadata where whole subclusters are zeroed
+    /// (they read as zeros without data I/O), as [`Image::write_zeroes`] does.
+    WriteZeroes {
+        /// Guest offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// Whether the space may be released.
+        unmap: bool,
+    },
+    /// Discards `len` bytes at `offset` ([`Image::discard`]: advisory, whole subclusters).
+    Discard {
+        /// Guest offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+}
+
+/// A finished request, from [`Queue::next_completed`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Completion {
+    /// The `user_data` given to [`Queue::submit`].
+    pub user_data: u64,
+    /// Bytes read or written (0 for the other requests), or what went wrong.
+    pub result: Result<u64>,
+    /// The buffers of a read or write, given back (their memory is no longer used).
+    pub buffers: Option<IoBuffers>,
+}
+
+impl Completion {
+    /// The result as a VMM's completion carries it: bytes transferred, or a negated errno.
+    pub fn raw_result(&self) -> i32 {
+        match &self.result {
+            Ok(n) => i32::try_from(*n).unwrap_or(i32::MAX),
+            Err(e) => -e.errno(),
+        }
+    }
+}
+
+/// Options of [`Image::queue`].
+#[derive(Debug, Default)]
+pub struct QueueOptions {
+    depth: Option<u32>,
+    eventfd: Option<OwnedFd>,
+}
+
+impl QueueOptions {
+    /// Defaults: depth 128, an eventfd of the queue's own.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The most requests the queue's ring holds at once (1..=4096; default 128). Requests
+    /// beyond it still run, on the engine.
+    pub fn depth(mut self, depth: u32) -> Self {
+        self.depth = Some(depth);
+        self
+    }
+
+    /// Signal this eventfd (for example one the VMM already polls) instead of one the queue
+    /// creates. It should be non-blocking.
+    pub fn eventfd(mut self, fd: OwnedFd) -> Self {
+        self.eventfd = Some(fd);
+        self
+    }
+}
+
+/// What a queue did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueStats {
+    /// Reads and writes that went from the caller's thread straight to the ring.
+    pub direct: u64,
+    /// Of those, the ones whose memory went to the kernel as it was and whose bytes all
+    /// moved through the ring or were zero-filled in place (every direct request: the direct
+    /// path never copies).
+    pub direct_bytes: u64,
+    /// Requests run on the engine (the queue's thread).
+    pub engine: u64,
+    /// Direct requests that completed without any I/O (zero or unallocated ranges).
+    pub immediate: u64,
+    /// `io_uring_enter` calls the ring made.
+    pub ring_enters: u64,
+}
+
+/// A direct request between submission and completion.
+struct Pending {
+    user_data: u64,
+    /// Ring operations not completed yet.
+    left: usize,
+    /// `(position in the request, length)` of each ring operation, by part number.
+    parts: Vec<(usize, usize)>,
+    /// Ranges of a read to zero-fill because the file ended first.
+    short: Vec<(usize, usize)>,
+    error: Option<Error>,
+    lock: u64,
+    buffers: IoBuffers,
+    len: u64,
+    write: bool,
+}
+
+/// A per-queue completion handle of an [`Image`]; see the [module docs](self).
+///
+/// `Queue` is `Send`: create it anywhere and move it to the thread that serves the guest
+/// queue. Dropping it waits for every request it submitted (direct ones in the kernel, engine
+/// ones on its thread). Drop every queue before closing the image.
+pub struct Queue<S: Storage + 'static> {
+    image: Image<S>,
+    ring: QueueRing,
+    notifier: Notifier,
+    pending: Vec<Option<Pending>>,
+    free: Vec<usize>,
+    done: VecDeque<Completion>,
+    engine_done: Arc<Mutex<Vec<Completion>>>,
+    engine_in_flight: Arc<AtomicUsize>,
+    reaped: Vec<RingCompletion>,
+    stats: QueueStats,
+    // Last: dropped after `Drop::drop` waited for the ring, and waits for engine requests.
+    worker: Worker,
+}
+
+impl<S: Storage + 'static> std::fmt::Debug for Queue<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("ring", &self.ring)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// A per-queue completion handle on this image: its own io_uring ring and eventfd, and a
+    /// thread for the requests that need the engine. See [`Queue`].
+    pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
+        let path = &self.inner.path;
+        let depth = options.depth.unwrap_or(128);
+        let ring = QueueRing::new(depth).map_err(|e| {
+            Error::io(
+                path,
+                format!("setting up an io_uring ring of depth {depth}"),
+                e,
+            )
+        })?;
+        let notifier = match options.eventfd {
+            Some(fd) => Notifier::from_fd(fd),
+            None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
+        };
+        ring.register_eventfd(notifier.as_fd())
+            .map_err(|e| Error::io(path, "registering the eventfd with the ring", e))?;
+        let worker = Worker::start()
+            .map_err(|e| Error::io(path, "starting the queue's engine thread", e))?;
+        Ok(Queue {
+            image: self.clone(),
+            ring,
+            notifier,
+            pending: Vec::new(),
+            free: Vec::new(),
+            done: VecDeque::new(),
+            engine_done: Arc::new(Mutex::new(Vec::new())),
+            engine_in_flight: Arc::new(AtomicUsize::new(0)),
+            reaped: Vec::new(),
+            stats: QueueStats::default(),
+            worker,
+        })
+    }
+}
+
+impl<S: Storage + 'static> Queue<S> {
+    /// The eventfd signalled when a completion is ready: poll it for readability, read it to
+    /// reset it (or call [`Notifier::drain`]), then call [`next_completed`](Self::next_completed)
+    /// until it returns `None`.
+    pub fn notifier(&self) -> &Notifier {
+        &self.notifier
+    }
+
+    /// The image.
+    pub fn image(&self) -> &Image<S> {
+        &self.image
+    }
+
+    /// Counters of what the queue did.
+    pub fn stats(&self) -> QueueStats {
+        QueueStats {
+            ring_enters: self.ring.submit_calls(),
+            ..self.stats
+        }
+    }
+
+    /// Requests submitted whose completion was not collected yet.
+    pub fn in_flight(&self) -> usize {
+        self.pending.iter().filter(|p| p.is_some()).count()
+            + self.engine_in_flight.load(Ordering::Acquire)
+            + self.done.len()
+    }
+
+    /// Submits `request`; its [`Completion`] carries `user_data`. Errors of the request itself
+    /// (out of range, read-only image, I/O errors) arrive in the completion; this fails only
+    /// when the queue cannot run requests any more.
+    pub fn submit(&mut self, request: Request, user_data: u64) -> Result<()> {
+        let request = match request {
+            Request::Read { offset, buffers } => {
+                match self.try_direct(offset, buffers, user_data, false) {
+                    Ok(()) => return Ok(()),
+                    Err(buffers) => Request::Read { offset, buffers },
+                }
+            }
+            Request::Write { offset, buffers } => {
+                match self.try_direct(offset, buffers, user_data, true) {
+                    Ok(()) => return Ok(()),
+                    Err(buffers) => Request::Write { offset, buffers },
+                }
+            }
+            other => other,
+        };
+        self.run_on_engine_thread(request, user_data)
+    }
+
+    /// The next completed request, if any (never blocks).
+    pub fn next_completed(&mut self) -> Option<Completion> {
+        if let Some(c) = self.done.pop_front() {
+            return Some(c);
+        }
+        self.collect();
+        self.done.pop_front()
+    }
+
+    /// Blocks until a completion is ready or nothing is in flight (for callers without an
+    /// event loop of their own; an epoll loop polls [`notifier`](Self::notifier) instead).
+    pub fn wait(&mut self) -> Result<()> {
+        loop {
+            self.collect();
+            if !self.done.is_empty() || self.in_flight() == 0 {
+                return Ok(());
+            }
+            let fd = self.notifier.as_fd();
+            let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+            match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        &self.image.inner.path,
+                        "waiting for completions",
+                        e.into(),
+                    ));
+                }
+            }
+            self.notifier
+                .drain()
+                .map_err(|e| Error::io(&self.image.inner.path, "reading the eventfd", e))?;
+        }
+    }
+
+    /// Takes what the ring and the engine thread finished into `done`.
+    fn collect(&mut self) {
+        // Entries a failed submission left queued get another chance.
+        let _ = self.ring.submit();
+        let mut reaped = std::mem::take(&mut self.reaped);
+        self.ring.reap(|c| reaped.push(c));
+        for c in reaped.drain(..) {
+            self.on_ring(c);
+        }
+        self.reaped = reaped;
+        let mut engine = self.engine_done.lock().unwrap_or_else(|e| e.into_inner());
+        self.done.extend(engine.drain(..));
+    }
+
+    /// Tries the direct path; gives the buffers back when the request needs the engine.
+    fn try_direct(
+        &mut self,
+        offset: u64,
+        mut buffers: IoBuffers,
+        user_data: u64,
+        write: bool,
+    ) -> std::result::Result<(), IoBuffers> {
+        let inner = &self.image.inner;
+        let len = buffers.len() as u64;
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > inner.size()) {
+            return Err(buffers);
+        }
+        if write && (inner.check_writable().is_err() || inner.check_not_halted().is_err()) {
+            return Err(buffers);
+        }
+        let (data, _) = inner.data();
+        let Some(access) = data.direct_access() else {
+            return Err(buffers);
+        };
+        let ra = access.request_alignment.max(1);
+        let ma = access.mem_alignment.max(1);
+        if !buffers.is_aligned(ma, ra) || offset % ra as u64 != 0 {
+            return Err(buffers);
+        }
+        let (first, end) = inner.cluster_span(offset, len);
+        let Some(lock) = inner.locks.try_acquire(first, end, write) else {
+            return Err(buffers);
+        };
+        let parts = match inner.meta.try_lock() {
+            Ok(mut m) if !m.closed => inner.plan_direct(&mut m, offset, len, write),
+            _ => None,
+        };
+        let ios = parts.as_ref().map_or(0, |p| {
+            p.iter().filter(|p| matches!(p, Part::Io { .. })).count()
+        });
+        let fits = parts.as_ref().is_some_and(|parts| {
+            ios <= self.ring.available()
+                && parts.iter().all(|p| match *p {
+                    Part::Io { host, pos, len } => {
+                        host % ra as u64 == 0 && pos % ra == 0 && len % ra == 0
+                    }
+                    Part::Zero { .. } => true,
+                })
+        });
+        let (true, Some(parts)) = (fits, parts) else {
+            inner.locks.release(lock);
+            return Err(buffers);
+        };
+        for p in &parts {
+            if let Part::Zero { pos, len } = *p {
+                buffers.fill_zero(pos, len);
+            }
+        }
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.pending.push(None);
+                self.pending.len() - 1
+            }
+        };
+        let mut positions = Vec::with_capacity(ios);
+        let mut error = None;
+        for p in &parts {
+            let Part::Io { host, pos, len: n } = *p else {
+                continue;
+            };
+            let token = ((idx as u64) << 32) | positions.len() as u64;
+            let queued = if write {
+                self.ring.write(access.fd, host, &buffers, pos, n, token)
+            } else {
+                self.ring.read(access.fd, host, &mut buffers, pos, n, token)
+            };
+            match queued {
+                Ok(()) => positions.push((pos, n)),
+                Err(e) => {
+                    error = Some(ring_error(&inner.path, write, host, n as u64, e));
+                    break;
+                }
+            }
+        }
+        let left = positions.len();
+        self.pending[idx] = Some(Pending {
+            user_data,
+            left,
+            parts: positions,
+            short: Vec::new(),
+            error,
+            lock,
+            buffers,
+            len,
+            write,
+        });
+        self.stats.direct += 1;
+        self.stats.direct_bytes += len;
+        if left == 0 {
+            self.stats.immediate += 1;
+            self.finish(idx);
+            let _ = self.notifier.notify();
+        } else {
+            let _ = self.ring.submit();
+        }
+        Ok(())
+    }
+
+    /// One ring operation completed.
+    fn on_ring(&mut self, c: RingCompletion) {
+        let idx = (c.token >> 32) as usize;
+        let part = (c.token & 0xffff_ffff) as usize;
+        let path = self.image.inner.path.clone();
+        let Some(Some(p)) = self.pending.get_mut(idx) else {
+            return;
+        };
+        let (pos, len) = p.parts.get(part).copied().unwrap_or((0, 0));
+        if c.result < 0 {
+            let e = io::Error::from_raw_os_error(-c.result);
+            p.error
+                .get_or_insert(ring_error(&path, p.write, pos as u64, len as u64, e));
+        } else if (c.result as usize) < c.expected {
+            let got = c.result as usize;
+            if p.write {
+                let e = io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    format!("short write: {got} of {} bytes", c.expected),
+                );
+                p.error
+                    .get_or_insert(ring_error(&path, true, pos as u64, len as u64, e));
+            } else {
+                // The file ended: the rest reads as zeros, as everywhere in the engine.
+                p.short.push((pos + got, len - got));
+            }
+        }
+        p.left -= 1;
+        if p.left == 0 {
+            self.finish(idx);
+        }
+    }
+
+    /// Completes the direct request in slot `idx`.
+    fn finish(&mut self, idx: usize) {
+        let Some(p) = self.pending.get_mut(idx).and_then(Option::take) else {
+            return;
+        };
+        self.free.push(idx);
+        self.image.inner.locks.release(p.lock);
+        let mut buffers = p.buffers;
+        for (pos, len) in p.short {
+            buffers.fill_zero(pos, len);
+        }
+        let result = match p.error {
+            Some(e) => Err(e),
+            None => Ok(p.len),
+        };
+        self.done.push_back(Completion {
+            user_data: p.user_data,
+            result,
+            buffers: Some(buffers),
+        });
+    }
+
+    /// Runs `request` on the engine thread.
+    fn run_on_engine_thread(&mut self, request: Request, user_data: u64) -> Result<()> {
+        let image = self.image.clone();
+        let done = self.engine_done.clone();
+        let in_flight = self.engine_in_flight.clone();
+        let notifier = self.notifier.clone();
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        self.stats.engine += 1;
+        let job = Box::pin(async move {
+            let (result, buffers) = run_on_engine(&image, request).await;
+            done.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Completion {
+                    user_data,
+                    result,
+                    buffers,
+                });
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            let _ = notifier.notify();
+        });
+        if self.worker.run(job) {
+            Ok(())
+        } else {
+            self.engine_in_flight.fetch_sub(1, Ordering::AcqRel);
+            Err(Error::io(
+                &self.image.inner.path,
+                "queueing a request",
+                io::Error::other("the queue's engine thread has stopped"),
+            ))
+        }
+    }
+}
+
+async fn run_on_engine<S: Storage + 'static>(
+    image: &Image<S>,
+    request: Request,
+) -> (Result<u64>, Option<IoBuffers>) {
+    let path = &image.inner.path;
+    let busy = || {
+        Error::io(
+            path,
+            "lending buffers",
+            io::Error::other("the buffers are still in use by the ring"),
+        )
+    };
+    match request {
+        Request::Read {
+            offset,
+            mut buffers,
+        } => {
+            let len = buffers.len() as u64;
+            let r = match buffers.slices_mut() {
+                Some(mut slices) => image.read_vectored(&mut slices, offset).await,
+                None => Err(busy()),
+            };
+            (r.map(|()| len), Some(buffers))
+        }
+        Request::Write { offset, buffers } => {
+            let len = buffers.len() as u64;
+            let r = match buffers.slices() {
+                Some(slices) => image.write_vectored(&slices, offset).await,
+                None => Err(busy()),
+            };
+            (r.map(|()| len), Some(buffers))
+        }
+        Request::Flush => (image.flush().await.map(|()| 0), None),
+        Request::WriteZeroes { offset, len, .. } => {
+            (image.write_zeroes(offset, len).await.map(|()| 0), None)
+        }
+        Request::Discard { offset, len } => (image.discard(offset, len).await.map(|()| 0), None),
+    }
+}
+
+fn ring_error(
+    path: &std::path::Path,
+    write: bool,
+    offset: u64,
+    len: u64,
+    source: io::Error,
+) -> Error {
+    Error::storage(
+        path,
+        StorageError::Io {
+            op: if write { Op::Write } else { Op::Read },
+            offset,
+            len,
+            source,
+        },
+    )
+}
+
+impl<S: Storage + 'static> Drop for Queue<S> {
+    fn drop(&mut self) {
+        // Direct requests hold memory the kernel uses and range locks: wait for each.
+        while self.pending.iter().any(Option::is_some) {
+            if self.ring.wait().is_err() {
+                break;
+            }
+            self.collect();
+        }
+    }
+}
+
+impl<S: Storage + 'static> AsFd for Queue<S> {
+    /// The [`notifier`](Queue::notifier)'s eventfd.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.notifier.as_fd()
+    }
+}
