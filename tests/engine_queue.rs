@@ -310,3 +310,115 @@ fn four_epoll_queues_match_the_model_with_standard_l2() {
     }
     run("cluster_size=4k", Backend::Threads, false, 3);
 }
+
+/// Submits one request and waits for its completion (no epoll: `Queue::wait`).
+fn one(queue: &mut Queue<AnyStorage>, request: Request) -> qimg::Completion {
+    queue.submit(request, 7).unwrap();
+    loop {
+        queue.wait().unwrap();
+        if let Some(c) = queue.next_completed() {
+            assert_eq!(c.user_data, 7);
+            return c;
+        }
+    }
+}
+
+#[test]
+fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine() {
+    if !have_qemu("aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine") {
+        return;
+    }
+    let dir = Scratch::new("queue-route");
+    qemu_create(
+        &dir.0,
+        "d.qcow2",
+        "extended_l2=on,cluster_size=64k",
+        4 << 20,
+        None,
+    );
+    let image = match OpenOptions::new()
+        .writable(true)
+        .backend(Backend::IoUring)
+        .direct(true)
+        .open_blocking(dir.path("d.qcow2"))
+    {
+        Ok(i) => i,
+        Err(e) => {
+            println!("skipped: O_DIRECT on io_uring unavailable: {e}");
+            return;
+        }
+    };
+    let mut queue = image
+        .as_async()
+        .queue(QueueOptions::new().depth(4))
+        .unwrap();
+    let aligned =
+        |byte: u8| IoBuffers::from_aligned(AlignedBuf::copy_from(&[byte; 8192], 4096).unwrap());
+    // First write allocates: the engine.
+    let c = one(
+        &mut queue,
+        Request::Write {
+            offset: 65536,
+            buffers: aligned(1),
+        },
+    );
+    assert_eq!(c.result.unwrap(), 8192);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (0, 1));
+    // The same subclusters again, aligned: straight from the caller's buffer to the kernel.
+    let c = one(
+        &mut queue,
+        Request::Write {
+            offset: 65536,
+            buffers: aligned(2),
+        },
+    );
+    assert_eq!(c.result.unwrap(), 8192);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (1, 1));
+    // An aligned read of them: direct too.
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: 65536,
+            buffers: aligned(0),
+        },
+    );
+    assert_eq!(contents_aligned(c.buffers.unwrap()), vec![2u8; 8192]);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (2, 1));
+    // Unaligned memory on O_DIRECT: the engine bounces it.
+    let c = one(
+        &mut queue,
+        Request::Write {
+            offset: 65536,
+            buffers: IoBuffers::from_vec(vec![3u8; 4096]),
+        },
+    );
+    assert_eq!(c.result.unwrap(), 4096);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (2, 2));
+    // A read of never-written clusters: zeros filled in place, no I/O.
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: 1 << 20,
+            buffers: aligned(9),
+        },
+    );
+    assert_eq!(contents_aligned(c.buffers.unwrap()), vec![0u8; 8192]);
+    assert_eq!(queue.stats().immediate, 1);
+    // Past the end: an error completion with EINVAL, not a failed submit.
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: 4 << 20,
+            buffers: aligned(0),
+        },
+    );
+    assert_eq!(c.raw_result(), -22, "{:?}", c.result);
+    drop(queue);
+    image.close().unwrap();
+    assert_clean(&dir.0, "d.qcow2", "queue routing");
+}
+
+fn contents_aligned(b: IoBuffers) -> Vec<u8> {
+    let owner = b.into_owner().expect("idle").expect("owned");
+    owner.downcast::<AlignedBuf>().expect("AlignedBuf").to_vec()
+}

@@ -105,6 +105,18 @@ impl QueueRing {
         self.free.len()
     }
 
+    /// The memory addresses the operations in flight hand to the kernel (tests: proof that
+    /// lent memory is used in place).
+    #[cfg(test)]
+    pub(super) fn in_flight_addresses(&self) -> Vec<usize> {
+        self.slots
+            .iter()
+            .flatten()
+            .filter_map(|s| s._iovecs.as_ref())
+            .flat_map(|v| v.0.iter().map(|iov| iov.iov_base as usize))
+            .collect()
+    }
+
     /// `io_uring_enter` calls made by [`submit`](Self::submit) so far.
     pub fn submit_calls(&self) -> u64 {
         self.submits
