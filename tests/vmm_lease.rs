@@ -214,3 +214,77 @@ async fn a_lease_holds_its_range_until_commit() {
     assert!(img.write_lease(MIB - 1, 2).await.is_err());
     img.close().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_read_lease_pins_its_range_against_discard_and_names_aligned_host_bytes() {
+    if !have_qemu("a_read_lease_pins_its_range_against_discard_and_names_aligned_host_bytes") {
+        return;
+    }
+    let dir = Scratch::new("read-lease");
+    qemu_create(
+        &dir.0,
+        "a.qcow2",
+        "extended_l2=on,cluster_size=64k",
+        MIB,
+        None,
+    );
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("a.qcow2"))
+        .await
+        .unwrap();
+    let data = pattern(5, 0, 96 * 1024);
+    img.write(&data, 8192).await.unwrap();
+    let lease = img.read_lease(4096, 128 * 1024).await.unwrap();
+    // The extents cover the range exactly and keep each offset's place in its cluster.
+    let covered: u64 = lease.extents().iter().map(|e| e.length).sum();
+    assert_eq!(covered, 128 * 1024);
+    assert_eq!(lease.extents()[0].start, 4096);
+    for e in lease.extents() {
+        if let ExtentKind::Data { host_offset }
+        | ExtentKind::Zero {
+            host_offset: Some(host_offset),
+        }
+        | ExtentKind::Unallocated {
+            host_offset: Some(host_offset),
+        } = e.kind
+        {
+            assert_eq!(host_offset % 65536, e.start % 65536, "{e:?}");
+        }
+    }
+    // A discard of the pinned range waits.
+    let other = img.clone();
+    let discard = tokio::spawn(async move { other.discard(0, 2 * 65536).await.unwrap() });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(
+        !discard.is_finished(),
+        "a discard went through a read lease"
+    );
+    // Meanwhile the VMM reads the data extents from the file itself.
+    let fd = File::open(img.data_path()).unwrap();
+    let mut seen = 0u64;
+    for (guest, host, len) in lease.data() {
+        let mut buf = vec![0u8; len as usize];
+        fd.read_exact_at(&mut buf, host).unwrap();
+        let at = (guest - 8192) as usize;
+        assert!(
+            buf == data[at..at + len as usize],
+            "extent at guest {guest:#x}"
+        );
+        seen += len;
+    }
+    assert_eq!(seen, 96 * 1024, "every written byte is in a data extent");
+    // Reads through qimg do not wait for a read lease.
+    let mut buf = vec![0u8; 4096];
+    tokio::time::timeout(std::time::Duration::from_secs(5), img.read(&mut buf, 8192))
+        .await
+        .expect("a read waited for a read lease")
+        .unwrap();
+    lease.release();
+    tokio::time::timeout(std::time::Duration::from_secs(5), discard)
+        .await
+        .expect("the discard ran once the lease was released")
+        .unwrap();
+    img.close().await.unwrap();
+    assert_clean(&dir.0, "a.qcow2", "read lease");
+}

@@ -102,7 +102,7 @@ pub use engine::BlockingImage;
 pub use engine::queue::{self, Completion, Queue, QueueOptions, QueueStats, Request};
 pub use engine::{
     Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, OpenOptions, Opener,
-    Stats, Trust, UntrustedLimits, WriteLease,
+    ReadLease, Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};

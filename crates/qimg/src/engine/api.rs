@@ -143,18 +143,6 @@ impl<S: Storage + 'static> Image<S> {
     /// image locks of every file of the chain. Further requests on any handle of this image
     /// fail.
     pub async fn close(&self) -> Result<()> {
-        let mut m = self.inner.meta.lock().await;
-        if m.closed {
-            return Ok(());
-        }
-        if self.inner.writable {
-            self.inner.free_abandoned(&mut m).await?;
-            self.inner.flush_meta(&mut m).await?;
-            self.inner.mark_clean(&mut m).await?;
-        }
-        m.closed = true;
-        // As QEMU on close: other processes may open the files from now on.
-        self.inner.release_locks();
-        Ok(())
+        self.inner.close().await
     }
 }

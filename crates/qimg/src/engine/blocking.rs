@@ -27,6 +27,8 @@ impl BlockingImage {
             .enable_time()
             .build()
             .map_err(|e| Error::io(path.as_ref(), "start the I/O runtime", e))?;
+        let mut opts = opts.clone();
+        opts.timer_thread = true;
         let image = rt.block_on(opts.open(path.as_ref()))?;
         Ok(Self {
             image: Some(image),

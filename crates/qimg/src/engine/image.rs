@@ -74,6 +74,23 @@ pub(crate) struct Inner<S: Storage> {
 }
 
 impl<S: Storage> Inner<S> {
+    /// [`Image::close`]: flush, mark clean, release the image locks; requests fail after it.
+    pub(crate) async fn close(&self) -> crate::error::Result<()> {
+        let mut m = self.meta.lock().await;
+        if m.closed {
+            return Ok(());
+        }
+        if self.writable {
+            self.free_abandoned(&mut m).await?;
+            self.flush_meta(&mut m).await?;
+            self.mark_clean(&mut m).await?;
+        }
+        m.closed = true;
+        // As QEMU on close: other processes may open the files from now on.
+        self.release_locks();
+        Ok(())
+    }
+
     /// Releases the image locks of every file of the chain (see
     /// [`OpenOptions::locking`](super::OpenOptions::locking)).
     pub(crate) fn release_locks(&self) {
@@ -86,6 +103,30 @@ impl<S: Storage> Inner<S> {
             Some(Backing::Raw { storage, .. }) => storage.unlock_image(),
             None => {}
         }
+    }
+}
+
+/// [`OpenOptions::close_on_drop`](super::OpenOptions::close_on_drop): the last handle's drop
+/// closes the image, on a thread of its own with a runtime of its own (a drop inside an async
+/// task must not block that task's runtime on itself).
+impl<S: Storage> Drop for Inner<S> {
+    fn drop(&mut self) {
+        if !self.close_on_drop {
+            return;
+        }
+        let this = &*self;
+        std::thread::scope(|s| {
+            let _ = s
+                .spawn(move || {
+                    if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                        .enable_time()
+                        .build()
+                    {
+                        let _ = rt.block_on(this.close());
+                    }
+                })
+                .join();
+        });
     }
 }
 

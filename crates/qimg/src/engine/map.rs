@@ -28,7 +28,9 @@ pub enum ExtentKind {
         host_offset: Option<u64>,
     },
     /// Not allocated in this image: reads from the backing chain, or zeros without one.
-    /// `host_offset` is set when host space is reserved for it (preallocation).
+    /// `host_offset` is set when host space is reserved for it: by preallocation, or because
+    /// it is an unallocated subcluster of an extended-L2 cluster whose other subclusters hold
+    /// data (a write there lands at that offset without allocating).
     Unallocated {
         /// Host byte offset of the reserved space, if any.
         host_offset: Option<u64>,
@@ -43,6 +45,11 @@ pub enum ExtentKind {
 }
 
 /// A run of guest bytes with one [`ExtentKind`].
+///
+/// Wherever an extent has a host offset, that offset keeps the guest offset's position within
+/// its cluster: `host_offset % cluster_size == start % cluster_size` (clusters are mapped
+/// whole). So a guest request aligned for `O_DIRECT` maps to host requests with the same
+/// alignment, up to the cluster size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Extent {
     /// First guest byte.
@@ -91,7 +98,7 @@ fn push(out: &mut Vec<Extent>, e: Extent) {
 }
 
 impl<S: Storage> Inner<S> {
-    async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+    pub(crate) async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.check_range(offset, len)?;
         let mut out = Vec::new();
         if len == 0 {

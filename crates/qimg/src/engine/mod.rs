@@ -31,6 +31,7 @@ mod options;
 pub(crate) mod overlap;
 #[cfg(target_os = "linux")]
 pub mod queue;
+pub mod read_lease;
 mod rebuild;
 mod rw;
 mod state;
@@ -46,3 +47,4 @@ pub use open::{FileOpener, Opener};
 pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};
 #[cfg(target_os = "linux")]
 pub use queue::{Completion, Queue, QueueOptions, QueueStats, Request};
+pub use read_lease::ReadLease;

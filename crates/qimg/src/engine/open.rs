@@ -265,6 +265,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             marked_corrupt: AtomicBool::new(false),
             halted: std::sync::OnceLock::new(),
             abandoned: std::sync::Mutex::new(Vec::new()),
+            close_on_drop: opts.close_on_drop && opts.writable,
             path,
         };
         let inner = Arc::new(Inner {
@@ -276,11 +277,12 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
         if opts.writable {
             inner.prepare_for_writing(&c0.header).await?;
         }
-        if opts.clean_timer {
-            if let (Some(interval), Ok(handle)) =
-                (inner.clean_interval, tokio::runtime::Handle::try_current())
-            {
-                spawn_cleaner(&handle, Arc::downgrade(&inner), interval);
+        if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) if !opts.timer_thread => {
+                    handle.spawn(cleaner(Arc::downgrade(&inner), interval));
+                }
+                _ => cleaner_thread(&path_of(&inner), Arc::downgrade(&inner), interval)?,
             }
         }
         Ok(Image { inner })
@@ -339,26 +341,42 @@ fn lock<S: Storage>(file: &S, path: &Path, lock: Option<ImageLock>) -> Result<()
     }
 }
 
-fn spawn_cleaner<S: Storage + 'static>(
-    handle: &tokio::runtime::Handle,
+fn path_of<S: Storage>(inner: &Inner<S>) -> PathBuf {
+    inner.path.clone()
+}
+
+/// The clean timer on a thread of its own, for embedders without a running runtime. It holds
+/// only a weak reference: it ends at the first tick after the image is closed or dropped.
+fn cleaner_thread<S: Storage + 'static>(
+    path: &Path,
     weak: Weak<Inner<S>>,
     interval: Duration,
-) {
-    handle.spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| Error::io(path, "start the clean timer's runtime", e))?;
+    std::thread::Builder::new()
+        .name("qimg-clean".into())
+        .spawn(move || rt.block_on(cleaner(weak, interval)))
+        .map_err(|e| Error::io(path, "start the clean timer's thread", e))?;
+    Ok(())
+}
+
+async fn cleaner<S: Storage + 'static>(weak: Weak<Inner<S>>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
         tick.tick().await;
-        loop {
-            tick.tick().await;
-            let Some(inner) = weak.upgrade() else { break };
-            let mut m = inner.meta.lock().await;
-            if m.closed {
-                break;
-            }
-            // Errors surface on the next request or flush; the timer just tries again.
-            let _ = inner.clean_idle(&mut m).await;
+        let Some(inner) = weak.upgrade() else { break };
+        let mut m = inner.meta.lock().await;
+        if m.closed {
+            break;
         }
-    });
+        // Errors surface on the next request or flush; the timer just tries again.
+        let _ = inner.clean_idle(&mut m).await;
+    }
 }
 
 async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Result<Cluster0> {

@@ -114,6 +114,10 @@ pub struct OpenOptions {
     pub(super) trust: Trust,
     pub(super) force_share: bool,
     pub(super) locking: bool,
+    pub(super) close_on_drop: bool,
+    /// Run the clean timer on a thread of its own even when a runtime is current (set by
+    /// `open_blocking`, whose runtime runs only inside its calls).
+    pub(super) timer_thread: bool,
 }
 
 impl Default for OpenOptions {
@@ -138,7 +142,19 @@ impl OpenOptions {
             trust: Trust::default(),
             force_share: false,
             locking: true,
+            close_on_drop: false,
+            timer_thread: false,
         }
+    }
+
+    /// Flush and close the image when its last handle is dropped (default: off; then call
+    /// [`Image::close`](super::Image::close), or at least flush, before dropping a writable
+    /// image). The close runs synchronously in the dropping thread (on a short-lived thread
+    /// of its own, so dropping inside an async task is fine); its errors cannot be reported,
+    /// so an embedder that needs them still calls `close`.
+    pub fn close_on_drop(mut self, close: bool) -> Self {
+        self.close_on_drop = close;
+        self
     }
 
     /// Open for writing (the backing chain is always opened read-only).
@@ -189,8 +205,10 @@ impl OpenOptions {
         self
     }
 
-    /// Run the cache-clean timer (the default): when a tokio runtime is running at open, a
-    /// task writes back and drops cache entries idle for the clean interval. Without it, call
+    /// Run the cache-clean timer (the default): cache entries idle for the clean interval are
+    /// written back and dropped. When a tokio runtime is running at open, the timer is a task
+    /// on it; without one (and for `open_blocking`) it is a thread of the image's own that
+    /// ends with the image. Without the timer, call
     /// [`Image::clean_idle_caches`](super::Image::clean_idle_caches) yourself.
     pub fn clean_timer(mut self, run: bool) -> Self {
         self.clean_timer = run;

@@ -51,6 +51,8 @@ pub(crate) struct Shared<S: Storage> {
     /// freed by the next flush (or close) under the metadata lock. A drop cannot wait for the
     /// lock, and a task spawned for it could run after `close`.
     pub(crate) abandoned: std::sync::Mutex<Vec<u64>>,
+    /// [`OpenOptions::close_on_drop`](super::OpenOptions::close_on_drop).
+    pub(crate) close_on_drop: bool,
 }
 
 impl<S: Storage> Shared<S> {
