@@ -20,6 +20,11 @@
 //!   requests in flight at once, falling back to the [`FileStorage`] code path for opcodes
 //!   the kernel lacks. Opening fails with [`StorageError::UringUnavailable`] where io_uring is
 //!   disabled or missing; use [`FileStorage`] there.
+//! * [`queue`] (Linux): [`queue::QueueRing`], one io_uring ring owned by one thread (a VMM's
+//!   virtqueue loop) with an eventfd ([`queue::Notifier`]) the kernel signals per completion,
+//!   reading and writing memory a request lends ([`queue::IoBuffers`]: the caller's iovecs or
+//!   owned buffers) in place. [`Storage::direct_access`] says which descriptor such a ring may
+//!   use for a storage and with what alignment. `qimg::Queue` is built on it.
 //! * [`BounceStorage`]: a wrapper that makes an O_DIRECT backend accept any request, bouncing
 //!   unaligned ones through aligned buffers (read-modify-write for writes, ordered by block
 //!   range locks).
@@ -47,8 +52,8 @@
 //!
 //! ## Unsafe code
 //!
-//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring/`, allowed
-//! with `#[allow(unsafe_code)]` on the module); the file backend uses `nix`'s safe wrappers and
+//! The crate denies `unsafe` everywhere except the io_uring backend (`src/uring/`) and the
+//! per-queue rings (`src/queue/`), both allowed with `#[allow(unsafe_code)]` on the module; the file backend uses `nix`'s safe wrappers and
 //! [`AlignedBuf`] aligns by over-allocating. Each block has a `// SAFETY:` comment; in short:
 //!
 //! 1. **`unsafe impl Send for Iovec`** (`uring/submission.rs`; the `iovec` handed to
@@ -79,6 +84,18 @@
 //!    ([`UringOptions::complete_on_runtime`]): tokio requires the descriptor to stay open and the
 //!    same for the life of the `AsyncFd`; it is an `OwnedFd` (a duplicate of the ring's) owned by
 //!    the `AsyncFd` itself.
+//! 8. **`unsafe impl Send`/`Sync` for `Memory`** (`queue/buffers.rs`): the segment pointers of
+//!    [`queue::IoBuffers`] point into owned buffers that move with the value, or into memory the
+//!    caller of the `unsafe fn IoBuffers::from_raw` promised valid and unaliased until the
+//!    request completes. Rust references to the bytes are made only while no ring operation
+//!    holds the memory (`Arc` uniqueness), and a ring read (the kernel writes) needs `&mut`.
+//! 9. **`slice::from_raw_parts(_mut)` in `IoBuffers::slices(_mut)`**: under the same
+//!    uniqueness check, over segments valid by construction (owned) or by `from_raw`'s contract.
+//! 10. **`unsafe impl Send for Iovecs`** and **`SubmissionQueue::push` in `QueueRing::push`**
+//!    (`queue/ring.rs`): the entry points into the slot's boxed iovec array and the lent
+//!    memory, which the slot keeps (an `Arc`) until the completion with that slot's index is
+//!    reaped; `Drop` waits for every completion (and leaks the slots rather than free them if
+//!    it cannot wait). `&mut self` makes each push the only access to the submission queue.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
