@@ -20,8 +20,12 @@ pub(super) struct Segment {
 pub(super) struct Memory {
     pub(super) segments: Vec<Segment>,
     pub(super) len: usize,
-    /// Owned buffers the segments point into (`None` for the caller's raw memory).
+    /// Owned buffers the segments point into (`None` for the caller's raw memory), or what
+    /// keeps guest memory mapped.
     owner: Option<Box<dyn Any + Send>>,
+    /// Memory another party (a guest) may access at any time: no Rust reference is ever made
+    /// to it; bytes move by copies through raw pointers only.
+    volatile: bool,
 }
 
 // SAFETY: `Memory` is `!Send`/`!Sync` only because of the raw segment pointers. They point into
@@ -121,6 +125,41 @@ impl IoBuffers {
         Self::new(segments, Some(Box::new(bufs)))
     }
 
+    /// Lends guest memory: `ranges` of `(guest physical address, length)` in `mem`, which
+    /// the buffers keep (and so keep mapped) until they are dropped. A range that crosses
+    /// memory regions becomes several segments. The guest may touch the memory at any time,
+    /// so the buffers never make Rust references to it: [`slices`](Self::slices) and
+    /// [`slices_mut`](Self::slices_mut) return `None`, and bytes move with
+    /// [`copy_out`](Self::copy_out), [`copy_in`](Self::copy_in) and
+    /// [`fill_zero`](Self::fill_zero), or by the kernel.
+    #[cfg(feature = "vm-memory")]
+    pub fn from_guest<M>(mem: Arc<M>, ranges: &[(u64, usize)]) -> std::io::Result<Self>
+    where
+        M: vm_memory::GuestMemoryBackend + Send + Sync + 'static,
+    {
+        use vm_memory::GuestAddress;
+        let mut segments = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            for slice in mem.get_slices(GuestAddress(addr), len) {
+                let slice = slice.map_err(|e| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("guest memory {addr:#x}+{len:#x}: {e}"),
+                    )
+                })?;
+                segments.push(Segment {
+                    base: slice.ptr_guard_mut().as_ptr(),
+                    len: slice.len(),
+                });
+            }
+        }
+        let mut b = Self::new(segments, Some(Box::new(mem)));
+        if let Some(m) = Arc::get_mut(&mut b.memory) {
+            m.volatile = true;
+        }
+        Ok(b)
+    }
+
     fn new(segments: Vec<Segment>, owner: Option<Box<dyn Any + Send>>) -> Self {
         let len = segments.iter().map(|s| s.len).sum();
         IoBuffers {
@@ -128,8 +167,15 @@ impl IoBuffers {
                 segments,
                 len,
                 owner,
+                volatile: false,
             }),
         }
+    }
+
+    /// Whether this is guest memory ([`from_guest`](Self::from_guest)): reachable only by
+    /// copies, never as Rust slices.
+    pub fn is_guest_memory(&self) -> bool {
+        self.memory.volatile
     }
 
     /// Total bytes.
@@ -164,9 +210,10 @@ impl IoBuffers {
         Arc::strong_count(&self.memory) == 1
     }
 
-    /// The segments as slices for reading, or `None` while a ring operation holds them.
+    /// The segments as slices for reading, or `None` while a ring operation holds them (or
+    /// for guest memory).
     pub fn slices(&self) -> Option<Vec<IoSlice<'_>>> {
-        if !self.is_idle() {
+        if !self.is_idle() || self.memory.volatile {
             return None;
         }
         Some(
@@ -187,9 +234,10 @@ impl IoBuffers {
         )
     }
 
-    /// The segments as slices for filling, or `None` while a ring operation holds them.
+    /// The segments as slices for filling, or `None` while a ring operation holds them (or
+    /// for guest memory).
     pub fn slices_mut(&mut self) -> Option<Vec<IoSliceMut<'_>>> {
-        if !self.is_idle() {
+        if !self.is_idle() || self.memory.volatile {
             return None;
         }
         Some(
@@ -207,36 +255,65 @@ impl IoBuffers {
         )
     }
 
-    /// Copies `len` bytes starting `pos` bytes into the buffers to `out`; `false` while a
-    /// ring operation holds the memory or the range is out of bounds.
+    /// Copies `out.len()` bytes starting `pos` bytes into the buffers to `out`; `false` while
+    /// a ring operation holds the memory or the range is out of bounds.
     pub fn copy_out(&self, pos: usize, out: &mut [u8]) -> bool {
-        let Some(slices) = self.slices() else {
+        if !self.is_idle() {
             return false;
-        };
-        copy_range(&slices, pos, out.len(), |src, done| {
-            out[done..done + src.len()].copy_from_slice(src)
+        }
+        self.each_piece(pos, out.len(), |src, done, n| {
+            // SAFETY: `src` points to `n` valid bytes of one segment (from_raw's contract, an
+            // owned buffer, or mapped guest memory kept by `owner`); no ring operation holds
+            // the memory (checked above) and `&self` keeps a ring read (the kernel writing)
+            // from starting. `out[done..done + n]` is ours; the two do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(src.cast_const(), out[done..].as_mut_ptr(), n) }
+        })
+    }
+
+    /// Copies `data` into the buffers starting `pos` bytes in; `false` while a ring operation
+    /// holds the memory or the range is out of bounds.
+    pub fn copy_in(&mut self, pos: usize, data: &[u8]) -> bool {
+        if !self.is_idle() {
+            return false;
+        }
+        self.each_piece(pos, data.len(), |dst, done, n| {
+            // SAFETY: `dst` points to `n` valid, writable bytes of one segment (as in
+            // `copy_out`); no ring operation holds the memory and none can start while
+            // `&mut self` is borrowed; `data` is a separate Rust slice.
+            unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), dst, n) }
         })
     }
 
     /// Fills `len` bytes starting `pos` bytes into the buffers with zeros; `false` while a ring
     /// operation holds the memory or the range is out of bounds.
     pub fn fill_zero(&mut self, pos: usize, len: usize) -> bool {
+        if !self.is_idle() {
+            return false;
+        }
+        self.each_piece(pos, len, |dst, _, n| {
+            // SAFETY: as in `copy_in`: `n` valid, writable bytes no one else writes now.
+            unsafe { std::ptr::write_bytes(dst, 0, n) }
+        })
+    }
+
+    /// Calls `f(address, bytes done before, length)` for the pieces of `[pos, pos + len)` in
+    /// segment order; `false` (calling nothing) when the range is out of bounds.
+    fn each_piece(&self, pos: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) -> bool {
         let Some(end) = pos.checked_add(len) else {
             return false;
         };
         if end > self.len() {
             return false;
         }
-        let Some(mut slices) = self.slices_mut() else {
-            return false;
-        };
         let mut at = 0usize;
-        for s in slices.iter_mut() {
-            let (a, b) = (at, at + s.len());
+        let mut done = 0usize;
+        for s in &self.memory.segments {
+            let (a, b) = (at, at + s.len);
             let lo = pos.max(a);
             let hi = end.min(b);
             if lo < hi {
-                s[lo - a..hi - a].fill(0);
+                f(s.base.wrapping_add(lo - a), done, hi - lo);
+                done += hi - lo;
             }
             at = b;
         }
@@ -282,36 +359,6 @@ impl IoBuffers {
     pub(super) fn share(&self) -> Arc<Memory> {
         self.memory.clone()
     }
-}
-
-/// Calls `f` on the pieces of `[pos, pos + len)` across `slices`, with the number of bytes
-/// already done; `false` when the range is out of bounds.
-fn copy_range(
-    slices: &[IoSlice<'_>],
-    pos: usize,
-    len: usize,
-    mut f: impl FnMut(&[u8], usize),
-) -> bool {
-    let total: usize = slices.iter().map(|s| s.len()).sum();
-    let Some(end) = pos.checked_add(len) else {
-        return false;
-    };
-    if end > total {
-        return false;
-    }
-    let mut at = 0usize;
-    let mut done = 0usize;
-    for s in slices {
-        let (a, b) = (at, at + s.len());
-        let lo = pos.max(a);
-        let hi = end.min(b);
-        if lo < hi {
-            f(&s[lo - a..hi - a], done);
-            done += hi - lo;
-        }
-        at = b;
-    }
-    true
 }
 
 #[cfg(test)]

@@ -131,3 +131,49 @@ fn an_aligned_write_goes_to_the_kernel_from_the_callers_buffer() {
     assert!(back[4096..12288].iter().all(|&b| b == 0x42));
     assert!(back[..4096].iter().all(|&b| b == 0));
 }
+
+#[cfg(feature = "vm-memory")]
+#[test]
+fn guest_memory_is_lent_in_place_across_regions_and_copied_never_borrowed() {
+    use std::sync::Arc;
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+    let mem: GuestMemoryMmap<()> = GuestMemoryMmap::from_ranges(&[
+        (GuestAddress(0), 0x1_0000),
+        (GuestAddress(0x1_0000), 0x1_0000),
+    ])
+    .unwrap();
+    let mem = Arc::new(mem);
+    mem.write_slice(&[9u8; 0x2000], GuestAddress(0xf000)).unwrap();
+    // 0xf800..0x10800 crosses the two regions: two segments.
+    let mut b = IoBuffers::from_guest(mem.clone(), &[(0xf800, 0x1000), (0x100, 16)]).unwrap();
+    assert!(b.is_guest_memory());
+    assert_eq!((b.len(), b.segments()), (0x1010, 3));
+    assert!(b.slices().is_none() && b.slices_mut().is_none(), "no references to guest memory");
+    let mut out = [0u8; 4];
+    assert!(b.copy_out(0x7fe, &mut out));
+    assert_eq!(out, [9; 4]);
+    assert!(b.copy_in(0x7ff, &[1, 2]));
+    assert!(b.fill_zero(0x1000, 16));
+    let mut back = [0u8; 3];
+    mem.read_slice(&mut back, GuestAddress(0xffff)).unwrap();
+    assert_eq!(back, [1, 2, 9]);
+
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(&[5u8; 0x1010]).unwrap();
+    let Ok(mut ring) = QueueRing::new(2) else {
+        return;
+    };
+    ring.read(file.as_fd(), 0, &mut b, 0, 0x1010, 1).unwrap();
+    ring.submit().unwrap();
+    ring.wait().unwrap();
+    let mut res = Vec::new();
+    ring.reap(|c| res.push(c.result));
+    assert_eq!(res, [0x1010]);
+    let mut seen = vec![0u8; 0x1000];
+    mem.read_slice(&mut seen, GuestAddress(0xf800)).unwrap();
+    assert!(seen.iter().all(|&x| x == 5), "the kernel wrote the guest's memory in place");
+    // Out of the guest's memory: refused, naming the address.
+    let err = IoBuffers::from_guest(mem, &[(0x1_f000, 0x2000)]).unwrap_err();
+    assert!(err.to_string().contains("0x1f000"), "{err}");
+}
