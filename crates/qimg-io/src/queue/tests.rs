@@ -144,12 +144,16 @@ fn guest_memory_is_lent_in_place_across_regions_and_copied_never_borrowed() {
     ])
     .unwrap();
     let mem = Arc::new(mem);
-    mem.write_slice(&[9u8; 0x2000], GuestAddress(0xf000)).unwrap();
+    mem.write_slice(&[9u8; 0x2000], GuestAddress(0xf000))
+        .unwrap();
     // 0xf800..0x10800 crosses the two regions: two segments.
     let mut b = IoBuffers::from_guest(mem.clone(), &[(0xf800, 0x1000), (0x100, 16)]).unwrap();
     assert!(b.is_guest_memory());
     assert_eq!((b.len(), b.segments()), (0x1010, 3));
-    assert!(b.slices().is_none() && b.slices_mut().is_none(), "no references to guest memory");
+    assert!(
+        b.slices().is_none() && b.slices_mut().is_none(),
+        "no references to guest memory"
+    );
     let mut out = [0u8; 4];
     assert!(b.copy_out(0x7fe, &mut out));
     assert_eq!(out, [9; 4]);
@@ -172,7 +176,10 @@ fn guest_memory_is_lent_in_place_across_regions_and_copied_never_borrowed() {
     assert_eq!(res, [0x1010]);
     let mut seen = vec![0u8; 0x1000];
     mem.read_slice(&mut seen, GuestAddress(0xf800)).unwrap();
-    assert!(seen.iter().all(|&x| x == 5), "the kernel wrote the guest's memory in place");
+    assert!(
+        seen.iter().all(|&x| x == 5),
+        "the kernel wrote the guest's memory in place"
+    );
     // Out of the guest's memory: refused, naming the address.
     let err = IoBuffers::from_guest(mem, &[(0x1_f000, 0x2000)]).unwrap_err();
     assert!(err.to_string().contains("0x1f000"), "{err}");

@@ -557,17 +557,36 @@ async fn run_on_engine<S: Storage + 'static>(
             mut buffers,
         } => {
             let len = buffers.len() as u64;
-            let r = match buffers.slices_mut() {
-                Some(mut slices) => image.read_vectored(&mut slices, offset).await,
-                None => Err(busy()),
+            let r = if buffers.is_guest_memory() {
+                // Guest memory is never borrowed as a slice: read into a buffer, copy in.
+                let mut tmp = vec![0u8; buffers.len()];
+                match image.read(&mut tmp, offset).await {
+                    Ok(()) if buffers.copy_in(0, &tmp) => Ok(()),
+                    Ok(()) => Err(busy()),
+                    Err(e) => Err(e),
+                }
+            } else {
+                match buffers.slices_mut() {
+                    Some(mut slices) => image.read_vectored(&mut slices, offset).await,
+                    None => Err(busy()),
+                }
             };
             (r.map(|()| len), Some(buffers))
         }
         Request::Write { offset, buffers } => {
             let len = buffers.len() as u64;
-            let r = match buffers.slices() {
-                Some(slices) => image.write_vectored(&slices, offset).await,
-                None => Err(busy()),
+            let r = if buffers.is_guest_memory() {
+                let mut tmp = vec![0u8; buffers.len()];
+                if buffers.copy_out(0, &mut tmp) {
+                    image.write(&tmp, offset).await
+                } else {
+                    Err(busy())
+                }
+            } else {
+                match buffers.slices() {
+                    Some(slices) => image.write_vectored(&slices, offset).await,
+                    None => Err(busy()),
+                }
             };
             (r.map(|()| len), Some(buffers))
         }
