@@ -6,6 +6,10 @@
 //! stream, so that tests and fuzzers drive it in memory and the `qimg serve --nbd` command
 //! over unix or TCP sockets.
 //!
+//! [`vhost_user_blk`] is a vhost-user-blk device backend: a VMM (cloud-hypervisor, QEMU,
+//! Firecracker) connects to its socket and its guest sees a virtio-blk disk, served from one
+//! thread per virtqueue through the engine's per-queue completion handles.
+//!
 //! ```no_run
 //! # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
@@ -24,3 +28,5 @@
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod nbd;
+#[cfg(target_os = "linux")]
+pub mod vhost_user_blk;

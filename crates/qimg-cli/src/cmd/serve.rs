@@ -1,5 +1,8 @@
 //! `qimg serve --nbd ADDR IMAGE`: exports an image over NBD (the server is
-//! [`qimg_serve::nbd`]), with qemu-nbd's options where they exist.
+//! [`qimg_serve::nbd`]), with qemu-nbd's options where they exist; `qimg serve
+//! --vhost-user-blk SOCKET IMAGE` serves it to a VMM as a vhost-user-blk device
+//! ([`qimg_serve::vhost_user_blk`]), as `qemu-storage-daemon --export type=vhost-user-blk`
+//! does. Both may run in one process on the same open image.
 //!
 //! With `--tls-creds` every client must run `NBD_OPT_STARTTLS` first.
 //!
@@ -18,6 +21,7 @@ use qimg::io::Backend;
 use qimg::{CacheOptions, OpenOptions};
 use qimg_serve::nbd::tls::TlsCreds;
 use qimg_serve::nbd::{BoxStream, Export, Shutdown, StartTls, serve_connection};
+use qimg_serve::vhost_user_blk;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Semaphore;
@@ -29,8 +33,25 @@ use crate::cache_mode::CacheMode;
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// Serve NBD on ADDR: `unix:PATH` or `HOST:PORT`.
-    #[arg(long = "nbd", value_name = "ADDR")]
-    pub nbd: String,
+    #[arg(
+        long = "nbd",
+        value_name = "ADDR",
+        required_unless_present = "vhost_user_blk"
+    )]
+    pub nbd: Option<String>,
+    /// Serve a vhost-user-blk device on the unix socket SOCKET (for cloud-hypervisor, QEMU,
+    /// Firecracker).
+    #[arg(long = "vhost-user-blk", value_name = "SOCKET")]
+    pub vhost_user_blk: Option<PathBuf>,
+    /// vhost-user-blk: virtqueues offered to the guest (1 to 64).
+    #[arg(long = "num-queues", default_value_t = 1)]
+    pub num_queues: u16,
+    /// vhost-user-blk: the serial number the guest reads (at most 20 bytes).
+    #[arg(long = "serial", value_name = "ID", default_value = "")]
+    pub serial: String,
+    /// vhost-user-blk: logical block size, 512 or 4096.
+    #[arg(long = "logical-block-size", default_value_t = 512)]
+    pub logical_block_size: u32,
     /// The qcow2 image to export.
     pub image: PathBuf,
     /// The export name clients ask for.
@@ -172,7 +193,14 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.tls = tls;
     let export = Arc::new(export);
 
-    let listener = Listener::bind(&a.nbd)?;
+    let listener = match &a.nbd {
+        Some(addr) => Some(Listener::bind(addr)?),
+        None => None,
+    };
+    let vhost = match &a.vhost_user_blk {
+        Some(path) => Some(start_vhost(&a, path, &image)?),
+        None => None,
+    };
     if let Some(p) = &a.pidfile {
         write_pidfile(p)?;
     }
@@ -181,24 +209,36 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     let (stop, shutdown) = Shutdown::new();
     let slots = Arc::new(Semaphore::new(a.shared));
     let mut conns = JoinSet::new();
+    let (vhost_stop, mut vhost_done) = match vhost {
+        Some((stop, done)) => (Some(stop), Some(done)),
+        None => (None, None),
+    };
+    let mut vhost_failed = None;
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
+            r = async { vhost_done.as_mut().expect("guarded").await }, if vhost_done.is_some() => {
+                vhost_done = None;
+                if let Ok(Err(e)) = r {
+                    vhost_failed = Some(e);
+                }
+                break;
+            }
             Some(done) = conns.join_next(), if !conns.is_empty() => {
                 match done {
                     Ok(Err(e)) => eprintln!("qimg: client: {e}"),
                     Err(e) => eprintln!("qimg: client task: {e}"),
                     Ok(Ok(())) => {}
                 }
-                if conns.is_empty() && !a.persistent {
+                if conns.is_empty() && !a.persistent && vhost_stop.is_none() {
                     break;
                 }
             }
             accepted = async {
                 let slot = slots.clone().acquire_owned().await;
-                (slot, listener.accept().await)
-            } => {
+                (slot, listener.as_ref().expect("guarded").accept().await)
+            }, if listener.is_some() => {
                 let (Ok(slot), stream) = accepted else { break };
                 match stream {
                     Ok(stream) => {
@@ -211,6 +251,15 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
                     }
                     Err(e) => eprintln!("qimg: accept: {e}"),
                 }
+            }
+        }
+    }
+    // The vhost-user frontend is disconnected; its requests in flight finish.
+    if let Some(stop) = vhost_stop {
+        stop.stop();
+        if let Some(done) = vhost_done {
+            if let Ok(Err(e)) = done.await {
+                vhost_failed = Some(e);
             }
         }
     }
@@ -230,5 +279,39 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     if let Some(p) = &a.pidfile {
         let _ = std::fs::remove_file(p);
     }
-    Ok(())
+    match vhost_failed {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// Binds the vhost-user socket and serves it on a thread of its own (the backend's queue
+/// threads are its own too); the receiver says how it ended.
+fn start_vhost(
+    a: &ServeArgs,
+    path: &Path,
+    image: &qimg::Image<qimg::io::AnyStorage>,
+) -> Result<(
+    vhost_user_blk::Stop,
+    tokio::sync::oneshot::Receiver<Result<(), vhost_user_blk::VhostError>>,
+)> {
+    let options = vhost_user_blk::BlkOptions {
+        num_queues: a.num_queues,
+        read_only: a.readonly,
+        serial: a.serial.clone(),
+        logical_block_size: a.logical_block_size,
+        ..Default::default()
+    };
+    options.check()?;
+    let bound = vhost_user_blk::bind(path)?;
+    let stop = bound.stopper();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (image, thread_stop) = (image.clone(), stop.clone());
+    std::thread::Builder::new()
+        .name("qimg-vhost-user".into())
+        .spawn(move || {
+            let _ = tx.send(vhost_user_blk::serve(&image, bound, options, thread_stop));
+        })
+        .context("cannot start the vhost-user thread")?;
+    Ok((stop, rx))
 }
