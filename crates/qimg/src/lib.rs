@@ -99,8 +99,8 @@ pub use engine::lease;
 #[cfg(feature = "blocking")]
 pub use engine::BlockingImage;
 pub use engine::{
-    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, OpenOptions, Opener,
-    Stats, Trust, UntrustedLimits, WriteLease,
+    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, InternalSnapshot,
+    OpenOptions, Opener, Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};

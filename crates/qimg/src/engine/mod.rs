@@ -15,6 +15,7 @@
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
+//! | `snapshot` | internal snapshots: list, create, apply, delete ([`InternalSnapshot`]) |
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
@@ -31,6 +32,7 @@ mod options;
 pub(crate) mod overlap;
 mod rebuild;
 mod rw;
+mod snapshot;
 mod state;
 pub(crate) mod walk;
 
@@ -42,3 +44,4 @@ pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
 pub use open::{FileOpener, Opener};
 pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};
+pub use snapshot::InternalSnapshot;
