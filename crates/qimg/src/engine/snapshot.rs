@@ -131,6 +131,8 @@ impl<S: Storage> Image<S> {
                 what: format!("more than {MAX_SNAPSHOTS} snapshots"),
             });
         }
+        let active = m.l1.clone();
+        inner.check_shareable(&active)?;
         inner.free_abandoned(&mut m).await?;
         inner.flush_meta(&mut m).await?;
         m.compressed_tail = None;
@@ -163,7 +165,6 @@ impl<S: Storage> Image<S> {
             at
         };
         // Refcounts first (a reference the switch below adds is then already counted).
-        let active = m.l1.clone();
         inner.tree_refcounts(&mut m, &active, 1).await?;
         inner.write_back(&mut m, CacheKind::Refcount).await?;
         inner
@@ -222,6 +223,7 @@ impl<S: Storage> Image<S> {
         };
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
+        inner.check_shareable(&sn_l1)?;
         let size = sn.disk_size().unwrap_or_else(|| inner.size());
         let needed = inner.geo.l1_size_for(size).map_err(|e| {
             Error::corrupt(
@@ -353,8 +355,8 @@ impl<S: Storage> Image<S> {
 }
 
 impl<S: Storage> Inner<S> {
-    /// Refuses snapshot changes on read-only images, images with an external data file
-    /// (QEMU does not support them) and images whose refcounts cannot exceed 1.
+    /// Refuses snapshot changes on read-only images and images with an external data file
+    /// (QEMU does not support them).
     fn check_snapshots_possible(&self) -> Result<()> {
         self.check_writable()?;
         if self.data_file.is_some() {
@@ -363,7 +365,13 @@ impl<S: Storage> Inner<S> {
                 what: "internal snapshots of an image with an external data file".into(),
             });
         }
-        if self.rgeo.max_refcount() < 2 {
+        Ok(())
+    }
+
+    /// Refuses to share the tree under `l1` when refcounts cannot reach 2 (1-bit refcounts;
+    /// an empty tree can still be snapshotted, as in QEMU).
+    fn check_shareable(&self, l1: &[L1Entry]) -> Result<()> {
+        if self.rgeo.max_refcount() < 2 && l1.iter().any(|e| e.l2_offset.is_some()) {
             return Err(Error::Unsupported {
                 path: self.path.clone(),
                 what: "internal snapshots with 1-bit refcounts (a shared cluster needs a \
