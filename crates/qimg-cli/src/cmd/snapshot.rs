@@ -15,7 +15,7 @@ use qimg::{InternalSnapshot, OpenOptions};
 
 use crate::chain::source_format;
 use crate::human::{size_to_str, utc_date};
-use crate::status::lib_msg;
+use crate::status::{lib_msg, os_msg};
 
 /// Arguments of `qimg snapshot`.
 #[derive(clap::Args)]
@@ -106,6 +106,12 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         bail!("Could not open '{file}': force-share=on can only be used with read-only images");
     }
     let path = Path::new(&file);
+    if let Err(e) = std::fs::metadata(path) {
+        bail!(
+            "Could not open '{file}': Could not open '{file}': {}",
+            os_msg(&e)
+        );
+    }
     let fmt = source_format(path, &file, args.fmt.as_deref())?;
     if fmt == ImageFormat::Raw {
         if args.fmt.is_none() {
@@ -134,7 +140,8 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         let img = OpenOptions::new()
             .writable(writable)
             .force_share(args.force_share)
-            .follow_backing(false)
+            // Opening for writing needs the chain (qemu-img opens none).
+            .follow_backing(writable)
             .clean_timer(false)
             .open(path)
             .await

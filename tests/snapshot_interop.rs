@@ -1,0 +1,480 @@
+//! Internal snapshots (`qimg snapshot`, `Image::{create,apply,delete}_snapshot`) against
+//! qemu-img 10:
+//!
+//! * a matrix (standard and extended L2, 64 KiB and 2 MiB clusters, with and without a
+//!   backing file, v2 and v3): data written, a snapshot made by qimg, more data, a second
+//!   snapshot, overwrites; then `qemu-img check` finds nothing, `qemu-img snapshot -l` prints
+//!   what `qimg snapshot -l` prints, and every snapshot applied by qimg on one copy and by
+//!   qemu-img on another gives two images `qemu-img compare` finds identical, holding what the
+//!   model says the snapshot held;
+//! * crossovers: qemu-img's snapshots (on an image with compressed clusters too) applied and
+//!   deleted by qimg, qimg's applied and deleted by qemu-img;
+//! * deletion in every order, check clean after each step, the active data unchanged;
+//! * refusals and messages equal to qemu-img's;
+//! * writes, write-zeroes and discards through the engine after a snapshot (lazy refcounts
+//!   too) leave the snapshot's data intact.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+
+use common::{
+    Scratch, assert_clean, assert_same_as_model, have_qemu, make_backing_file, ok, qemu_create,
+    qemu_img, qemu_io, qimg,
+};
+use qimg::OpenOptions;
+use qimg_testkit::pattern;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+
+fn text(o: &Output) -> (String, String, Option<i32>) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        o.status.code(),
+    )
+}
+
+/// An image under test and the model of its guest contents.
+struct Disk<'a> {
+    dir: &'a Path,
+    file: &'a str,
+    model: Vec<u8>,
+}
+
+impl Disk<'_> {
+    /// qemu-io writes of byte `p` at each `(offset, len)`.
+    fn fill(&mut self, p: u8, ranges: &[(u64, u64)]) {
+        let cmds: Vec<String> = ranges
+            .iter()
+            .map(|(o, l)| format!("write -P {p} {o} {l}"))
+            .collect();
+        let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+        qemu_io(self.dir, "qcow2", self.file, &cmds);
+        for &(o, l) in ranges {
+            self.model[o as usize..(o + l) as usize].fill(p);
+        }
+    }
+
+    /// qemu-io write-zeroes at `(offset, len)`.
+    fn zero(&mut self, o: u64, l: u64) {
+        qemu_io(
+            self.dir,
+            "qcow2",
+            self.file,
+            &[&format!("write -z {o} {l}")],
+        );
+        self.model[o as usize..(o + l) as usize].fill(0);
+    }
+}
+
+fn qimg_ok(dir: &Path, args: &[&str]) -> String {
+    ok(&format!("qimg {args:?}"), &qimg(dir, args))
+}
+
+fn qemu_ok(dir: &Path, args: &[&str]) -> String {
+    ok(&format!("qemu-img {args:?}"), &qemu_img(dir, args))
+}
+
+/// `qimg snapshot -l` and `qemu-img snapshot -l` print the same bytes; returns the text.
+fn same_list(dir: &Path, file: &str, what: &str) -> String {
+    let want = qemu_ok(dir, &["snapshot", "-l", file]);
+    let got = qimg_ok(dir, &["snapshot", "-l", file]);
+    assert_eq!(want, got, "{what}: snapshot lists differ");
+    got
+}
+
+/// Applies `name` with qimg on one copy of `file` and with qemu-img on another: both must be
+/// check clean, identical and equal to `expect`.
+fn apply_both(dir: &Path, file: &str, name: &str, expect: &[u8], what: &str) {
+    std::fs::copy(dir.join(file), dir.join("by-qimg.qcow2")).unwrap();
+    std::fs::copy(dir.join(file), dir.join("by-qemu.qcow2")).unwrap();
+    qimg_ok(dir, &["snapshot", "-a", name, "by-qimg.qcow2"]);
+    qemu_ok(dir, &["snapshot", "-a", name, "by-qemu.qcow2"]);
+    let what = format!("{what}, snapshot {name} applied");
+    assert_clean(dir, "by-qimg.qcow2", &what);
+    qemu_ok(dir, &["compare", "by-qimg.qcow2", "by-qemu.qcow2"]);
+    assert_same_as_model(dir, "by-qimg.qcow2", expect, &what);
+    // The applied image keeps working: a write copies the shared cluster first.
+    qemu_io(dir, "qcow2", "by-qimg.qcow2", &["write -P 99 4096 4096"]);
+    assert_clean(dir, "by-qimg.qcow2", &format!("{what}, then written"));
+}
+
+struct Shape {
+    name: String,
+    opts: String,
+    cs: u64,
+    backing: bool,
+}
+
+fn shapes() -> Vec<Shape> {
+    let mut v = Vec::new();
+    for (compat, ext) in [("1.1", false), ("1.1", true), ("0.10", false)] {
+        for cs in [64 * KIB, 2 * MIB] {
+            for backing in [false, true] {
+                v.push(Shape {
+                    name: format!(
+                        "compat={compat} {} cs={}k{}",
+                        if ext { "extended" } else { "standard" },
+                        cs / KIB,
+                        if backing { " backing" } else { "" }
+                    ),
+                    opts: format!(
+                        "compat={compat},cluster_size={cs}{}",
+                        if ext { ",extended_l2=on" } else { "" }
+                    ),
+                    cs,
+                    backing,
+                });
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn snapshots_made_by_qimg_match_qemu_img_across_the_matrix() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    for shape in shapes() {
+        let dir = Scratch::new("snap-matrix");
+        let d = dir.0.as_path();
+        let size = 4 * shape.cs.max(2 * MIB);
+        let base = pattern(7, 0, size as usize);
+        let backing = shape.backing.then(|| make_backing_file(d, &base, "qcow2"));
+        qemu_create(
+            d,
+            "img.qcow2",
+            &shape.opts,
+            size,
+            backing.map(|b| (b, "qcow2")),
+        );
+        let mut disk = Disk {
+            dir: d,
+            file: "img.qcow2",
+            model: if shape.backing {
+                base.clone()
+            } else {
+                vec![0; size as usize]
+            },
+        };
+        let cs = shape.cs;
+        disk.fill(1, &[(0, cs + 5000), (2 * cs + 512, 3000), (size - cs, cs)]);
+        qimg_ok(d, &["snapshot", "-c", "first", "img.qcow2"]);
+        let s1 = disk.model.clone();
+        disk.fill(2, &[(1000, 2 * cs), (3 * cs - 700, 1400)]);
+        disk.zero(size - cs, cs / 2);
+        qimg_ok(d, &["snapshot", "-c", "second", "img.qcow2"]);
+        let s2 = disk.model.clone();
+        disk.fill(3, &[(0, 4 * cs), (size - 3000, 3000)]);
+        disk.zero(cs, cs);
+        let what = shape.name.as_str();
+        assert_clean(d, "img.qcow2", what);
+        assert_same_as_model(d, "img.qcow2", &disk.model, what);
+        let list = same_list(d, "img.qcow2", what);
+        assert!(
+            list.contains("\n1       first ") && list.contains("\n2       second "),
+            "{what}: {list}"
+        );
+        apply_both(d, "img.qcow2", "first", &s1, what);
+        apply_both(d, "img.qcow2", "2", &s2, what);
+    }
+}
+
+#[test]
+fn snapshots_cross_between_qemu_img_and_qimg() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-cross");
+    let d = dir.0.as_path();
+    let size = 4 * MIB;
+    // Compressed clusters (made by qemu-img convert -c) under a snapshot made by qemu-img.
+    let data = pattern(3, 0, size as usize);
+    let mut raw = data.clone();
+    raw[MIB as usize..2 * MIB as usize].fill(0);
+    std::fs::write(d.join("src.raw"), &raw).unwrap();
+    qemu_ok(
+        d,
+        &[
+            "convert",
+            "-c",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=65536",
+            "src.raw",
+            "img.qcow2",
+        ],
+    );
+    let mut disk = Disk {
+        dir: d,
+        file: "img.qcow2",
+        model: raw.clone(),
+    };
+    qemu_ok(d, &["snapshot", "-c", "by-qemu", "img.qcow2"]);
+    let s_qemu = disk.model.clone();
+    disk.fill(4, &[(100, 200 * KIB), (3 * MIB, 64 * KIB)]);
+    qimg_ok(d, &["snapshot", "-c", "by-qimg", "img.qcow2"]);
+    let s_qimg = disk.model.clone();
+    disk.fill(5, &[(0, MIB + 3)]);
+    let active = disk.model.clone();
+    assert_clean(d, "img.qcow2", "two snapshots");
+    same_list(d, "img.qcow2", "two snapshots");
+
+    // qemu-img's snapshot applied by qimg, qimg's by qemu-img, on copies.
+    apply_both(d, "img.qcow2", "by-qemu", &s_qemu, "crossover");
+    apply_both(d, "img.qcow2", "by-qimg", &s_qimg, "crossover");
+
+    // qimg deletes qemu-img's snapshot; qemu-img's view of the other stays intact.
+    std::fs::copy(d.join("img.qcow2"), d.join("a.qcow2")).unwrap();
+    qimg_ok(d, &["snapshot", "-d", "by-qemu", "a.qcow2"]);
+    assert_clean(d, "a.qcow2", "qemu-img's snapshot deleted by qimg");
+    assert_same_as_model(d, "a.qcow2", &active, "after qimg -d");
+    let list = same_list(d, "a.qcow2", "after qimg -d");
+    assert!(
+        !list.contains("by-qemu") && list.contains("by-qimg"),
+        "{list}"
+    );
+    apply_both(d, "a.qcow2", "by-qimg", &s_qimg, "after qimg -d");
+
+    // qemu-img deletes qimg's snapshot; qimg applies qemu-img's.
+    std::fs::copy(d.join("img.qcow2"), d.join("b.qcow2")).unwrap();
+    qemu_ok(d, &["snapshot", "-d", "by-qimg", "b.qcow2"]);
+    assert_clean(d, "b.qcow2", "qimg's snapshot deleted by qemu-img");
+    assert_same_as_model(d, "b.qcow2", &active, "after qemu-img -d");
+    qimg_ok(d, &["snapshot", "-a", "by-qemu", "b.qcow2"]);
+    assert_clean(d, "b.qcow2", "qemu-img's snapshot applied by qimg");
+    assert_same_as_model(d, "b.qcow2", &s_qemu, "qemu-img's snapshot applied by qimg");
+    qimg_ok(d, &["snapshot", "-d", "by-qemu", "b.qcow2"]);
+    assert_clean(d, "b.qcow2", "the last snapshot deleted by qimg");
+    assert_same_as_model(d, "b.qcow2", &s_qemu, "the last snapshot deleted by qimg");
+    assert_eq!(qimg_ok(d, &["snapshot", "-l", "b.qcow2"]), "");
+    assert_eq!(qemu_ok(d, &["snapshot", "-l", "b.qcow2"]), "");
+}
+
+/// All orders of `n` items.
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![vec![]];
+    }
+    let mut out = Vec::new();
+    for p in permutations(n - 1) {
+        for i in 0..=p.len() {
+            let mut q = p.clone();
+            q.insert(i, n - 1);
+            out.push(q);
+        }
+    }
+    out
+}
+
+#[test]
+fn snapshots_delete_cleanly_in_every_order() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-delete");
+    let d = dir.0.as_path();
+    let size = 2 * MIB;
+    qemu_create(
+        d,
+        "img.qcow2",
+        "cluster_size=65536,extended_l2=on",
+        size,
+        None,
+    );
+    let mut disk = Disk {
+        dir: d,
+        file: "img.qcow2",
+        model: vec![0; size as usize],
+    };
+    let names = ["a", "b", "c"];
+    for (i, n) in names.iter().enumerate() {
+        let i = i as u64;
+        disk.fill(
+            10 + i as u8,
+            &[(i * 70 * KIB, 100 * KIB), (MIB + i * 4096, 2048)],
+        );
+        qimg_ok(d, &["snapshot", "-c", n, "img.qcow2"]);
+    }
+    disk.fill(20, &[(0, 300 * KIB)]);
+    let active = disk.model.clone();
+    let start_len = std::fs::metadata(d.join("img.qcow2")).unwrap().len();
+    for order in permutations(names.len()) {
+        std::fs::copy(d.join("img.qcow2"), d.join("t.qcow2")).unwrap();
+        for &k in &order {
+            qimg_ok(d, &["snapshot", "-d", names[k], "t.qcow2"]);
+            let what = format!("order {order:?}, {} deleted", names[k]);
+            assert_clean(d, "t.qcow2", &what);
+            same_list(d, "t.qcow2", &what);
+        }
+        assert_same_as_model(d, "t.qcow2", &active, &format!("order {order:?}"));
+        assert_eq!(qimg_ok(d, &["snapshot", "-l", "t.qcow2"]), "");
+        // Everything the snapshots held alone was freed: qemu-img sees no leak (above), and
+        // the file did not grow past what the deletions needed for new tables.
+        let len = std::fs::metadata(d.join("t.qcow2")).unwrap().len();
+        assert!(len <= start_len + 3 * 65536, "order {order:?}: {len} bytes");
+    }
+}
+
+#[test]
+fn refusals_and_messages_are_qemu_imgs() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-refusals");
+    let d = dir.0.as_path();
+    qemu_create(d, "q.qcow2", "cluster_size=65536", MIB, None);
+    std::fs::write(d.join("r.raw"), vec![0u8; MIB as usize]).unwrap();
+    qemu_create(d, "dup-qemu.qcow2", "cluster_size=65536", MIB, None);
+    qemu_create(d, "dup-qimg.qcow2", "cluster_size=65536", MIB, None);
+    // Duplicate names: qemu-img accepts them (two entries, IDs 1 and 2); so does qimg.
+    for _ in 0..2 {
+        qemu_ok(d, &["snapshot", "-c", "same", "dup-qemu.qcow2"]);
+        qimg_ok(d, &["snapshot", "-c", "same", "dup-qimg.qcow2"]);
+    }
+    let a = qemu_ok(d, &["snapshot", "-l", "dup-qemu.qcow2"]);
+    let b = qimg_ok(d, &["snapshot", "-l", "dup-qimg.qcow2"]);
+    let strip = |s: &str| -> Vec<String> {
+        // The dates differ (made at different times): compare ID, tag and size columns.
+        s.lines().map(|l| l.chars().take(34).collect()).collect()
+    };
+    assert_eq!(strip(&a), strip(&b));
+    assert_eq!(b.lines().count(), 4, "{b}");
+    // -d by name removes the first of the two, in both.
+    qemu_ok(d, &["snapshot", "-d", "same", "dup-qemu.qcow2"]);
+    qimg_ok(d, &["snapshot", "-d", "same", "dup-qimg.qcow2"]);
+    assert_eq!(
+        strip(&qemu_ok(d, &["snapshot", "-l", "dup-qemu.qcow2"])),
+        strip(&qimg_ok(d, &["snapshot", "-l", "dup-qimg.qcow2"]))
+    );
+    assert_clean(d, "dup-qimg.qcow2", "duplicate names");
+
+    let cases: &[&[&str]] = &[
+        &["snapshot", "-a", "nope", "q.qcow2"],
+        &["snapshot", "-d", "nope", "q.qcow2"],
+        // -d takes names only: an ID is not found.
+        &["snapshot", "-d", "1", "dup-qemu.qcow2"],
+        &["snapshot", "-l", "q.qcow2"],
+        &["snapshot", "q.qcow2"],
+        &["snapshot", "-f", "raw", "-l", "r.raw"],
+        &["snapshot", "-f", "raw", "-c", "x", "r.raw"],
+        &["snapshot", "-f", "raw", "-a", "x", "r.raw"],
+        &["snapshot", "-f", "raw", "-d", "x", "r.raw"],
+        &["snapshot", "-c", "x", "r.raw"],
+        &["snapshot", "-U", "-c", "x", "q.qcow2"],
+        &["snapshot", "-U", "-l", "q.qcow2"],
+        &["snapshot", "-l", "-c", "x", "q.qcow2"],
+        &["snapshot", "-c", "x", "-c", "y", "q.qcow2"],
+        &["snapshot", "-l"],
+        &["snapshot", "-l", "q.qcow2", "r.raw"],
+        &["snapshot", "-c", "x", "missing.qcow2"],
+    ];
+    for args in cases {
+        let (qo, qe, qc) = text(&qemu_img(d, args));
+        let (io, ie, ic) = text(&qimg(d, args));
+        assert_eq!(qc, ic, "{args:?}: exit codes differ: {qe} / {ie}");
+        assert_eq!(qo, io, "{args:?}: outputs differ");
+        let last = |e: &str, tool: &str| -> String {
+            e.lines()
+                .filter(|l| !l.starts_with("Try "))
+                .map(|l| l.trim_start_matches(tool).to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(
+            last(&qe, "qemu-img: "),
+            last(&ie, "qimg: "),
+            "{args:?}: messages differ"
+        );
+    }
+    // Nothing above changed the images.
+    assert_clean(d, "q.qcow2", "after the refusals");
+    assert_eq!(qimg_ok(d, &["snapshot", "-l", "q.qcow2"]), "");
+}
+
+/// Writes, write-zeroes and discards through the engine after a snapshot copy shared
+/// clusters first: the snapshot, applied afterwards, reads what it held.
+async fn engine_writes_keep_snapshots(d: &Path, opts: &str, what: &str) {
+    let size = 3 * MIB;
+    qemu_create(d, "e.qcow2", opts, size, None);
+    let path = d.join("e.qcow2");
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    img.write(&pattern(1, 0, (MIB + 7000) as usize), 0)
+        .await
+        .unwrap();
+    img.write(&pattern(2, 2 * MIB, 300_000), 2 * MIB)
+        .await
+        .unwrap();
+    let before = img.create_snapshot("snap").await.unwrap();
+    assert_eq!(before.id, "1");
+    assert_eq!(before.disk_size, Some(size));
+    let mut held = vec![0u8; size as usize];
+    img.read(&mut held, 0).await.unwrap();
+    // In place of shared data: partial subclusters, whole clusters, zeroes, discards.
+    img.write(&pattern(3, 1000, 5000), 1000).await.unwrap();
+    img.write(&pattern(4, 64 * KIB, 200 * KIB as usize), 64 * KIB)
+        .await
+        .unwrap();
+    img.write_zeroes(300 * KIB, 200 * KIB).await.unwrap();
+    img.discard(512 * KIB, 256 * KIB).await.unwrap();
+    img.discard(2 * MIB, MIB).await.unwrap();
+    img.write(&pattern(5, 2 * MIB + 4096, 512), 2 * MIB + 4096)
+        .await
+        .unwrap();
+    let mut now = vec![0u8; size as usize];
+    img.read(&mut now, 0).await.unwrap();
+    assert_ne!(now, held);
+    let list = img.snapshots().await.unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!((list[0].id.as_str(), list[0].name.as_str()), ("1", "snap"));
+    img.close().await.unwrap();
+    assert_clean(d, "e.qcow2", &format!("{what}: after writes"));
+    assert_same_as_model(d, "e.qcow2", &now, &format!("{what}: after writes"));
+
+    // Applied by qemu-img on a copy and by the engine on the image itself.
+    std::fs::copy(&path, d.join("e-qemu.qcow2")).unwrap();
+    qemu_ok(d, &["snapshot", "-a", "snap", "e-qemu.qcow2"]);
+    assert_same_as_model(d, "e-qemu.qcow2", &held, &format!("{what}: qemu-img -a"));
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    img.apply_snapshot("snap").await.unwrap();
+    let mut back = vec![0u8; size as usize];
+    img.read(&mut back, 0).await.unwrap();
+    assert!(back == held, "{what}: the snapshot's data changed");
+    // Unknown snapshots are refused without touching anything.
+    assert!(matches!(
+        img.apply_snapshot("nope").await,
+        Err(qimg::Error::SnapshotNotFound { .. })
+    ));
+    img.delete_snapshot("1").await.unwrap();
+    assert!(img.snapshots().await.unwrap().is_empty());
+    img.close().await.unwrap();
+    assert_clean(d, "e.qcow2", &format!("{what}: applied and deleted"));
+    assert_same_as_model(d, "e.qcow2", &held, &format!("{what}: applied and deleted"));
+}
+
+#[test]
+fn engine_writes_after_a_snapshot_leave_it_intact() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for (opts, what) in [
+        ("cluster_size=65536,extended_l2=on", "extended"),
+        ("cluster_size=65536", "standard"),
+        ("cluster_size=65536,lazy_refcounts=on", "lazy refcounts"),
+        ("compat=0.10,cluster_size=4096", "v2 4k"),
+    ] {
+        let dir = Scratch::new("snap-engine");
+        rt.block_on(engine_writes_keep_snapshots(&dir.0, opts, what));
+    }
+}
