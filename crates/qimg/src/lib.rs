@@ -100,7 +100,7 @@ pub use engine::lease;
 pub use engine::BlockingImage;
 pub use engine::{
     Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, InternalSnapshot,
-    OpenOptions, Opener, Stats, Trust, UntrustedLimits, WriteLease,
+    OpenOptions, Opener, SnapshotOptions, Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};

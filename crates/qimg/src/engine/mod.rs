@@ -44,4 +44,4 @@ pub use lease::{HostExtent, WriteLease};
 pub use map::{Extent, ExtentKind};
 pub use open::{FileOpener, Opener};
 pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};
-pub use snapshot::InternalSnapshot;
+pub use snapshot::{InternalSnapshot, SnapshotOptions};

@@ -80,6 +80,35 @@ impl InternalSnapshot {
     }
 }
 
+/// What a new snapshot records besides its name (see [`Image::create_snapshot_with`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SnapshotOptions {
+    /// The creation time; the system clock when `None`.
+    pub date: Option<SystemTime>,
+    /// The guest run time in nanoseconds (0 for a disk-only snapshot of a stopped guest).
+    pub vm_clock_nsec: u64,
+}
+
+impl SnapshotOptions {
+    /// The system clock and a zero guest clock, as `qemu-img snapshot -c`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records `date` as the creation time.
+    pub fn date(mut self, date: SystemTime) -> Self {
+        self.date = Some(date);
+        self
+    }
+
+    /// Records `nsec` as the guest run time.
+    pub fn vm_clock_nsec(mut self, nsec: u64) -> Self {
+        self.vm_clock_nsec = nsec;
+        self
+    }
+}
+
 /// Index of the snapshot with ID `key`, else the first one named `key` (QEMU's lookup).
 fn find(snaps: &[Snapshot], key: &str) -> Option<usize> {
     let key = key.as_bytes();
@@ -112,6 +141,17 @@ impl<S: Storage> Image<S> {
     /// the system clock. Names need not be unique (qemu-img does not refuse duplicates).
     /// Images with an external data file cannot have snapshots.
     pub async fn create_snapshot(&self, name: &str) -> Result<InternalSnapshot> {
+        self.create_snapshot_with(name, &SnapshotOptions::new())
+            .await
+    }
+
+    /// [`create_snapshot`](Self::create_snapshot) recording the date and guest clock of
+    /// `opts` (a VMM's own clock, or a fixed date for reproducible images).
+    pub async fn create_snapshot_with(
+        &self,
+        name: &str,
+        opts: &SnapshotOptions,
+    ) -> Result<InternalSnapshot> {
         let inner = &*self.inner;
         inner.check_snapshots_possible()?;
         if name.len() > usize::from(u16::MAX) {
@@ -174,7 +214,9 @@ impl<S: Storage> Image<S> {
             .map_err(|e| inner.storage_error(e))?;
         inner.sync_copied(&mut m).await?;
 
-        let now = SystemTime::now()
+        let now = opts
+            .date
+            .unwrap_or_else(SystemTime::now)
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         let size = inner.size();
@@ -190,7 +232,7 @@ impl<S: Storage> Image<S> {
             date_sec: now.as_secs() as u32,
             // qemu-img takes the time in microseconds.
             date_nsec: now.subsec_micros() * 1000,
-            vm_clock_nsec: 0,
+            vm_clock_nsec: opts.vm_clock_nsec,
             vm_state_size32: 0,
             extra_data: extra,
         };
@@ -486,7 +528,7 @@ impl<S: Storage> Inner<S> {
     /// Makes the COPIED flags of the active tree agree with the refcounts: cleared where a
     /// refcount is above 1, set where it is 1 (in L2 tables only when the table itself is
     /// not shared). Refcounts must be durable first; the flags are durable on return.
-    async fn sync_copied(&self, m: &mut Meta) -> Result<()> {
+    pub(crate) async fn sync_copied(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
         let es = self.geo.l2_entry_size() as usize;
         let slice_bytes = m.l2_slice;
