@@ -478,3 +478,60 @@ fn engine_writes_after_a_snapshot_leave_it_intact() {
         rt.block_on(engine_writes_keep_snapshots(&dir.0, opts, what));
     }
 }
+
+/// A snapshot taken before the disk grew brings the old size back when applied, and one taken
+/// after brings the larger size back, as qemu-img does.
+#[test]
+fn applying_restores_the_snapshots_disk_size() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-resize");
+    let d = dir.0.as_path();
+    for ext in ["off", "on"] {
+        qemu_create(
+            d,
+            "img.qcow2",
+            &format!("cluster_size=65536,extended_l2={ext}"),
+            2 * MIB,
+            None,
+        );
+        let mut disk = Disk {
+            dir: d,
+            file: "img.qcow2",
+            model: vec![0; 2 * MIB as usize],
+        };
+        disk.fill(1, &[(0, 300 * KIB)]);
+        qimg_ok(d, &["snapshot", "-c", "small", "img.qcow2"]);
+        let small = disk.model.clone();
+        qemu_ok(d, &["resize", "-q", "img.qcow2", "6M"]);
+        disk.model.resize(6 * MIB as usize, 0);
+        disk.fill(2, &[(100 * KIB, 5 * MIB)]);
+        qimg_ok(d, &["snapshot", "-c", "big", "img.qcow2"]);
+        let big = disk.model.clone();
+        let what = format!("extended_l2={ext}");
+        same_list(d, "img.qcow2", &what);
+        apply_both(
+            d,
+            "img.qcow2",
+            "small",
+            &small,
+            &format!("{what}: to 2 MiB"),
+        );
+        // From the small size back to the large one, on the image applied above.
+        std::fs::copy(d.join("by-qemu.qcow2"), d.join("back.qcow2")).unwrap();
+        apply_both(
+            d,
+            "back.qcow2",
+            "big",
+            &big,
+            &format!("{what}: back to 6 MiB"),
+        );
+        let size = |f: &str| common::info(d, f)["virtual-size"].as_u64().unwrap();
+        assert_eq!(size("by-qimg.qcow2"), 6 * MIB, "{what}");
+        qimg_ok(d, &["snapshot", "-a", "small", "by-qimg.qcow2"]);
+        assert_eq!(size("by-qimg.qcow2"), 2 * MIB, "{what}");
+        assert_clean(d, "by-qimg.qcow2", &what);
+        std::fs::remove_file(d.join("img.qcow2")).unwrap();
+    }
+}
