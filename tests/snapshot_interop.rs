@@ -535,3 +535,57 @@ fn applying_restores_the_snapshots_disk_size() {
         std::fs::remove_file(d.join("img.qcow2")).unwrap();
     }
 }
+
+/// An entry written by an older QEMU (16 bytes of extra data: no icount) with a guest clock
+/// lists as qemu-img lists it (`--` for the icount, the clock as hours:minutes:seconds), and
+/// qimg applies and deletes it.
+#[test]
+fn older_entries_list_apply_and_delete_as_in_qemu_img() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-old-entry");
+    let d = dir.0.as_path();
+    qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
+    qemu_io(d, "qcow2", "img.qcow2", &["write -P 5 0 100k"]);
+    qemu_ok(d, &["snapshot", "-c", "old-style", "img.qcow2"]);
+    qemu_io(d, "qcow2", "img.qcow2", &["write -P 6 0 200k"]);
+    let path = d.join("img.qcow2");
+    let mut f = std::fs::read(&path).unwrap();
+    let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+    let be16 = |b: &[u8], at: usize| u16::from_be_bytes(b[at..at + 2].try_into().unwrap());
+    let off = u64::from_be_bytes(f[64..72].try_into().unwrap()) as usize;
+    let e = &f[off..];
+    let (id_len, name_len, extra) = (
+        be16(e, 12) as usize,
+        be16(e, 14) as usize,
+        be32(e, 36) as usize,
+    );
+    assert_eq!(extra, 24, "qemu-img 10 writes 24 bytes of extra data");
+    let mut new = e[..40].to_vec();
+    // 1 h 2 min 3.456 s of guest time, 16 bytes of extra data.
+    new[24..32].copy_from_slice(&3_723_456_000_000u64.to_be_bytes());
+    new[36..40].copy_from_slice(&16u32.to_be_bytes());
+    new.extend_from_slice(&e[40..56]);
+    new.extend_from_slice(&e[40 + extra..40 + extra + id_len + name_len]);
+    new.resize(new.len().next_multiple_of(8), 0);
+    f[off..off + new.len()].copy_from_slice(&new);
+    std::fs::write(&path, &f).unwrap();
+    assert_clean(d, "img.qcow2", "patched entry");
+    let list = same_list(d, "img.qcow2", "an entry without icount");
+    assert!(
+        list.contains("0001:02:03.456         --\n"),
+        "unexpected list:\n{list}"
+    );
+    let mut model = vec![0u8; MIB as usize];
+    model[..100 * KIB as usize].fill(5);
+    apply_both(
+        d,
+        "img.qcow2",
+        "old-style",
+        &model,
+        "an entry without icount",
+    );
+    qimg_ok(d, &["snapshot", "-d", "old-style", "img.qcow2"]);
+    assert_clean(d, "img.qcow2", "an entry without icount, deleted");
+}

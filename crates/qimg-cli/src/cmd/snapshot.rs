@@ -77,7 +77,9 @@ pub fn table(snaps: &[InternalSnapshot]) -> String {
             size_to_str(sn.vm_state_size),
             utc_date(u64::from(sn.date_sec)),
             clock,
-            sn.icount.map(|c| c.to_string()).unwrap_or_default()
+            sn.icount
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "--".into())
         );
     }
     s
