@@ -589,3 +589,40 @@ fn older_entries_list_apply_and_delete_as_in_qemu_img() {
     qimg_ok(d, &["snapshot", "-d", "old-style", "img.qcow2"]);
     assert_clean(d, "img.qcow2", "an entry without icount, deleted");
 }
+
+/// A snapshot entry with an absurd L1 size is refused with a message naming it, as qemu-img
+/// refuses it ("Snapshot L1 table too large"), and the file is left exactly as it was.
+#[test]
+fn an_absurd_snapshot_l1_size_is_refused_without_touching_the_image() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-hostile");
+    let d = dir.0.as_path();
+    qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
+    qemu_io(d, "qcow2", "img.qcow2", &["write -P 1 0 64k"]);
+    qemu_ok(d, &["snapshot", "-c", "s", "img.qcow2"]);
+    let path = d.join("img.qcow2");
+    let mut f = std::fs::read(&path).unwrap();
+    let off = u64::from_be_bytes(f[64..72].try_into().unwrap()) as usize;
+    f[off + 8..off + 12].copy_from_slice(&0x1000_0000u32.to_be_bytes());
+    std::fs::write(&path, &f).unwrap();
+    for args in [
+        ["snapshot", "-a", "s", "img.qcow2"],
+        ["snapshot", "-d", "s", "img.qcow2"],
+        ["snapshot", "-c", "t", "img.qcow2"],
+    ] {
+        let (_, ie, ic) = text(&qimg(d, &args));
+        assert!(ie.contains("268435456 entries"), "{args:?}: {ie}");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            f,
+            "{args:?} changed the file"
+        );
+        // qemu-img fails too (for -c it marks the image corrupt first: its overlap check
+        // catches its own write; qimg refuses the image at open instead).
+        let (_, qe, qc) = text(&qemu_img(d, &args));
+        assert_eq!((qc, ic), (Some(1), Some(1)), "{args:?}: {qe} / {ie}");
+        std::fs::write(&path, &f).unwrap();
+    }
+}
