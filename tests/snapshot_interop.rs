@@ -18,12 +18,13 @@ mod common;
 
 use std::path::Path;
 use std::process::Output;
+use std::time::{Duration, UNIX_EPOCH};
 
 use common::{
     Scratch, assert_clean, assert_same_as_model, have_qemu, make_backing_file, ok, qemu_create,
     qemu_img, qemu_io, qimg,
 };
-use qimg::OpenOptions;
+use qimg::{OpenOptions, SnapshotOptions};
 use qimg_testkit::pattern;
 
 const KIB: u64 = 1024;
@@ -431,10 +432,27 @@ async fn engine_writes_keep_snapshots(d: &Path, opts: &str, what: &str) {
     let mut now = vec![0u8; size as usize];
     img.read(&mut now, 0).await.unwrap();
     assert_ne!(now, held);
+    // A second snapshot with a VMM's date and guest clock.
+    let date = UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+    let opts = SnapshotOptions::new()
+        .date(date)
+        .vm_clock_nsec(3_723_456_000_000);
+    img.create_snapshot_with("clocked", &opts).await.unwrap();
     let list = img.snapshots().await.unwrap();
-    assert_eq!(list.len(), 1);
+    assert_eq!(list.len(), 2);
     assert_eq!((list[0].id.as_str(), list[0].name.as_str()), ("1", "snap"));
+    assert_eq!(
+        (list[1].id.as_str(), list[1].name.as_str()),
+        ("2", "clocked")
+    );
     img.close().await.unwrap();
+    let shown = qemu_ok(d, &["snapshot", "-l", "e.qcow2"]);
+    assert!(
+        shown.contains(
+            "\n2       clocked               0 B 2001-09-09 01:46:40  0001:02:03.456          0\n"
+        ),
+        "{what}: {shown}"
+    );
     assert_clean(d, "e.qcow2", &format!("{what}: after writes"));
     assert_same_as_model(d, "e.qcow2", &now, &format!("{what}: after writes"));
 
@@ -453,6 +471,7 @@ async fn engine_writes_keep_snapshots(d: &Path, opts: &str, what: &str) {
         Err(qimg::Error::SnapshotNotFound { .. })
     ));
     img.delete_snapshot("1").await.unwrap();
+    img.delete_snapshot("clocked").await.unwrap();
     assert!(img.snapshots().await.unwrap().is_empty());
     img.close().await.unwrap();
     assert_clean(d, "e.qcow2", &format!("{what}: applied and deleted"));
