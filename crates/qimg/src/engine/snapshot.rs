@@ -171,6 +171,19 @@ impl<S: Storage> Image<S> {
                 what: format!("more than {MAX_SNAPSHOTS} snapshots"),
             });
         }
+        // Refused before anything changes: a table past QEMU's limit.
+        let id = next_id(&snaps);
+        let table_len = snaps.iter().map(|s| s.encoded_len() as u64).sum::<u64>()
+            + (40 + 24 + id.len() + name.len()).next_multiple_of(8) as u64;
+        if table_len > MAX_TABLE_SIZE {
+            return Err(Error::Unsupported {
+                path: inner.path.clone(),
+                what: format!(
+                    "a snapshot table of {table_len} bytes (at most {MAX_TABLE_SIZE}): delete \
+                     snapshots first"
+                ),
+            });
+        }
         let active = m.l1.clone();
         inner.check_shareable(&active)?;
         inner.free_abandoned(&mut m).await?;
@@ -227,7 +240,7 @@ impl<S: Storage> Image<S> {
         let entry = Snapshot {
             l1_table_offset: l1_at,
             l1_size: sn_l1.len() as u32,
-            id: next_id(&snaps).into_bytes(),
+            id: id.into_bytes(),
             name: name.as_bytes().to_vec(),
             date_sec: now.as_secs() as u32,
             // qemu-img takes the time in microseconds.
@@ -693,5 +706,15 @@ mod tests {
         assert_eq!(find(&snaps, "x"), None);
         assert_eq!(next_id(&snaps), "8");
         assert_eq!(next_id(&[entry("x", "y")]), "1");
+    }
+
+    #[test]
+    fn the_size_checked_before_a_create_is_the_encoded_size() {
+        for (id, name) in [("1", ""), ("12", "abc"), ("7", "a name of 21 bytes...")] {
+            let mut e = entry(id, name);
+            e.extra_data = vec![0; 24];
+            let checked = (40 + 24 + id.len() + name.len()).next_multiple_of(8);
+            assert_eq!(e.encoded_len(), checked);
+        }
     }
 }
