@@ -645,3 +645,38 @@ fn an_absurd_snapshot_l1_size_is_refused_without_touching_the_image() {
         std::fs::write(&path, &f).unwrap();
     }
 }
+
+/// A snapshot whose L1 table names an L2 table past the end of the file is refused by `-a`
+/// and `-d` before anything changes (the table read fails before a reference is counted or
+/// the snapshot table is rewritten). (qemu-img applies it: its block layer reads zeros past
+/// the end of the file, where the engine, strict everywhere, refuses.)
+#[test]
+fn a_snapshot_with_an_unreadable_l2_table_is_refused_without_touching_the_image() {
+    if !have_qemu("snapshot_interop") {
+        return;
+    }
+    let dir = Scratch::new("snap-hostile-l2");
+    let d = dir.0.as_path();
+    qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
+    qemu_io(d, "qcow2", "img.qcow2", &["write -P 1 0 64k"]);
+    qemu_ok(d, &["snapshot", "-c", "s", "img.qcow2"]);
+    let path = d.join("img.qcow2");
+    let mut f = std::fs::read(&path).unwrap();
+    let off = u64::from_be_bytes(f[64..72].try_into().unwrap()) as usize;
+    let l1 = u64::from_be_bytes(f[off..off + 8].try_into().unwrap()) as usize;
+    f[l1..l1 + 8].copy_from_slice(&0x7fff_0000u64.to_be_bytes());
+    std::fs::write(&path, &f).unwrap();
+    for args in [
+        ["snapshot", "-a", "s", "img.qcow2"],
+        ["snapshot", "-d", "s", "img.qcow2"],
+    ] {
+        let (_, ie, ic) = text(&qimg(d, &args));
+        assert_eq!(ic, Some(1), "{args:?}: {ie}");
+        assert!(ie.contains("0x7fff0000"), "{args:?}: {ie}");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            f,
+            "{args:?} changed the file"
+        );
+    }
+}

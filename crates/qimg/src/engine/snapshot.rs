@@ -279,6 +279,7 @@ impl<S: Storage> Image<S> {
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
         inner.check_shareable(&sn_l1)?;
+        inner.check_tree(&sn_l1).await?;
         let size = sn.disk_size().unwrap_or_else(|| inner.size());
         let needed = inner.geo.l1_size_for(size).map_err(|e| {
             Error::corrupt(
@@ -378,6 +379,7 @@ impl<S: Storage> Image<S> {
         };
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
+        inner.check_tree(&sn_l1).await?;
         inner.free_abandoned(&mut m).await?;
         inner.flush_meta(&mut m).await?;
         m.compressed_tail = None;
@@ -494,6 +496,25 @@ impl<S: Storage> Inner<S> {
             })?;
         l1::decode_table(&raw, self.geo.cluster_size(), sn.l1_table_offset)
             .map_err(|e| self.fmt_err(e))
+    }
+
+    /// Reads and strictly decodes every L2 table of the tree under `l1`, changing nothing:
+    /// a damaged snapshot is refused before its references are counted or dropped (a
+    /// failure half way would leave the operation half done).
+    async fn check_tree(&self, l1: &[L1Entry]) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let mut table = vec![0u8; cs as usize];
+        for e in l1 {
+            let Some(t) = e.l2_offset else { continue };
+            self.file.read_at(&mut table, t.0).await.map_err(|e| {
+                Error::corrupt(
+                    &self.path,
+                    format!("the snapshot's L2 table at {:#x} cannot be read: {e}", t.0),
+                )
+            })?;
+            decode_slice(&table, &self.ctx, t.0).map_err(|e| self.fmt_err(e))?;
+        }
+        Ok(())
     }
 
     /// Adds `delta` (+1 or -1) to the refcount of every cluster the tree under `l1` reaches:
