@@ -30,7 +30,7 @@ fn g3(x: f64) -> String {
 
 /// `%Y-%m-%d %H:%M:%S` of a Unix time, in UTC (qemu-img prints local time; the two agree
 /// when TZ is UTC).
-fn utc_date(secs: u64) -> String {
+pub fn utc_date(secs: u64) -> String {
     let days = secs / 86400;
     let rem = secs % 86400;
     // Civil-from-days (proleptic Gregorian), days since 1970-01-01.

@@ -50,6 +50,8 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
+    /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
+    Snapshot(cmd::snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,5 +64,6 @@ fn main() -> ExitCode {
         Command::Convert(a) => exit_status(cmd::convert::run(a)),
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
+        Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
     }
 }

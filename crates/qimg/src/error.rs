@@ -88,6 +88,14 @@ pub enum Error {
         /// The switch that failed, and why.
         what: String,
     },
+    /// No internal snapshot has the ID or name asked for.
+    #[error("{path}: no snapshot has the ID or name '{name}'")]
+    SnapshotNotFound {
+        /// The image file.
+        path: PathBuf,
+        /// The ID or name asked for.
+        name: String,
+    },
     /// The cache options cannot be applied to this image.
     #[error("{path}: {source}")]
     Cache {
@@ -140,7 +148,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// The closest [`io::ErrorKind`]: the system's for failed system calls, `InvalidData` for
     /// damaged images, `InvalidInput` for bad requests and options, `PermissionDenied` for
-    /// writes to a read-only image, `Unsupported` for what qimg cannot do, `ResourceBusy`
+    /// writes to a read-only image, `Unsupported` for what qimg cannot do, `NotFound` for
+    /// an unknown snapshot, `ResourceBusy`
     /// when another process holds the image.
     pub fn kind(&self) -> io::ErrorKind {
         match self {
@@ -152,6 +161,7 @@ impl Error {
             }
             Self::Unsupported { .. } => io::ErrorKind::Unsupported,
             Self::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
+            Self::SnapshotNotFound { .. } => io::ErrorKind::NotFound,
             Self::Halted { .. } => io::ErrorKind::Other,
         }
     }
@@ -168,7 +178,7 @@ impl Error {
     /// An errno for every error, for a device model or an export that must answer a guest
     /// or a client with one: the system's when a system call failed; else `EPERM` for writes
     /// to a read-only image, `EINVAL` for requests outside the disk and bad options,
-    /// `ENOTSUP` for what qimg cannot do, `EIO` for damaged images and everything else.
+    /// `ENOTSUP` for what qimg cannot do, `ENOENT` for an unknown snapshot, `EIO` for damaged images and everything else.
     pub fn errno(&self) -> i32 {
         if let Some(e) = self.os_error() {
             return e;
@@ -179,6 +189,7 @@ impl Error {
                 libc_errno::EINVAL
             }
             Self::Unsupported { .. } => libc_errno::ENOTSUP,
+            Self::SnapshotNotFound { .. } => libc_errno::ENOENT,
             _ => libc_errno::EIO,
         }
     }
@@ -187,6 +198,7 @@ impl Error {
 /// The errno values [`Error::errno`] uses (Linux numbering, which qimg targets).
 mod libc_errno {
     pub(super) const EPERM: i32 = 1;
+    pub(super) const ENOENT: i32 = 2;
     pub(super) const EIO: i32 = 5;
     pub(super) const EINVAL: i32 = 22;
     pub(super) const ENOTSUP: i32 = 95;

@@ -101,8 +101,8 @@ pub use engine::BlockingImage;
 #[cfg(target_os = "linux")]
 pub use engine::queue::{self, Completion, Queue, QueueOptions, QueueStats, Request};
 pub use engine::{
-    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, OpenOptions, Opener,
-    ReadLease, Stats, Trust, UntrustedLimits, WriteLease,
+    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, InternalSnapshot,
+    OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use qimg_cache::{CacheOptions, CacheStats};

@@ -7,3 +7,4 @@ pub mod create;
 pub mod info;
 pub mod map;
 pub mod serve;
+pub mod snapshot;

@@ -15,6 +15,7 @@
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
+//! | `snapshot` | internal snapshots: list, create, apply, delete ([`InternalSnapshot`]) |
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
@@ -34,6 +35,7 @@ pub mod queue;
 pub mod read_lease;
 mod rebuild;
 mod rw;
+mod snapshot;
 mod state;
 pub(crate) mod walk;
 
@@ -48,3 +50,4 @@ pub use options::{Allocation, OpenOptions, Trust, UntrustedLimits};
 #[cfg(target_os = "linux")]
 pub use queue::{Completion, Queue, QueueOptions, QueueStats, Request};
 pub use read_lease::ReadLease;
+pub use snapshot::{InternalSnapshot, SnapshotOptions};

@@ -410,6 +410,9 @@ impl<S: Storage> Inner<S> {
         }
         if h.incompatible_features & INCOMPAT_DIRTY != 0 {
             self.rebuild_refcounts(&mut m).await?;
+            // A crash inside a snapshot change can leave COPIED flags that disagree with the
+            // refcounts (QEMU's dirty-open repair fixes them too).
+            self.sync_copied(&mut m).await?;
             m.dirty_on_disk = true;
             self.mark_clean(&mut m).await?;
         }

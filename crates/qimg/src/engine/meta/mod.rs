@@ -152,6 +152,21 @@ impl Meta {
             let table_len: u64 = snaps.iter().map(|s| s.encoded_len() as u64).sum();
             overlap.insert(Region::SnapshotTable, h.snapshots_offset, table_len);
             for s in &snaps {
+                let bytes = l1::table_bytes(u64::from(s.l1_size));
+                if bytes > qimg_format::validate::MAX_L1_BYTES {
+                    // QEMU refuses such an image at open ("Snapshot L1 table too large").
+                    return Err(Error::corrupt(
+                        path,
+                        format!(
+                            "snapshot '{}' has an L1 table of {} entries at {:#x}: too large \
+                             (at most {} bytes)",
+                            qimg_format::snapshot::decode_text(&s.id),
+                            s.l1_size,
+                            s.l1_table_offset,
+                            qimg_format::validate::MAX_L1_BYTES
+                        ),
+                    ));
+                }
                 overlap.insert(
                     Region::SnapshotL1,
                     s.l1_table_offset,

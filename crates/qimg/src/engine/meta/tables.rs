@@ -73,7 +73,7 @@ impl<S: Storage> Shared<S> {
     /// contents must already be durable. When either step fails the file may name the old or
     /// the new table, and memory keeps the old one: the image halts ([`Error::Halted`]) so
     /// that the two cannot drift apart.
-    pub(super) async fn switch_header(
+    pub(crate) async fn switch_header(
         &self,
         hdr: &[u8],
         at: u64,

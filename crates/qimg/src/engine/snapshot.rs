@@ -1,0 +1,741 @@
+//! Internal snapshots: listing, creating, applying (reverting to) and deleting them.
+//!
+//! A snapshot is an entry of the snapshot table naming a copy of the L1 table; the L2 tables
+//! and data clusters it reaches are shared with the active tree (and other snapshots) and
+//! counted once per tree that reaches them. Writes to shared clusters copy them first (the
+//! COPIED flag is clear on every entry whose cluster has a refcount above 1: `rw/cow.rs`,
+//! `meta/tables.rs::ensure_l2`).
+//!
+//! Crash ordering. Every step below is made durable before the next one starts:
+//!
+//! * create: the copy of the L1 table is written to new clusters; the refcount of every
+//!   cluster the active tree reaches goes up; the COPIED flags of the active tree are cleared
+//!   where the refcount is now above 1; the new snapshot table is written to new clusters;
+//!   the header switches to it in one write; the old table is freed.
+//! * apply: the refcounts of the snapshot's tree go up; the L1 table grows if it must; the
+//!   snapshot's L1 entries are written over the active L1 table in one write; the virtual
+//!   size changes if the snapshot's differs; the refcounts of the old active tree go down;
+//!   COPIED flags are set where a refcount came back to 1.
+//! * delete: the table without the entry is written and the header switched to it; the
+//!   refcounts of the snapshot's tree go down and its L1 table is freed; COPIED flags are set
+//!   where a refcount came back to 1.
+//!
+//! References therefore never outnumber refcounts: a power cut leaves at worst leaked
+//! clusters, except inside the COPIED update that follows a refcount change (between the
+//! refcount write and the flag write a flag disagrees with its refcount, which `check -r all`
+//! repairs; QEMU has the same window, the two cannot change in one write).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use qimg_cache::SliceKey;
+use qimg_format::header::{self, SnapshotPointer};
+use qimg_format::l1::{self, L1Entry, QCOW_OFLAG_COPIED};
+use qimg_format::l2::{L2Entry, decode_slice};
+use qimg_format::snapshot::{self as fsnap, MAX_SNAPSHOTS, MAX_TABLE_SIZE, Snapshot};
+use qimg_format::validate::MAX_L1_BYTES;
+use qimg_io::Storage;
+
+use super::image::{Image, Inner};
+use super::meta::{CacheKind, Meta};
+use super::overlap::{Region, Writing};
+use crate::error::{Error, Result};
+
+/// One internal snapshot, with what `qemu-img snapshot -l` shows of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InternalSnapshot {
+    /// The unique ID (a decimal number for snapshots QEMU or qimg made).
+    pub id: String,
+    /// The name (not necessarily unique).
+    pub name: String,
+    /// Bytes of saved VM state (0 for disk-only snapshots).
+    pub vm_state_size: u64,
+    /// Creation time: seconds since the Unix epoch.
+    pub date_sec: u32,
+    /// Creation time: nanoseconds.
+    pub date_nsec: u32,
+    /// Guest run time when the snapshot was taken, in nanoseconds.
+    pub vm_clock_nsec: u64,
+    /// Record/replay instruction count, if recorded.
+    pub icount: Option<u64>,
+    /// Virtual disk size when the snapshot was taken, if recorded (v3 images always do).
+    pub disk_size: Option<u64>,
+    /// Entries of the snapshot's L1 table.
+    pub l1_size: u32,
+}
+
+impl InternalSnapshot {
+    fn from_entry(s: &Snapshot) -> Self {
+        Self {
+            id: fsnap::decode_text(&s.id),
+            name: fsnap::decode_text(&s.name),
+            vm_state_size: s.vm_state_size(),
+            date_sec: s.date_sec,
+            date_nsec: s.date_nsec,
+            vm_clock_nsec: s.vm_clock_nsec,
+            icount: s.icount(),
+            disk_size: s.disk_size(),
+            l1_size: s.l1_size,
+        }
+    }
+}
+
+/// What a new snapshot records besides its name (see [`Image::create_snapshot_with`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SnapshotOptions {
+    /// The creation time; the system clock when `None`.
+    pub date: Option<SystemTime>,
+    /// The guest run time in nanoseconds (0 for a disk-only snapshot of a stopped guest).
+    pub vm_clock_nsec: u64,
+}
+
+impl SnapshotOptions {
+    /// The system clock and a zero guest clock, as `qemu-img snapshot -c`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records `date` as the creation time.
+    pub fn date(mut self, date: SystemTime) -> Self {
+        self.date = Some(date);
+        self
+    }
+
+    /// Records `nsec` as the guest run time.
+    pub fn vm_clock_nsec(mut self, nsec: u64) -> Self {
+        self.vm_clock_nsec = nsec;
+        self
+    }
+}
+
+/// Index of the snapshot with ID `key`, else the first one named `key` (QEMU's lookup).
+fn find(snaps: &[Snapshot], key: &str) -> Option<usize> {
+    let key = key.as_bytes();
+    snaps
+        .iter()
+        .position(|s| s.id == key)
+        .or_else(|| snaps.iter().position(|s| s.name == key))
+}
+
+/// The ID a new snapshot gets: one more than the largest numeric ID.
+fn next_id(snaps: &[Snapshot]) -> String {
+    let max = snaps
+        .iter()
+        .filter_map(|s| fsnap::decode_text(&s.id).parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    (max + 1).to_string()
+}
+
+impl<S: Storage> Image<S> {
+    /// The internal snapshots, in table order (as `qemu-img snapshot -l` lists them).
+    pub async fn snapshots(&self) -> Result<Vec<InternalSnapshot>> {
+        let m = self.inner.meta.lock().await;
+        let snaps = self.inner.read_snapshot_table(&m).await?;
+        Ok(snaps.iter().map(InternalSnapshot::from_entry).collect())
+    }
+
+    /// Creates a disk-only internal snapshot named `name` of the current contents, as
+    /// `qemu-img snapshot -c` does: its ID is one more than the largest numeric ID, its date
+    /// the system clock. Names need not be unique (qemu-img does not refuse duplicates).
+    /// Images with an external data file cannot have snapshots.
+    pub async fn create_snapshot(&self, name: &str) -> Result<InternalSnapshot> {
+        self.create_snapshot_with(name, &SnapshotOptions::new())
+            .await
+    }
+
+    /// [`create_snapshot`](Self::create_snapshot) recording the date and guest clock of
+    /// `opts` (a VMM's own clock, or a fixed date for reproducible images).
+    pub async fn create_snapshot_with(
+        &self,
+        name: &str,
+        opts: &SnapshotOptions,
+    ) -> Result<InternalSnapshot> {
+        let inner = &*self.inner;
+        inner.check_snapshots_possible()?;
+        if name.len() > usize::from(u16::MAX) {
+            return Err(Error::InvalidOption(format!(
+                "snapshot name of {} bytes: at most {} are allowed",
+                name.len(),
+                u16::MAX
+            )));
+        }
+        let _guard = inner.locks.lock(0, u64::MAX, true).await;
+        let mut m = inner.meta.lock().await;
+        inner.check_open(&m)?;
+        let mut snaps = inner.read_snapshot_table(&m).await?;
+        if snaps.len() as u64 >= u64::from(MAX_SNAPSHOTS) {
+            return Err(Error::Unsupported {
+                path: inner.path.clone(),
+                what: format!("more than {MAX_SNAPSHOTS} snapshots"),
+            });
+        }
+        // Refused before anything changes: a table past QEMU's limit.
+        let id = next_id(&snaps);
+        let table_len = snaps.iter().map(|s| s.encoded_len() as u64).sum::<u64>()
+            + (40 + 24 + id.len() + name.len()).next_multiple_of(8) as u64;
+        if table_len > MAX_TABLE_SIZE {
+            return Err(Error::Unsupported {
+                path: inner.path.clone(),
+                what: format!(
+                    "a snapshot table of {table_len} bytes (at most {MAX_TABLE_SIZE}): delete \
+                     snapshots first"
+                ),
+            });
+        }
+        let active = m.l1.clone();
+        inner.check_shareable(&active)?;
+        inner.free_abandoned(&mut m).await?;
+        inner.flush_meta(&mut m).await?;
+        m.compressed_tail = None;
+
+        // The copy of the active L1 table (every entry shared from now on).
+        let cs = inner.geo.cluster_size();
+        let sn_l1: Vec<L1Entry> =
+            m.l1.iter()
+                .map(|e| L1Entry {
+                    l2_offset: e.l2_offset,
+                    copied: false,
+                })
+                .collect();
+        let l1_bytes = l1::table_bytes(sn_l1.len() as u64);
+        let l1_at = if sn_l1.is_empty() {
+            0
+        } else {
+            let clusters = l1_bytes.div_ceil(cs);
+            let at = inner.alloc_clusters(&mut m, clusters).await?;
+            let mut raw = l1::encode_table(&sn_l1);
+            raw.resize((clusters * cs) as usize, 0);
+            inner
+                .guard_write(&mut m, at, raw.len() as u64, Writing::Data)
+                .await?;
+            inner
+                .file
+                .write_at(&raw, at)
+                .await
+                .map_err(|e| inner.storage_error(e))?;
+            at
+        };
+        // Refcounts first (a reference the switch below adds is then already counted).
+        inner.tree_refcounts(&mut m, &active, 1).await?;
+        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner
+            .file
+            .flush()
+            .await
+            .map_err(|e| inner.storage_error(e))?;
+        inner.sync_copied(&mut m).await?;
+
+        let now = opts
+            .date
+            .unwrap_or_else(SystemTime::now)
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let size = inner.size();
+        let mut extra = Vec::with_capacity(24);
+        extra.extend_from_slice(&0u64.to_be_bytes()); // vm_state_size_large
+        extra.extend_from_slice(&size.to_be_bytes()); // disk_size
+        extra.extend_from_slice(&0u64.to_be_bytes()); // icount (qemu-img writes 0)
+        let entry = Snapshot {
+            l1_table_offset: l1_at,
+            l1_size: sn_l1.len() as u32,
+            id: id.into_bytes(),
+            name: name.as_bytes().to_vec(),
+            date_sec: now.as_secs() as u32,
+            // qemu-img takes the time in microseconds.
+            date_nsec: now.subsec_micros() * 1000,
+            vm_clock_nsec: opts.vm_clock_nsec,
+            vm_state_size32: 0,
+            extra_data: extra,
+        };
+        let info = InternalSnapshot::from_entry(&entry);
+        let old = snaps.clone();
+        snaps.push(entry);
+        inner.install_snapshot_table(&mut m, &old, &snaps).await?;
+        if !sn_l1.is_empty() {
+            m.overlap.insert(Region::SnapshotL1, l1_at, l1_bytes);
+        }
+        inner.flush_meta(&mut m).await?;
+        Ok(info)
+    }
+
+    /// Reverts the disk to snapshot `name_or_id` (an ID, else the first snapshot with that
+    /// name), as `qemu-img snapshot -a` does: the snapshot's L1 table becomes the active one
+    /// and the virtual size becomes the snapshot's. The snapshot stays.
+    pub async fn apply_snapshot(&self, name_or_id: &str) -> Result<()> {
+        let inner = &*self.inner;
+        inner.check_snapshots_possible()?;
+        let _guard = inner.locks.lock(0, u64::MAX, true).await;
+        let mut m = inner.meta.lock().await;
+        inner.check_open(&m)?;
+        let snaps = inner.read_snapshot_table(&m).await?;
+        let Some(i) = find(&snaps, name_or_id) else {
+            return Err(Error::SnapshotNotFound {
+                path: inner.path.clone(),
+                name: name_or_id.to_string(),
+            });
+        };
+        let sn = snaps[i].clone();
+        let sn_l1 = inner.read_snapshot_l1(&sn).await?;
+        inner.check_shareable(&sn_l1)?;
+        inner.check_tree(&sn_l1).await?;
+        let size = sn.disk_size().unwrap_or_else(|| inner.size());
+        let needed = inner.geo.l1_size_for(size).map_err(|e| {
+            Error::corrupt(
+                &inner.path,
+                format!(
+                    "snapshot '{}' records a disk size of {size} bytes: {e}",
+                    fsnap::decode_text(&sn.id)
+                ),
+            )
+        })?;
+        if size != inner.size() && inner.version < 3 {
+            return Err(Error::Unsupported {
+                path: inner.path.clone(),
+                what: "a version 2 image whose snapshot has another disk size".into(),
+            });
+        }
+        inner.free_abandoned(&mut m).await?;
+        inner.flush_meta(&mut m).await?;
+        m.compressed_tail = None;
+
+        inner.tree_refcounts(&mut m, &sn_l1, 1).await?;
+        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner
+            .file
+            .flush()
+            .await
+            .map_err(|e| inner.storage_error(e))?;
+        let len = (m.l1.len() as u64).max(sn_l1.len() as u64).max(needed);
+        inner.grow_l1(&mut m, len).await?;
+
+        let old = m.l1.clone();
+        let mut new: Vec<L1Entry> = sn_l1
+            .iter()
+            .map(|e| L1Entry {
+                l2_offset: e.l2_offset,
+                copied: false,
+            })
+            .collect();
+        new.resize(old.len(), L1Entry::UNALLOCATED);
+        inner.write_active_l1(&mut m, &new).await?;
+        inner
+            .file
+            .flush()
+            .await
+            .map_err(|e| inner.storage_error(e))?;
+        let cs = inner.geo.cluster_size();
+        for e in &old {
+            if let Some(t) = e.l2_offset {
+                m.overlap.remove_one(Region::ActiveL2, t.0);
+                let _ = m.l2.remove(t.0);
+            }
+        }
+        for e in &new {
+            if let Some(t) = e.l2_offset {
+                m.overlap.insert_counted(Region::ActiveL2, t.0, cs);
+            }
+        }
+        m.l1 = new;
+        if size != inner.size() {
+            inner
+                .file
+                .write_at(&header::encode_size(size), header::field::SIZE)
+                .await
+                .map_err(|e| inner.storage_error(e))?;
+            inner
+                .file
+                .flush()
+                .await
+                .map_err(|e| inner.storage_error(e))?;
+            inner.size.store(size, std::sync::atomic::Ordering::Release);
+        }
+        inner.tree_refcounts(&mut m, &old, -1).await?;
+        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner
+            .file
+            .flush()
+            .await
+            .map_err(|e| inner.storage_error(e))?;
+        inner.sync_copied(&mut m).await?;
+        inner.flush_meta(&mut m).await
+    }
+
+    /// Deletes snapshot `name_or_id` (an ID, else the first snapshot with that name): its
+    /// entry leaves the table and every cluster only it used is freed.
+    pub async fn delete_snapshot(&self, name_or_id: &str) -> Result<()> {
+        let inner = &*self.inner;
+        inner.check_snapshots_possible()?;
+        let _guard = inner.locks.lock(0, u64::MAX, true).await;
+        let mut m = inner.meta.lock().await;
+        inner.check_open(&m)?;
+        let snaps = inner.read_snapshot_table(&m).await?;
+        let Some(i) = find(&snaps, name_or_id) else {
+            return Err(Error::SnapshotNotFound {
+                path: inner.path.clone(),
+                name: name_or_id.to_string(),
+            });
+        };
+        let sn = snaps[i].clone();
+        let sn_l1 = inner.read_snapshot_l1(&sn).await?;
+        inner.check_tree(&sn_l1).await?;
+        inner.free_abandoned(&mut m).await?;
+        inner.flush_meta(&mut m).await?;
+        m.compressed_tail = None;
+
+        let mut rest = snaps.clone();
+        rest.remove(i);
+        inner.install_snapshot_table(&mut m, &snaps, &rest).await?;
+        let cs = inner.geo.cluster_size();
+        let l1_bytes = l1::table_bytes(u64::from(sn.l1_size));
+        if sn.l1_size > 0 {
+            m.overlap.remove(Region::SnapshotL1, sn.l1_table_offset);
+        }
+        inner.tree_refcounts(&mut m, &sn_l1, -1).await?;
+        if sn.l1_size > 0 && sn.l1_table_offset != 0 {
+            let first = sn.l1_table_offset / cs * cs;
+            let end = sn.l1_table_offset + l1_bytes;
+            inner
+                .free_clusters(&mut m, first, (end - first).div_ceil(cs))
+                .await?;
+        }
+        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner
+            .file
+            .flush()
+            .await
+            .map_err(|e| inner.storage_error(e))?;
+        inner.sync_copied(&mut m).await?;
+        inner.flush_meta(&mut m).await
+    }
+}
+
+impl<S: Storage> Inner<S> {
+    /// Refuses snapshot changes on read-only images and images with an external data file
+    /// (QEMU does not support them).
+    fn check_snapshots_possible(&self) -> Result<()> {
+        self.check_writable()?;
+        if self.data_file.is_some() {
+            return Err(Error::Unsupported {
+                path: self.path.clone(),
+                what: "internal snapshots of an image with an external data file".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses to share the tree under `l1` when refcounts cannot reach 2 (1-bit refcounts;
+    /// an empty tree can still be snapshotted, as in QEMU).
+    fn check_shareable(&self, l1: &[L1Entry]) -> Result<()> {
+        if self.rgeo.max_refcount() < 2 && l1.iter().any(|e| e.l2_offset.is_some()) {
+            return Err(Error::Unsupported {
+                path: self.path.clone(),
+                what: "internal snapshots with 1-bit refcounts (a shared cluster needs a \
+                       refcount of 2)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_open(&self, m: &Meta) -> Result<()> {
+        if m.closed {
+            return Err(Error::InvalidOption(format!(
+                "{}: the image is closed",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The snapshot table the header names now.
+    async fn read_snapshot_table(&self, m: &Meta) -> Result<Vec<Snapshot>> {
+        let (offset, nb) = m.snapshots;
+        if nb == 0 {
+            return Ok(Vec::new());
+        }
+        let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let want = len.saturating_sub(offset).min(MAX_TABLE_SIZE) as usize;
+        let mut raw = vec![0u8; want];
+        self.file
+            .read_at_zero_fill(&mut raw, offset)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        fsnap::decode_table(&raw, offset, nb, self.version).map_err(|e| self.fmt_err(e))
+    }
+
+    /// A snapshot's L1 table, bounded and strictly decoded.
+    async fn read_snapshot_l1(&self, sn: &Snapshot) -> Result<Vec<L1Entry>> {
+        let bytes = l1::table_bytes(u64::from(sn.l1_size));
+        if bytes > MAX_L1_BYTES {
+            return Err(Error::corrupt(
+                &self.path,
+                format!(
+                    "snapshot '{}' has an L1 table of {} entries ({bytes} bytes, at most \
+                     {MAX_L1_BYTES})",
+                    fsnap::decode_text(&sn.id),
+                    sn.l1_size
+                ),
+            ));
+        }
+        let mut raw = vec![0u8; bytes as usize];
+        self.file
+            .read_at(&mut raw, sn.l1_table_offset)
+            .await
+            .map_err(|e| {
+                Error::corrupt(
+                    &self.path,
+                    format!(
+                        "the L1 table of snapshot '{}' at {:#x} ({} entries) cannot be read: {e}",
+                        fsnap::decode_text(&sn.id),
+                        sn.l1_table_offset,
+                        sn.l1_size
+                    ),
+                )
+            })?;
+        l1::decode_table(&raw, self.geo.cluster_size(), sn.l1_table_offset)
+            .map_err(|e| self.fmt_err(e))
+    }
+
+    /// Reads and strictly decodes every L2 table of the tree under `l1`, changing nothing:
+    /// a damaged snapshot is refused before its references are counted or dropped (a
+    /// failure half way would leave the operation half done).
+    async fn check_tree(&self, l1: &[L1Entry]) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let mut table = vec![0u8; cs as usize];
+        for e in l1 {
+            let Some(t) = e.l2_offset else { continue };
+            self.file.read_at(&mut table, t.0).await.map_err(|e| {
+                Error::corrupt(
+                    &self.path,
+                    format!("the snapshot's L2 table at {:#x} cannot be read: {e}", t.0),
+                )
+            })?;
+            decode_slice(&table, &self.ctx, t.0).map_err(|e| self.fmt_err(e))?;
+        }
+        Ok(())
+    }
+
+    /// Adds `delta` (+1 or -1) to the refcount of every cluster the tree under `l1` reaches:
+    /// its L2 tables, and the data and compressed clusters they map. Tables are read from
+    /// the file: the L2 cache must have been written back. Clusters reaching 0 are freed.
+    async fn tree_refcounts(&self, m: &mut Meta, l1: &[L1Entry], delta: i64) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let mut table = vec![0u8; cs as usize];
+        for e in l1 {
+            let Some(t) = e.l2_offset else { continue };
+            self.file
+                .read_at(&mut table, t.0)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            let entries = decode_slice(&table, &self.ctx, t.0).map_err(|e| self.fmt_err(e))?;
+            self.add_refcount(m, t.0, 1, delta).await?;
+            for entry in &entries {
+                match *entry.entry() {
+                    L2Entry::Compressed(d) => {
+                        let (first, n) = d.host_clusters();
+                        self.add_refcount(m, first.0 * cs, n, delta).await?;
+                    }
+                    other => {
+                        if let Some(h) = other.host_cluster() {
+                            self.add_refcount(m, h.0, 1, delta).await?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn add_refcount(&self, m: &mut Meta, offset: u64, n: u64, delta: i64) -> Result<()> {
+        if delta < 0 {
+            return self.free_clusters(m, offset, n).await;
+        }
+        let first = offset / self.geo.cluster_size();
+        for c in first..first + n {
+            self.update_refcount(m, c, delta).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes the COPIED flags of the active tree agree with the refcounts: cleared where a
+    /// refcount is above 1, set where it is 1 (in L2 tables only when the table itself is
+    /// not shared). Refcounts must be durable first; the flags are durable on return.
+    pub(crate) async fn sync_copied(&self, m: &mut Meta) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let es = self.geo.l2_entry_size() as usize;
+        let slice_bytes = m.l2_slice;
+        let slices = (cs / slice_bytes) as u32;
+        let mut l1_changed = false;
+        for i in 0..m.l1.len() {
+            let e = m.l1[i];
+            let Some(t) = e.l2_offset else { continue };
+            let rt = self.refcount(m, t.0 / cs).await?;
+            if e.copied != (rt == 1) {
+                m.l1[i].copied = rt == 1;
+                l1_changed = true;
+            }
+            for s in 0..slices {
+                let key = SliceKey::new(t.0, s);
+                self.load(m, CacheKind::L2, key).await?;
+                let base = t.0 + u64::from(s) * slice_bytes;
+                let data = m
+                    .l2
+                    .peek(key)
+                    .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?
+                    .to_vec();
+                let entries = decode_slice(&data, &self.ctx, base).map_err(|e| self.fmt_err(e))?;
+                let mut changes = Vec::new();
+                for (j, entry) in entries.iter().enumerate() {
+                    let first = entry.entry();
+                    let Some(h) = first.host_cluster() else {
+                        continue;
+                    };
+                    let want = self.refcount(m, h.0 / cs).await? == 1;
+                    if first.copied() != want && (!want || rt == 1) {
+                        changes.push((j, want));
+                    }
+                }
+                if changes.is_empty() {
+                    continue;
+                }
+                let now = self.now();
+                let slice = m.l2.get_mut(key, now).ok_or_else(|| {
+                    Error::corrupt(&self.path, format!("L2 slice {key} vanished"))
+                })?;
+                for (j, want) in changes {
+                    let at = j * es;
+                    let mut word = [0u8; 8];
+                    word.copy_from_slice(&slice[at..at + 8]);
+                    let mut w = u64::from_be_bytes(word);
+                    if want {
+                        w |= QCOW_OFLAG_COPIED;
+                    } else {
+                        w &= !QCOW_OFLAG_COPIED;
+                    }
+                    slice[at..at + 8].copy_from_slice(&w.to_be_bytes());
+                }
+            }
+        }
+        self.write_back(m, CacheKind::L2).await?;
+        if l1_changed {
+            let l1 = m.l1.clone();
+            self.write_active_l1(m, &l1).await?;
+        }
+        self.file.flush().await.map_err(|e| self.storage_error(e))
+    }
+
+    /// Writes `entries` over the active L1 table in one write (not flushed).
+    async fn write_active_l1(&self, m: &mut Meta, entries: &[L1Entry]) -> Result<()> {
+        self.check_not_halted()?;
+        let raw = l1::encode_table(entries);
+        let at = m.l1_offset;
+        self.guard_write(m, at, raw.len() as u64, Writing::Own(Region::ActiveL1, at))
+            .await?;
+        self.file
+            .write_at(&raw, at)
+            .await
+            .map_err(|e| self.storage_error(e))
+    }
+
+    /// Writes `snaps` as the new snapshot table in new clusters, switches the header to it
+    /// in one write and frees `old`'s clusters.
+    async fn install_snapshot_table(
+        &self,
+        m: &mut Meta,
+        old: &[Snapshot],
+        snaps: &[Snapshot],
+    ) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let mut raw = fsnap::encode_table(snaps);
+        let len = raw.len() as u64;
+        if len > MAX_TABLE_SIZE {
+            return Err(Error::Unsupported {
+                path: self.path.clone(),
+                what: format!(
+                    "a snapshot table of {len} bytes (at most {MAX_TABLE_SIZE}): delete \
+                     snapshots first"
+                ),
+            });
+        }
+        let at = if snaps.is_empty() {
+            0
+        } else {
+            let clusters = len.div_ceil(cs);
+            let at = self.alloc_clusters(m, clusters).await?;
+            raw.resize((clusters * cs) as usize, 0);
+            self.guard_write(m, at, raw.len() as u64, Writing::Data)
+                .await?;
+            self.file
+                .write_at(&raw, at)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            at
+        };
+        self.write_back(m, CacheKind::Refcount).await?;
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        let nb = snaps.len() as u32;
+        let pointer = SnapshotPointer {
+            nb_snapshots: nb,
+            snapshots_offset: at,
+        };
+        self.switch_header(&pointer.encode(), header::field::SNAPSHOTS, || {
+            format!("the switch to a snapshot table of {nb} entries at {at:#x} failed")
+        })
+        .await?;
+        let (old_at, old_nb) = m.snapshots;
+        m.snapshots = (at, nb);
+        m.overlap.remove_all(Region::SnapshotTable);
+        if nb > 0 {
+            m.overlap.insert(Region::SnapshotTable, at, len);
+        }
+        if old_nb > 0 && old_at != 0 {
+            let old_len: u64 = old.iter().map(|s| s.encoded_len() as u64).sum();
+            let first = old_at / cs * cs;
+            let end = old_at + old_len;
+            self.free_clusters(m, first, (end - first).div_ceil(cs))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: &str, name: &str) -> Snapshot {
+        Snapshot {
+            l1_table_offset: 0,
+            l1_size: 0,
+            id: id.as_bytes().to_vec(),
+            name: name.as_bytes().to_vec(),
+            date_sec: 0,
+            date_nsec: 0,
+            vm_clock_nsec: 0,
+            vm_state_size32: 0,
+            extra_data: vec![0; 16],
+        }
+    }
+
+    #[test]
+    fn lookups_try_ids_before_names_and_take_the_first_name() {
+        let snaps = [entry("1", "2"), entry("2", "a"), entry("7", "a")];
+        assert_eq!(find(&snaps, "2"), Some(1));
+        assert_eq!(find(&snaps, "a"), Some(1));
+        assert_eq!(find(&snaps, "x"), None);
+        assert_eq!(next_id(&snaps), "8");
+        assert_eq!(next_id(&[entry("x", "y")]), "1");
+    }
+
+    #[test]
+    fn the_size_checked_before_a_create_is_the_encoded_size() {
+        for (id, name) in [("1", ""), ("12", "abc"), ("7", "a name of 21 bytes...")] {
+            let mut e = entry(id, name);
+            e.extra_data = vec![0; 24];
+            let checked = (40 + 24 + id.len() + name.len()).next_multiple_of(8);
+            assert_eq!(e.encoded_len(), checked);
+        }
+    }
+}
