@@ -50,6 +50,8 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
+    /// Run qemu-io commands on an image: `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... FILE`
+    Io(cmd::io::IoArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,5 +64,7 @@ fn main() -> ExitCode {
         Command::Convert(a) => exit_status(cmd::convert::run(a)),
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
+        // io has qemu-io's exit status and prints its own errors.
+        Command::Io(a) => cmd::io::run(a),
     }
 }

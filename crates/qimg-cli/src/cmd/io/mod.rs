@@ -1,0 +1,159 @@
+//! `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... [FILE]`: qemu-io's command
+//! language on qimg's engine, so that scripts and bug reports written for
+//! `qemu-io -c 'write -P 0xab 0 64k' -c 'read -P 0xab 0 64k' img` run unchanged.
+//!
+//! The commands run in order, from the `-c` options or else from standard input, one per line
+//! (each read preceded by the `qemu-io> ` prompt, as qemu-io prints it on any input). Output
+//! lines, error messages and the exit status (1 when any command failed) are qemu-io's; the
+//! program name in messages stays `qemu-io` so that the output of a script compares equal.
+//!
+//! Modules: [`parse`] (numbers, pattern bytes, getopt), [`out`] (sizes, times, reports,
+//! dumps), [`session`] (the open image and how qemu-io's requests map onto the engine),
+//! [`commands`] (the command table and each command).
+
+mod commands;
+mod out;
+mod parse;
+mod session;
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+use qimg::io::Backend;
+
+use crate::cache_mode::CacheMode;
+
+use self::session::{OpenSpec, Session};
+
+/// Arguments of `qimg io`.
+#[derive(clap::Args)]
+pub struct IoArgs {
+    /// Image format (only qcow2).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Open the image read-only.
+    #[arg(short = 'r', long = "read-only")]
+    read_only: bool,
+    /// Share the image with writers (read-only opens only, as qemu-io).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// Cache mode: none, writeback, writethrough (the default), directsync, unsafe.
+    #[arg(short = 't', long = "cache")]
+    cache: Option<String>,
+    /// I/O backend: threads (the default), io_uring or native (io_uring).
+    #[arg(short = 'i', long = "aio")]
+    aio: Option<String>,
+    /// No host cache: `-t none`.
+    #[arg(short = 'n', long = "nocache")]
+    nocache: bool,
+    /// A command to run (repeatable); without any, commands are read from standard input.
+    #[arg(short = 'c', long = "cmd", allow_hyphen_values = true)]
+    cmds: Vec<String>,
+    /// The image.
+    file: Option<String>,
+}
+
+/// qemu-io's default cache mode.
+pub(crate) fn default_cache() -> CacheMode {
+    CacheMode {
+        name: "writethrough",
+        direct: false,
+        writethrough: true,
+        no_flush: false,
+    }
+}
+
+/// A `-t` value, or the line qemu-io prints for a bad one.
+pub(crate) fn cache_mode(value: &str) -> Result<CacheMode, String> {
+    CacheMode::parse(value).map_err(|_| format!("qemu-io: Invalid cache option: {value}"))
+}
+
+/// An `-i` value, or the line qemu-io prints for a bad one.
+pub(crate) fn aio_mode(value: &str) -> Result<Backend, String> {
+    match value {
+        "threads" => Ok(Backend::Threads),
+        "io_uring" | "native" => Ok(Backend::IoUring),
+        other => Err(format!("qemu-io: Invalid aio option: {other}")),
+    }
+}
+
+/// Runs `qimg io`; the exit status is 1 when the image did not open or any command failed.
+pub fn run(args: IoArgs) -> ExitCode {
+    let spec = match open_spec(&args) {
+        Ok(s) => s,
+        Err(line) => {
+            eprintln!("{line}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("qemu-io: cannot start the I/O runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ok = rt.block_on(async {
+        let mut s = Session::new();
+        if let Some(file) = &args.file {
+            if s.open(file, &spec).await.is_err() {
+                return false;
+            }
+        }
+        if args.cmds.is_empty() {
+            let stdin = std::io::stdin();
+            let mut lines = stdin.lock();
+            let mut line = String::new();
+            loop {
+                print!("qemu-io> ");
+                let _ = std::io::stdout().flush();
+                line.clear();
+                match lines.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+                if s.command(&line).await.is_break() {
+                    break;
+                }
+            }
+        } else {
+            for c in &args.cmds {
+                if s.command(c).await.is_break() {
+                    break;
+                }
+            }
+        }
+        s.finish().await
+    });
+    let _ = std::io::stdout().flush();
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The open options of the command line, or the line qemu-io prints for a bad one.
+fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
+    let mut cache = default_cache();
+    if args.nocache {
+        cache = cache_mode("none")?;
+    }
+    if let Some(t) = &args.cache {
+        cache = cache_mode(t)?;
+    }
+    let backend = match &args.aio {
+        Some(a) => aio_mode(a)?,
+        None => Backend::Threads,
+    };
+    Ok(OpenSpec {
+        fmt: args.fmt.clone(),
+        read_only: args.read_only,
+        force_share: args.force_share,
+        cache,
+        backend,
+    })
+}

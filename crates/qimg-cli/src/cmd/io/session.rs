@@ -1,0 +1,368 @@
+//! The open image of a `qimg io` run and how qemu-io's requests map onto the engine.
+//!
+//! - Requests past the end of the disk fail with `EIO`, as QEMU's block layer fails them,
+//!   before the engine sees them.
+//! - `write -z` (with or without `-u`) is the engine's `write_zeroes`: whole (sub)clusters
+//!   become zero clusters and give their host cluster back. QEMU does the same with `-u`;
+//!   without `-u` it keeps the host cluster (a preallocated zero cluster). Guest data and
+//!   qemu-io's `map`/`alloc` agree; `qemu-img map --output=json` shows an `offset` QEMU keeps.
+//! - `discard` is what QEMU's qcow2 does for a discard request: only whole clusters count
+//!   (the last, partial cluster of the disk included), and each becomes a zero cluster when
+//!   it has a host cluster or the image has a backing file (else it stays unallocated). The
+//!   engine's `discard` would instead make the range read from the backing file.
+//! - `write -c` compresses cluster by cluster; like QEMU it refuses an unaligned start or a
+//!   short chunk that does not end the disk (`EINVAL`) and a cluster that already has a host
+//!   cluster (`EIO`), trying every cluster of the request and reporting the first failure.
+//! - With `writethrough` (qemu-io's default cache mode) and `directsync` every write is
+//!   followed by a flush; `unsafe` ignores flushes.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::io::{AnyStorage, Backend};
+use qimg::{ExtentKind, Image, OpenOptions};
+
+use crate::args::image_format;
+use crate::cache_mode::CacheMode;
+use crate::status::{lib_msg, os_msg};
+
+/// `EIO`.
+pub const EIO: i32 = 5;
+/// `EINVAL`.
+pub const EINVAL: i32 = 22;
+
+/// How to open an image (command line or `open` command).
+#[derive(Debug, Clone)]
+pub struct OpenSpec {
+    /// `-f`.
+    pub fmt: Option<String>,
+    /// `-r`.
+    pub read_only: bool,
+    /// `-U`.
+    pub force_share: bool,
+    /// `-t` / `-n`.
+    pub cache: CacheMode,
+    /// `-i`.
+    pub backend: Backend,
+}
+
+/// A command failed (its message is already printed).
+#[derive(Debug)]
+pub struct Failed;
+
+/// The outcome of one command.
+pub type Outcome = Result<(), Failed>;
+
+/// C's `strerror` text of `errno`.
+pub fn strerror(errno: i32) -> String {
+    os_msg(&std::io::Error::from_raw_os_error(errno))
+}
+
+/// The open image and the state of the run.
+pub struct Session {
+    /// The image, when one is open.
+    pub img: Option<Image<AnyStorage>>,
+    /// The cache mode it was opened with.
+    pub cache: CacheMode,
+    /// Whether it was opened read-only.
+    pub read_only: bool,
+    /// Whether any command failed.
+    pub failed: bool,
+}
+
+impl Session {
+    /// A session with no image open.
+    pub fn new() -> Self {
+        Session {
+            img: None,
+            cache: super::default_cache(),
+            read_only: false,
+            failed: false,
+        }
+    }
+
+    /// Opens `file` as `spec` says; errors are printed as qemu-io prints them.
+    pub async fn open(&mut self, file: &str, spec: &OpenSpec) -> Outcome {
+        if self.img.is_some() {
+            eprintln!("qemu-io: file open already, try 'help close'");
+            return Err(Failed);
+        }
+        let fail = |msg: String| {
+            eprintln!("qemu-io: can't open device {file}: {msg}");
+            Err(Failed)
+        };
+        if spec.force_share && !spec.read_only {
+            return fail("force-share=on can only be used with read-only images".into());
+        }
+        let path = Path::new(file);
+        let fmt = match &spec.fmt {
+            Some(name) => match image_format(name) {
+                Some(f) => f,
+                None => return fail(format!("Unknown driver '{name}'")),
+            },
+            None => match probe_format(path) {
+                Ok(f) => f,
+                Err(e) => return fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
+            },
+        };
+        if fmt != ImageFormat::Qcow2 {
+            return fail(format!(
+                "qimg io opens qcow2 images only, not {}",
+                fmt.name()
+            ));
+        }
+        let opts = OpenOptions::new()
+            .writable(!spec.read_only)
+            .force_share(spec.force_share)
+            .direct(spec.cache.direct)
+            .backend(spec.backend)
+            .clean_timer(false);
+        match opts.open(path).await {
+            Ok(img) => {
+                self.img = Some(img);
+                self.cache = spec.cache;
+                self.read_only = spec.read_only;
+                Ok(())
+            }
+            Err(e) => fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
+        }
+    }
+
+    /// Closes the image (writing back its caches).
+    pub async fn close(&mut self) -> Outcome {
+        if let Some(img) = self.img.take() {
+            if let Err(e) = img.close().await {
+                let name = img.path().display().to_string();
+                eprintln!("qemu-io: closing the image failed: {}", lib_msg(&e, &name));
+                return Err(Failed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes the image at the end of the run; whether every command succeeded.
+    pub async fn finish(&mut self) -> bool {
+        if self.close().await.is_err() {
+            self.failed = true;
+        }
+        !self.failed
+    }
+
+    /// Runs one command line; `Break` after `quit`.
+    pub async fn command(&mut self, line: &str) -> ControlFlow<()> {
+        let words: Vec<String> = line.split_whitespace().map(String::from).collect();
+        if words.is_empty() {
+            return ControlFlow::Continue(());
+        }
+        let (flow, outcome) = super::commands::run(self, &words).await;
+        if outcome.is_err() {
+            self.failed = true;
+        }
+        flow
+    }
+
+    /// The open image (commands that need one are only dispatched when it is open).
+    pub fn image(&self) -> &Image<AnyStorage> {
+        self.img.as_ref().expect("dispatch checks that an image is open")
+    }
+
+    /// `EIO` for a request that does not lie within the disk.
+    pub fn check_request(&self, offset: u64, len: u64) -> Result<(), i32> {
+        let size = self.image().size();
+        if offset > size || len > size - offset {
+            return Err(EIO);
+        }
+        Ok(())
+    }
+
+    /// The flush a write is followed by in writethrough mode.
+    async fn after_write(&self, fua: bool) -> Result<(), i32> {
+        if (self.cache.writethrough || fua) && !self.cache.no_flush {
+            self.image().flush().await.map_err(|e| e.errno())?;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub async fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
+        self.check_request(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.image().read(buf, offset).await.map_err(|e| e.errno())
+    }
+
+    /// Reads into several buffers from `offset`.
+    pub async fn read_vectored(&self, bufs: &mut [Vec<u8>], offset: u64) -> Result<(), i32> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        self.check_request(offset, total)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let mut slices: Vec<std::io::IoSliceMut<'_>> = bufs
+            .iter_mut()
+            .map(|b| std::io::IoSliceMut::new(b))
+            .collect();
+        self.image()
+            .read_vectored(&mut slices, offset)
+            .await
+            .map_err(|e| e.errno())
+    }
+
+    /// Writes `buf` at `offset` (`fua`: flush afterwards).
+    pub async fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), i32> {
+        self.check_request(offset, buf.len() as u64)?;
+        if !buf.is_empty() {
+            self.image()
+                .write(buf, offset)
+                .await
+                .map_err(|e| e.errno())?;
+        }
+        self.after_write(fua).await
+    }
+
+    /// Writes several buffers from `offset`.
+    pub async fn write_vectored(&self, bufs: &[Vec<u8>], offset: u64, fua: bool) -> Result<(), i32> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        self.check_request(offset, total)?;
+        if total > 0 {
+            let slices: Vec<std::io::IoSlice<'_>> =
+                bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+            self.image()
+                .write_vectored(&slices, offset)
+                .await
+                .map_err(|e| e.errno())?;
+        }
+        self.after_write(fua).await
+    }
+
+    /// `write -z`: the range reads as zeros (see the module notes for `-u`).
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), i32> {
+        self.check_request(offset, len)?;
+        if len > 0 {
+            self.image()
+                .write_zeroes(offset, len)
+                .await
+                .map_err(|e| e.errno())?;
+        }
+        self.after_write(fua).await
+    }
+
+    /// `write -c`: compressed clusters, with QEMU's rules (module notes).
+    pub async fn write_compressed(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), i32> {
+        self.check_request(offset, buf.len() as u64)?;
+        let img = self.image();
+        let cs = img.cluster_size();
+        if offset % cs != 0 {
+            return Err(EINVAL);
+        }
+        let mut first_error = None;
+        for (i, chunk) in buf.chunks(cs as usize).enumerate() {
+            let at = offset + i as u64 * cs;
+            let r = self.compress_cluster(chunk, at).await;
+            if let Err(e) = r {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        self.after_write(fua).await
+    }
+
+    /// One cluster of [`write_compressed`](Self::write_compressed).
+    async fn compress_cluster(&self, chunk: &[u8], at: u64) -> Result<(), i32> {
+        let img = self.image();
+        let cs = img.cluster_size();
+        if chunk.len() as u64 != cs && at + chunk.len() as u64 != img.size() {
+            return Err(EINVAL);
+        }
+        if self.has_host_cluster(at, cs.min(img.size() - at)).await? {
+            return Err(EIO);
+        }
+        img.write_compressed(at, chunk)
+            .await
+            .map_err(|e| e.errno())
+    }
+
+    /// Whether the cluster at `at` (`len` bytes of it lie in the disk) has a host cluster.
+    async fn has_host_cluster(&self, at: u64, len: u64) -> Result<bool, i32> {
+        let extents = self.image().map(at, len).await.map_err(|e| e.errno())?;
+        Ok(extents.iter().any(|e| {
+            !matches!(
+                e.kind,
+                ExtentKind::Zero { host_offset: None } | ExtentKind::Unallocated { host_offset: None }
+            )
+        }))
+    }
+
+    /// `discard`: QEMU's qcow2 discard (module notes).
+    pub async fn discard(&self, offset: u64, len: u64) -> Result<(), i32> {
+        self.check_request(offset, len)?;
+        let img = self.image();
+        let cs = img.cluster_size();
+        let size = img.size();
+        let end = offset + len;
+        let first = offset.next_multiple_of(cs);
+        let last = if end == size { end } else { end - end % cs };
+        let backing = img.backing().is_some();
+        let mut at = first;
+        // Runs of clusters to zero, issued as one request each.
+        let mut run: Option<(u64, u64)> = None;
+        while at < last {
+            let n = cs.min(last - at);
+            let zero = backing || self.has_host_cluster(at, n).await?;
+            if zero {
+                run = match run {
+                    Some((s, l)) if s + l == at => Some((s, l + n)),
+                    Some((s, l)) => {
+                        img.write_zeroes(s, l).await.map_err(|e| e.errno())?;
+                        Some((at, n))
+                    }
+                    None => Some((at, n)),
+                };
+            }
+            at += n;
+        }
+        if let Some((s, l)) = run {
+            img.write_zeroes(s, l).await.map_err(|e| e.errno())?;
+        }
+        self.after_write(false).await
+    }
+
+    /// Bytes from `offset` (up to `len`) with the same allocation state in the image itself
+    /// (data, zero or compressed clusters count as allocated; the backing file does not),
+    /// and that state.
+    pub async fn allocation(&self, offset: u64, len: u64) -> Result<(bool, u64), i32> {
+        const STEP: u64 = 1 << 30;
+        let img = self.image();
+        let mut state = None;
+        let mut n = 0;
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let step = STEP.min(end - at);
+            let extents = img.map(at, step).await.map_err(|e| e.errno())?;
+            for e in extents {
+                let allocated = !matches!(e.kind, ExtentKind::Unallocated { .. });
+                match state {
+                    None => state = Some(allocated),
+                    Some(s) if s != allocated => return Ok((s, n)),
+                    Some(_) => {}
+                }
+                n += e.length;
+            }
+            at += step;
+        }
+        Ok((state.unwrap_or(false), n))
+    }
+
+    /// `flush`.
+    pub async fn flush(&self) -> Result<(), i32> {
+        if self.cache.no_flush {
+            return Ok(());
+        }
+        self.image().flush().await.map_err(|e| e.errno())
+    }
+}
