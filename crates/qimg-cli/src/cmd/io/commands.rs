@@ -60,24 +60,129 @@ const FREE: (bool, bool) = (false, false);
 
 /// Every command, in the order `help` lists them.
 const COMMANDS: &[Cmd] = &[
-    cmd("aio_flush", None, NONE, READS, "", "wait for the aio requests (qimg runs them at once)"),
-    cmd("aio_read", None, AT_LEAST_2, READS, "[-Ciqv] [-P pattern] off len [len..]", "read into several buffers, as an aio request"),
-    cmd("aio_write", None, AT_LEAST_2, WRITES, "[-Cfiquz] [-P pattern] off len [len..]", "write several buffers, as an aio request"),
-    cmd("alloc", None, (1, Some(2)), READS, "offset [count]", "count the bytes the image itself allocates in a range"),
+    cmd(
+        "aio_flush",
+        None,
+        NONE,
+        READS,
+        "",
+        "wait for the aio requests (qimg runs them at once)",
+    ),
+    cmd(
+        "aio_read",
+        None,
+        AT_LEAST_2,
+        READS,
+        "[-Ciqv] [-P pattern] off len [len..]",
+        "read into several buffers, as an aio request",
+    ),
+    cmd(
+        "aio_write",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cfiquz] [-P pattern] off len [len..]",
+        "write several buffers, as an aio request",
+    ),
+    cmd(
+        "alloc",
+        None,
+        (1, Some(2)),
+        READS,
+        "offset [count]",
+        "count the bytes the image itself allocates in a range",
+    ),
     cmd("close", Some("c"), NONE, READS, "", "close the image"),
-    cmd("discard", None, AT_LEAST_2, WRITES, "[-Cq] off len", "discard whole clusters of a range"),
-    cmd("flush", Some("f"), NONE, READS, "", "make everything written durable"),
-    cmd("help", Some("?"), (0, Some(1)), FREE, "[command]", "list the commands, or show one"),
-    cmd("info", Some("i"), NONE, READS, "", "show the format and its settings"),
+    cmd(
+        "discard",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cq] off len",
+        "discard whole clusters of a range",
+    ),
+    cmd(
+        "flush",
+        Some("f"),
+        NONE,
+        READS,
+        "",
+        "make everything written durable",
+    ),
+    cmd(
+        "help",
+        Some("?"),
+        (0, Some(1)),
+        FREE,
+        "[command]",
+        "list the commands, or show one",
+    ),
+    cmd(
+        "info",
+        Some("i"),
+        NONE,
+        READS,
+        "",
+        "show the format and its settings",
+    ),
     cmd("length", None, NONE, READS, "", "show the disk size"),
-    cmd("map", None, NONE, READS, "", "list the allocated and unallocated ranges of the image"),
-    cmd("open", Some("o"), (1, None), FREE, "[-rnU] [-t cache] [-i aio] [path]", "open an image"),
+    cmd(
+        "map",
+        None,
+        NONE,
+        READS,
+        "",
+        "list the allocated and unallocated ranges of the image",
+    ),
+    cmd(
+        "open",
+        Some("o"),
+        (1, None),
+        FREE,
+        "[-rnU] [-t cache] [-i aio] [path]",
+        "open an image",
+    ),
     cmd("quit", Some("q"), (0, None), FREE, "", "stop"),
-    cmd("read", Some("r"), AT_LEAST_2, READS, "[-Cqv] [-P pattern [-s off] [-l len]] off len", "read bytes, optionally checking or dumping them"),
-    cmd("readv", None, AT_LEAST_2, READS, "[-Cqv] [-P pattern] off len [len..]", "read into several buffers"),
-    cmd("truncate", Some("t"), (1, Some(3)), WRITES, "[-m off] size", "grow the disk to a size"),
-    cmd("write", Some("w"), AT_LEAST_2, WRITES, "[-cCfnquz] [-P pattern] off len", "write a pattern, zeros (-z) or compressed clusters (-c)"),
-    cmd("writev", None, AT_LEAST_2, WRITES, "[-Cfq] [-P pattern] off len [len..]", "write several buffers"),
+    cmd(
+        "read",
+        Some("r"),
+        AT_LEAST_2,
+        READS,
+        "[-Cqv] [-P pattern [-s off] [-l len]] off len",
+        "read bytes, optionally checking or dumping them",
+    ),
+    cmd(
+        "readv",
+        None,
+        AT_LEAST_2,
+        READS,
+        "[-Cqv] [-P pattern] off len [len..]",
+        "read into several buffers",
+    ),
+    cmd(
+        "truncate",
+        Some("t"),
+        (1, Some(3)),
+        WRITES,
+        "[-m off] size",
+        "grow the disk to a size",
+    ),
+    cmd(
+        "write",
+        Some("w"),
+        AT_LEAST_2,
+        WRITES,
+        "[-cCfnquz] [-P pattern] off len",
+        "write a pattern, zeros (-z) or compressed clusters (-c)",
+    ),
+    cmd(
+        "writev",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cfq] [-P pattern] off len [len..]",
+        "write several buffers",
+    ),
 ];
 
 /// The usage line of a command.
@@ -492,13 +597,10 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
     let mut at = offset;
     let end = offset + count;
     while at < end {
-        let (allocated, n) = s
-            .allocation(at, end - at)
-            .await
-            .map_err(|e| {
-                println!("is_allocated failed: {}", strerror(e));
-                Failed
-            })?;
+        let (allocated, n) = s.allocation(at, end - at).await.map_err(|e| {
+            println!("is_allocated failed: {}", strerror(e));
+            Failed
+        })?;
         if n == 0 {
             break;
         }

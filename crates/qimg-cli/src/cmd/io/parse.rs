@@ -32,10 +32,7 @@ pub fn parse_num(s: &str) -> Result<u64, NumError> {
     if body.starts_with('-') {
         return Err(NumError::TooLarge);
     }
-    let value = if let Some(hex) = body
-        .strip_prefix("0x")
-        .or_else(|| body.strip_prefix("0X"))
-    {
+    let value = if let Some(hex) = body.strip_prefix("0x").or_else(|| body.strip_prefix("0X")) {
         if hex.is_empty() || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
             return Err(NumError::Invalid);
         }
@@ -102,7 +99,9 @@ fn decimal(s: &str) -> Result<u64, NumError> {
     if suffix.is_empty() || mult == 1 {
         return Err(NumError::Invalid);
     }
-    let f: f64 = format!("0.{frac}0").parse().map_err(|_| NumError::Invalid)?;
+    let f: f64 = format!("0.{frac}0")
+        .parse()
+        .map_err(|_| NumError::Invalid)?;
     let part = (f * mult as f64 + 0.5).floor();
     if part >= 18_446_744_073_709_551_616.0 {
         return Err(NumError::TooLarge);
@@ -117,16 +116,14 @@ pub fn parse_pattern(s: &str) -> Option<u8> {
         Some(b) => (true, b),
         None => (false, s.strip_prefix('+').unwrap_or(s)),
     };
-    let (radix, digits) = if let Some(h) = body
-        .strip_prefix("0x")
-        .or_else(|| body.strip_prefix("0X"))
-    {
-        (16, h)
-    } else if body.len() > 1 && body.starts_with('0') {
-        (8, &body[1..])
-    } else {
-        (10, body)
-    };
+    let (radix, digits) =
+        if let Some(h) = body.strip_prefix("0x").or_else(|| body.strip_prefix("0X")) {
+            (16, h)
+        } else if body.len() > 1 && body.starts_with('0') {
+            (8, &body[1..])
+        } else {
+            (10, body)
+        };
     if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
         return None;
     }

@@ -164,7 +164,9 @@ impl Session {
 
     /// The open image (commands that need one are only dispatched when it is open).
     pub fn image(&self) -> &Image<AnyStorage> {
-        self.img.as_ref().expect("dispatch checks that an image is open")
+        self.img
+            .as_ref()
+            .expect("dispatch checks that an image is open")
     }
 
     /// `EIO` for a request that does not lie within the disk.
@@ -223,7 +225,12 @@ impl Session {
     }
 
     /// Writes several buffers from `offset`.
-    pub async fn write_vectored(&self, bufs: &[Vec<u8>], offset: u64, fua: bool) -> Result<(), i32> {
+    pub async fn write_vectored(
+        &self,
+        bufs: &[Vec<u8>],
+        offset: u64,
+        fua: bool,
+    ) -> Result<(), i32> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check_request(offset, total)?;
         if total > 0 {
@@ -281,9 +288,7 @@ impl Session {
         if self.has_host_cluster(at, cs.min(img.size() - at)).await? {
             return Err(EIO);
         }
-        img.write_compressed(at, chunk)
-            .await
-            .map_err(|e| e.errno())
+        img.write_compressed(at, chunk).await.map_err(|e| e.errno())
     }
 
     /// Whether the cluster at `at` (`len` bytes of it lie in the disk) has a host cluster.
@@ -292,7 +297,8 @@ impl Session {
         Ok(extents.iter().any(|e| {
             !matches!(
                 e.kind,
-                ExtentKind::Zero { host_offset: None } | ExtentKind::Unallocated { host_offset: None }
+                ExtentKind::Zero { host_offset: None }
+                    | ExtentKind::Unallocated { host_offset: None }
             )
         }))
     }
