@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use super::out::{hex_dump, report, size_str};
 use super::parse::{MAX_REQUEST, NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
-use super::session::{Failed, OpenSpec, Outcome, Session, strerror};
-use super::{aio_mode, cache_mode, default_cache};
+use super::session::{
+    Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, strerror,
+};
 
 /// What dispatch checks before running a command.
 struct Cmd {
@@ -202,8 +203,21 @@ fn usage(name: &str) -> Outcome {
     Err(Failed)
 }
 
+/// Runs one command line; `Break` after `quit`.
+pub async fn line(s: &mut Session, line: &str) -> ControlFlow<()> {
+    let words: Vec<String> = line.split_whitespace().map(String::from).collect();
+    if words.is_empty() {
+        return ControlFlow::Continue(());
+    }
+    let (flow, outcome) = run(s, &words).await;
+    if outcome.is_err() {
+        s.failed = true;
+    }
+    flow
+}
+
 /// Runs one command (`words[0]` its name).
-pub async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
+async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
     let typed = words[0].as_str();
     let Some(c) = COMMANDS
         .iter()
@@ -538,6 +552,10 @@ async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outc
     }
     let total: u64 = lens.iter().sum();
     let fua = o.has('f');
+    if let Err(e) = s.check_request(offset, total) {
+        let f = io_failed(name, e);
+        return if aio { Ok(()) } else { Err(f) };
+    }
     let t0 = Instant::now();
     let r = if z {
         s.write_zeroes(offset, total, fua).await

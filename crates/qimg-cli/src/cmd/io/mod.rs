@@ -21,9 +21,8 @@ use std::process::ExitCode;
 
 use qimg::io::Backend;
 
-use crate::cache_mode::CacheMode;
-
-use self::session::{OpenSpec, Session};
+use self::commands::line;
+use self::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache};
 
 /// Arguments of `qimg io`.
 #[derive(clap::Args)]
@@ -51,30 +50,6 @@ pub struct IoArgs {
     cmds: Vec<String>,
     /// The image.
     file: Option<String>,
-}
-
-/// qemu-io's default cache mode.
-pub(crate) fn default_cache() -> CacheMode {
-    CacheMode {
-        name: "writethrough",
-        direct: false,
-        writethrough: true,
-        no_flush: false,
-    }
-}
-
-/// A `-t` value, or the line qemu-io prints for a bad one.
-pub(crate) fn cache_mode(value: &str) -> Result<CacheMode, String> {
-    CacheMode::parse(value).map_err(|_| format!("qemu-io: Invalid cache option: {value}"))
-}
-
-/// An `-i` value, or the line qemu-io prints for a bad one.
-pub(crate) fn aio_mode(value: &str) -> Result<Backend, String> {
-    match value {
-        "threads" => Ok(Backend::Threads),
-        "io_uring" | "native" => Ok(Backend::IoUring),
-        other => Err(format!("qemu-io: Invalid aio option: {other}")),
-    }
 }
 
 /// Runs `qimg io`; the exit status is 1 when the image did not open or any command failed.
@@ -106,22 +81,22 @@ pub fn run(args: IoArgs) -> ExitCode {
         if args.cmds.is_empty() {
             let stdin = std::io::stdin();
             let mut lines = stdin.lock();
-            let mut line = String::new();
+            let mut input = String::new();
             loop {
                 print!("qemu-io> ");
                 let _ = std::io::stdout().flush();
-                line.clear();
-                match lines.read_line(&mut line) {
+                input.clear();
+                match lines.read_line(&mut input) {
                     Ok(0) | Err(_) => break,
                     Ok(_) => {}
                 }
-                if s.command(&line).await.is_break() {
+                if line(&mut s, &input).await.is_break() {
                     break;
                 }
             }
         } else {
             for c in &args.cmds {
-                if s.command(c).await.is_break() {
+                if line(&mut s, c).await.is_break() {
                     break;
                 }
             }

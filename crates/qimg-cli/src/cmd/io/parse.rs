@@ -183,8 +183,7 @@ pub fn getopt(cmd: &str, args: &[String], spec: &str) -> Result<Opts, OptError> 
             out.operands.push(a.clone());
             continue;
         }
-        let mut chars = a[1..].char_indices();
-        while let Some((j, c)) = chars.next() {
+        for (j, c) in a[1..].char_indices() {
             if c == ':' {
                 return Err(OptError(format!("{cmd}: invalid option -- '{c}'")));
             }

@@ -16,7 +16,6 @@
 //! - With `writethrough` (qemu-io's default cache mode) and `directsync` every write is
 //!   followed by a flush; `unsafe` ignores flushes.
 
-use std::ops::ControlFlow;
 use std::path::Path;
 
 use qimg::chain::{ImageFormat, probe_format};
@@ -45,6 +44,30 @@ pub struct OpenSpec {
     pub cache: CacheMode,
     /// `-i`.
     pub backend: Backend,
+}
+
+/// qemu-io's default cache mode, `writethrough`.
+pub fn default_cache() -> CacheMode {
+    CacheMode {
+        name: "writethrough",
+        direct: false,
+        writethrough: true,
+        no_flush: false,
+    }
+}
+
+/// A `-t` value, or the line qemu-io prints for a bad one.
+pub fn cache_mode(value: &str) -> Result<CacheMode, String> {
+    CacheMode::parse(value).map_err(|_| format!("qemu-io: Invalid cache option: {value}"))
+}
+
+/// An `-i` value, or the line qemu-io prints for a bad one.
+pub fn aio_mode(value: &str) -> Result<Backend, String> {
+    match value {
+        "threads" => Ok(Backend::Threads),
+        "io_uring" | "native" => Ok(Backend::IoUring),
+        other => Err(format!("qemu-io: Invalid aio option: {other}")),
+    }
 }
 
 /// A command failed (its message is already printed).
@@ -76,7 +99,7 @@ impl Session {
     pub fn new() -> Self {
         Session {
             img: None,
-            cache: super::default_cache(),
+            cache: default_cache(),
             read_only: false,
             failed: false,
         }
@@ -147,19 +170,6 @@ impl Session {
             self.failed = true;
         }
         !self.failed
-    }
-
-    /// Runs one command line; `Break` after `quit`.
-    pub async fn command(&mut self, line: &str) -> ControlFlow<()> {
-        let words: Vec<String> = line.split_whitespace().map(String::from).collect();
-        if words.is_empty() {
-            return ControlFlow::Continue(());
-        }
-        let (flow, outcome) = super::commands::run(self, &words).await;
-        if outcome.is_err() {
-            self.failed = true;
-        }
-        flow
     }
 
     /// The open image (commands that need one are only dispatched when it is open).
