@@ -2,7 +2,8 @@
 //! same image (standard and extended L2 entries, 64 KiB and 2 MiB clusters, with and
 //! without a backing file) must print the same standard output and error (once the timing
 //! figures of the rate lines are masked), exit with the same status, leave images that
-//! `qemu-img compare` finds equal and that `qemu-img check` finds clean.
+//! `qemu-img compare` finds equal and that `qemu-img check` finds clean. Version 2 images
+//! run the write-zeroes and discard scripts too.
 //!
 //! Where qimg's engine cannot do what QEMU does, a test says so explicitly: `write -z`
 //! without `-u` frees the host cluster (QEMU keeps it), and `truncate` cannot shrink.
@@ -462,8 +463,13 @@ fn same_run(dir: &Path, template: &Path, what: &str, cmds: &[&str]) {
 /// Runs the scripts whose names `pick` accepts over every layout, with and without a backing
 /// file; returns how many runs compared.
 fn run_scripts(tag: &str, pick: impl Fn(&str) -> bool) -> usize {
+    run_scripts_on(tag, LAYOUTS, pick)
+}
+
+/// [`run_scripts`] on the given layouts.
+fn run_scripts_on(tag: &str, layouts: &[(&str, &str)], pick: impl Fn(&str) -> bool) -> usize {
     let mut runs = 0;
-    for &(layout, opts) in LAYOUTS {
+    for &(layout, opts) in layouts {
         for backing in [false, true] {
             let s = Scratch::new(&format!("io-{tag}-{layout}-{backing}"));
             let template = s.path("template");
@@ -506,6 +512,18 @@ fn zero_discard_and_compressed_scripts_match_qemu_io() {
     let names = ["zero", "zero-unmap", "discard", "compressed", "map-alloc"];
     let n = run_scripts("zero", |s| names.contains(&s));
     assert_eq!(n, names.len() * LAYOUTS.len() * 2);
+}
+
+/// Version 2 images have no zero clusters: write-zeroes and discard take other paths there.
+#[test]
+fn zero_and_discard_scripts_match_qemu_io_on_version_2() {
+    if !have_qemu("zero_and_discard_scripts_match_qemu_io_on_version_2") {
+        return;
+    }
+    let names = ["zero", "zero-unmap", "discard"];
+    let v2 = [("v2-64k", "compat=0.10,cluster_size=64k")];
+    let n = run_scripts_on("v2", &v2, |s| names.contains(&s));
+    assert_eq!(n, names.len() * 2);
 }
 
 #[test]

@@ -3,24 +3,31 @@
 //! - Requests past the end of the disk fail with `EIO`, as QEMU's block layer fails them,
 //!   before the engine sees them.
 //! - `write -z` (with or without `-u`) is the engine's `write_zeroes`: whole (sub)clusters
-//!   become zero clusters and give their host cluster back. QEMU does the same with `-u`;
+//!   become zero clusters and give their host cluster back. A partial head or tail covers
+//!   its whole subcluster when that holds no data and its rest already reads as zeros (as
+//!   QEMU's qcow2 does), and is written with zeros otherwise. QEMU does the same with `-u`;
 //!   without `-u` it keeps the host cluster (a preallocated zero cluster). Guest data and
 //!   qemu-io's `map`/`alloc` agree; `qemu-img map --output=json` shows an `offset` QEMU keeps.
 //! - `discard` is what QEMU's qcow2 does for a discard request: only whole clusters count
 //!   (the last, partial cluster of the disk included), and each becomes a zero cluster when
 //!   it has a host cluster or the image has a backing file (else it stays unallocated). The
-//!   engine's `discard` would instead make the range read from the backing file.
+//!   engine's `discard` would instead make the range read from the backing file. Version 2
+//!   images have no zero clusters: QEMU unallocates (the engine's `discard`) without a
+//!   backing file and leaves the clusters alone with one.
 //! - `write -c` compresses cluster by cluster; like QEMU it refuses an unaligned start or a
 //!   short chunk that does not end the disk (`EINVAL`) and a cluster that already has a host
 //!   cluster (`EIO`), trying every cluster of the request and reporting the first failure.
+//!   (QEMU compresses up to 8 clusters at once and stops starting new ones after a failure,
+//!   so how many clusters after a failing one it writes depends on timing.)
 //! - With `writethrough` (qemu-io's default cache mode) and `directsync` every write is
 //!   followed by a flush; `unsafe` ignores flushes.
 
 use std::path::Path;
 
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::{ImageFormat, probe_format, read_cluster0};
+use qimg::format::validate::OpenMode;
 use qimg::io::{AnyStorage, Backend};
-use qimg::{ExtentKind, Image, OpenOptions};
+use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
@@ -90,6 +97,8 @@ pub struct Session {
     pub cache: CacheMode,
     /// Whether it was opened read-only.
     pub read_only: bool,
+    /// Its qcow2 version (2 has no zero clusters: a discard unallocates).
+    pub version: u32,
     /// Whether any command failed.
     pub failed: bool,
 }
@@ -101,6 +110,7 @@ impl Session {
             img: None,
             cache: default_cache(),
             read_only: false,
+            version: 3,
             failed: false,
         }
     }
@@ -143,6 +153,8 @@ impl Session {
             .clean_timer(false);
         match opts.open(path).await {
             Ok(img) => {
+                self.version =
+                    read_cluster0(path, OpenMode::ReadOnly).map_or(3, |c0| c0.header.version);
                 self.img = Some(img);
                 self.cache = spec.cache;
                 self.read_only = spec.read_only;
@@ -258,12 +270,103 @@ impl Session {
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), i32> {
         self.check_request(offset, len)?;
         if len > 0 {
-            self.image()
-                .write_zeroes(offset, len)
-                .await
-                .map_err(|e| e.errno())?;
+            self.zero_range(offset, len).await?;
         }
         self.after_write(fua).await
+    }
+
+    /// The pieces of a write-zeroes as QEMU issues them: whole subclusters (the end of the
+    /// disk counts as a subcluster end) at once; a partial head or tail becomes its whole
+    /// subcluster when that holds no data and the rest of it already reads as zeros, and is
+    /// written with zeros otherwise.
+    async fn zero_range(&self, offset: u64, len: u64) -> Result<(), i32> {
+        let img = self.image();
+        let scs = img.subcluster_size();
+        let size = img.size();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let sc_start = at - at % scs;
+            let sc_end = (sc_start + scs).min(size);
+            let piece_end = end.min(sc_end);
+            let (from, to) = if at == sc_start && piece_end == sc_end {
+                // Whole subclusters up to the last one the request covers.
+                let body_end = if end == size { end } else { end - end % scs };
+                (at, body_end.max(piece_end))
+            } else if self.zero_expands(sc_start, sc_end, at, piece_end).await? {
+                (sc_start, sc_end)
+            } else {
+                (at, piece_end)
+            };
+            img.write_zeroes(from, to - from)
+                .await
+                .map_err(|e| e.errno())?;
+            at = to.max(piece_end);
+        }
+        Ok(())
+    }
+
+    /// Whether QEMU zeroes the whole subcluster `[sc_start, sc_end)` for a write-zeroes of
+    /// `[from, to)` inside it: no data in it, and the rest reads as zeros.
+    async fn zero_expands(
+        &self,
+        sc_start: u64,
+        sc_end: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<bool, i32> {
+        let extents = self
+            .image()
+            .map(sc_start, sc_end - sc_start)
+            .await
+            .map_err(|e| e.errno())?;
+        if !extents.iter().all(|e| {
+            matches!(
+                e.kind,
+                ExtentKind::Zero { .. } | ExtentKind::Unallocated { .. }
+            )
+        }) {
+            return Ok(false);
+        }
+        Ok(self.reads_zero(sc_start, from - sc_start).await?
+            && self.reads_zero(to, sc_end - to).await?)
+    }
+
+    /// Whether `[offset, offset + len)` reads as zeros by the metadata of the chain (zero
+    /// clusters, or unallocated down to the bottom or past a shorter backing file); data
+    /// that happens to be zero does not count, as in QEMU's block status.
+    async fn reads_zero(&self, offset: u64, len: u64) -> Result<bool, i32> {
+        let mut layer = self.image();
+        let mut ranges = vec![(offset, len)];
+        loop {
+            let mut below = Vec::new();
+            for (o, l) in ranges.into_iter().filter(|&(_, l)| l > 0) {
+                for e in layer.map(o, l).await.map_err(|e| e.errno())? {
+                    match e.kind {
+                        ExtentKind::Zero { .. } => {}
+                        ExtentKind::Unallocated { .. } => below.push((e.start, e.length)),
+                        _ => return Ok(false),
+                    }
+                }
+            }
+            if below.is_empty() {
+                return Ok(true);
+            }
+            match layer.backing() {
+                None => return Ok(true),
+                Some(Backing::Qcow2(b)) => {
+                    let bs = b.size();
+                    ranges = below
+                        .into_iter()
+                        .filter(|&(o, _)| o < bs)
+                        .map(|(o, l)| (o, l.min(bs - o)))
+                        .collect();
+                    layer = b;
+                }
+                // A raw backing file: whether its holes read as zeros is not asked.
+                Some(Backing::Raw { .. }) => return Ok(false),
+            }
+        }
     }
 
     /// `write -c`: compressed clusters, with QEMU's rules (module notes).
@@ -322,6 +425,16 @@ impl Session {
         let end = offset + len;
         let first = offset.next_multiple_of(cs);
         let last = if end == size { end } else { end - end % cs };
+        if self.version < 3 {
+            // Version 2 cannot mark a cluster zero: QEMU unallocates it (the engine's
+            // discard) when that reads zeros, and leaves it when a backing file would show.
+            if first < last && img.backing().is_none() {
+                img.discard(first, last - first)
+                    .await
+                    .map_err(|e| e.errno())?;
+            }
+            return self.after_write(false).await;
+        }
         let backing = img.backing().is_some();
         let mut at = first;
         // Runs of clusters to zero, issued as one request each.
