@@ -7,7 +7,8 @@
 //! run the write-zeroes and discard scripts too.
 //!
 //! Where qimg's engine cannot do what QEMU does, a test says so explicitly: `write -z`
-//! without `-u` frees the host cluster (QEMU keeps it), and `truncate` cannot shrink.
+//! without `-u` frees the host cluster (QEMU keeps it), zeroing the last allocated
+//! subclusters of a cluster frees it too (QEMU keeps it), and `truncate` cannot shrink.
 
 mod common;
 
@@ -834,6 +835,62 @@ fn write_zeroes_leaves_qemus_layout() {
             );
             assert_eq!(qm, mm, "{what}: qemu-img map differs");
         }
+    }
+}
+
+/// Where the engine differs from QEMU with extended L2 entries: zeroing every allocated
+/// subcluster of a cluster (not the whole cluster) frees its host cluster in the engine,
+/// while QEMU keeps it. A compressed write there then fails in qemu-io (the cluster still
+/// has a host cluster) and succeeds in qimg io; a discard of the cluster zeroes all of it in
+/// QEMU and leaves the unallocated subclusters in qimg.
+#[test]
+fn zeroed_subclusters_free_the_host_cluster_unlike_qemu() {
+    if !have_qemu("zeroed_subclusters_free_the_host_cluster_unlike_qemu") {
+        return;
+    }
+    let s = Scratch::new("io-subcluster-free");
+    let template = s.path("template");
+    std::fs::create_dir_all(&template).unwrap();
+    make_image(&template, "cluster_size=64k,extended_l2=on", false);
+    for (last, qemu_line, qimg_line) in [
+        (
+            "write -c 0 64k",
+            "write failed: Input/output error",
+            "wrote 65536/65536 bytes at offset 0",
+        ),
+        (
+            "discard 0 64k",
+            "64 KiB (0x10000) bytes     allocated at offset 0 bytes (0x0)",
+            "4 KiB (0x1000) bytes     allocated at offset 0 bytes (0x0)",
+        ),
+    ] {
+        let cmds = ["write -P 1 0 4k", "write -z -u 0 4k", last, "map"];
+        let mut out = Vec::new();
+        for (dir, prog, pre) in [
+            ("qemu", Path::new(QEMU_IO).to_path_buf(), None),
+            ("qimg", qimg_bin(), Some("io")),
+        ] {
+            let d = s.path(dir);
+            if d.exists() {
+                std::fs::remove_dir_all(&d).unwrap();
+            }
+            copy_dir(&template, &d);
+            let mut args: Vec<&str> = pre.into_iter().collect();
+            args.extend(script_args(&cmds));
+            let (o, _, _) = streams(&run(&d, &prog, &args));
+            assert_clean(&d, "img.qcow2", last);
+            out.push(o);
+        }
+        assert!(
+            out[0].contains(qemu_line),
+            "{last}: qemu-io printed {}",
+            out[0]
+        );
+        assert!(
+            out[1].contains(qimg_line),
+            "{last}: qimg io printed {}",
+            out[1]
+        );
     }
 }
 
