@@ -375,6 +375,11 @@ fn is_csv(line: &str) -> bool {
 
 /// Makes `img.qcow2` (and its `base.qcow2` when `backing`) in `dir`.
 fn make_image(dir: &Path, opts: &str, backing: bool) {
+    make_image_sized(dir, opts, backing, SIZE);
+}
+
+/// [`make_image`] with a disk size (the backing file is 8 MiB, 6 MiB of it written).
+fn make_image_sized(dir: &Path, opts: &str, backing: bool, size: &str) {
     let mut args = vec!["create", "-q", "-f", "qcow2", "-o", opts];
     if backing {
         ok(
@@ -391,7 +396,7 @@ fn make_image(dir: &Path, opts: &str, backing: bool) {
         );
         args.extend(["-b", "base.qcow2", "-F", "qcow2"]);
     }
-    args.extend(["img.qcow2", SIZE]);
+    args.extend(["img.qcow2", size]);
     ok("qemu-img create", &qemu_img(dir, &args));
 }
 
@@ -550,6 +555,47 @@ fn zero_discard_and_compressed_scripts_match_qemu_io() {
     let names = ["zero", "zero-unmap", "discard", "compressed", "map-alloc"];
     let n = run_scripts("zero", |s| names.contains(&s));
     assert_eq!(n, names.len() * LAYOUTS.len() * 2);
+}
+
+/// A disk whose size is not a multiple of the cluster size: the last, short cluster can be
+/// written compressed, discarded and zeroed whole.
+#[test]
+fn short_last_cluster_matches_qemu_io() {
+    if !have_qemu("short_last_cluster_matches_qemu_io") {
+        return;
+    }
+    let cmds = [
+        "write -P 1 0 2M",
+        "write -c -P 2 2M 1088k",
+        "write -c -P 2 3M 64k",
+        "read -P 2 3M 64k",
+        "write -c -P 3 2M 1088k",
+        "discard 3M 64k",
+        "discard 2M 1088k",
+        "map",
+        "write -c 3072k 64k",
+        "write -c 2M 1M",
+        "write -z -u 3100k 36k",
+        "write -z 1M 1M",
+        "read -P 0 3100k 36k",
+        "map",
+        "alloc 0 4M",
+        "length",
+        "info",
+    ];
+    for &(layout, opts) in LAYOUTS {
+        for backing in [false, true] {
+            let s = Scratch::new(&format!("io-short-{layout}-{backing}"));
+            let template = s.path("template");
+            std::fs::create_dir_all(&template).unwrap();
+            make_image_sized(&template, opts, backing, "3136k");
+            let what = format!(
+                "short cluster on {layout}{}",
+                if backing { "+backing" } else { "" }
+            );
+            same_run(&s.0, &template, &what, &cmds);
+        }
+    }
 }
 
 /// Version 2 images have no zero clusters: write-zeroes and discard take other paths there.

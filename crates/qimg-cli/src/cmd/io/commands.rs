@@ -280,7 +280,7 @@ fn help(args: &[String]) -> Outcome {
                 println!("{}", usage_line(c));
             }
             println!();
-            println!("Use 'help commandname' for extended help.");
+            println!("'help COMMAND' shows the usage of one command.");
             Ok(())
         }
         Some(name) => match COMMANDS
