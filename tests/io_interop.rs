@@ -940,6 +940,67 @@ fn zeroed_subclusters_free_the_host_cluster_unlike_qemu() {
     }
 }
 
+/// While qemu-io or qimg io holds the image (read-write or read-only), opening it again
+/// fails (or works) as with qemu-io, with QEMU's lock messages.
+#[test]
+fn image_locks_match_qemu_io() {
+    if !have_qemu("image_locks_match_qemu_io") {
+        return;
+    }
+    let s = Scratch::new("io-locks");
+    make_image(&s.0, "cluster_size=64k", false);
+    let qemu = Path::new(QEMU_IO).to_path_buf();
+    for (holder, ro) in [
+        (&qemu, false),
+        (&qemu, true),
+        (&qimg_bin(), false),
+        (&qimg_bin(), true),
+    ] {
+        let mut args: Vec<&str> = Vec::new();
+        if holder != &qemu {
+            args.push("io");
+        }
+        if ro {
+            args.push("-r");
+        }
+        args.extend(["-c", "sleep 20000", "img.qcow2"]);
+        let mut child = Command::new(holder)
+            .args(&args)
+            .current_dir(&s.0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Wait until the holder has the image open: a writer is then refused.
+        let mut held = false;
+        for _ in 0..100 {
+            let o = run(&s.0, &qemu, &["-c", "length", "img.qcow2"]);
+            if !o.status.success() {
+                held = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(held, "the holder never locked the image");
+        for opener in [
+            &["-c", "length", "img.qcow2"][..],
+            &["-r", "-c", "length", "img.qcow2"],
+        ] {
+            let q = run(&s.0, &qemu, opener);
+            let mut margs = vec!["io"];
+            margs.extend(opener);
+            let m = run(&s.0, &qimg_bin(), &margs);
+            let what = format!(
+                "held by {} (ro {ro}), opened with {opener:?}",
+                holder.display()
+            );
+            assert_eq!(streams(&q), streams(&m), "{what}");
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
 /// The engine cannot shrink a qcow2 image: `truncate` to a smaller size fails with a message
 /// saying so (qemu-io shrinks it) and leaves the image as it was.
 #[test]

@@ -161,6 +161,14 @@ const COMMANDS: &[Cmd] = &[
         "read into several buffers",
     ),
     cmd(
+        "sleep",
+        None,
+        (1, Some(1)),
+        FREE,
+        "ms",
+        "wait this many milliseconds",
+    ),
+    cmd(
         "truncate",
         Some("t"),
         (1, Some(3)),
@@ -267,6 +275,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         }
         "info" => info(s),
         "truncate" => truncate(s, args).await,
+        "sleep" => sleep(&args[0]).await,
         _ => unreachable!("every command of the table is dispatched"),
     };
     (ControlFlow::Continue(()), outcome)
@@ -689,6 +698,25 @@ fn info(s: &mut Session) -> Outcome {
         }
         Err(e) => {
             println!("qimg io: cannot read the image information: {e}");
+            Err(Failed)
+        }
+    }
+}
+
+/// `sleep ms`: a number as C's `strtol` with base 0 reads it, not negative.
+async fn sleep(arg: &str) -> Outcome {
+    let (radix, digits) = match arg.strip_prefix("0x").or_else(|| arg.strip_prefix("0X")) {
+        Some(h) => (16, h),
+        None if arg.len() > 1 && arg.starts_with('0') => (8, &arg[1..]),
+        None => (10, arg.strip_prefix('+').unwrap_or(arg)),
+    };
+    match u64::from_str_radix(digits, radix) {
+        Ok(ms) if !digits.starts_with('+') => {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            Ok(())
+        }
+        _ => {
+            println!("{arg} is not a valid number");
             Err(Failed)
         }
     }

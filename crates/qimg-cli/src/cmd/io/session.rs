@@ -14,7 +14,8 @@
 //!   engine's `discard` would instead make the range read from the backing file. Version 2
 //!   images have no zero clusters: QEMU unallocates (the engine's `discard`) without a
 //!   backing file and leaves the clusters alone with one.
-//! - `write -c` compresses cluster by cluster; like QEMU it refuses an unaligned start or a
+//! - `write -c` compresses cluster by cluster; like QEMU it refuses images with an external
+//!   data file (`ENOTSUP`), an unaligned start or a
 //!   short chunk that does not end the disk (`EINVAL`) and a cluster that already has a host
 //!   cluster (`EIO`), trying every cluster of the request and reporting the first failure.
 //!   (QEMU compresses up to 8 clusters at once and stops starting new ones after a failure,
@@ -26,7 +27,7 @@ use std::path::Path;
 
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::format::validate::OpenMode;
-use qimg::io::{AnyStorage, Backend};
+use qimg::io::{AnyStorage, Backend, StorageError};
 use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
@@ -37,6 +38,8 @@ use crate::status::{lib_msg, os_msg};
 pub const EIO: i32 = 5;
 /// `EINVAL`.
 pub const EINVAL: i32 = 22;
+/// `ENOTSUP`.
+pub const ENOTSUP: i32 = 95;
 
 /// How to open an image (command line or `open` command).
 #[derive(Debug, Clone)]
@@ -87,6 +90,41 @@ pub type Outcome = Result<(), Failed>;
 /// C's `strerror` text of `errno`.
 pub fn strerror(errno: i32) -> String {
     os_msg(&std::io::Error::from_raw_os_error(errno))
+}
+
+/// Why `file` did not open, as QEMU words it: a system error names the file it happened on
+/// (the image, its data file or a backing file).
+fn open_error(e: &qimg::Error, file: &str) -> String {
+    if let qimg::Error::Storage {
+        path,
+        source: StorageError::Locked { holder },
+    } = e
+    {
+        // The engine names the lock byte the other process holds: its "shared" byte (it
+        // does not share a permission this open uses) is QEMU's failure to get the lock,
+        // its use byte (it uses a permission this open does not share) QEMU's failure to
+        // get the shared lock.
+        let shared = if holder.contains("QEMU's shared") {
+            ""
+        } else {
+            "shared "
+        };
+        let perm = holder.split('"').nth(1).unwrap_or("write");
+        return format!(
+            "Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{}]?",
+            path.display()
+        );
+    }
+    let failed_on = match e {
+        qimg::Error::Storage { path, .. } | qimg::Error::Io { path, .. } => Some(path),
+        _ => None,
+    };
+    match (failed_on, e.os_error()) {
+        (Some(path), Some(errno)) => {
+            format!("Could not open '{}': {}", path.display(), strerror(errno))
+        }
+        _ => format!("Could not open '{file}': {}", lib_msg(e, file)),
+    }
 }
 
 /// The open image and the state of the run.
@@ -160,7 +198,7 @@ impl Session {
                 self.read_only = spec.read_only;
                 Ok(())
             }
-            Err(e) => fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
+            Err(e) => fail(open_error(&e, file)),
         }
     }
 
@@ -374,6 +412,9 @@ impl Session {
         self.check_request(offset, buf.len() as u64)?;
         let img = self.image();
         let cs = img.cluster_size();
+        if img.data_path() != img.path() {
+            return Err(ENOTSUP);
+        }
         if offset % cs != 0 {
             return Err(EINVAL);
         }
