@@ -313,7 +313,7 @@ const SCRIPTS: &[(&str, &[&str])] = &[
             "open -t none img.qcow2",
             "write -P 9 4k 4k",
             "close",
-            "open -t unsafe -i io_uring img.qcow2",
+            "open -t unsafe -i threads img.qcow2",
             "write -P 10 8k 4k",
             "read -P 9 4k 4k",
             "flush",
@@ -774,6 +774,11 @@ fn command_line_errors_match_qemu_io() {
         let m = run(&s.0, &qimg_bin(), &margs);
         let (qo, qe, qc) = streams(&q);
         let (mo, me, mc) = streams(&m);
+        if args.contains(&"io_uring") && qc != Some(0) {
+            // A kernel or sandbox without io_uring: nothing to compare.
+            eprintln!("io_uring unavailable to qemu-io: {qe}");
+            continue;
+        }
         assert_eq!(mask_timing(&qo), mask_timing(&mo), "{args:?}: stdout");
         assert_eq!(qe, me, "{args:?}: stderr");
         assert_eq!(qc, mc, "{args:?}: exit status");
