@@ -206,7 +206,7 @@ fn usage_line(c: &Cmd) -> String {
 /// Prints the usage line of `name` and fails.
 fn usage(name: &str) -> Outcome {
     if let Some(c) = COMMANDS.iter().find(|c| c.name == name) {
-        println!("{}", usage_line(c));
+        say!("{}", usage_line(c));
     }
     Err(Failed)
 }
@@ -231,11 +231,11 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         .iter()
         .find(|c| c.name == typed || c.alt == Some(typed))
     else {
-        eprintln!("command \"{typed}\" not found");
+        complain!("command \"{typed}\" not found");
         return (ControlFlow::Continue(()), Err(Failed));
     };
     if c.needs_image && s.img.is_none() {
-        eprintln!("no file open, try 'help open'");
+        complain!("no file open, try 'help open'");
         return (ControlFlow::Continue(()), Err(Failed));
     }
     let args = &words[1..];
@@ -246,11 +246,11 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
             Some(m) if m == c.min => format!("{m}"),
             Some(m) => format!("between {} and {m}", c.min),
         };
-        eprintln!("bad argument count {n} to {typed}, expected {expected} arguments");
+        complain!("bad argument count {n} to {typed}, expected {expected} arguments");
         return (ControlFlow::Continue(()), Err(Failed));
     }
     if c.writes && s.read_only {
-        eprintln!("qemu-io: Block node is read-only");
+        complain!("qemu-io: Block node is read-only");
         return (ControlFlow::Continue(()), Err(Failed));
     }
     let outcome = match c.name {
@@ -270,7 +270,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "alloc" => alloc(s, args).await,
         "map" => map(s).await,
         "length" => {
-            println!("{}", size_str(s.image().size() as f64));
+            say!("{}", size_str(s.image().size() as f64));
             Ok(())
         }
         "info" => info(s),
@@ -286,10 +286,10 @@ fn help(args: &[String]) -> Outcome {
     match args.first() {
         None => {
             for c in COMMANDS {
-                println!("{}", usage_line(c));
+                say!("{}", usage_line(c));
             }
-            println!();
-            println!("'help COMMAND' shows the usage of one command.");
+            say!();
+            say!("'help COMMAND' shows the usage of one command.");
             Ok(())
         }
         Some(name) => match COMMANDS
@@ -297,11 +297,11 @@ fn help(args: &[String]) -> Outcome {
             .find(|c| c.name == name.as_str() || c.alt == Some(name.as_str()))
         {
             Some(c) => {
-                println!("{}", usage_line(c));
+                say!("{}", usage_line(c));
                 Ok(())
             }
             None => {
-                println!("command {name} not found");
+                say!("command {name} not found");
                 Err(Failed)
             }
         },
@@ -311,7 +311,7 @@ fn help(args: &[String]) -> Outcome {
 /// Parses the options of `name`; a bad option prints getopt's line and the usage.
 fn options(name: &str, args: &[String], spec: &str) -> Result<Opts, Failed> {
     getopt(name, args, spec).map_err(|e| {
-        eprintln!("{}", e.0);
+        complain!("{}", e.0);
         let _ = usage(name);
         Failed
     })
@@ -320,7 +320,7 @@ fn options(name: &str, args: &[String], spec: &str) -> Result<Opts, Failed> {
 /// A number operand; a bad one prints qemu-io's parsing error.
 fn num(arg: &str) -> Result<u64, Failed> {
     parse_num(arg).map_err(|e: NumError| {
-        println!("{}", num_error_line(e, arg));
+        say!("{}", num_error_line(e, arg));
         Failed
     })
 }
@@ -332,7 +332,7 @@ fn pattern(o: &Opts) -> Result<Option<u8>, Failed> {
         Some(p) => match parse_pattern(p) {
             Some(b) => Ok(Some(b)),
             None => {
-                println!("{p} is not a valid pattern byte");
+                say!("{p} is not a valid pattern byte");
                 Err(Failed)
             }
         },
@@ -343,13 +343,13 @@ fn pattern(o: &Opts) -> Result<Option<u8>, Failed> {
 fn print_report(o: &Opts, op: &str, t0: Instant, offset: u64, count: u64) {
     let t = t0.elapsed();
     if !o.has('q') {
-        print!("{}", report(op, t, offset, count, count, o.has('C')));
+        say_raw!("{}", report(op, t, offset, count, count, o.has('C')));
     }
 }
 
 /// The request's error line, `OP failed: strerror`.
 fn io_failed(op: &str, errno: i32) -> Failed {
-    println!("{op} failed: {}", strerror(errno));
+    say!("{op} failed: {}", strerror(errno));
     Failed
 }
 
@@ -366,13 +366,13 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
         return usage("read");
     }
     if o.has('b') {
-        println!("qimg io: -b (VM state) is not supported");
+        say!("qimg io: -b (VM state) is not supported");
         return Err(Failed);
     }
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST {
-        println!(
+        say!(
             "length cannot exceed {MAX_REQUEST}, given {}",
             o.operands[1]
         );
@@ -381,7 +381,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     let p_off = s_off.unwrap_or(0);
     let p_len = l_len.unwrap_or(count.saturating_sub(p_off));
     if p_off.saturating_add(p_len) > count {
-        println!("pattern verification range exceeds end of read data");
+        say!("pattern verification range exceeds end of read data");
         return Err(Failed);
     }
     s.check_request(offset, count)
@@ -395,7 +395,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     if let Some(p) = pat {
         let range = &buf[p_off as usize..(p_off + p_len) as usize];
         if range.iter().any(|&b| b != p) {
-            println!(
+            say!(
                 "Pattern verification failed at offset {}, {p_len} bytes",
                 offset + p_off
             );
@@ -406,7 +406,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
         return outcome;
     }
     if o.has('v') {
-        print!("{}", hex_dump(&buf, offset));
+        say_raw!("{}", hex_dump(&buf, offset));
     }
     print_report(&o, "read", t0, offset, count);
     outcome
@@ -419,14 +419,14 @@ fn vector_operands(o: &Opts) -> Result<(u64, Vec<u64>), Failed> {
     for a in &o.operands[1..] {
         let n = num(a)?;
         if n > MAX_REQUEST {
-            println!("Argument '{a}' exceeds maximum size {MAX_REQUEST}");
+            say!("Argument '{a}' exceeds maximum size {MAX_REQUEST}");
             return Err(Failed);
         }
         lens.push(n);
     }
     let total: u64 = lens.iter().sum();
     if total > MAX_REQUEST {
-        println!("The total number of bytes exceeds the maximum size {MAX_REQUEST}");
+        say!("The total number of bytes exceeds the maximum size {MAX_REQUEST}");
         return Err(Failed);
     }
     Ok((offset, lens))
@@ -462,7 +462,7 @@ async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outco
     let mut outcome = Ok(());
     if let Some(p) = pat {
         if data.iter().any(|&b| b != p) {
-            println!("Pattern verification failed at offset {offset}, {total} bytes");
+            say!("Pattern verification failed at offset {offset}, {total} bytes");
             if !aio {
                 outcome = Err(Failed);
             }
@@ -472,7 +472,7 @@ async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outco
         return outcome;
     }
     if o.has('v') {
-        print!("{}", hex_dump(&data, offset));
+        say_raw!("{}", hex_dump(&data, offset));
     }
     print_report(&o, "read", t0, offset, total);
     outcome
@@ -487,33 +487,33 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
     }
     let z = o.has('z');
     if o.has('b') && z {
-        println!("-b and -z cannot be specified at the same time");
+        say!("-b and -z cannot be specified at the same time");
         return Err(Failed);
     }
     if o.has('f') && o.has('b') {
-        println!("-f and -b cannot be specified at the same time");
+        say!("-f and -b cannot be specified at the same time");
         return Err(Failed);
     }
     if o.has('u') && !z {
-        println!("-u requires -z to be specified");
+        say!("-u requires -z to be specified");
         return Err(Failed);
     }
     if o.has('n') && !z {
-        println!("-n requires -z to be specified");
+        say!("-n requires -z to be specified");
         return Err(Failed);
     }
     if usize::from(z) + usize::from(pat.is_some()) + usize::from(o.has('s')) > 1 {
-        println!("Only one of -z, -P, and -s can be specified at the same time");
+        say!("Only one of -z, -P, and -s can be specified at the same time");
         return Err(Failed);
     }
     if o.has('b') || o.has('s') {
-        println!("qimg io: -b (VM state) and -s (pattern file) are not supported");
+        say!("qimg io: -b (VM state) and -s (pattern file) are not supported");
         return Err(Failed);
     }
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST && !(z && o.has('n')) {
-        println!(
+        say!(
             "length cannot exceed {MAX_REQUEST} without -n, given {}",
             o.operands[1]
         );
@@ -548,11 +548,11 @@ async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outc
     }
     let z = o.has('z');
     if o.has('u') && !z {
-        println!("-u requires -z to be specified");
+        say!("-u requires -z to be specified");
         return Err(Failed);
     }
     if z && o.operands.len() != 2 {
-        println!("-z supports only a single length parameter");
+        say!("-z supports only a single length parameter");
         return Err(Failed);
     }
     let (offset, lens) = vector_operands(&o)?;
@@ -592,7 +592,7 @@ async fn discard(s: &mut Session, args: &[String]) -> Outcome {
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST {
-        println!(
+        say!(
             "length cannot exceed {MAX_REQUEST}, given {}",
             o.operands[1]
         );
@@ -625,7 +625,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
     let end = offset + count;
     while at < end {
         let (allocated, n) = s.allocation(at, end - at).await.map_err(|e| {
-            println!("is_allocated failed: {}", strerror(e));
+            say!("is_allocated failed: {}", strerror(e));
             Failed
         })?;
         if n == 0 {
@@ -636,7 +636,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
         }
         at += n;
     }
-    println!(
+    say!(
         "{sum}/{count} bytes allocated at offset {}",
         size_str(offset as f64)
     );
@@ -649,13 +649,13 @@ async fn map(s: &mut Session) -> Outcome {
     let mut at = 0;
     while at < size {
         let (allocated, n) = s.allocation(at, size - at).await.map_err(|e| {
-            println!("map_is_allocated failed: {}", strerror(e));
+            say!("map_is_allocated failed: {}", strerror(e));
             Failed
         })?;
         if n == 0 {
             break;
         }
-        println!(
+        say!(
             "{} (0x{n:x}) bytes {} at offset {} (0x{at:x})",
             size_str(n as f64),
             if allocated {
@@ -678,9 +678,9 @@ fn info(s: &mut Session) -> Outcome {
     // The VM state goes after the last guest byte, at the next L1 entry boundary.
     let per_l1 = cs * (cs / entry);
     let vm_state = img.size().div_ceil(per_l1) * per_l1;
-    println!("format name: qcow2");
-    println!("cluster size: {}", size_str(cs as f64));
-    println!("vm state offset: {}", size_str(vm_state as f64));
+    say!("format name: qcow2");
+    say!("cluster size: {}", size_str(cs as f64));
+    say!("vm state offset: {}", size_str(vm_state as f64));
     match qimg::tools::info::image_info(img.path(), Some(qimg::chain::ImageFormat::Qcow2)) {
         Ok(i) => {
             // The format-specific block of qemu-img's human `info` text.
@@ -688,16 +688,16 @@ fn info(s: &mut Session) -> Outcome {
             if let Some(at) = text.find("Format specific information:\n") {
                 let mut lines = text[at..].lines();
                 if let Some(first) = lines.next() {
-                    println!("{first}");
+                    say!("{first}");
                 }
                 for l in lines.take_while(|l| l.starts_with("    ")) {
-                    println!("{l}");
+                    say!("{l}");
                 }
             }
             Ok(())
         }
         Err(e) => {
-            println!("qimg io: cannot read the image information: {e}");
+            say!("qimg io: cannot read the image information: {e}");
             Err(Failed)
         }
     }
@@ -716,7 +716,7 @@ async fn sleep(arg: &str) -> Outcome {
             Ok(())
         }
         _ => {
-            println!("{arg} is not a valid number");
+            say!("{arg} is not a valid number");
             Err(Failed)
         }
     }
@@ -730,25 +730,25 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
     }
     if let Some(m) = o.arg('m') {
         if m != "off" {
-            eprintln!("qemu-io: qimg io: preallocation mode '{m}' is not supported");
+            complain!("qemu-io: qimg io: preallocation mode '{m}' is not supported");
             return Err(Failed);
         }
     }
     let size = num(&o.operands[0])?;
     let img = s.image();
     if size % 512 != 0 {
-        eprintln!("qemu-io: The new size must be a multiple of 512");
+        complain!("qemu-io: The new size must be a multiple of 512");
         return Err(Failed);
     }
     let old = img.size();
     if size < old {
-        eprintln!("qemu-io: qimg cannot shrink a qcow2 image (from {old} to {size} bytes)");
+        complain!("qemu-io: qimg cannot shrink a qcow2 image (from {old} to {size} bytes)");
         return Err(Failed);
     }
     if size > old {
         if let Err(e) = img.resize(size).await {
             let name = img.path().display().to_string();
-            eprintln!("qemu-io: {}", crate::status::lib_msg(&e, &name));
+            complain!("qemu-io: {}", crate::status::lib_msg(&e, &name));
             return Err(Failed);
         }
     }
@@ -763,7 +763,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     }
     for unsupported in ['s', 'C', 'd', 'o'] {
         if o.has(unsupported) {
-            eprintln!("qemu-io: qimg io: open -{unsupported} is not supported");
+            complain!("qemu-io: qimg io: open -{unsupported} is not supported");
             return Err(Failed);
         }
     }
@@ -778,16 +778,16 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
             _ => Ok(()),
         };
         if let Err(line) = r {
-            eprintln!("{line}");
+            complain!("{line}");
             return Err(Failed);
         }
     }
     if s.img.is_some() {
-        eprintln!("qemu-io: file open already, try 'help close'");
+        complain!("qemu-io: file open already, try 'help close'");
         return Err(Failed);
     }
     let Some(file) = o.operands.first() else {
-        eprintln!("qemu-io: qimg io: open needs a file name");
+        complain!("qemu-io: qimg io: open needs a file name");
         return Err(Failed);
     };
     let spec = OpenSpec {

@@ -11,6 +11,31 @@
 //! dumps), [`session`] (the open image and how qemu-io's requests map onto the engine),
 //! [`commands`] (the command table and each command).
 
+/// `println!` that ignores a standard output nobody reads any more (`qimg io ... | head`),
+/// where `println!` would panic.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `print!` with [`say!`]'s tolerance.
+macro_rules! say_raw {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `eprintln!` with [`say!`]'s tolerance.
+macro_rules! complain {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod commands;
 mod out;
 mod parse;
@@ -57,7 +82,7 @@ pub fn run(args: IoArgs) -> ExitCode {
     let spec = match open_spec(&args) {
         Ok(s) => s,
         Err(line) => {
-            eprintln!("{line}");
+            complain!("{line}");
             return ExitCode::FAILURE;
         }
     };
@@ -67,7 +92,7 @@ pub fn run(args: IoArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("qemu-io: cannot start the I/O runtime: {e}");
+            complain!("qemu-io: cannot start the I/O runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -83,7 +108,7 @@ pub fn run(args: IoArgs) -> ExitCode {
             let mut lines = stdin.lock();
             let mut input = String::new();
             loop {
-                print!("qemu-io> ");
+                say_raw!("qemu-io> ");
                 let _ = std::io::stdout().flush();
                 input.clear();
                 match lines.read_line(&mut input) {

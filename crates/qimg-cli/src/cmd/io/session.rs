@@ -156,11 +156,11 @@ impl Session {
     /// Opens `file` as `spec` says; errors are printed as qemu-io prints them.
     pub async fn open(&mut self, file: &str, spec: &OpenSpec) -> Outcome {
         if self.img.is_some() {
-            eprintln!("qemu-io: file open already, try 'help close'");
+            complain!("qemu-io: file open already, try 'help close'");
             return Err(Failed);
         }
         let fail = |msg: String| {
-            eprintln!("qemu-io: can't open device {file}: {msg}");
+            complain!("qemu-io: can't open device {file}: {msg}");
             Err(Failed)
         };
         if spec.force_share && !spec.read_only {
@@ -207,7 +207,7 @@ impl Session {
         if let Some(img) = self.img.take() {
             if let Err(e) = img.close().await {
                 let name = img.path().display().to_string();
-                eprintln!("qemu-io: closing the image failed: {}", lib_msg(&e, &name));
+                complain!("qemu-io: closing the image failed: {}", lib_msg(&e, &name));
                 return Err(Failed);
             }
         }
