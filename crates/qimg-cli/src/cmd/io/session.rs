@@ -3,11 +3,14 @@
 //! - Requests past the end of the disk fail with `EIO`, as QEMU's block layer fails them,
 //!   before the engine sees them.
 //! - `write -z` (with or without `-u`) is the engine's `write_zeroes`: whole (sub)clusters
-//!   become zero clusters and give their host cluster back. A partial head or tail covers
-//!   its whole subcluster when that holds no data and its rest already reads as zeros (as
-//!   QEMU's qcow2 does), and is written with zeros otherwise. QEMU does the same with `-u`;
-//!   without `-u` it keeps the host cluster (a preallocated zero cluster). Guest data and
-//!   qemu-io's `map`/`alloc` agree; `qemu-img map --output=json` shows an `offset` QEMU keeps.
+//!   become zero clusters and give their host cluster back, as QEMU does with `-u`. A
+//!   partial head or tail covers its whole subcluster when that holds no data and the rest
+//!   of it already reads as zeros (as QEMU's qcow2 does), and is written with zeros
+//!   otherwise. Two engine differences remain: without `-u` QEMU keeps the host cluster of
+//!   a whole cluster (a zero cluster with an offset), and with extended L2 entries it keeps
+//!   a host cluster whose last allocated subclusters were zeroed; the engine frees both.
+//!   Guest data and qemu-io's `map`/`alloc` agree; later compressed writes and discards on
+//!   such a cluster can differ (tests/io_interop.rs shows it).
 //! - `discard` is what QEMU's qcow2 does for a discard request: only whole clusters count
 //!   (the last, partial cluster of the disk included), and each becomes a zero cluster when
 //!   it has a host cluster or the image has a backing file (else it stays unallocated). The
@@ -15,11 +18,11 @@
 //!   images have no zero clusters: QEMU unallocates (the engine's `discard`) without a
 //!   backing file and leaves the clusters alone with one.
 //! - `write -c` compresses cluster by cluster; like QEMU it refuses images with an external
-//!   data file (`ENOTSUP`), an unaligned start or a
-//!   short chunk that does not end the disk (`EINVAL`) and a cluster that already has a host
-//!   cluster (`EIO`), trying every cluster of the request and reporting the first failure.
-//!   (QEMU compresses up to 8 clusters at once and stops starting new ones after a failure,
-//!   so how many clusters after a failing one it writes depends on timing.)
+//!   data file (`ENOTSUP`), an unaligned start or a short chunk that does not end the disk
+//!   (`EINVAL`) and a cluster that already has a host cluster (`EIO`), trying every cluster
+//!   of the request and reporting the first failure. (QEMU compresses up to 8 clusters at
+//!   once and stops starting new ones after a failure, so how many clusters after a failing
+//!   one it writes depends on timing.)
 //! - With `writethrough` (qemu-io's default cache mode) and `directsync` every write is
 //!   followed by a flush; `unsafe` ignores flushes.
 
