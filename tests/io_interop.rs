@@ -973,12 +973,18 @@ fn image_locks_match_qemu_io() {
             .args(&args)
             .current_dir(&s.0)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         // Wait until the holder has the image open: a writer is then refused.
         let mut held = false;
-        for _ in 0..100 {
+        for _ in 0..400 {
+            if let Some(status) = child.try_wait().unwrap() {
+                let mut err = String::new();
+                use std::io::Read;
+                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+                panic!("the holder {} exited ({status}): {err}", holder.display());
+            }
             let o = run(&s.0, &qemu, &["-c", "length", "img.qcow2"]);
             if !o.status.success() {
                 held = true;
