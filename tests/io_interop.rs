@@ -47,6 +47,12 @@ const SCRIPTS: &[(&str, &[&str])] = &[
             "read -P 0xcd 200k 512",
             "r -P 0xab 0 1",
             "w -P 0xab 1 1",
+            "write -s pattern.bin 300k 10",
+            "read -v 300k 16",
+            "write -s pattern.bin 301k 1k",
+            "write -s empty.bin 0 1",
+            "write -s nonexist.bin 0 1",
+            "write -s pattern.bin -P 1 0 1",
             "length",
             "info",
             "i",
@@ -380,6 +386,9 @@ fn make_image(dir: &Path, opts: &str, backing: bool) {
 
 /// [`make_image`] with a disk size (the backing file is 8 MiB, 6 MiB of it written).
 fn make_image_sized(dir: &Path, opts: &str, backing: bool, size: &str) {
+    // Pattern files for `write -s`.
+    std::fs::write(dir.join("pattern.bin"), b"Ab3").unwrap();
+    std::fs::write(dir.join("empty.bin"), b"").unwrap();
     let mut args = vec!["create", "-q", "-f", "qcow2", "-o", opts];
     if backing {
         ok(

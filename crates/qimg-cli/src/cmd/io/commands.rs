@@ -181,7 +181,7 @@ const COMMANDS: &[Cmd] = &[
         Some("w"),
         AT_LEAST_2,
         WRITES,
-        "[-cCfnquz] [-P pattern] off len",
+        "[-cCfnquz] [-P pattern | -s file] off len",
         "write a pattern, zeros (-z) or compressed clusters (-c)",
     ),
     cmd(
@@ -506,8 +506,8 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
         say!("Only one of -z, -P, and -s can be specified at the same time");
         return Err(Failed);
     }
-    if o.has('b') || o.has('s') {
-        say!("qimg io: -b (VM state) and -s (pattern file) are not supported");
+    if o.has('b') {
+        say!("qimg io: -b (VM state) is not supported");
         return Err(Failed);
     }
     let offset = num(&o.operands[0])?;
@@ -526,7 +526,10 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
     let r = if z {
         s.write_zeroes(offset, count, fua).await
     } else {
-        let buf = vec![pat.unwrap_or(0xcd); count as usize];
+        let buf = match o.arg('s') {
+            Some(file) => pattern_file(file, count)?,
+            None => vec![pat.unwrap_or(0xcd); count as usize],
+        };
         if o.has('c') {
             s.write_compressed(&buf, offset, fua).await
         } else {
@@ -536,6 +539,22 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
     r.map_err(|e| io_failed("write", e))?;
     print_report(&o, "wrote", t0, offset, count);
     Ok(())
+}
+
+/// `write -s FILE`: `count` bytes of the file's first `count` bytes, repeated.
+fn pattern_file(file: &str, count: u64) -> Result<Vec<u8>, Failed> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    let read = std::fs::File::open(file).and_then(|f| f.take(count).read_to_end(&mut head));
+    if let Err(e) = read {
+        complain!("{file}: {}", crate::status::os_msg(&e));
+        return Err(Failed);
+    }
+    if head.is_empty() {
+        complain!("{file}: file is empty");
+        return Err(Failed);
+    }
+    Ok(head.iter().copied().cycle().take(count as usize).collect())
 }
 
 /// `writev` and `aio_write` (`aio`: failures are reported but do not fail the command).
