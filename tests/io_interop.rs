@@ -607,6 +607,60 @@ fn short_last_cluster_matches_qemu_io() {
     }
 }
 
+/// A raw backing file: its holes read as zeros, so a partial write-zeroes over one becomes
+/// a zero subcluster, over its data a write of zeros.
+#[test]
+fn raw_backing_file_matches_qemu_io() {
+    if !have_qemu("raw_backing_file_matches_qemu_io") {
+        return;
+    }
+    let cmds = [
+        "write -z 2M 4k",
+        "write -z 8k 4k",
+        "write -z 1020k 8k",
+        "discard 3M 64k",
+        "write -P 2 5M 4k",
+        "read -P 0x11 0 8k",
+        "read -P 0 8k 4k",
+        "read -P 0 2M 1M",
+        "map",
+        "alloc 0 8M",
+    ];
+    for &(layout, opts) in LAYOUTS {
+        let s = Scratch::new(&format!("io-rawback-{layout}"));
+        let template = s.path("template");
+        std::fs::create_dir_all(&template).unwrap();
+        ok(
+            "qemu-img create raw",
+            &qemu_img(&template, &["create", "-q", "-f", "raw", "base.raw", SIZE]),
+        );
+        ok(
+            "qemu-io raw",
+            &run(
+                &template,
+                Path::new(QEMU_IO),
+                &["-f", "raw", "-c", "write -P 0x11 0 1M", "base.raw"],
+            ),
+        );
+        let args = [
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            opts,
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "img.qcow2",
+            SIZE,
+        ];
+        ok("qemu-img create", &qemu_img(&template, &args));
+        same_run(&s.0, &template, &format!("raw backing on {layout}"), &cmds);
+    }
+}
+
 /// Version 2 images have no zero clusters: write-zeroes and discard take other paths there.
 #[test]
 fn zero_and_discard_scripts_match_qemu_io_on_version_2() {

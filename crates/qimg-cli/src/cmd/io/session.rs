@@ -130,6 +130,31 @@ fn open_error(e: &qimg::Error, file: &str) -> String {
     }
 }
 
+/// Whether `[offset, offset + len)` of the raw file at `path` is a hole or past its end, as
+/// the file system reports it (`SEEK_DATA`); `false` when that cannot be told.
+fn raw_hole(path: &Path, offset: u64, len: u64) -> bool {
+    use nix::unistd::{Whence, lseek};
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let Ok(file_len) = file.metadata().map(|m| m.len()) else {
+        return false;
+    };
+    if offset >= file_len {
+        return true;
+    }
+    let Ok(at) = i64::try_from(offset) else {
+        return false;
+    };
+    match lseek(&file, at, Whence::SeekData) {
+        // The next data starts at or after the end of the range (or of the file).
+        Ok(next) => u64::try_from(next).is_ok_and(|n| n >= (offset + len).min(file_len)),
+        // No data after `offset`.
+        Err(nix::errno::Errno::ENXIO) => true,
+        Err(_) => false,
+    }
+}
+
 /// The open image and the state of the run.
 pub struct Session {
     /// The image, when one is open.
@@ -404,8 +429,15 @@ impl Session {
                         .collect();
                     layer = b;
                 }
-                // A raw backing file: whether its holes read as zeros is not asked.
-                Some(Backing::Raw { .. }) => return Ok(false),
+                // A raw backing file: its holes (and what lies past its end) read as zeros.
+                Some(Backing::Raw { path, .. }) => {
+                    for (o, l) in below {
+                        if !raw_hole(path, o, l) {
+                            return Ok(false);
+                        }
+                    }
+                    return Ok(true);
+                }
             }
         }
     }
