@@ -661,6 +661,87 @@ fn raw_backing_file_matches_qemu_io() {
     }
 }
 
+/// Raw images (named with `-f raw` or probed, which makes qemu-io warn): every byte is
+/// allocated, the size rounds up to 512 bytes, discards and write-zeroes read back as
+/// zeros, `truncate` takes any size, compressed writes are refused.
+#[test]
+fn raw_images_match_qemu_io() {
+    if !have_qemu("raw_images_match_qemu_io") {
+        return;
+    }
+    let cmds: &[&str] = &[
+        "length",
+        "read 0 1024",
+        "read -v 1000 24",
+        "write -P 1 1020 4",
+        "length",
+        "truncate 1001",
+        "length",
+        "truncate 2048",
+        "length",
+        "write -z -u 0 512",
+        "discard 512 100",
+        "read -P 0 0 512",
+        "map",
+        "alloc 0 2k",
+        "flush",
+        "write -c 0 512",
+        "write 2048 1",
+        "writev -P 3 1k 100 200",
+        "readv -P 3 1k 300",
+        "write -z 1500 1000",
+        "read -P 0 1500 548",
+        "truncate 1M",
+        "write -P 4 0 8k",
+        "discard 0 4k",
+        "discard 4097 100",
+        "read -P 0 0 4k",
+        "read -P 4 4096 1",
+        "read -P 0 4097 100",
+        "read -P 4 4197 1",
+        "aio_write -P 5 512k 4k",
+        "aio_flush",
+        "aio_read -P 5 512k 4k",
+        "aio_flush",
+        "info",
+        "map",
+    ];
+    for named in [false, true] {
+        let s = Scratch::new(&format!("io-raw-{named}"));
+        let template = s.path("template");
+        std::fs::create_dir_all(&template).unwrap();
+        // 1000 bytes: not a multiple of 512, and no format's magic.
+        let bytes: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8 | 0x80).collect();
+        std::fs::write(template.join("disk.raw"), &bytes).unwrap();
+        let mut args: Vec<&str> = Vec::new();
+        if named {
+            args.extend(["-f", "raw"]);
+        }
+        for c in cmds {
+            args.extend(["-c", c]);
+        }
+        args.push("disk.raw");
+        for d in ["qemu", "qimg"] {
+            copy_dir(&template, &s.path(d));
+        }
+        let q = run(&s.path("qemu"), Path::new(QEMU_IO), &args);
+        let mut margs = vec!["io"];
+        margs.extend(&args);
+        let m = run(&s.path("qimg"), &qimg_bin(), &margs);
+        let (qo, qe, qc) = streams(&q);
+        let (mo, me, mc) = streams(&m);
+        let what = format!("raw (named: {named})");
+        assert_eq!(mask_timing(&qo), mask_timing(&mo), "{what}: stdout");
+        assert_eq!(qe, me, "{what}: stderr");
+        assert_eq!(qc, mc, "{what}: exit status");
+        assert_eq!(
+            std::fs::read(s.path("qemu").join("disk.raw")).unwrap(),
+            std::fs::read(s.path("qimg").join("disk.raw")).unwrap(),
+            "{what}: the files differ"
+        );
+    }
+}
+
 /// Version 2 images have no zero clusters: write-zeroes and discard take other paths there.
 #[test]
 fn zero_and_discard_scripts_match_qemu_io_on_version_2() {

@@ -234,7 +234,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         complain!("command \"{typed}\" not found");
         return (ControlFlow::Continue(()), Err(Failed));
     };
-    if c.needs_image && s.img.is_none() {
+    if c.needs_image && !s.is_open() {
         complain!("no file open, try 'help open'");
         return (ControlFlow::Continue(()), Err(Failed));
     }
@@ -270,7 +270,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "alloc" => alloc(s, args).await,
         "map" => map(s).await,
         "length" => {
-            say!("{}", size_str(s.image().size() as f64));
+            say!("{}", size_str(s.size() as f64));
             Ok(())
         }
         "info" => info(s),
@@ -637,7 +637,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
         Some(a) => num(a)?,
         None => 512,
     };
-    let size = s.image().size();
+    let size = s.size();
     count = count.min(size.saturating_sub(offset));
     let mut sum = 0;
     let mut at = offset;
@@ -664,7 +664,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
 
 /// `map`: the runs of allocated and unallocated bytes of the image itself.
 async fn map(s: &mut Session) -> Outcome {
-    let size = s.image().size();
+    let size = s.size();
     let mut at = 0;
     while at < size {
         let (allocated, n) = s.allocation(at, size - at).await.map_err(|e| {
@@ -691,6 +691,12 @@ async fn map(s: &mut Session) -> Outcome {
 
 /// `info`: format, cluster size, VM state offset and the format-specific settings.
 fn info(s: &mut Session) -> Outcome {
+    if s.raw.is_some() {
+        say!("format name: raw");
+        say!("cluster size: 0 bytes");
+        say!("vm state offset: 0 bytes");
+        return Ok(());
+    }
     let img = s.image();
     let cs = img.cluster_size();
     let entry = if img.extended_l2() { 16 } else { 8 };
@@ -754,6 +760,14 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         }
     }
     let size = num(&o.operands[0])?;
+    match s.truncate_raw(size).await {
+        Ok(true) => return Ok(()),
+        Ok(false) => {}
+        Err(e) => {
+            complain!("qemu-io: {}", strerror(e));
+            return Err(Failed);
+        }
+    }
     let img = s.image();
     if size % 512 != 0 {
         complain!("qemu-io: The new size must be a multiple of 512");
@@ -801,7 +815,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
             return Err(Failed);
         }
     }
-    if s.img.is_some() {
+    if s.is_open() {
         complain!("qemu-io: file open already, try 'help close'");
         return Err(Failed);
     }

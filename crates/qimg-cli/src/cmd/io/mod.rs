@@ -52,7 +52,7 @@ use self::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache};
 /// Arguments of `qimg io`.
 #[derive(clap::Args)]
 pub struct IoArgs {
-    /// Image format (only qcow2).
+    /// Image format: qcow2 or raw (probed when absent).
     #[arg(short = 'f', long = "format")]
     fmt: Option<String>,
     /// Open the image read-only.

@@ -1,4 +1,7 @@
-//! The open image of a `qimg io` run and how qemu-io's requests map onto the engine.
+//! The open image of a `qimg io` run and how qemu-io's requests map onto the engine (qcow2)
+//! or the storage layer (raw: the size rounds up to 512 bytes, every byte counts as
+//! allocated, discard and write-zeroes leave zeros, `truncate` takes any size, compressed
+//! writes are refused; a probed raw image gets qemu-io's warning).
 //!
 //! - Requests past the end of the disk fail with `EIO`, as QEMU's block layer fails them,
 //!   before the engine sees them.
@@ -30,7 +33,7 @@ use std::path::Path;
 
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::format::validate::OpenMode;
-use qimg::io::{AnyStorage, Backend, StorageError};
+use qimg::io::{AnyStorage, Backend, ImageLock, Storage, StorageError};
 use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
@@ -90,9 +93,28 @@ pub struct Failed;
 /// The outcome of one command.
 pub type Outcome = Result<(), Failed>;
 
+/// The errno of a storage error (`EIO` when it has none).
+fn storage_errno(e: StorageError) -> i32 {
+    e.raw_os_error().unwrap_or(EIO)
+}
+
 /// C's `strerror` text of `errno`.
 pub fn strerror(errno: i32) -> String {
     os_msg(&std::io::Error::from_raw_os_error(errno))
+}
+
+/// QEMU's message for a lock another process holds on `file`. The engine names the lock
+/// byte the other process holds: its "shared" byte (it does not share a permission this
+/// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this
+/// open does not share) QEMU's failure to get the shared lock.
+fn lock_error(holder: &str, file: &str) -> String {
+    let shared = if holder.contains("QEMU's shared") {
+        ""
+    } else {
+        "shared "
+    };
+    let perm = holder.split('"').nth(1).unwrap_or("write");
+    format!("Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{file}]?")
 }
 
 /// Why `file` did not open, as QEMU words it: a system error names the file it happened on
@@ -103,20 +125,7 @@ fn open_error(e: &qimg::Error, file: &str) -> String {
         source: StorageError::Locked { holder },
     } = e
     {
-        // The engine names the lock byte the other process holds: its "shared" byte (it
-        // does not share a permission this open uses) is QEMU's failure to get the lock,
-        // its use byte (it uses a permission this open does not share) QEMU's failure to
-        // get the shared lock.
-        let shared = if holder.contains("QEMU's shared") {
-            ""
-        } else {
-            "shared "
-        };
-        let perm = holder.split('"').nth(1).unwrap_or("write");
-        return format!(
-            "Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{}]?",
-            path.display()
-        );
+        return lock_error(holder, &path.display().to_string());
     }
     let failed_on = match e {
         qimg::Error::Storage { path, .. } | qimg::Error::Io { path, .. } => Some(path),
@@ -155,10 +164,43 @@ fn raw_hole(path: &Path, offset: u64, len: u64) -> bool {
     }
 }
 
+/// A raw image: the file itself, through the storage layer.
+pub struct RawFile {
+    /// The file.
+    storage: AnyStorage,
+    /// Its length in bytes (the virtual size rounds it up to 512, as QEMU's).
+    len: std::cell::Cell<u64>,
+}
+
+impl RawFile {
+    /// The virtual size.
+    fn size(&self) -> u64 {
+        self.len.get().next_multiple_of(512)
+    }
+
+    /// Notes that the file now reaches at least `end`.
+    fn grew_to(&self, end: u64) {
+        self.len.set(self.len.get().max(end));
+    }
+}
+
+/// A storage error at open, as QEMU words it.
+fn storage_open_error(e: &StorageError, file: &str) -> String {
+    match e {
+        StorageError::Locked { holder } => lock_error(holder, file),
+        other => match other.raw_os_error() {
+            Some(errno) => format!("Could not open '{file}': {}", strerror(errno)),
+            None => format!("Could not open '{file}': {other}"),
+        },
+    }
+}
+
 /// The open image and the state of the run.
 pub struct Session {
-    /// The image, when one is open.
+    /// The qcow2 image, when one is open.
     pub img: Option<Image<AnyStorage>>,
+    /// The raw image, when one is open.
+    pub raw: Option<RawFile>,
     /// The cache mode it was opened with.
     pub cache: CacheMode,
     /// Whether it was opened read-only.
@@ -174,6 +216,7 @@ impl Session {
     pub fn new() -> Self {
         Session {
             img: None,
+            raw: None,
             cache: default_cache(),
             read_only: false,
             version: 3,
@@ -183,7 +226,7 @@ impl Session {
 
     /// Opens `file` as `spec` says; errors are printed as qemu-io prints them.
     pub async fn open(&mut self, file: &str, spec: &OpenSpec) -> Outcome {
-        if self.img.is_some() {
+        if self.is_open() {
             complain!("qemu-io: file open already, try 'help close'");
             return Err(Failed);
         }
@@ -205,11 +248,18 @@ impl Session {
                 Err(e) => return fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
             },
         };
-        if fmt != ImageFormat::Qcow2 {
-            return fail(format!(
-                "qimg io opens qcow2 images only, not {}",
-                fmt.name()
-            ));
+        if fmt == ImageFormat::Raw {
+            if spec.fmt.is_none() {
+                complain!(
+                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
+                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
+                     Specify the 'raw' format explicitly to remove the restrictions."
+                );
+            }
+            return match self.open_raw(path, spec).await {
+                Ok(()) => Ok(()),
+                Err(e) => fail(storage_open_error(&e, file)),
+            };
         }
         let opts = OpenOptions::new()
             .writable(!spec.read_only)
@@ -230,8 +280,43 @@ impl Session {
         }
     }
 
+    /// Opens a raw image with the locks QEMU takes on it.
+    async fn open_raw(&mut self, path: &Path, spec: &OpenSpec) -> Result<(), StorageError> {
+        let storage = AnyStorage::open(path, !spec.read_only, spec.backend, spec.cache.direct)?;
+        let lock = match (spec.read_only, spec.force_share) {
+            (false, _) => ImageLock::ReadWrite,
+            (true, false) => ImageLock::Read,
+            (true, true) => ImageLock::SharedRead,
+        };
+        storage.lock_image(lock)?;
+        let len = storage.len().await?;
+        self.raw = Some(RawFile {
+            storage,
+            len: std::cell::Cell::new(len),
+        });
+        self.cache = spec.cache;
+        self.read_only = spec.read_only;
+        Ok(())
+    }
+
+    /// Whether an image is open.
+    pub fn is_open(&self) -> bool {
+        self.img.is_some() || self.raw.is_some()
+    }
+
+    /// The virtual size of the open image.
+    pub fn size(&self) -> u64 {
+        match &self.raw {
+            Some(r) => r.size(),
+            None => self.image().size(),
+        }
+    }
+
     /// Closes the image (writing back its caches).
     pub async fn close(&mut self) -> Outcome {
+        if let Some(r) = self.raw.take() {
+            r.storage.unlock_image();
+        }
         if let Some(img) = self.img.take() {
             if let Err(e) = img.close().await {
                 let name = img.path().display().to_string();
@@ -259,7 +344,7 @@ impl Session {
 
     /// `EIO` for a request that does not lie within the disk.
     pub fn check_request(&self, offset: u64, len: u64) -> Result<(), i32> {
-        let size = self.image().size();
+        let size = self.size();
         if offset > size || len > size - offset {
             return Err(EIO);
         }
@@ -269,7 +354,7 @@ impl Session {
     /// The flush a write is followed by in writethrough mode.
     async fn after_write(&self, fua: bool) -> Result<(), i32> {
         if (self.cache.writethrough || fua) && !self.cache.no_flush {
-            self.image().flush().await.map_err(|e| e.errno())?;
+            self.flush_now().await?;
         }
         Ok(())
     }
@@ -280,6 +365,13 @@ impl Session {
         if buf.is_empty() {
             return Ok(());
         }
+        if let Some(r) = &self.raw {
+            return r
+                .storage
+                .read_at_zero_fill(buf, offset)
+                .await
+                .map_err(storage_errno);
+        }
         self.image().read(buf, offset).await.map_err(|e| e.errno())
     }
 
@@ -288,6 +380,17 @@ impl Session {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check_request(offset, total)?;
         if total == 0 {
+            return Ok(());
+        }
+        if let Some(r) = &self.raw {
+            let mut at = offset;
+            for b in bufs.iter_mut() {
+                r.storage
+                    .read_at_zero_fill(b, at)
+                    .await
+                    .map_err(storage_errno)?;
+                at += b.len() as u64;
+            }
             return Ok(());
         }
         let mut slices: Vec<std::io::IoSliceMut<'_>> = bufs
@@ -303,7 +406,13 @@ impl Session {
     /// Writes `buf` at `offset` (`fua`: flush afterwards).
     pub async fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), i32> {
         self.check_request(offset, buf.len() as u64)?;
-        if !buf.is_empty() {
+        if let Some(r) = &self.raw {
+            r.storage
+                .write_at(buf, offset)
+                .await
+                .map_err(storage_errno)?;
+            r.grew_to(offset + buf.len() as u64);
+        } else if !buf.is_empty() {
             self.image()
                 .write(buf, offset)
                 .await
@@ -321,6 +430,9 @@ impl Session {
     ) -> Result<(), i32> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check_request(offset, total)?;
+        if self.raw.is_some() {
+            return self.write(&bufs.concat(), offset, fua).await;
+        }
         if total > 0 {
             let slices: Vec<std::io::IoSlice<'_>> =
                 bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
@@ -335,7 +447,9 @@ impl Session {
     /// `write -z`: the range reads as zeros (see the module notes for `-u`).
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), i32> {
         self.check_request(offset, len)?;
-        if len > 0 {
+        if let Some(r) = &self.raw {
+            self.raw_zeroes(r, offset, len).await?;
+        } else if len > 0 {
             self.zero_range(offset, len).await?;
         }
         self.after_write(fua).await
@@ -445,6 +559,9 @@ impl Session {
     /// `write -c`: compressed clusters, with QEMU's rules (module notes).
     pub async fn write_compressed(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), i32> {
         self.check_request(offset, buf.len() as u64)?;
+        if self.raw.is_some() {
+            return Err(ENOTSUP);
+        }
         let img = self.image();
         let cs = img.cluster_size();
         if img.data_path() != img.path() {
@@ -495,6 +612,11 @@ impl Session {
     /// `discard`: QEMU's qcow2 discard (module notes).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), i32> {
         self.check_request(offset, len)?;
+        if let Some(r) = &self.raw {
+            // QEMU punches the range out of a raw file: it reads as zeros.
+            self.raw_zeroes(r, offset, len).await?;
+            return self.after_write(false).await;
+        }
         let img = self.image();
         let cs = img.cluster_size();
         let size = img.size();
@@ -541,6 +663,10 @@ impl Session {
     /// and that state.
     pub async fn allocation(&self, offset: u64, len: u64) -> Result<(bool, u64), i32> {
         const STEP: u64 = 1 << 30;
+        if self.raw.is_some() {
+            // A raw file holds every byte (holes read as zeros): all allocated, as QEMU says.
+            return Ok((true, len));
+        }
         let img = self.image();
         let mut state = None;
         let mut n = 0;
@@ -568,6 +694,50 @@ impl Session {
         if self.cache.no_flush {
             return Ok(());
         }
-        self.image().flush().await.map_err(|e| e.errno())
+        self.flush_now().await
+    }
+
+    /// Flushes the open image.
+    async fn flush_now(&self) -> Result<(), i32> {
+        match &self.raw {
+            Some(r) => r.storage.flush().await.map_err(storage_errno),
+            None => self.image().flush().await.map_err(|e| e.errno()),
+        }
+    }
+
+    /// Zeroes of a raw file (growing it when they reach past its end).
+    async fn raw_zeroes(&self, r: &RawFile, offset: u64, len: u64) -> Result<(), i32> {
+        if len == 0 {
+            return Ok(());
+        }
+        let file_len = r.len.get();
+        // Past the end of the file only the part inside it needs zeroing; the rest is
+        // written so that the file grows to the end of the request.
+        let inside = len.min(file_len.saturating_sub(offset));
+        if inside > 0 {
+            r.storage
+                .write_zeroes(offset, inside)
+                .await
+                .map_err(storage_errno)?;
+        }
+        if inside < len {
+            let from = offset + inside;
+            r.storage
+                .write_at(&vec![0; (len - inside) as usize], from)
+                .await
+                .map_err(storage_errno)?;
+            r.grew_to(offset + len);
+        }
+        Ok(())
+    }
+
+    /// `truncate` of a raw image: any size, as QEMU's file driver.
+    pub async fn truncate_raw(&self, size: u64) -> Result<bool, i32> {
+        let Some(r) = &self.raw else {
+            return Ok(false);
+        };
+        r.storage.set_len(size).await.map_err(storage_errno)?;
+        r.len.set(size);
+        Ok(true)
     }
 }
