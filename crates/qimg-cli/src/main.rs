@@ -52,6 +52,8 @@ enum Command {
     Serve(cmd::serve::ServeArgs),
     /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
     Snapshot(cmd::snapshot::SnapshotArgs),
+    /// Run qemu-io commands on an image: `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... FILE`
+    Io(cmd::io::IoArgs),
 }
 
 fn main() -> ExitCode {
@@ -65,5 +67,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
+        // io has qemu-io's exit status and prints its own errors.
+        Command::Io(a) => cmd::io::run(a),
     }
 }

@@ -5,6 +5,7 @@ pub mod check;
 pub mod convert;
 pub mod create;
 pub mod info;
+pub mod io;
 pub mod map;
 pub mod serve;
 pub mod snapshot;

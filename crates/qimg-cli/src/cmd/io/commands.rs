@@ -1,0 +1,834 @@
+//! The commands of `qimg io`: the table (names, short names, argument counts, whether a
+//! command needs an image or writes it) and each command, with qemu-io's options, output and
+//! error lines.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use super::out::{hex_dump, report, size_str};
+use super::parse::{MAX_REQUEST, NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
+use super::session::{
+    Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, strerror,
+};
+
+/// What dispatch checks before running a command.
+struct Cmd {
+    /// Name.
+    name: &'static str,
+    /// Short name.
+    alt: Option<&'static str>,
+    /// Fewest arguments (options included).
+    min: usize,
+    /// Most arguments, if limited.
+    max: Option<usize>,
+    /// Needs an open image.
+    needs_image: bool,
+    /// Writes the image (refused when it is read-only).
+    writes: bool,
+    /// Synopsis of the arguments.
+    args: &'static str,
+    /// One line on what it does.
+    about: &'static str,
+}
+
+const fn cmd(
+    name: &'static str,
+    alt: Option<&'static str>,
+    (min, max): (usize, Option<usize>),
+    (needs_image, writes): (bool, bool),
+    args: &'static str,
+    about: &'static str,
+) -> Cmd {
+    Cmd {
+        name,
+        alt,
+        min,
+        max,
+        needs_image,
+        writes,
+        args,
+        about,
+    }
+}
+
+/// Argument counts.
+const AT_LEAST_2: (usize, Option<usize>) = (2, None);
+const NONE: (usize, Option<usize>) = (0, Some(0));
+/// Needs an image / writes it.
+const READS: (bool, bool) = (true, false);
+const WRITES: (bool, bool) = (true, true);
+const FREE: (bool, bool) = (false, false);
+
+/// Every command, in the order `help` lists them.
+const COMMANDS: &[Cmd] = &[
+    cmd(
+        "aio_flush",
+        None,
+        NONE,
+        READS,
+        "",
+        "wait for the aio requests (qimg runs them at once)",
+    ),
+    cmd(
+        "aio_read",
+        None,
+        AT_LEAST_2,
+        READS,
+        "[-Ciqv] [-P pattern] off len [len..]",
+        "read into several buffers, as an aio request",
+    ),
+    cmd(
+        "aio_write",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cfiquz] [-P pattern] off len [len..]",
+        "write several buffers, as an aio request",
+    ),
+    cmd(
+        "alloc",
+        None,
+        (1, Some(2)),
+        READS,
+        "offset [count]",
+        "count the bytes the image itself allocates in a range",
+    ),
+    cmd("close", Some("c"), NONE, READS, "", "close the image"),
+    cmd(
+        "discard",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cq] off len",
+        "discard whole clusters of a range",
+    ),
+    cmd(
+        "flush",
+        Some("f"),
+        NONE,
+        READS,
+        "",
+        "make everything written durable",
+    ),
+    cmd(
+        "help",
+        Some("?"),
+        (0, Some(1)),
+        FREE,
+        "[command]",
+        "list the commands, or show one",
+    ),
+    cmd(
+        "info",
+        Some("i"),
+        NONE,
+        READS,
+        "",
+        "show the format and its settings",
+    ),
+    cmd("length", None, NONE, READS, "", "show the disk size"),
+    cmd(
+        "map",
+        None,
+        NONE,
+        READS,
+        "",
+        "list the allocated and unallocated ranges of the image",
+    ),
+    cmd(
+        "open",
+        Some("o"),
+        (1, None),
+        FREE,
+        "[-rnU] [-t cache] [-i aio] [path]",
+        "open an image",
+    ),
+    cmd("quit", Some("q"), (0, None), FREE, "", "stop"),
+    cmd(
+        "read",
+        Some("r"),
+        AT_LEAST_2,
+        READS,
+        "[-Cqv] [-P pattern [-s off] [-l len]] off len",
+        "read bytes, optionally checking or dumping them",
+    ),
+    cmd(
+        "readv",
+        None,
+        AT_LEAST_2,
+        READS,
+        "[-Cqv] [-P pattern] off len [len..]",
+        "read into several buffers",
+    ),
+    cmd(
+        "sleep",
+        None,
+        (1, Some(1)),
+        FREE,
+        "ms",
+        "wait this many milliseconds",
+    ),
+    cmd(
+        "truncate",
+        Some("t"),
+        (1, Some(3)),
+        WRITES,
+        "[-m off] size",
+        "grow the disk to a size",
+    ),
+    cmd(
+        "write",
+        Some("w"),
+        AT_LEAST_2,
+        WRITES,
+        "[-cCfnquz] [-P pattern | -s file] off len",
+        "write a pattern, zeros (-z) or compressed clusters (-c)",
+    ),
+    cmd(
+        "writev",
+        None,
+        AT_LEAST_2,
+        WRITES,
+        "[-Cfq] [-P pattern] off len [len..]",
+        "write several buffers",
+    ),
+];
+
+/// The usage line of a command.
+fn usage_line(c: &Cmd) -> String {
+    if c.args.is_empty() {
+        format!("{} -- {}", c.name, c.about)
+    } else {
+        format!("{} {} -- {}", c.name, c.args, c.about)
+    }
+}
+
+/// Prints the usage line of `name` and fails.
+fn usage(name: &str) -> Outcome {
+    if let Some(c) = COMMANDS.iter().find(|c| c.name == name) {
+        say!("{}", usage_line(c));
+    }
+    Err(Failed)
+}
+
+/// Runs one command line; `Break` after `quit`.
+pub async fn line(s: &mut Session, line: &str) -> ControlFlow<()> {
+    let words: Vec<String> = line.split_whitespace().map(String::from).collect();
+    if words.is_empty() {
+        return ControlFlow::Continue(());
+    }
+    let (flow, outcome) = run(s, &words).await;
+    if outcome.is_err() {
+        s.failed = true;
+    }
+    flow
+}
+
+/// Runs one command (`words[0]` its name).
+async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
+    let typed = words[0].as_str();
+    let Some(c) = COMMANDS
+        .iter()
+        .find(|c| c.name == typed || c.alt == Some(typed))
+    else {
+        complain!("command \"{typed}\" not found");
+        return (ControlFlow::Continue(()), Err(Failed));
+    };
+    if c.needs_image && !s.is_open() {
+        complain!("no file open, try 'help open'");
+        return (ControlFlow::Continue(()), Err(Failed));
+    }
+    let args = &words[1..];
+    let n = args.len();
+    if n < c.min || c.max.is_some_and(|m| n > m) {
+        let expected = match c.max {
+            None => format!("at least {}", c.min),
+            Some(m) if m == c.min => format!("{m}"),
+            Some(m) => format!("between {} and {m}", c.min),
+        };
+        complain!("bad argument count {n} to {typed}, expected {expected} arguments");
+        return (ControlFlow::Continue(()), Err(Failed));
+    }
+    if c.writes && s.read_only {
+        complain!("qemu-io: Block node is read-only");
+        return (ControlFlow::Continue(()), Err(Failed));
+    }
+    let outcome = match c.name {
+        "quit" => return (ControlFlow::Break(()), Ok(())),
+        "help" => help(args),
+        "open" => open(s, args).await,
+        "close" => s.close().await,
+        "read" => read(s, args).await,
+        "readv" => readv(s, "readv", args, false).await,
+        "aio_read" => readv(s, "aio_read", args, true).await,
+        "write" => write(s, args).await,
+        "writev" => writev(s, "writev", args, false).await,
+        "aio_write" => writev(s, "aio_write", args, true).await,
+        "aio_flush" => Ok(()),
+        "discard" => discard(s, args).await,
+        "flush" => flush(s).await,
+        "alloc" => alloc(s, args).await,
+        "map" => map(s).await,
+        "length" => {
+            say!("{}", size_str(s.size() as f64));
+            Ok(())
+        }
+        "info" => info(s),
+        "truncate" => truncate(s, args).await,
+        "sleep" => sleep(&args[0]).await,
+        _ => unreachable!("every command of the table is dispatched"),
+    };
+    (ControlFlow::Continue(()), outcome)
+}
+
+/// `help [command]`.
+fn help(args: &[String]) -> Outcome {
+    match args.first() {
+        None => {
+            for c in COMMANDS {
+                say!("{}", usage_line(c));
+            }
+            say!();
+            say!("'help COMMAND' shows the usage of one command.");
+            Ok(())
+        }
+        Some(name) => match COMMANDS
+            .iter()
+            .find(|c| c.name == name.as_str() || c.alt == Some(name.as_str()))
+        {
+            Some(c) => {
+                say!("{}", usage_line(c));
+                Ok(())
+            }
+            None => {
+                say!("command {name} not found");
+                Err(Failed)
+            }
+        },
+    }
+}
+
+/// Parses the options of `name`; a bad option prints getopt's line and the usage.
+fn options(name: &str, args: &[String], spec: &str) -> Result<Opts, Failed> {
+    getopt(name, args, spec).map_err(|e| {
+        complain!("{}", e.0);
+        let _ = usage(name);
+        Failed
+    })
+}
+
+/// A number operand; a bad one prints qemu-io's parsing error.
+fn num(arg: &str) -> Result<u64, Failed> {
+    parse_num(arg).map_err(|e: NumError| {
+        say!("{}", num_error_line(e, arg));
+        Failed
+    })
+}
+
+/// The `-P` byte of the options, if given; a bad one prints qemu-io's line.
+fn pattern(o: &Opts) -> Result<Option<u8>, Failed> {
+    match o.arg('P') {
+        None => Ok(None),
+        Some(p) => match parse_pattern(p) {
+            Some(b) => Ok(Some(b)),
+            None => {
+                say!("{p} is not a valid pattern byte");
+                Err(Failed)
+            }
+        },
+    }
+}
+
+/// Prints the report of a request unless `-q`.
+fn print_report(o: &Opts, op: &str, t0: Instant, offset: u64, count: u64) {
+    let t = t0.elapsed();
+    if !o.has('q') {
+        say_raw!("{}", report(op, t, offset, count, count, o.has('C')));
+    }
+}
+
+/// The request's error line, `OP failed: strerror`.
+fn io_failed(op: &str, errno: i32) -> Failed {
+    say!("{op} failed: {}", strerror(errno));
+    Failed
+}
+
+/// `read [-Cqv] [-P pattern [-s off] [-l len]] off len`.
+async fn read(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("read", args, "bCl:pP:qrs:v")?;
+    let pat = pattern(&o)?;
+    let s_off = o.arg('s').map(num).transpose()?;
+    let l_len = o.arg('l').map(num).transpose()?;
+    if o.operands.len() != 2 {
+        return usage("read");
+    }
+    if pat.is_none() && (s_off.is_some() || l_len.is_some()) {
+        return usage("read");
+    }
+    if o.has('b') {
+        say!("qimg io: -b (VM state) is not supported");
+        return Err(Failed);
+    }
+    let offset = num(&o.operands[0])?;
+    let count = num(&o.operands[1])?;
+    if count > MAX_REQUEST {
+        say!(
+            "length cannot exceed {MAX_REQUEST}, given {}",
+            o.operands[1]
+        );
+        return Err(Failed);
+    }
+    let p_off = s_off.unwrap_or(0);
+    let p_len = l_len.unwrap_or(count.saturating_sub(p_off));
+    if p_off.saturating_add(p_len) > count {
+        say!("pattern verification range exceeds end of read data");
+        return Err(Failed);
+    }
+    s.check_request(offset, count)
+        .map_err(|e| io_failed("read", e))?;
+    let mut buf = vec![0u8; count as usize];
+    let t0 = Instant::now();
+    s.read(&mut buf, offset)
+        .await
+        .map_err(|e| io_failed("read", e))?;
+    let mut outcome = Ok(());
+    if let Some(p) = pat {
+        let range = &buf[p_off as usize..(p_off + p_len) as usize];
+        if range.iter().any(|&b| b != p) {
+            say!(
+                "Pattern verification failed at offset {}, {p_len} bytes",
+                offset + p_off
+            );
+            outcome = Err(Failed);
+        }
+    }
+    if o.has('q') {
+        return outcome;
+    }
+    if o.has('v') {
+        say_raw!("{}", hex_dump(&buf, offset));
+    }
+    print_report(&o, "read", t0, offset, count);
+    outcome
+}
+
+/// The offset and lengths of `readv`/`writev`/`aio_*` operands.
+fn vector_operands(o: &Opts) -> Result<(u64, Vec<u64>), Failed> {
+    let offset = num(&o.operands[0])?;
+    let mut lens = Vec::new();
+    for a in &o.operands[1..] {
+        let n = num(a)?;
+        if n > MAX_REQUEST {
+            say!("Argument '{a}' exceeds maximum size {MAX_REQUEST}");
+            return Err(Failed);
+        }
+        lens.push(n);
+    }
+    let total: u64 = lens.iter().sum();
+    if total > MAX_REQUEST {
+        say!("The total number of bytes exceeds the maximum size {MAX_REQUEST}");
+        return Err(Failed);
+    }
+    Ok((offset, lens))
+}
+
+/// `readv` and `aio_read` (`aio`: failures are reported but do not fail the command).
+async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
+    let spec = if aio { "CiP:qrv" } else { "CP:qrv" };
+    let o = options(name, args, spec)?;
+    let pat = pattern(&o)?;
+    if o.operands.len() < 2 {
+        return usage(name);
+    }
+    let (offset, lens) = vector_operands(&o)?;
+    if o.has('i') {
+        return Ok(());
+    }
+    let total: u64 = lens.iter().sum();
+    // The aio path answers with the message of qemu-io's vectored read.
+    let failed = |e| {
+        let f = io_failed("readv", e);
+        if aio { Ok(()) } else { Err(f) }
+    };
+    if let Err(e) = s.check_request(offset, total) {
+        return failed(e);
+    }
+    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n as usize]).collect();
+    let t0 = Instant::now();
+    if let Err(e) = s.read_vectored(&mut bufs, offset).await {
+        return failed(e);
+    }
+    let data = bufs.concat();
+    let mut outcome = Ok(());
+    if let Some(p) = pat {
+        if data.iter().any(|&b| b != p) {
+            say!("Pattern verification failed at offset {offset}, {total} bytes");
+            if !aio {
+                outcome = Err(Failed);
+            }
+        }
+    }
+    if o.has('q') {
+        return outcome;
+    }
+    if o.has('v') {
+        say_raw!("{}", hex_dump(&data, offset));
+    }
+    print_report(&o, "read", t0, offset, total);
+    outcome
+}
+
+/// `write [-cCfnquz] [-P pattern] off len`.
+async fn write(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("write", args, "bcCfnpP:qrs:uz")?;
+    let pat = pattern(&o)?;
+    if o.operands.len() != 2 {
+        return usage("write");
+    }
+    let z = o.has('z');
+    if o.has('b') && z {
+        say!("-b and -z cannot be specified at the same time");
+        return Err(Failed);
+    }
+    if o.has('f') && o.has('b') {
+        say!("-f and -b cannot be specified at the same time");
+        return Err(Failed);
+    }
+    if o.has('u') && !z {
+        say!("-u requires -z to be specified");
+        return Err(Failed);
+    }
+    if o.has('n') && !z {
+        say!("-n requires -z to be specified");
+        return Err(Failed);
+    }
+    if usize::from(z) + usize::from(pat.is_some()) + usize::from(o.has('s')) > 1 {
+        say!("Only one of -z, -P, and -s can be specified at the same time");
+        return Err(Failed);
+    }
+    if o.has('b') {
+        say!("qimg io: -b (VM state) is not supported");
+        return Err(Failed);
+    }
+    let offset = num(&o.operands[0])?;
+    let count = num(&o.operands[1])?;
+    if count > MAX_REQUEST && !(z && o.has('n')) {
+        say!(
+            "length cannot exceed {MAX_REQUEST} without -n, given {}",
+            o.operands[1]
+        );
+        return Err(Failed);
+    }
+    let fua = o.has('f');
+    s.check_request(offset, count)
+        .map_err(|e| io_failed("write", e))?;
+    let t0 = Instant::now();
+    let r = if z {
+        s.write_zeroes(offset, count, fua).await
+    } else {
+        let buf = match o.arg('s') {
+            Some(file) => pattern_file(file, count)?,
+            None => vec![pat.unwrap_or(0xcd); count as usize],
+        };
+        if o.has('c') {
+            s.write_compressed(&buf, offset, fua).await
+        } else {
+            s.write(&buf, offset, fua).await
+        }
+    };
+    r.map_err(|e| io_failed("write", e))?;
+    print_report(&o, "wrote", t0, offset, count);
+    Ok(())
+}
+
+/// `write -s FILE`: `count` bytes of the file's first `count` bytes, repeated.
+fn pattern_file(file: &str, count: u64) -> Result<Vec<u8>, Failed> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    let read = std::fs::File::open(file).and_then(|f| f.take(count).read_to_end(&mut head));
+    if let Err(e) = read {
+        complain!("{file}: {}", crate::status::os_msg(&e));
+        return Err(Failed);
+    }
+    if head.is_empty() {
+        complain!("{file}: file is empty");
+        return Err(Failed);
+    }
+    Ok(head.iter().copied().cycle().take(count as usize).collect())
+}
+
+/// `writev` and `aio_write` (`aio`: failures are reported but do not fail the command).
+async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
+    let spec = if aio { "CfiP:qruz" } else { "CfP:qr" };
+    let o = options(name, args, spec)?;
+    let pat = pattern(&o)?;
+    if o.operands.len() < 2 {
+        return usage(name);
+    }
+    let z = o.has('z');
+    if o.has('u') && !z {
+        say!("-u requires -z to be specified");
+        return Err(Failed);
+    }
+    if z && o.operands.len() != 2 {
+        say!("-z supports only a single length parameter");
+        return Err(Failed);
+    }
+    let (offset, lens) = vector_operands(&o)?;
+    if o.has('i') {
+        return Ok(());
+    }
+    let total: u64 = lens.iter().sum();
+    let fua = o.has('f');
+    if let Err(e) = s.check_request(offset, total) {
+        let f = io_failed(name, e);
+        return if aio { Ok(()) } else { Err(f) };
+    }
+    let t0 = Instant::now();
+    let r = if z {
+        s.write_zeroes(offset, total, fua).await
+    } else {
+        let bufs: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&n| vec![pat.unwrap_or(0xcd); n as usize])
+            .collect();
+        s.write_vectored(&bufs, offset, fua).await
+    };
+    if let Err(e) = r {
+        let f = io_failed(name, e);
+        return if aio { Ok(()) } else { Err(f) };
+    }
+    print_report(&o, "wrote", t0, offset, total);
+    Ok(())
+}
+
+/// `discard [-Cq] off len`.
+async fn discard(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("discard", args, "Cq")?;
+    if o.operands.len() != 2 {
+        return usage("discard");
+    }
+    let offset = num(&o.operands[0])?;
+    let count = num(&o.operands[1])?;
+    if count > MAX_REQUEST {
+        say!(
+            "length cannot exceed {MAX_REQUEST}, given {}",
+            o.operands[1]
+        );
+        return Err(Failed);
+    }
+    let t0 = Instant::now();
+    s.discard(offset, count)
+        .await
+        .map_err(|e| io_failed("discard", e))?;
+    print_report(&o, "discard", t0, offset, count);
+    Ok(())
+}
+
+/// `flush`.
+async fn flush(s: &mut Session) -> Outcome {
+    s.flush().await.map_err(|e| io_failed("flush", e))
+}
+
+/// `alloc offset [count]`: bytes the image itself allocates (512 by default).
+async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
+    let offset = num(&args[0])?;
+    let mut count = match args.get(1) {
+        Some(a) => num(a)?,
+        None => 512,
+    };
+    let size = s.size();
+    count = count.min(size.saturating_sub(offset));
+    let mut sum = 0;
+    let mut at = offset;
+    let end = offset + count;
+    while at < end {
+        let (allocated, n) = s.allocation(at, end - at).await.map_err(|e| {
+            say!("is_allocated failed: {}", strerror(e));
+            Failed
+        })?;
+        if n == 0 {
+            break;
+        }
+        if allocated {
+            sum += n;
+        }
+        at += n;
+    }
+    say!(
+        "{sum}/{count} bytes allocated at offset {}",
+        size_str(offset as f64)
+    );
+    Ok(())
+}
+
+/// `map`: the runs of allocated and unallocated bytes of the image itself.
+async fn map(s: &mut Session) -> Outcome {
+    let size = s.size();
+    let mut at = 0;
+    while at < size {
+        let (allocated, n) = s.allocation(at, size - at).await.map_err(|e| {
+            say!("map_is_allocated failed: {}", strerror(e));
+            Failed
+        })?;
+        if n == 0 {
+            break;
+        }
+        say!(
+            "{} (0x{n:x}) bytes {} at offset {} (0x{at:x})",
+            size_str(n as f64),
+            if allocated {
+                "    allocated"
+            } else {
+                "not allocated"
+            },
+            size_str(at as f64)
+        );
+        at += n;
+    }
+    Ok(())
+}
+
+/// `info`: format, cluster size, VM state offset and the format-specific settings.
+fn info(s: &mut Session) -> Outcome {
+    if s.raw.is_some() {
+        say!("format name: raw");
+        say!("cluster size: 0 bytes");
+        say!("vm state offset: 0 bytes");
+        return Ok(());
+    }
+    let img = s.image();
+    let cs = img.cluster_size();
+    let entry = if img.extended_l2() { 16 } else { 8 };
+    // The VM state goes after the last guest byte, at the next L1 entry boundary.
+    let per_l1 = cs * (cs / entry);
+    let vm_state = img.size().div_ceil(per_l1) * per_l1;
+    say!("format name: qcow2");
+    say!("cluster size: {}", size_str(cs as f64));
+    say!("vm state offset: {}", size_str(vm_state as f64));
+    match qimg::tools::info::image_info(img.path(), Some(qimg::chain::ImageFormat::Qcow2)) {
+        Ok(i) => {
+            // The format-specific block of qemu-img's human `info` text.
+            let text = crate::human::info(&i);
+            if let Some(at) = text.find("Format specific information:\n") {
+                let mut lines = text[at..].lines();
+                if let Some(first) = lines.next() {
+                    say!("{first}");
+                }
+                for l in lines.take_while(|l| l.starts_with("    ")) {
+                    say!("{l}");
+                }
+            }
+            Ok(())
+        }
+        Err(e) => {
+            say!("qimg io: cannot read the image information: {e}");
+            Err(Failed)
+        }
+    }
+}
+
+/// `sleep ms`: a number as C's `strtol` with base 0 reads it, not negative.
+async fn sleep(arg: &str) -> Outcome {
+    let (radix, digits) = match arg.strip_prefix("0x").or_else(|| arg.strip_prefix("0X")) {
+        Some(h) => (16, h),
+        None if arg.len() > 1 && arg.starts_with('0') => (8, &arg[1..]),
+        None => (10, arg.strip_prefix('+').unwrap_or(arg)),
+    };
+    match u64::from_str_radix(digits, radix) {
+        Ok(ms) if !digits.starts_with('+') => {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            Ok(())
+        }
+        _ => {
+            say!("{arg} is not a valid number");
+            Err(Failed)
+        }
+    }
+}
+
+/// `truncate [-m off] size`: grows the disk (qimg cannot shrink a qcow2 image).
+async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("truncate", args, "m:")?;
+    if o.operands.len() != 1 {
+        return usage("truncate");
+    }
+    if let Some(m) = o.arg('m') {
+        if m != "off" {
+            complain!("qemu-io: qimg io: preallocation mode '{m}' is not supported");
+            return Err(Failed);
+        }
+    }
+    let size = num(&o.operands[0])?;
+    match s.truncate_raw(size).await {
+        Ok(true) => return Ok(()),
+        Ok(false) => {}
+        Err(e) => {
+            complain!("qemu-io: {}", strerror(e));
+            return Err(Failed);
+        }
+    }
+    let img = s.image();
+    if size % 512 != 0 {
+        complain!("qemu-io: The new size must be a multiple of 512");
+        return Err(Failed);
+    }
+    let old = img.size();
+    if size < old {
+        complain!("qemu-io: qimg cannot shrink a qcow2 image (from {old} to {size} bytes)");
+        return Err(Failed);
+    }
+    if size > old {
+        if let Err(e) = img.resize(size).await {
+            let name = img.path().display().to_string();
+            complain!("qemu-io: {}", crate::status::lib_msg(&e, &name));
+            return Err(Failed);
+        }
+    }
+    Ok(())
+}
+
+/// `open [-rnU] [-t cache] [-i aio] path`.
+async fn open(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("open", args, "rsCnkUt:d:o:i:")?;
+    if o.operands.len() > 1 {
+        return usage("open");
+    }
+    for unsupported in ['s', 'C', 'd', 'o'] {
+        if o.has(unsupported) {
+            complain!("qemu-io: qimg io: open -{unsupported} is not supported");
+            return Err(Failed);
+        }
+    }
+    let mut cache = default_cache();
+    let mut backend = qimg::io::Backend::Threads;
+    for (opt, arg) in &o.opts {
+        let r = match (opt, arg.as_deref()) {
+            ('n', _) => cache_mode("none").map(|c| cache = c),
+            ('t', Some(t)) => cache_mode(t).map(|c| cache = c),
+            ('i', Some(a)) => aio_mode(a).map(|b| backend = b),
+            ('k', _) => aio_mode("native").map(|b| backend = b),
+            _ => Ok(()),
+        };
+        if let Err(line) = r {
+            complain!("{line}");
+            return Err(Failed);
+        }
+    }
+    if s.is_open() {
+        complain!("qemu-io: file open already, try 'help close'");
+        return Err(Failed);
+    }
+    let Some(file) = o.operands.first() else {
+        complain!("qemu-io: qimg io: open needs a file name");
+        return Err(Failed);
+    };
+    let spec = OpenSpec {
+        fmt: None,
+        read_only: o.has('r'),
+        force_share: o.has('U'),
+        cache,
+        backend,
+    };
+    s.open(file, &spec).await
+}

@@ -1,0 +1,159 @@
+//! `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... [FILE]`: qemu-io's command
+//! language on qimg's engine, so that scripts and bug reports written for
+//! `qemu-io -c 'write -P 0xab 0 64k' -c 'read -P 0xab 0 64k' img` run unchanged.
+//!
+//! The commands run in order, from the `-c` options or else from standard input, one per line
+//! (each read preceded by the `qemu-io> ` prompt, as qemu-io prints it on any input). Output
+//! lines, error messages and the exit status (1 when any command failed) are qemu-io's; the
+//! program name in messages stays `qemu-io` so that the output of a script compares equal.
+//!
+//! Modules: [`parse`] (numbers, pattern bytes, getopt), [`out`] (sizes, times, reports,
+//! dumps), [`session`] (the open image and how qemu-io's requests map onto the engine),
+//! [`commands`] (the command table and each command).
+
+/// `println!` that ignores a standard output nobody reads any more (`qimg io ... | head`),
+/// where `println!` would panic.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `print!` with [`say!`]'s tolerance.
+macro_rules! say_raw {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `eprintln!` with [`say!`]'s tolerance.
+macro_rules! complain {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+mod commands;
+mod out;
+mod parse;
+mod session;
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+use qimg::io::Backend;
+
+use self::commands::line;
+use self::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache};
+
+/// Arguments of `qimg io`.
+#[derive(clap::Args)]
+pub struct IoArgs {
+    /// Image format: qcow2 or raw (probed when absent).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Open the image read-only.
+    #[arg(short = 'r', long = "read-only")]
+    read_only: bool,
+    /// Share the image with writers (read-only opens only, as qemu-io).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// Cache mode: none, writeback, writethrough (the default), directsync, unsafe.
+    #[arg(short = 't', long = "cache")]
+    cache: Option<String>,
+    /// I/O backend: threads (the default), io_uring or native (io_uring).
+    #[arg(short = 'i', long = "aio")]
+    aio: Option<String>,
+    /// No host cache: `-t none`.
+    #[arg(short = 'n', long = "nocache")]
+    nocache: bool,
+    /// A command to run (repeatable); without any, commands are read from standard input.
+    #[arg(short = 'c', long = "cmd", allow_hyphen_values = true)]
+    cmds: Vec<String>,
+    /// The image.
+    file: Option<String>,
+}
+
+/// Runs `qimg io`; the exit status is 1 when the image did not open or any command failed.
+pub fn run(args: IoArgs) -> ExitCode {
+    let spec = match open_spec(&args) {
+        Ok(s) => s,
+        Err(line) => {
+            complain!("{line}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            complain!("qemu-io: cannot start the I/O runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ok = rt.block_on(async {
+        let mut s = Session::new();
+        if let Some(file) = &args.file {
+            if s.open(file, &spec).await.is_err() {
+                return false;
+            }
+        }
+        if args.cmds.is_empty() {
+            let stdin = std::io::stdin();
+            let mut lines = stdin.lock();
+            let mut input = String::new();
+            loop {
+                say_raw!("qemu-io> ");
+                let _ = std::io::stdout().flush();
+                input.clear();
+                match lines.read_line(&mut input) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+                if line(&mut s, &input).await.is_break() {
+                    break;
+                }
+            }
+        } else {
+            for c in &args.cmds {
+                if line(&mut s, c).await.is_break() {
+                    break;
+                }
+            }
+        }
+        s.finish().await
+    });
+    let _ = std::io::stdout().flush();
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The open options of the command line, or the line qemu-io prints for a bad one.
+fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
+    let mut cache = default_cache();
+    if args.nocache {
+        cache = cache_mode("none")?;
+    }
+    if let Some(t) = &args.cache {
+        cache = cache_mode(t)?;
+    }
+    let backend = match &args.aio {
+        Some(a) => aio_mode(a)?,
+        None => Backend::Threads,
+    };
+    Ok(OpenSpec {
+        fmt: args.fmt.clone(),
+        read_only: args.read_only,
+        force_share: args.force_share,
+        cache,
+        backend,
+    })
+}
