@@ -1120,17 +1120,22 @@ fn image_locks_match_qemu_io() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // Wait until the holder has the image open: a writer is then refused.
+        // Wait until the holder has the image open, seen in /proc/locks (QEMU's and qimg's
+        // OFD locks on the image's inode). Probing with another opener instead would race:
+        // a probe that opens the image while the holder starts keeps the holder out.
+        let ino =
+            std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(s.0.join("img.qcow2")).unwrap());
+        let needle = format!(":{ino} ");
         let mut held = false;
-        for _ in 0..400 {
+        for _ in 0..600 {
             if let Some(status) = child.try_wait().unwrap() {
                 let mut err = String::new();
                 use std::io::Read;
                 let _ = child.stderr.take().unwrap().read_to_string(&mut err);
                 panic!("the holder {} exited ({status}): {err}", holder.display());
             }
-            let o = run(&s.0, &qemu, &["-c", "length", "img.qcow2"]);
-            if !o.status.success() {
+            let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+            if locks.lines().any(|l| l.contains(&needle)) {
                 held = true;
                 break;
             }
