@@ -83,3 +83,62 @@ fn run_variants(s: &[u8]) {
         qimg_serve::fuzzing::connection(&t);
     }
 }
+
+/// The vhost-user-blk request harness on a well-formed read, write and write-zeroes, every
+/// cut of them, and seeded random bytes.
+#[test]
+fn the_vhost_request_harness_takes_any_bytes() {
+    fn desc(v: &mut Vec<u8>, addr: u32, len: u32, write: bool) {
+        v.extend_from_slice(&addr.to_le_bytes());
+        v.extend_from_slice(&len.to_le_bytes());
+        v.push(u8::from(write));
+    }
+    let mut inputs = Vec::new();
+    for (kind, descs) in [
+        (
+            0u32,
+            vec![(0u32, 16u32, false), (4096, 4096, true), (8192, 1, true)],
+        ),
+        (
+            1,
+            vec![(0, 16, false), (4096, 4096, false), (8192, 1, true)],
+        ),
+        (13, vec![(0, 16, false), (16, 16, false), (8192, 1, true)]),
+    ] {
+        let mut v = vec![0u8, descs.len() as u8];
+        for (a, l, w) in descs {
+            desc(&mut v, a, l, w);
+        }
+        let mut mem = vec![0u8; 32];
+        mem[0..4].copy_from_slice(&kind.to_le_bytes());
+        mem[8..16].copy_from_slice(&8u64.to_le_bytes());
+        mem[16..24].copy_from_slice(&16u64.to_le_bytes());
+        mem[24..28].copy_from_slice(&8u32.to_le_bytes());
+        mem[28..32].copy_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&mem);
+        inputs.push(v);
+    }
+    for input in &inputs {
+        for cut in 0..=input.len() {
+            qimg_serve::fuzzing::vhost_request(&input[..cut]);
+        }
+        for flags in 0..4u8 {
+            let mut v = input.clone();
+            v[0] = flags;
+            qimg_serve::fuzzing::vhost_request(&v);
+        }
+    }
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..2000 {
+        let n = (x % 200) as usize;
+        let v: Vec<u8> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        qimg_serve::fuzzing::vhost_request(&v);
+    }
+}
