@@ -31,6 +31,12 @@ use crate::cache_mode::CacheMode;
 
 /// `qimg serve` arguments.
 #[derive(Args, Debug)]
+#[command(group(
+    clap::ArgGroup::new("export")
+        .required(true)
+        .multiple(true)
+        .args(["nbd", "vhost_user_blk"])
+))]
 pub struct ServeArgs {
     /// Serve NBD on ADDR: `unix:PATH` or `HOST:PORT`.
     #[arg(
@@ -81,6 +87,21 @@ pub struct ServeArgs {
     /// Write the process id to FILE once the socket accepts connections.
     #[arg(long = "pidfile", visible_alias = "pid-file", value_name = "FILE")]
     pub pidfile: Option<PathBuf>,
+    /// qcow2 l2-cache-size (as qemu's option: bytes, with suffixes).
+    #[arg(long = "l2-cache-size")]
+    pub l2_cache_size: Option<String>,
+    /// qcow2 l2-cache-entry-size (the slice size).
+    #[arg(long = "l2-cache-entry-size")]
+    pub l2_cache_entry_size: Option<String>,
+    /// qcow2 refcount-cache-size.
+    #[arg(long = "refcount-cache-size")]
+    pub refcount_cache_size: Option<String>,
+    /// qcow2 cache-size (L2 and refcount caches together).
+    #[arg(long = "cache-size")]
+    pub cache_size: Option<String>,
+    /// qcow2 cache-clean-interval in seconds (0 disables).
+    #[arg(long = "cache-clean-interval")]
+    pub cache_clean_interval: Option<String>,
     /// Require TLS, with the credentials in DIR (ca-cert.pem, server-cert.pem,
     /// server-key.pem, as QEMU's tls-creds-x509); clients need a certificate of that CA.
     #[arg(long = "tls-creds", value_name = "DIR")]
@@ -169,9 +190,21 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
         Some(dir) => Some(Arc::new(TlsCreds::from_dir(dir)?) as Arc<dyn StartTls>),
         None => None,
     };
+    let mut cache = CacheOptions::default();
+    for (key, v) in [
+        ("l2-cache-size", &a.l2_cache_size),
+        ("l2-cache-entry-size", &a.l2_cache_entry_size),
+        ("refcount-cache-size", &a.refcount_cache_size),
+        ("cache-size", &a.cache_size),
+        ("cache-clean-interval", &a.cache_clean_interval),
+    ] {
+        if let Some(v) = v {
+            crate::cmd::bench::parse::cache_option(&mut cache, key, v).map_err(|e| anyhow!(e))?;
+        }
+    }
     let image = OpenOptions::new()
         .writable(!a.readonly)
-        .cache(CacheOptions::default())
+        .cache(cache)
         .direct(mode.direct)
         .backend(backend)
         .open(&a.image)

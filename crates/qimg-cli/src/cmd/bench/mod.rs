@@ -28,7 +28,7 @@
 
 mod config;
 mod hist;
-mod parse;
+pub(crate) mod parse;
 mod report;
 mod run;
 
