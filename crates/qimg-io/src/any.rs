@@ -17,8 +17,11 @@ use crate::uring::{UringOptions, UringStorage};
 /// Which backend [`AnyStorage::open`] uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
-    /// Blocking system calls on tokio's blocking thread pool ([`FileStorage`]), qemu-img's
-    /// `aio=threads`.
+    /// Positioned system calls ([`FileStorage`] with [`BlockingStrategy::Inline`]: on the
+    /// thread that polls the request, no thread pool), qemu-img's `aio=threads`. Use a
+    /// multi-threaded runtime so that a request waiting on the disk does not hold up others.
+    ///
+    /// [`BlockingStrategy::Inline`]: crate::BlockingStrategy::Inline
     #[default]
     Threads,
     /// io_uring ([`UringStorage`]), qemu-img's `aio=io_uring`. Opcodes the kernel lacks fall
