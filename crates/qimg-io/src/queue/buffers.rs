@@ -172,7 +172,7 @@ impl IoBuffers {
         }
     }
 
-    /// Whether this is guest memory ([`from_guest`](Self::from_guest)): reachable only by
+    /// Whether this is guest memory (`from_guest`, feature `vm-memory`): reachable only by
     /// copies, never as Rust slices.
     pub fn is_guest_memory(&self) -> bool {
         self.memory.volatile
