@@ -14,4 +14,6 @@ else
   echo "SKIPPED module cycle check: python3 not found"
 fi
 cargo test --workspace --locked
+# The lean library (no compression codecs, JSON or blocking facade) and its unit tests.
+cargo test -p qimg --no-default-features --lib --locked
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked

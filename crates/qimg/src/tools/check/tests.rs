@@ -125,6 +125,7 @@ fn a_refcount_of_zero_needs_a_rebuild_which_repairs_it() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+#[cfg(feature = "json")]
 #[test]
 fn json_leaves_out_zero_counters_but_not_check_errors() {
     let r = CheckReport {
