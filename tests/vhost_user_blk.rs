@@ -527,3 +527,62 @@ fn a_frontend_that_disconnects_mid_request_and_reconnects_loses_no_acknowledged_
     daemon.stop();
     assert_clean(&dir.0, "top.qcow2", "reconnect");
 }
+
+#[test]
+fn the_device_reports_block_size_topology_and_limits_as_configured() {
+    if !usable("the_device_reports_block_size_topology_and_limits_as_configured") {
+        return;
+    }
+    let dir = Scratch::new("vhost-config");
+    qemu_create(
+        &dir.0,
+        "d.qcow2",
+        "extended_l2=on,cluster_size=128k",
+        SIZE,
+        None,
+    );
+    let daemon = Daemon::start(
+        &dir.0,
+        "d.qcow2",
+        &[
+            "--num-queues",
+            "3",
+            "--logical-block-size",
+            "4096",
+            "--serial",
+            "qimg-disk-0",
+        ],
+    );
+    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &daemon.socket.display().to_string())
+        .unwrap();
+    b.connect().unwrap();
+    assert_eq!(b.get_i32("max-queues").unwrap(), 3);
+    assert_eq!(b.get_u64("capacity").unwrap(), SIZE);
+    assert_eq!(b.get_i32("request-alignment").unwrap(), 4096);
+    // The cluster is the optimal I/O size; discard works on 4 KiB subclusters.
+    assert_eq!(b.get_i32("optimal-io-size").unwrap(), 128 * 1024);
+    assert_eq!(b.get_i32("discard-alignment").unwrap(), 4096);
+    assert_eq!(b.get_i32("max-segments").unwrap(), 126);
+    drop(b);
+    daemon.stop();
+    assert_clean(&dir.0, "d.qcow2", "config");
+    // Impossible options are refused before anything is served.
+    for (opt, val) in [
+        ("--num-queues", "0"),
+        ("--logical-block-size", "1024"),
+        ("--serial", "an-id-longer-than-twenty"),
+    ] {
+        let o = common::qimg(
+            &dir.0,
+            &["serve", "--vhost-user-blk", "x.sock", opt, val, "d.qcow2"],
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{opt} {val}: {err}");
+        assert!(err.contains(opt) && err.contains(val), "{opt} {val}: {err}");
+        assert!(
+            !dir.path("x.sock").exists(),
+            "{opt} {val}: the socket was bound"
+        );
+    }
+}
