@@ -456,10 +456,18 @@ impl VhostUserBackend for Backend {
             return Ok(());
         };
         let q = thread_id;
-        if usize::from(device_event) < n {
-            self.process_queue(q, vring)?;
+        let r = if usize::from(device_event) < n {
+            self.process_queue(q, vring)
         } else if usize::from(device_event) == n + 1 + q {
-            self.complete(q, vring)?;
+            self.complete(q, vring)
+        } else {
+            Ok(())
+        };
+        // An error here comes from the guest's rings (a queue not ready, a used ring the
+        // guest broke): the queue thread must keep serving, so it is reported, not returned
+        // (an error would end the thread and with it the virtqueue).
+        if let Err(e) = r {
+            eprintln!("qimg: vhost-user-blk queue {q}: {e}");
         }
         Ok(())
     }
