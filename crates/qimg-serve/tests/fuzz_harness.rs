@@ -142,3 +142,17 @@ fn the_vhost_request_harness_takes_any_bytes() {
         qimg_serve::fuzzing::vhost_request(&v);
     }
 }
+
+/// The committed `vhost_request` corpus (found by cargo-fuzz) replays through the harness.
+#[test]
+fn the_vhost_request_corpus_replays() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/vhost_request");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("the corpus directory") {
+        let path = entry.unwrap().path();
+        qimg_serve::fuzzing::vhost_request(&std::fs::read(&path).unwrap());
+        n += 1;
+    }
+    assert!(n >= 50, "{n} inputs in {}", dir.display());
+}
