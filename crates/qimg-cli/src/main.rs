@@ -15,6 +15,7 @@ mod chain;
 mod cmd;
 mod create_opts;
 mod human;
+mod progress;
 mod status;
 
 use std::process::ExitCode;
@@ -48,6 +49,8 @@ enum Command {
     Convert(cmd::convert::ConvertArgs),
     /// Measure I/O performance: `qimg bench [-c COUNT] [-d DEPTH] [-w] ... FILE`
     Bench(cmd::bench::BenchArgs),
+    /// Compare the guest data of two images: `qimg compare [-f FMT] [-F FMT] [-s] [-p] [-q] [-U] FILE1 FILE2`
+    Compare(cmd::compare::CompareArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
 }
@@ -61,6 +64,8 @@ fn main() -> ExitCode {
         Command::Map(a) => exit_status(cmd::map::run(a)),
         Command::Convert(a) => exit_status(cmd::convert::run(a)),
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
+        // compare has qemu-img compare's exit codes (1 different, 2 open error, 4 read error).
+        Command::Compare(a) => cmd::compare::run(a),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod compare;
 pub mod convert;
 pub mod create;
 pub mod info;
