@@ -51,6 +51,8 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Compare the guest data of two images: `qimg compare [-f FMT] [-F FMT] [-s] [-p] [-q] [-U] FILE1 FILE2`
     Compare(cmd::compare::CompareArgs),
+    /// Measure the size of a new image: `qimg measure [--output human|json] [-O FMT] [-o OPTS] [-f FMT] (--size SIZE | FILE)`
+    Measure(cmd::measure::MeasureArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
 }
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
         // compare has qemu-img compare's exit codes (1 different, 2 open error, 4 read error).
         Command::Compare(a) => cmd::compare::run(a),
+        Command::Measure(a) => exit_status(cmd::measure::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
     }
 }

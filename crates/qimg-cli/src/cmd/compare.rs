@@ -22,7 +22,7 @@ use qimg::io::AnyStorage;
 use crate::cache_mode::CacheMode;
 use crate::chain::{Entry, Layer, open_chain, source_format, status};
 use crate::progress::Progress;
-use crate::status::{fail, lib_msg, os_msg};
+use crate::status::{fail, lib_msg, open_msg, os_msg};
 
 /// Arguments of `qimg compare`.
 #[derive(clap::Args)]
@@ -194,26 +194,6 @@ impl Side {
         }
         first_nonzero_sector(buf)
             .map(|i| Outcome::say(1, format!("Content mismatch at offset {}!", offset + i)))
-    }
-}
-
-/// A failed open, worded as qemu-img's (a missing file names the file twice, as QEMU's
-/// protocol layer does).
-fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
-    let text = format!("{e:#}");
-    let prefix = format!("Could not open '{file}': ");
-    match text.strip_prefix(&prefix) {
-        Some(rest)
-            if rest.starts_with("No such file")
-                || rest.starts_with("Permission denied")
-                || rest.starts_with("Is a directory") =>
-        {
-            anyhow!("{prefix}{prefix}{rest}")
-        }
-        Some(rest) if rest.starts_with("not a qcow2 image") => {
-            anyhow!("{prefix}Image is not in qcow2 format")
-        }
-        _ => e,
     }
 }
 

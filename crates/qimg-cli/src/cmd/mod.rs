@@ -7,4 +7,5 @@ pub mod convert;
 pub mod create;
 pub mod info;
 pub mod map;
+pub mod measure;
 pub mod serve;
