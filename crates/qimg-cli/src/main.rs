@@ -53,6 +53,8 @@ enum Command {
     Compare(cmd::compare::CompareArgs),
     /// Measure the size of a new image: `qimg measure [--output human|json] [-O FMT] [-o OPTS] [-f FMT] (--size SIZE | FILE)`
     Measure(cmd::measure::MeasureArgs),
+    /// Change the virtual size of an image: `qimg resize [-f FMT] [--shrink] [--preallocation=MODE] [-q] FILE [+|-]SIZE`
+    Resize(cmd::resize::ResizeArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
 }
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         // compare has qemu-img compare's exit codes (1 different, 2 open error, 4 read error).
         Command::Compare(a) => cmd::compare::run(a),
         Command::Measure(a) => exit_status(cmd::measure::run(a)),
+        Command::Resize(a) => exit_status(cmd::resize::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
     }
 }

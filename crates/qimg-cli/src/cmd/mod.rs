@@ -8,4 +8,5 @@ pub mod create;
 pub mod info;
 pub mod map;
 pub mod measure;
+pub mod resize;
 pub mod serve;
