@@ -55,6 +55,12 @@ enum Command {
     Measure(cmd::measure::MeasureArgs),
     /// Change the virtual size of an image: `qimg resize [-f FMT] [--shrink] [--preallocation=MODE] [-q] FILE [+|-]SIZE`
     Resize(cmd::resize::ResizeArgs),
+    /// Change the options of a qcow2 image: `qimg amend [-f FMT] -o OPTS [-p] [-q] [--force] FILE`
+    Amend(cmd::amend::AmendArgs),
+    /// Change the backing file of an image: `qimg rebase [-f FMT] [-F FMT] -b BACKING [-u] [-p] FILE`
+    Rebase(cmd::rebase::RebaseArgs),
+    /// Write an image's data into its backing file: `qimg commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] FILE`
+    Commit(cmd::commit::CommitArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
 }
@@ -72,6 +78,9 @@ fn main() -> ExitCode {
         Command::Compare(a) => cmd::compare::run(a),
         Command::Measure(a) => exit_status(cmd::measure::run(a)),
         Command::Resize(a) => exit_status(cmd::resize::run(a)),
+        Command::Amend(a) => exit_status(cmd::amend::run(a)),
+        Command::Rebase(a) => exit_status(cmd::rebase::run(a)),
+        Command::Commit(a) => exit_status(cmd::commit::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
     }
 }
