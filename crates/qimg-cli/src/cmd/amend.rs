@@ -132,8 +132,7 @@ pub fn run(args: AmendArgs) -> Result<()> {
     let mut progress = Progress::start(args.progress && !args.quiet, 100);
     let mut done = 0u64;
     let mut report = |d: u64, total: u64| {
-        if total > 0 {
-            let pct = d * 100 / total;
+        if let Some(pct) = (d * 100).checked_div(total) {
             progress.add(pct.saturating_sub(done));
             done = done.max(pct);
         }

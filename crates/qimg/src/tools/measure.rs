@@ -1,7 +1,7 @@
 //! `qemu-img measure`'s arithmetic: how large a qcow2 file with given options gets when every
 //! cluster is allocated (metadata included), and how much room persistent bitmaps copied
 //! into it take. The data a source image holds is counted by the caller (it walks the
-//! source's block status); [`required_size`] combines the two as qemu-img does.
+//! source's block status); [`MeasureOptions::required`] combines the two as qemu-img does.
 
 use qimg_format::geometry::RefcountGeometry;
 use qimg_format::l1::L1_ENTRY_SIZE;
