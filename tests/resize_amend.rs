@@ -404,9 +404,8 @@ fn amend_matches_qemu_img() {
         ("p.qcow2", &["-o", "compat=0.10"]),
         ("p.qcow2", &["-o", "refcount_bits=2"]),
         ("big.qcow2", &["-o", "compat=0.10"]),
-        // (refcount_bits with size on 2 MiB clusters makes qemu-img spin for minutes: kept
-        // apart.)
-        ("big.qcow2", &["-o", "refcount_bits=4"]),
+        // (A refcount width change on 2 MiB clusters keeps qemu-img busy for minutes: not in
+        // the matrix.)
         ("big.qcow2", &["-o", "size=5M"]),
         ("ext.qcow2", &["-o", "refcount_bits=8"]),
         ("z.qcow2", &["-o", "compat=0.10"]),

@@ -157,7 +157,6 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
         let b = OpenOptions::new()
             .writable(true)
             .clean_timer(false)
-            .follow_backing(false)
             .open(&base.path)
             .await
             .map_err(|e| anyhow!("Could not open '{base_name}': {}", lib_msg(&e, &base_name)))?;
