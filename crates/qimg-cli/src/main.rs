@@ -15,6 +15,7 @@ mod chain;
 mod cmd;
 mod create_opts;
 mod human;
+mod progress;
 mod status;
 
 use std::process::ExitCode;
@@ -48,6 +49,18 @@ enum Command {
     Convert(cmd::convert::ConvertArgs),
     /// Measure I/O performance: `qimg bench [-c COUNT] [-d DEPTH] [-w] ... FILE`
     Bench(cmd::bench::BenchArgs),
+    /// Compare the guest data of two images: `qimg compare [-f FMT] [-F FMT] [-s] [-p] [-q] [-U] FILE1 FILE2`
+    Compare(cmd::compare::CompareArgs),
+    /// Measure the size of a new image: `qimg measure [--output human|json] [-O FMT] [-o OPTS] [-f FMT] (--size SIZE | FILE)`
+    Measure(cmd::measure::MeasureArgs),
+    /// Change the virtual size of an image: `qimg resize [-f FMT] [--shrink] [--preallocation=MODE] [-q] FILE [+|-]SIZE`
+    Resize(cmd::resize::ResizeArgs),
+    /// Change the options of a qcow2 image: `qimg amend [-f FMT] -o OPTS [-p] [-q] [--force] FILE`
+    Amend(cmd::amend::AmendArgs),
+    /// Change the backing file of an image: `qimg rebase [-f FMT] [-F FMT] -b BACKING [-u] [-p] FILE`
+    Rebase(cmd::rebase::RebaseArgs),
+    /// Write an image's data into its backing file: `qimg commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] FILE`
+    Commit(cmd::commit::CommitArgs),
     /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
     Serve(cmd::serve::ServeArgs),
     /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
@@ -65,6 +78,13 @@ fn main() -> ExitCode {
         Command::Map(a) => exit_status(cmd::map::run(a)),
         Command::Convert(a) => exit_status(cmd::convert::run(a)),
         Command::Bench(a) => exit_status(cmd::bench::run(a)),
+        // compare has qemu-img compare's exit codes (1 different, 2 open error, 4 read error).
+        Command::Compare(a) => cmd::compare::run(a),
+        Command::Measure(a) => exit_status(cmd::measure::run(a)),
+        Command::Resize(a) => exit_status(cmd::resize::run(a)),
+        Command::Amend(a) => exit_status(cmd::amend::run(a)),
+        Command::Rebase(a) => exit_status(cmd::rebase::run(a)),
+        Command::Commit(a) => exit_status(cmd::commit::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
         // io has qemu-io's exit status and prints its own errors.

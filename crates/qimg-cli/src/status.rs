@@ -7,7 +7,7 @@
 use std::fmt::Display;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Result, anyhow};
 
 /// Prints `qimg: MESSAGE` on stderr and returns exit status `code`.
 pub fn fail(msg: impl Display, code: u8) -> ExitCode {
@@ -62,4 +62,24 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
         cause = c.source();
     }
     s
+}
+
+/// A failed open, worded as qemu-img's (a missing file names the file twice, as QEMU's
+/// protocol layer does).
+pub fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
+    let text = format!("{e:#}");
+    let prefix = format!("Could not open '{file}': ");
+    match text.strip_prefix(&prefix) {
+        Some(rest)
+            if rest.starts_with("No such file")
+                || rest.starts_with("Permission denied")
+                || rest.starts_with("Is a directory") =>
+        {
+            anyhow!("{prefix}{prefix}{rest}")
+        }
+        Some(rest) if rest.starts_with("not a qcow2 image") => {
+            anyhow!("{prefix}Image is not in qcow2 format")
+        }
+        _ => e,
+    }
 }

@@ -1,11 +1,17 @@
 //! One module per `qimg` command: its arguments (clap) and its `run`.
 
+pub mod amend;
 pub mod bench;
 pub mod check;
+pub mod commit;
+pub mod compare;
 pub mod convert;
 pub mod create;
 pub mod info;
 pub mod io;
 pub mod map;
+pub mod measure;
+pub mod rebase;
+pub mod resize;
 pub mod serve;
 pub mod snapshot;

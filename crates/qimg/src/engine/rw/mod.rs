@@ -10,6 +10,7 @@
 //! | `compressed` | compressed cluster writes |
 //! | `zero` | write-zeroes and discard, whole subclusters by bitmap |
 //! | `resize` | growing and shrinking the virtual disk |
+//! | `empty` | making every cluster unallocated (`qemu-img commit`'s make-empty) |
 //!
 //! Every request first takes its guest clusters in the range lock (shared for reads, exclusive
 //! otherwise), then works cluster by cluster: look the L2 entry up under the metadata lock,
@@ -33,6 +34,7 @@ use crate::error::{Error, Result};
 
 mod compressed;
 mod cow;
+mod empty;
 mod read;
 mod resize;
 mod write;

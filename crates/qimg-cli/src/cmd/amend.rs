@@ -1,0 +1,199 @@
+//! `qimg amend [-f FMT] -o OPTS [-p] [-q] [--force] FILE`: changes the options of an existing
+//! qcow2 image ([`qimg::tools::amend`]), with qemu-img amend's option checks and messages:
+//! `compat`, `lazy_refcounts`, `refcount_bits`, `data_file` and `size` can change; creation-only
+//! options and the backing file (use `rebase`) are refused, as is a raw image.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::tools::amend::{AmendOptions, amend};
+use qimg::tools::create::Compat;
+
+use crate::args::{image_format, on_off, parse_size, split_opts};
+use crate::progress::Progress;
+use crate::status::{lib_msg, open_msg};
+
+/// Arguments of `qimg amend`.
+#[derive(clap::Args)]
+pub struct AmendArgs {
+    /// Image format: qcow2 (raw images have nothing to amend).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Options to change, comma separated; `-o help` lists them.
+    #[arg(short = 'o', long = "options", action = clap::ArgAction::Append)]
+    options: Vec<String>,
+    /// Show progress.
+    #[arg(short = 'p', long = "progress")]
+    progress: bool,
+    /// Quiet: no progress.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// Accepted for qemu-img compatibility (it only matters for encryption changes).
+    #[arg(long)]
+    force: bool,
+    /// The image.
+    filename: Option<String>,
+}
+
+/// The options amend can change, as `-o help` lists them.
+const AMEND_OPTIONS: &[(&str, &str, &str)] = &[
+    ("backing_file", "<str>", "File name of a base image"),
+    ("backing_fmt", "<str>", "Image format of the base image"),
+    (
+        "compat",
+        "<str>",
+        "Compatibility level (v2 [0.10] or v3 [1.1])",
+    ),
+    ("data_file", "<str>", "File name of an external data file"),
+    (
+        "data_file_raw",
+        "<bool (on/off)>",
+        "The external data file must stay valid as a raw image",
+    ),
+    (
+        "lazy_refcounts",
+        "<bool (on/off)>",
+        "Postpone refcount updates",
+    ),
+    (
+        "refcount_bits",
+        "<num>",
+        "Width of a reference count entry in bits",
+    ),
+    ("size", "<size>", "Virtual disk size"),
+];
+
+/// Options that only `create` takes.
+const CREATE_ONLY: &[&str] = &[
+    "cluster_size",
+    "extended_l2",
+    "preallocation",
+    "encryption",
+    "encrypt.format",
+    "compression_type",
+];
+
+/// Runs `qimg amend`.
+pub fn run(args: AmendArgs) -> Result<()> {
+    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    if pairs.iter().any(|p| p == "help" || p == "?") {
+        println!("Amend options for 'qcow2':");
+        for (k, t, d) in AMEND_OPTIONS {
+            let left = format!("{k}={t}");
+            println!("  {left:<22} - {d}");
+        }
+        return Ok(());
+    }
+    if args.options.is_empty() {
+        bail!("Must specify options (-o)\nTry 'qimg amend --help' for more info");
+    }
+    let Some(file) = args.filename else {
+        bail!("Expecting one image file name\nTry 'qimg amend --help' for more info");
+    };
+    let path = Path::new(&file);
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => image_format(name)
+            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
+        None => {
+            let f = probe_format(path).map_err(|e| {
+                open_msg(
+                    anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
+                    &file,
+                )
+            })?;
+            if f == ImageFormat::Raw {
+                eprintln!(
+                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
+                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
+                     Specify the 'raw' format explicitly to remove the restrictions."
+                );
+            }
+            f
+        }
+    };
+    if fmt == ImageFormat::Raw {
+        if !path.exists() {
+            bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
+        }
+        bail!("Format driver 'raw' does not support option amendment");
+    }
+    let opts = parse(&pairs)?;
+    if matches!(opts, Parsed::Backing) {
+        bail!("Cannot amend the backing file\nYou can use 'qimg rebase' instead.");
+    }
+    let Parsed::Options(opts) = opts else {
+        unreachable!("handled above")
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the I/O runtime")?;
+    let mut progress = Progress::start(args.progress && !args.quiet, 100);
+    let mut done = 0u64;
+    let mut report = |d: u64, total: u64| {
+        if let Some(pct) = (d * 100).checked_div(total) {
+            progress.add(pct.saturating_sub(done));
+            done = done.max(pct);
+        }
+    };
+    let r = rt.block_on(amend(path, &opts, &mut report));
+    progress.end();
+    r.map_err(|e| anyhow!("{}", lib_msg(&e, &file)))
+}
+
+enum Parsed {
+    Options(AmendOptions),
+    Backing,
+}
+
+/// Parses `-o` pairs with qemu-img amend's checks, in its order.
+fn parse(pairs: &[String]) -> Result<Parsed> {
+    let mut o = AmendOptions::default();
+    let mut backing = false;
+    for p in pairs {
+        let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
+        if CREATE_ONLY.contains(&k) {
+            bail!("Invalid parameter '{k}'\nThis option is only supported for image creation");
+        }
+        if !AMEND_OPTIONS.iter().any(|a| a.0 == k) {
+            bail!("Invalid parameter '{k}'");
+        }
+        match k {
+            "compat" => {
+                o.compat = Some(match v {
+                    "0.10" | "v2" => Compat::V2,
+                    "1.1" | "v3" => Compat::V3,
+                    _ => bail!("Unknown compatibility level {v}"),
+                })
+            }
+            "lazy_refcounts" => o.lazy_refcounts = Some(on_off(k, v).map_err(anyhow::Error::msg)?),
+            "refcount_bits" => {
+                o.refcount_bits = Some(
+                    v.parse()
+                        .map_err(|_| anyhow!("Parameter 'refcount_bits' expects a number"))?,
+                )
+            }
+            "data_file" => o.data_file = Some(v.to_string()),
+            "data_file_raw" => {
+                on_off(k, v).map_err(anyhow::Error::msg)?;
+                bail!("data-file-raw cannot be set on existing images");
+            }
+            "size" => {
+                o.size = Some(parse_size(v).ok_or_else(|| {
+                    anyhow!(
+                        "Parameter 'size' expects a non-negative number below 2^64\nOptional \
+                         suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand \
+                         exabytes, respectively."
+                    )
+                })?)
+            }
+            "backing_file" | "backing_fmt" => backing = true,
+            _ => {}
+        }
+    }
+    if backing {
+        return Ok(Parsed::Backing);
+    }
+    Ok(Parsed::Options(o))
+}

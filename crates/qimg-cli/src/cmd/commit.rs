@@ -1,0 +1,262 @@
+//! `qimg commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] FILE`: writes the data of an
+//! image down into its backing file, as qemu-img commit.
+//!
+//! Every range the image (or, with `-b`, any image above BASE in the chain) allocates is
+//! copied into the backing file (BASE): data as data, zero ranges as write-zeroes. A base
+//! smaller than the image grows first. Then, unless `-d` or `-b` is given, the image is
+//! emptied ([`qimg::Image::make_empty`]) so that its reads fall through to the backing file
+//! again.
+
+use std::fs::OpenOptions as FsOpen;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::{Image, OpenOptions};
+
+use crate::args::image_format;
+use crate::cache_mode::CacheMode;
+use crate::chain::{Layer, open_chain, status};
+use crate::progress::Progress;
+use crate::status::{lib_msg, open_msg, os_msg};
+
+/// Arguments of `qimg commit`.
+#[derive(clap::Args)]
+pub struct CommitArgs {
+    /// Image format: qcow2 (probed when absent).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Cache mode (checked; qimg writes through the page cache and flushes at the end).
+    #[arg(short = 't', long = "cache")]
+    cache: Option<String>,
+    /// Commit down to this image of the backing chain (implies -d).
+    #[arg(short = 'b', long = "base")]
+    base: Option<String>,
+    /// Keep the image's data (do not empty it).
+    #[arg(short = 'd', long = "drop")]
+    keep: bool,
+    /// Show progress.
+    #[arg(short = 'p', long = "progress")]
+    progress: bool,
+    /// Quiet.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// The image.
+    filename: Option<String>,
+}
+
+/// Bytes copied at a time.
+const CHUNK: u64 = 2 << 20;
+
+/// Runs `qimg commit`.
+pub fn run(args: CommitArgs) -> Result<()> {
+    CacheMode::parse_option(args.cache.as_deref(), "cache")?;
+    let Some(file) = args.filename.clone() else {
+        bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");
+    };
+    let path = Path::new(&file);
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => image_format(name)
+            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
+        None => probe_format(path).map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
+                &file,
+            )
+        })?,
+    };
+    if fmt == ImageFormat::Raw {
+        if !path.exists() {
+            bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
+        }
+        bail!("Image does not have a backing file");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the I/O runtime")?;
+    rt.block_on(commit(&args, path, &file))?;
+    if !args.quiet {
+        println!("Image committed.");
+    }
+    Ok(())
+}
+
+/// The base of the commit: its path, its format and its depth in the chain.
+struct Base {
+    path: PathBuf,
+    raw: bool,
+    depth: usize,
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
+    // The chain, read without taking locks (the base is opened for writing below).
+    let layers = open_chain(path, file, ImageFormat::Qcow2, true)
+        .await
+        .map_err(|e| open_msg(e, file))?;
+    if layers.len() < 2 {
+        bail!("Image does not have a backing file");
+    }
+    let base = match &args.base {
+        None => 1,
+        Some(b) => {
+            let wanted = Path::new(b);
+            layers
+                .iter()
+                .enumerate()
+                .skip(1)
+                .find(|(_, l)| l.files().first().is_some_and(|p| same_file(p, wanted)))
+                .map(|(i, _)| i)
+                .ok_or_else(|| anyhow!("Did not find '{b}' in the backing chain of '{file}'"))?
+        }
+    };
+    let base = Base {
+        path: layers[base].files()[0].clone(),
+        raw: matches!(layers[base], Layer::Raw(_)),
+        depth: base,
+    };
+    let Layer::Qcow2 { img: top, .. } = &layers[0] else {
+        bail!("Image does not have a backing file");
+    };
+    let size = top.size();
+    // What the images above the base allocate.
+    let mut ranges: Vec<(u64, u64, bool)> = Vec::new();
+    let mut entries = Vec::new();
+    let mut at = 0;
+    while at < size {
+        let n = (1u64 << 30).min(size - at);
+        entries.clear();
+        status(&layers, 0, at, n, &mut entries).await?;
+        for e in &entries {
+            if e.depth < base.depth && e.present {
+                match ranges.last_mut() {
+                    Some(last) if last.0 + last.1 == e.start && last.2 == e.zero => {
+                        last.1 += e.length
+                    }
+                    _ => ranges.push((e.start, e.length, e.zero)),
+                }
+            }
+        }
+        at += n;
+    }
+    let show = args.progress && !args.quiet;
+    let total: u64 = ranges.iter().map(|r| r.1).sum();
+    let mut progress = Progress::start(show, total);
+    let base_name = base.path.display().to_string();
+    if base.raw {
+        copy_to_raw(top, &base.path, &base_name, size, &ranges, &mut progress).await?;
+    } else {
+        let b = OpenOptions::new()
+            .writable(true)
+            .clean_timer(false)
+            .open(&base.path)
+            .await
+            .map_err(|e| anyhow!("Could not open '{base_name}': {}", lib_msg(&e, &base_name)))?;
+        let r = copy_to_qcow2(top, &b, size, &ranges, &mut progress).await;
+        let closed = b
+            .close()
+            .await
+            .map_err(|e| anyhow!("{}", lib_msg(&e, &base_name)));
+        r.and(closed)?;
+    }
+    drop(layers);
+    if args.keep || args.base.is_some() {
+        progress.end();
+        return Ok(());
+    }
+    let top = OpenOptions::new()
+        .writable(true)
+        .clean_timer(false)
+        .open(path)
+        .await
+        .map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        })?;
+    let r = top.make_empty().await;
+    let closed = top.close().await;
+    progress.end();
+    r.and(closed)
+        .map_err(|e| anyhow!("Could not empty {file}: {}", lib_msg(&e, file)))
+}
+
+async fn copy_to_qcow2(
+    top: &Image<qimg::io::AnyStorage>,
+    base: &Image<qimg::io::AnyStorage>,
+    size: u64,
+    ranges: &[(u64, u64, bool)],
+    progress: &mut Progress,
+) -> Result<()> {
+    if base.size() < size {
+        base.resize(size).await.map_err(|e| anyhow!("{e}"))?;
+    }
+    let mut buf = vec![0u8; CHUNK as usize];
+    for &(start, len, zero) in ranges {
+        if zero {
+            base.write_zeroes(start, len)
+                .await
+                .map_err(|e| anyhow!("{e}"))?;
+            progress.add(len);
+            continue;
+        }
+        let mut at = start;
+        while at < start + len {
+            let n = (start + len - at).min(CHUNK) as usize;
+            top.read(&mut buf[..n], at)
+                .await
+                .map_err(|e| anyhow!("{e}"))?;
+            base.write(&buf[..n], at)
+                .await
+                .map_err(|e| anyhow!("{e}"))?;
+            at += n as u64;
+            progress.add(n as u64);
+        }
+    }
+    base.flush().await.map_err(|e| anyhow!("{e}"))
+}
+
+async fn copy_to_raw(
+    top: &Image<qimg::io::AnyStorage>,
+    path: &Path,
+    name: &str,
+    size: u64,
+    ranges: &[(u64, u64, bool)],
+    progress: &mut Progress,
+) -> Result<()> {
+    let f = FsOpen::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| anyhow!("Could not open '{name}': {}", os_msg(&e)))?;
+    let io = |e: std::io::Error| anyhow!("Could not write '{name}': {}", os_msg(&e));
+    if f.metadata().map_err(io)?.len() < size {
+        f.set_len(size).map_err(io)?;
+    }
+    let mut buf = vec![0u8; CHUNK as usize];
+    for &(start, len, zero) in ranges {
+        let mut at = start;
+        while at < start + len {
+            let n = (start + len - at).min(CHUNK) as usize;
+            if zero {
+                buf[..n].fill(0);
+            } else {
+                top.read(&mut buf[..n], at)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
+            f.write_all_at(&buf[..n], at).map_err(io)?;
+            at += n as u64;
+            progress.add(n as u64);
+        }
+    }
+    f.sync_all().map_err(io)
+}

@@ -1,0 +1,302 @@
+//! `qimg rebase [-f FMT] [-F FMT] [-b BACKING] [-u] [-p] [-q] [-U] [-t CACHE] [-T CACHE] FILE`:
+//! changes the backing file of a qcow2 image, as qemu-img rebase.
+//!
+//! Safe mode (the default) keeps the guest view: every range the image does not allocate
+//! itself and where the old backing chain and the new backing file read differently gets the
+//! old chain's data written into the image, in units of the image's subcluster (cluster
+//! without extended L2), only the units that differ. `-b ""` makes the image standalone (the
+//! new "backing file" reads as zeros, so everything the old chain supplies is copied). Then
+//! the header gets the new name and format. `-u` only rewrites the name and format.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use qimg::chain::{ImageFormat, probe_format, resolve_backing};
+use qimg::io::AnyStorage;
+use qimg::{Backing, ExtentKind, Image, OpenOptions};
+
+use crate::args::image_format;
+use crate::cache_mode::CacheMode;
+use crate::progress::Progress;
+use crate::status::{lib_msg, open_msg, os_msg};
+
+/// Arguments of `qimg rebase`.
+#[derive(clap::Args)]
+pub struct RebaseArgs {
+    /// Image format: qcow2 (probed when absent).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Format of the new backing file (required with a new backing file).
+    #[arg(short = 'F', long = "backing-format")]
+    backing_fmt: Option<String>,
+    /// The new backing file ("" for none), stored as given, relative to the image.
+    #[arg(short = 'b', long = "backing")]
+    backing: Option<String>,
+    /// Unsafe: only rewrite the backing file name and format.
+    #[arg(short = 'u', long = "unsafe")]
+    unsafe_mode: bool,
+    /// Show progress.
+    #[arg(short = 'p', long = "progress")]
+    progress: bool,
+    /// Quiet.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// Accepted for qemu-img compatibility (the backing files are opened read-only).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// Cache mode of the image (checked; qimg writes through the page cache).
+    #[arg(short = 't', long = "cache")]
+    cache: Option<String>,
+    /// Cache mode of the backing files (checked).
+    #[arg(short = 'T', long = "source-cache")]
+    src_cache: Option<String>,
+    /// The image.
+    filename: Option<String>,
+}
+
+/// Guest bytes compared at a time.
+const CHUNK: u64 = 2 << 20;
+
+/// Runs `qimg rebase`.
+pub fn run(args: RebaseArgs) -> Result<()> {
+    CacheMode::parse_option(args.cache.as_deref(), "cache")?;
+    CacheMode::parse_option(args.src_cache.as_deref(), "source cache")?;
+    let Some(file) = args.filename.clone() else {
+        bail!("Expecting one image file name\nTry 'qimg rebase --help' for more info");
+    };
+    let Some(new_name) = args.backing.clone() else {
+        if args.unsafe_mode {
+            return finish(&args, &file, None);
+        }
+        bail!(
+            "Must specify backing file (-b) or use unsafe mode (-u)\nTry 'qimg rebase --help' for more info"
+        );
+    };
+    let path = Path::new(&file);
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => image_format(name)
+            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
+        None => probe_format(path).map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
+                &file,
+            )
+        })?,
+    };
+    let new = (!new_name.is_empty()).then_some(new_name.as_str());
+    if fmt == ImageFormat::Raw {
+        if !path.exists() {
+            bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
+        }
+        bail!(
+            "Could not change the backing file to '{}': Operation not supported",
+            new.unwrap_or("")
+        );
+    }
+    let new_fmt = match (new, args.backing_fmt.as_deref()) {
+        (Some(n), None) => {
+            bail!("Could not change the backing file to '{n}': backing format must be specified")
+        }
+        (Some(_), Some(f)) => Some(image_format(f).ok_or_else(|| anyhow!("Unknown driver '{f}'"))?),
+        (None, _) => None,
+    };
+    if !args.unsafe_mode {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the I/O runtime")?;
+        let show = args.progress && !args.quiet;
+        rt.block_on(copy_differences(path, &file, new, new_fmt, show))?;
+    }
+    finish(&args, &file, new)
+}
+
+/// Writes the new name and format into the header.
+fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
+    let path = Path::new(file);
+    if let Some(f) = args.fmt.as_deref() {
+        if image_format(f) == Some(ImageFormat::Raw) {
+            bail!(
+                "Could not change the backing file to '{}': Operation not supported",
+                new.unwrap_or("")
+            );
+        }
+    }
+    if new.is_some() && args.backing_fmt.is_none() {
+        bail!(
+            "Could not change the backing file to '{}': backing format must be specified",
+            new.unwrap_or("")
+        );
+    }
+    qimg::tools::amend::set_backing_file(path, new, new.and(args.backing_fmt.as_deref())).map_err(
+        |e| {
+            anyhow!(
+                "Could not change the backing file to '{}': {}",
+                new.unwrap_or(""),
+                lib_msg(&e, file)
+            )
+        },
+    )
+}
+
+/// A backing file read for comparison (zeros past its end).
+enum Reader {
+    Qcow2(Image<AnyStorage>),
+    Raw(File),
+    None,
+}
+
+impl Reader {
+    async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        buf.fill(0);
+        match self {
+            Reader::Qcow2(img) => {
+                let size = img.size();
+                if offset < size {
+                    let n = ((size - offset) as usize).min(buf.len());
+                    img.read(&mut buf[..n], offset)
+                        .await
+                        .map_err(|e| anyhow!("{e}"))?;
+                }
+            }
+            Reader::Raw(f) => {
+                let mut done = 0;
+                while done < buf.len() {
+                    match f.read_at(&mut buf[done..], offset + done as u64) {
+                        Ok(0) => break,
+                        Ok(n) => done += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => bail!("{}", os_msg(&e)),
+                    }
+                }
+            }
+            Reader::None => {}
+        }
+        Ok(())
+    }
+}
+
+/// The old backing chain of `img` as a reader.
+async fn old_reader(img: &Image<AnyStorage>) -> Result<Reader> {
+    Ok(match img.backing() {
+        Some(Backing::Qcow2(b)) => Reader::Qcow2(b.clone()),
+        Some(Backing::Raw { path, .. }) => Reader::Raw(
+            File::open(path)
+                .map_err(|e| anyhow!("Could not open old backing file: {}", os_msg(&e)))?,
+        ),
+        None => Reader::None,
+    })
+}
+
+async fn copy_differences(
+    path: &Path,
+    file: &str,
+    new: Option<&str>,
+    new_fmt: Option<ImageFormat>,
+    show: bool,
+) -> Result<()> {
+    let img = OpenOptions::new()
+        .writable(true)
+        .clean_timer(false)
+        .open(path)
+        .await
+        .map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        })?;
+    let r = copy_into(&img, path, new, new_fmt, show).await;
+    let closed = img
+        .close()
+        .await
+        .map_err(|e| anyhow!("{}", lib_msg(&e, file)));
+    r.and(closed)
+}
+
+async fn copy_into(
+    img: &Image<AnyStorage>,
+    path: &Path,
+    new: Option<&str>,
+    new_fmt: Option<ImageFormat>,
+    show: bool,
+) -> Result<()> {
+    let old = old_reader(img).await?;
+    let new_reader = match (new, new_fmt) {
+        (Some(name), Some(fmt)) => {
+            let p = resolve_backing(path, name);
+            let fail = |msg: String| {
+                anyhow!("Could not open new backing file '{name}': Could not open '{name}': {msg}")
+            };
+            if !p.exists() {
+                return Err(fail("No such file or directory".into()));
+            }
+            match fmt {
+                ImageFormat::Qcow2 => Reader::Qcow2(
+                    OpenOptions::new()
+                        .clean_timer(false)
+                        .open(&p)
+                        .await
+                        .map_err(|e| match e {
+                            qimg::Error::Io { source, .. } => fail(os_msg(&source)),
+                            other => anyhow!(
+                                "Could not open new backing file '{name}': {}",
+                                lib_msg(&other, name)
+                            ),
+                        })?,
+                ),
+                ImageFormat::Raw => Reader::Raw(File::open(&p).map_err(|e| fail(os_msg(&e)))?),
+            }
+        }
+        _ => Reader::None,
+    };
+    let size = img.size();
+    let unit = img.subcluster_size();
+    let mut progress = Progress::start(show, size);
+    let mut old_buf = vec![0u8; CHUNK as usize];
+    let mut new_buf = vec![0u8; CHUNK as usize];
+    let extents = img.map(0, size).await.map_err(|e| anyhow!("{e}"))?;
+    for e in extents {
+        if !matches!(e.kind, ExtentKind::Unallocated { .. }) {
+            progress.add(e.length);
+            continue;
+        }
+        let end = e.start + e.length;
+        let mut at = e.start;
+        while at < end {
+            let n = (end - at).min(CHUNK - at % unit);
+            let (ob, nb) = (&mut old_buf[..n as usize], &mut new_buf[..n as usize]);
+            old.read(ob, at).await?;
+            new_reader.read(nb, at).await?;
+            // Write the runs of units that differ, each unit whole.
+            let mut i = 0u64;
+            while i < n {
+                let unit_end = ((at + i) / unit * unit + unit - at).min(n);
+                let same = ob[i as usize..unit_end as usize] == nb[i as usize..unit_end as usize];
+                if !same {
+                    let mut j = unit_end;
+                    while j < n {
+                        let next = (j + unit).min(n);
+                        if ob[j as usize..next as usize] == nb[j as usize..next as usize] {
+                            break;
+                        }
+                        j = next;
+                    }
+                    img.write(&ob[i as usize..j as usize], at + i)
+                        .await
+                        .map_err(|e| anyhow!("Error while writing to COW image: {e}"))?;
+                    i = j;
+                } else {
+                    i = unit_end;
+                }
+            }
+            at += n;
+            progress.add(n);
+        }
+    }
+    img.flush().await.map_err(|e| anyhow!("{e}"))?;
+    progress.end();
+    Ok(())
+}

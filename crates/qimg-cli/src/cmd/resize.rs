@@ -1,0 +1,292 @@
+//! `qimg resize [-f FMT] [--shrink] [--preallocation=MODE] [-q] FILE [+|-]SIZE`: changes the
+//! virtual size of an image, with qemu-img resize's rules and messages.
+//!
+//! A qcow2 image grows through the engine ([`qimg::Image::resize`]: a larger L1 table, and
+//! zeros where a longer backing file would show through) and shrinks, only with `--shrink`,
+//! through [`qimg::Image::shrink`] (clusters past the new end freed, refcounts kept exact).
+//! Growing may preallocate the new area: `metadata`, `falloc` and `full` allocate its
+//! clusters (reading as zeros). A raw file is truncated or extended (`falloc` reserves the
+//! new space, `full` writes zeros; `metadata` is refused, as qemu-img does).
+
+use std::fs::OpenOptions as FsOpen;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use qimg::chain::{ImageFormat, probe_format};
+use qimg::format::validate::{MAX_L1_BYTES, l1_entries_for};
+use qimg::{Image, OpenOptions};
+
+use crate::args::{image_format, parse_size};
+use crate::status::{lib_msg, open_msg, os_msg};
+
+/// Arguments of `qimg resize`.
+#[derive(clap::Args)]
+pub struct ResizeArgs {
+    /// Image format: qcow2 or raw (probed when absent).
+    #[arg(short = 'f', long = "format")]
+    fmt: Option<String>,
+    /// Allow the new size to be smaller (data past it is lost).
+    #[arg(long)]
+    shrink: bool,
+    /// Preallocation of the new area when growing: off, metadata (qcow2), falloc or full.
+    #[arg(long)]
+    preallocation: Option<String>,
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// The image, then the new size: absolute, or relative with a leading + or -.
+    #[arg(allow_hyphen_values = true, num_args = 0..)]
+    args: Vec<String>,
+}
+
+/// qemu's preallocation modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prealloc {
+    Off,
+    Metadata,
+    Falloc,
+    Full,
+}
+
+const SIZE_HELP: &str = "Parameter 'size' expects a non-negative number below 2^64\nOptional \
+                         suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand \
+                         exabytes, respectively.";
+
+/// Bytes of zeros written at a time to preallocate.
+const ZERO_CHUNK: u64 = 1 << 20;
+
+/// Runs `qimg resize`.
+pub fn run(args: ResizeArgs) -> Result<()> {
+    // `--` before a negative size ends the options, as with qemu-img.
+    let mut rest: Vec<String> = args.args.clone();
+    if let Some(i) = rest.iter().position(|a| a == "--") {
+        rest.remove(i);
+    }
+    let [file, size_arg] = rest.as_slice() else {
+        bail!("Expecting image file name and size\nTry 'qimg resize --help' for more info");
+    };
+    // The size: absolute, or relative to the current size.
+    let (sign, digits) = match size_arg.as_bytes().first() {
+        Some(b'+') => (1i8, &size_arg[1..]),
+        Some(b'-') => (-1, &size_arg[1..]),
+        _ => (0, size_arg.as_str()),
+    };
+    let Some(n) = parse_size(digits) else {
+        bail!("{SIZE_HELP}");
+    };
+    let prealloc = match args.preallocation.as_deref() {
+        None | Some("off") => Prealloc::Off,
+        Some("metadata") => Prealloc::Metadata,
+        Some("falloc") => Prealloc::Falloc,
+        Some("full") => Prealloc::Full,
+        Some(other) => bail!("Invalid preallocation mode '{other}'"),
+    };
+    let path = Path::new(file.as_str());
+    let fmt = match args.fmt.as_deref() {
+        Some(name) => image_format(name)
+            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
+        None => {
+            let f = probe_format(path).map_err(|e| {
+                open_msg(
+                    anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                    file,
+                )
+            })?;
+            if f == ImageFormat::Raw {
+                eprintln!(
+                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
+                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
+                     Specify the 'raw' format explicitly to remove the restrictions."
+                );
+            }
+            f
+        }
+    };
+    let new_size = |current: u64| -> Result<u64> {
+        let total = match sign {
+            1 => i128::from(current) + i128::from(n),
+            -1 => i128::from(current) - i128::from(n),
+            _ => i128::from(n),
+        };
+        if total <= 0 || total > i128::from(i64::MAX) {
+            bail!("New image size must be positive");
+        }
+        let total = total as u64;
+        if total <= current && prealloc != Prealloc::Off {
+            bail!("Preallocation can only be used for growing images");
+        }
+        if total < current && !args.shrink {
+            bail!(
+                "Use the --shrink option to perform a shrink operation.\nqimg: warning: \
+                 Shrinking an image will delete all data beyond the shrunken image's end. \
+                 Before performing such an operation, make sure there is no important data \
+                 there."
+            );
+        }
+        Ok(total)
+    };
+    match fmt {
+        ImageFormat::Raw => resize_raw(path, file, prealloc, new_size)?,
+        ImageFormat::Qcow2 => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the I/O runtime")?;
+            rt.block_on(resize_qcow2(path, file, prealloc, new_size))?;
+        }
+    }
+    if !args.quiet {
+        println!("Image resized.");
+    }
+    Ok(())
+}
+
+fn resize_raw(
+    path: &Path,
+    file: &str,
+    prealloc: Prealloc,
+    new_size: impl Fn(u64) -> Result<u64>,
+) -> Result<()> {
+    let f = FsOpen::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| {
+            anyhow!(
+                "Could not open '{file}': Could not open '{file}': {}",
+                os_msg(&e)
+            )
+        })?;
+    let len = f
+        .metadata()
+        .map_err(|e| anyhow!("Could not stat '{file}': {}", os_msg(&e)))?
+        .len();
+    let current = crate::chain::raw_virtual_size(len);
+    let total = new_size(current)?;
+    if total % 512 != 0 {
+        bail!("The new size must be a multiple of 512");
+    }
+    match prealloc {
+        Prealloc::Metadata => bail!("Unsupported preallocation mode: metadata"),
+        Prealloc::Off => f.set_len(total),
+        Prealloc::Falloc => nix::fcntl::fallocate(
+            &f,
+            nix::fcntl::FallocateFlags::empty(),
+            len as i64,
+            (total - len) as i64,
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|()| f.set_len(total)),
+        Prealloc::Full => {
+            let zeros = vec![0u8; ZERO_CHUNK as usize];
+            let mut at = len;
+            let mut r = Ok(());
+            while at < total && r.is_ok() {
+                let n = (total - at).min(ZERO_CHUNK);
+                r = f.write_all_at(&zeros[..n as usize], at);
+                at += n;
+            }
+            r
+        }
+    }
+    .map_err(|e| anyhow!("Failed to resize '{file}': {}", os_msg(&e)))?;
+    f.sync_all()
+        .map_err(|e| anyhow!("Could not flush '{file}': {}", os_msg(&e)))?;
+    Ok(())
+}
+
+async fn resize_qcow2(
+    path: &Path,
+    file: &str,
+    prealloc: Prealloc,
+    new_size: impl Fn(u64) -> Result<u64>,
+) -> Result<()> {
+    let c0 = qimg::chain::read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly).map_err(
+        |e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        },
+    )?;
+    let img = OpenOptions::new()
+        .writable(true)
+        .clean_timer(false)
+        .open(path)
+        .await
+        .map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        })?;
+    let r = change_size(&img, &c0.header, prealloc, new_size).await;
+    let closed = img
+        .close()
+        .await
+        .map_err(|e| anyhow!("{}", lib_msg(&e, file)));
+    r.and(closed)
+}
+
+async fn change_size(
+    img: &Image<qimg::io::AnyStorage>,
+    h: &qimg::format::header::Header,
+    prealloc: Prealloc,
+    new_size: impl Fn(u64) -> Result<u64>,
+) -> Result<()> {
+    let file = img.path().display().to_string();
+    let current = img.size();
+    let total = new_size(current)?;
+    if total == current {
+        return Ok(());
+    }
+    if h.version < 3 && h.nb_snapshots > 0 {
+        bail!("Can't resize a v2 image which has snapshots");
+    }
+    if total % 512 != 0 {
+        bail!("The new size must be a multiple of 512");
+    }
+    if total < current {
+        return img
+            .shrink(total)
+            .await
+            .map_err(|e| anyhow!("{}", lib_msg(&e, &file)));
+    }
+    // A v2 image cannot hold zero clusters: QEMU cannot hide a longer backing file behind
+    // the new area unless preallocation writes it.
+    let backing_len = match img.backing() {
+        Some(qimg::Backing::Qcow2(b)) => b.size(),
+        Some(qimg::Backing::Raw { storage, .. }) => {
+            use qimg::io::Storage;
+            storage.len().await.unwrap_or(0)
+        }
+        None => 0,
+    };
+    if h.version < 3
+        && backing_len > current
+        && matches!(prealloc, Prealloc::Off | Prealloc::Metadata)
+    {
+        bail!("Failed to zero out new clusters: Operation not supported");
+    }
+    let l1_entries = l1_entries_for(total, h.cluster_bits, img.extended_l2());
+    if l1_entries.saturating_mul(8) > MAX_L1_BYTES {
+        bail!("Failed to grow the L1 table: File too large");
+    }
+    img.resize(total)
+        .await
+        .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))?;
+    if prealloc != Prealloc::Off {
+        // Allocate the new area with zeros, cluster by cluster.
+        let zeros = vec![0u8; ZERO_CHUNK as usize];
+        let mut at = current;
+        while at < total {
+            let n = (total - at).min(ZERO_CHUNK - at % ZERO_CHUNK);
+            img.write(&zeros[..n as usize], at)
+                .await
+                .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))?;
+            at += n;
+        }
+    }
+    Ok(())
+}

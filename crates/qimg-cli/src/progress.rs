@@ -1,0 +1,54 @@
+//! qemu-img's progress line (`-p`): `    (12.34/100%)\r` on stdout, printed again whenever one
+//! more whole percent is done, and a newline at the end.
+
+use std::io::Write;
+
+/// A progress line over `total` units of work.
+pub struct Progress {
+    on: bool,
+    total: u64,
+    done: u64,
+    last: f64,
+}
+
+impl Progress {
+    /// A progress line that prints only when `on`; prints 0% at once.
+    pub fn start(on: bool, total: u64) -> Self {
+        let p = Self {
+            on,
+            total,
+            done: 0,
+            last: 0.0,
+        };
+        if on {
+            p.print(0.0);
+        }
+        p
+    }
+
+    fn print(&self, pct: f64) {
+        print!("    ({pct:3.2}/100%)\r");
+        let _ = std::io::stdout().flush();
+    }
+
+    /// Counts `n` more units done.
+    pub fn add(&mut self, n: u64) {
+        self.done = self.done.saturating_add(n);
+        if !self.on || self.total == 0 {
+            return;
+        }
+        let pct = (self.done as f64 * 100.0 / self.total as f64).min(100.0);
+        if pct - self.last >= 1.0 || (pct >= 100.0 && self.last < 100.0) {
+            self.last = pct;
+            self.print(pct);
+        }
+    }
+
+    /// Ends the line (qemu-img prints a newline whether or not the work finished).
+    pub fn end(&mut self) {
+        if self.on {
+            println!();
+            self.on = false;
+        }
+    }
+}
