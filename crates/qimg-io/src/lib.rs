@@ -92,10 +92,10 @@
 //! 9. **`slice::from_raw_parts(_mut)` in `IoBuffers::slices(_mut)`**: under the same
 //!    uniqueness check, over segments valid by construction (owned) or by `from_raw`'s contract.
 //! 10. **`unsafe impl Send for Iovecs`** and **`SubmissionQueue::push` in `QueueRing::push`**
-//!    (`queue/ring.rs`): the entry points into the slot's boxed iovec array and the lent
-//!    memory, which the slot keeps (an `Arc`) until the completion with that slot's index is
-//!    reaped; `Drop` waits for every completion (and leaks the slots rather than free them if
-//!    it cannot wait). `&mut self` makes each push the only access to the submission queue.
+//!     (`queue/ring.rs`): the entry points into the slot's boxed iovec array and the lent
+//!     memory, which the slot keeps (an `Arc`) until the completion with that slot's index is
+//!     reaped; `Drop` waits for every completion (and leaks the slots rather than free them if
+//!     it cannot wait). `&mut self` makes each push the only access to the submission queue.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
