@@ -66,6 +66,18 @@ fn same_run(
     }
     let a = q.join(file);
     let b = m.join(file);
+    if file == "df.qcow2" {
+        // qemu resolves a relative data file name against the working directory, so the two
+        // copies cannot be compared from one place: their data files must be equal.
+        assert_eq!(
+            std::fs::read(q.join("data.raw")).unwrap(),
+            std::fs::read(m.join("data.raw")).unwrap(),
+            "{what}: {args:?}: data files differ"
+        );
+        let (iq, im) = (info(&q, file), info(&m, file));
+        assert_eq!(iq["virtual-size"], im["virtual-size"], "{what}: {args:?}");
+        return (m, want.2);
+    }
     let o = qemu_img(work, &["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
     assert!(
         o.status.success(),
@@ -412,7 +424,6 @@ fn amend_matches_qemu_img() {
         ("lazy.qcow2", &["-o", "lazy_refcounts=off"]),
         ("lazy.qcow2", &["-o", "compat=0.10"]),
         ("df.qcow2", &["-o", "refcount_bits=8"]),
-        ("bm.qcow2", &["-o", "refcount_bits=8"]),
         ("v2.qcow2", &["-o", "compat=1.1"]),
         (
             "v2.qcow2",
@@ -433,6 +444,15 @@ fn amend_matches_qemu_img() {
             "{args:?}: qemu-img info differs"
         );
     }
+    // The engine does not write images with persistent bitmaps (it cannot keep them up to
+    // date): amend refuses them, naming the problem, and leaves the image as it was.
+    let o = qimg(d, &["amend", "-o", "refcount_bits=8", "bm.qcow2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("bitmaps"),
+        "{o:?}"
+    );
+    assert_clean(d, "bm.qcow2", "amend refused on bitmaps");
     // -p shows progress up to 100% (qemu-img's steps differ: not compared).
     let m = s.path("m");
     let o = qimg(&m, &["amend", "-p", "-o", "refcount_bits=2", "a.qcow2"]);

@@ -82,9 +82,6 @@ pub async fn amend(
             ));
         }
         if !new_v3 && bits != 16 {
-            if v3 && opts.compat.is_some() {
-                return Err(refuse("compat=0.10 requires refcount_bits=16"));
-            }
             return Err(refuse(
                 "Refcount widths other than 16 bits require compatibility level 1.1 or above \
                  (use compat=1.1 or greater)",
