@@ -69,7 +69,27 @@ enum Command {
     Io(cmd::io::IoArgs),
 }
 
+/// A reader that goes away (`qimg map ... | head`) ends the command quietly with the status a
+/// C tool killed by SIGPIPE has (128 + 13), as qemu-img does, instead of a panic from
+/// `println!`. (Restoring SIGPIPE's default action would need `unsafe`.)
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    quiet_on_closed_stdout();
     match Cli::parse().cmd {
         Command::Create(a) => exit_status(cmd::create::run(a)),
         Command::Info(a) => exit_status(cmd::info::run(a)),

@@ -747,7 +747,8 @@ async fn sleep(arg: &str) -> Outcome {
     }
 }
 
-/// `truncate [-m off] size`: grows the disk (qimg cannot shrink a qcow2 image).
+/// `truncate [-m off] size`: grows or shrinks the disk (as qemu-io, which shrinks without
+/// asking).
 async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
     let o = options("truncate", args, "m:")?;
     if o.operands.len() != 1 {
@@ -774,12 +775,13 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         return Err(Failed);
     }
     let old = img.size();
-    if size < old {
-        complain!("qemu-io: qimg cannot shrink a qcow2 image (from {old} to {size} bytes)");
-        return Err(Failed);
-    }
-    if size > old {
-        if let Err(e) = img.resize(size).await {
+    if size != old {
+        let changed = if size < old {
+            img.shrink(size).await
+        } else {
+            img.resize(size).await
+        };
+        if let Err(e) = changed {
             let name = img.path().display().to_string();
             complain!("qemu-io: {}", crate::status::lib_msg(&e, &name));
             return Err(Failed);
