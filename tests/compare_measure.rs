@@ -5,28 +5,11 @@
 
 mod common;
 
+use common::text;
+
 use std::path::Path;
-use std::process::Output;
 
 use common::{Scratch, have_qemu, ok, qemu_img, qemu_img_create, qemu_io, qimg};
-
-/// (stdout, stderr without the program name, exit status).
-fn text(o: &Output) -> (String, String, Option<i32>) {
-    let err = String::from_utf8_lossy(&o.stderr)
-        .lines()
-        .map(|l| {
-            l.trim_start_matches("qemu-img: ")
-                .trim_start_matches("qimg: ")
-                .replace("qemu-img ", "qimg ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        err,
-        o.status.code(),
-    )
-}
 
 /// Runs `compare ARGS` with both programs and requires the same output and status; returns
 /// the status.

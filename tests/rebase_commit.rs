@@ -7,37 +7,11 @@
 
 mod common;
 
+use common::{copy_dir, text};
+
 use std::path::Path;
-use std::process::Output;
 
 use common::{Scratch, assert_clean, have_qemu, info, qemu_img, qemu_img_create, qemu_io, qimg};
-
-/// (stdout, stderr without the program name, exit status).
-fn text(o: &Output) -> (String, String, Option<i32>) {
-    let err = String::from_utf8_lossy(&o.stderr)
-        .lines()
-        .map(|l| {
-            l.trim_start_matches("qemu-img: ")
-                .trim_start_matches("qimg: ")
-                .replace("qemu-img ", "qimg ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        err,
-        o.status.code(),
-    )
-}
-
-fn copy_dir(src: &Path, dst: &Path) {
-    let _ = std::fs::remove_dir_all(dst);
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
-}
 
 /// The files of every chain.
 const FILES: &[&str] = &["b1.qcow2", "b2.qcow2", "mid.qcow2", "top.qcow2", "r.raw"];

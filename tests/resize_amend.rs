@@ -7,42 +7,13 @@
 
 mod common;
 
+use common::{copy_dir, text};
+
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use common::{
     Scratch, assert_clean, have_qemu, info, ok, qemu_img, qemu_img_create, qemu_io, qimg,
 };
-
-/// (stdout, stderr without the program name, exit status).
-fn text(o: &Output) -> (String, String, Option<i32>) {
-    let err = String::from_utf8_lossy(&o.stderr)
-        .lines()
-        .map(|l| {
-            l.trim_start_matches("qemu-img: ")
-                .trim_start_matches("qimg: ")
-                .replace("qemu-img ", "qimg ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        err,
-        o.status.code(),
-    )
-}
-
-/// Copies every file of `src` into a fresh directory `dst`.
-fn copy_dir(src: &Path, dst: &Path) {
-    let _ = std::fs::remove_dir_all(dst);
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-    }
-}
 
 /// Runs `args` with qemu-img in a copy of `src` and with qimg in another; requires the same
 /// output and status, and for `file` (if the command succeeded) the same guest data and

@@ -238,3 +238,34 @@ pub fn add_bitmaps(dir: &Path, file: &str) {
         ),
     );
 }
+
+/// `(stdout, stderr, exit status)` with the program name taken off stderr's lines (`qemu-img: `,
+/// `qimg: `) and `qemu-img ` read as `qimg `, so that qemu-img's and qimg's messages compare.
+pub fn text(o: &Output) -> (String, String, Option<i32>) {
+    let err = String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .map(|l| {
+            l.trim_start_matches("qemu-img: ")
+                .trim_start_matches("qimg: ")
+                .replace("qemu-img ", "qimg ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        err,
+        o.status.code(),
+    )
+}
+
+/// Copies every file of `src` into a fresh directory `dst`.
+pub fn copy_dir(src: &Path, dst: &Path) {
+    let _ = std::fs::remove_dir_all(dst);
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+}

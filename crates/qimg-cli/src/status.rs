@@ -83,3 +83,22 @@ pub fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
         _ => e,
     }
 }
+
+/// Opens `path` (named `file` in messages) read-write through the engine, without the clean
+/// timer (a command's short life needs none), with qemu-img's wording when that fails.
+pub async fn open_writable(
+    path: &std::path::Path,
+    file: &str,
+) -> anyhow::Result<qimg::Image<qimg::io::AnyStorage>> {
+    qimg::OpenOptions::new()
+        .writable(true)
+        .clean_timer(false)
+        .open(path)
+        .await
+        .map_err(|e| {
+            open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        })
+}

@@ -172,17 +172,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
         progress.end();
         return Ok(());
     }
-    let top = OpenOptions::new()
-        .writable(true)
-        .clean_timer(false)
-        .open(path)
-        .await
-        .map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                file,
-            )
-        })?;
+    let top = crate::status::open_writable(path, file).await?;
     let r = top.make_empty().await;
     let closed = top.close().await;
     progress.end();

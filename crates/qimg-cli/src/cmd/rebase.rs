@@ -197,17 +197,7 @@ async fn copy_differences(
     new_fmt: Option<ImageFormat>,
     show: bool,
 ) -> Result<()> {
-    let img = OpenOptions::new()
-        .writable(true)
-        .clean_timer(false)
-        .open(path)
-        .await
-        .map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                file,
-            )
-        })?;
+    let img = crate::status::open_writable(path, file).await?;
     let r = copy_into(&img, path, new, new_fmt, show).await;
     let closed = img
         .close()

@@ -13,9 +13,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
+use qimg::Image;
 use qimg::chain::{ImageFormat, probe_format};
 use qimg::format::validate::{MAX_L1_BYTES, l1_entries_for};
-use qimg::{Image, OpenOptions};
 
 use crate::args::{image_format, parse_size};
 use crate::status::{lib_msg, open_msg, os_msg};
@@ -210,17 +210,7 @@ async fn resize_qcow2(
             )
         },
     )?;
-    let img = OpenOptions::new()
-        .writable(true)
-        .clean_timer(false)
-        .open(path)
-        .await
-        .map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                file,
-            )
-        })?;
+    let img = crate::status::open_writable(path, file).await?;
     let r = change_size(&img, &c0.header, prealloc, new_size).await;
     let closed = img
         .close()
