@@ -142,7 +142,6 @@ struct QueueState {
 
 /// What every connection's backend shares: the image, one engine queue per virtqueue.
 struct Device {
-    image: Image<AnyStorage>,
     options: BlkOptions,
     limits: Limits,
     cluster_size: u64,
@@ -249,7 +248,7 @@ impl Backend {
                 if let Some(done) = self.start(&mut state, &mem, head, parsed) {
                     let (status, used) = done;
                     if let Some(at) = status {
-                        let _ = mem.write_obj(status_code(used.1), GuestAddress(at));
+                        let _ = mem.write_obj(used.1, GuestAddress(at));
                     }
                     vring.add_used(head, used.0).map_err(io::Error::other)?;
                     answered = true;
@@ -376,10 +375,6 @@ impl Backend {
 }
 
 type GuestMemoryLoadGuardOf = vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap<()>>;
-
-fn status_code(s: u8) -> u8 {
-    s
-}
 
 impl VhostUserBackend for Backend {
     type Bitmap = ();
@@ -572,7 +567,6 @@ pub fn serve(
         })
         .collect::<Result<Vec<_>, qimg::Error>>()?;
     let device = Arc::new(Device {
-        image: image.clone(),
         limits: Limits {
             capacity: image.size() / SECTOR * SECTOR,
             block_size: options.logical_block_size,
@@ -600,7 +594,6 @@ pub fn serve(
         }
         s.pending.clear();
     }
-    let _ = &device.image;
     Ok(())
 }
 

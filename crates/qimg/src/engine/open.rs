@@ -282,7 +282,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 Ok(handle) if !opts.timer_thread => {
                     handle.spawn(cleaner(Arc::downgrade(&inner), interval));
                 }
-                _ => cleaner_thread(&path_of(&inner), Arc::downgrade(&inner), interval)?,
+                _ => cleaner_thread(&inner.path, Arc::downgrade(&inner), interval)?,
             }
         }
         Ok(Image { inner })
@@ -339,10 +339,6 @@ fn lock<S: Storage>(file: &S, path: &Path, lock: Option<ImageLock>) -> Result<()
         Some(l) => file.lock_image(l).map_err(|e| Error::storage(path, e)),
         None => Ok(()),
     }
-}
-
-fn path_of<S: Storage>(inner: &Inner<S>) -> PathBuf {
-    inner.path.clone()
 }
 
 /// The clean timer on a thread of its own, for embedders without a running runtime. It holds

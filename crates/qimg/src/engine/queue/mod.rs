@@ -153,8 +153,7 @@ impl QueueOptions {
 pub struct QueueStats {
     /// Reads and writes that went from the caller's thread straight to the ring.
     pub direct: u64,
-    /// Of those, the ones whose memory went to the kernel as it was and whose bytes all
-    /// moved through the ring or were zero-filled in place (every direct request: the direct
+    /// Bytes those direct requests moved, all from or into the caller's memory (the direct
     /// path never copies).
     pub direct_bytes: u64,
     /// Requests run on the engine (the queue's thread).
