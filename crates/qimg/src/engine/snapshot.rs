@@ -163,7 +163,7 @@ impl<S: Storage> Image<S> {
         }
         let _guard = inner.locks.lock(0, u64::MAX, true).await;
         let mut m = inner.meta.lock().await;
-        inner.check_open(&m)?;
+        inner.ensure_open(&m)?;
         let mut snaps = inner.read_snapshot_table(&m).await?;
         if snaps.len() as u64 >= u64::from(MAX_SNAPSHOTS) {
             return Err(Error::Unsupported {
@@ -268,14 +268,12 @@ impl<S: Storage> Image<S> {
         inner.check_snapshots_possible()?;
         let _guard = inner.locks.lock(0, u64::MAX, true).await;
         let mut m = inner.meta.lock().await;
-        inner.check_open(&m)?;
+        inner.ensure_open(&m)?;
         let snaps = inner.read_snapshot_table(&m).await?;
-        let Some(i) = find(&snaps, name_or_id) else {
-            return Err(Error::SnapshotNotFound {
-                path: inner.path.clone(),
-                name: name_or_id.to_string(),
-            });
-        };
+        let i = find(&snaps, name_or_id).ok_or_else(|| Error::SnapshotNotFound {
+            path: inner.path.clone(),
+            name: name_or_id.to_string(),
+        })?;
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
         inner.check_shareable(&sn_l1)?;
@@ -369,14 +367,12 @@ impl<S: Storage> Image<S> {
         inner.check_snapshots_possible()?;
         let _guard = inner.locks.lock(0, u64::MAX, true).await;
         let mut m = inner.meta.lock().await;
-        inner.check_open(&m)?;
+        inner.ensure_open(&m)?;
         let snaps = inner.read_snapshot_table(&m).await?;
-        let Some(i) = find(&snaps, name_or_id) else {
-            return Err(Error::SnapshotNotFound {
-                path: inner.path.clone(),
-                name: name_or_id.to_string(),
-            });
-        };
+        let i = find(&snaps, name_or_id).ok_or_else(|| Error::SnapshotNotFound {
+            path: inner.path.clone(),
+            name: name_or_id.to_string(),
+        })?;
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
         inner.check_tree(&sn_l1).await?;
@@ -435,16 +431,6 @@ impl<S: Storage> Inner<S> {
                        refcount of 2)"
                     .into(),
             });
-        }
-        Ok(())
-    }
-
-    fn check_open(&self, m: &Meta) -> Result<()> {
-        if m.closed {
-            return Err(Error::InvalidOption(format!(
-                "{}: the image is closed",
-                self.path.display()
-            )));
         }
         Ok(())
     }
