@@ -267,8 +267,13 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
         let (lo, hi) = (q as u64 * region, (q as u64 + 1) * region);
         merged[lo as usize..hi as usize].copy_from_slice(m.read(lo, hi - lo));
         println!(
-            "queue {q}: {requests} requests, {} direct ({} completed without I/O), {} on the engine, {wakeups} epoll wake-ups, {} ring enters",
-            stats.direct, stats.immediate, stats.engine, stats.ring_enters
+            "queue {q}: {requests} requests, {} direct ({} completed without I/O, {} allocating, {} of them linked on the engine), {} on the engine, {wakeups} epoll wake-ups, {} ring enters",
+            stats.direct,
+            stats.immediate,
+            stats.allocating,
+            stats.linked_on_engine,
+            stats.engine,
+            stats.ring_enters
         );
         direct_requests += stats.direct;
         engine_requests += stats.engine;
@@ -394,6 +399,51 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
     );
     assert_eq!(c.result.unwrap(), 4096);
     assert_eq!((queue.stats().direct, queue.stats().engine), (2, 2));
+    // A new cluster under the same cached L2 slice and refcount block, in space the engine's
+    // first allocation reserved ahead: allocated in the caller's thread, written from the
+    // caller's buffer, linked when its data is on disk.
+    let c = one(
+        &mut queue,
+        Request::Write {
+            offset: 3 * 65536,
+            buffers: aligned(4),
+        },
+    );
+    assert_eq!(c.result.unwrap(), 8192);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (3, 2));
+    // Unallocated subclusters of an allocated cluster: only the bitmap changes, direct too.
+    let c = one(
+        &mut queue,
+        Request::Write {
+            offset: 65536 + 16384,
+            buffers: aligned(5),
+        },
+    );
+    assert_eq!(c.result.unwrap(), 8192);
+    let stats = queue.stats();
+    assert_eq!((stats.direct, stats.engine), (4, 2));
+    assert_eq!((stats.allocating, stats.linked_on_engine), (2, 0));
+    let mut expect = vec![3u8; 4096];
+    expect.extend([2u8; 4096]);
+    expect.extend([0u8; 8192]);
+    expect.extend([5u8; 8192]);
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: 65536,
+            buffers: IoBuffers::from_aligned(AlignedBuf::copy_from(&[9; 24576], 4096).unwrap()),
+        },
+    );
+    assert_eq!(contents_aligned(c.buffers.unwrap()), expect);
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: 3 * 65536,
+            buffers: aligned(0),
+        },
+    );
+    assert_eq!(contents_aligned(c.buffers.unwrap()), vec![4u8; 8192]);
+    assert_eq!((queue.stats().direct, queue.stats().engine), (6, 2));
     // A read of never-written clusters: zeros filled in place, no I/O.
     let c = one(
         &mut queue,

@@ -175,6 +175,13 @@ fn main() {
         .args(["create", "-q", "-f", "raw"])
         .arg(&base)
         .arg(SIZE.to_string()));
+    // QIMG_BENCH_ONLY=TEXT runs only the rows whose name contains TEXT; QIMG_BENCH_SCALE=N
+    // multiplies the request counts (for profiling one daemon with `perf record -p`).
+    let only = std::env::var("QIMG_BENCH_ONLY").unwrap_or_default();
+    let scale: usize = std::env::var("QIMG_BENCH_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     println!(
         "vhost-user-blk through libblkio, one queue, 4 KiB requests, O_DIRECT on io_uring; medians of {ROUNDS} alternating rounds"
     );
@@ -191,6 +198,10 @@ fn main() {
             16_000,
         ),
     ] {
+        if !only.is_empty() && !what.contains(only.as_str()) {
+            continue;
+        }
+        let count = count * scale;
         let mut r = [Vec::new(), Vec::new()];
         for round in 0..ROUNDS {
             for (i, qimg) in [false, true].into_iter().enumerate() {

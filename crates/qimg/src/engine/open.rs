@@ -25,7 +25,7 @@ use super::image::{Backing, Image, Inner};
 use super::lock::RangeLocks;
 use super::meta::Meta;
 use super::options::{OpenOptions, Trust};
-use super::state::{Counters, Shared};
+use super::state::{Counters, Reservation, Shared};
 use crate::chain::{ImageFormat, data_file_path, probe_format, resolve_backing};
 use crate::error::{Error, Result};
 
@@ -246,6 +246,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             source,
         })?;
         let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
+        let reservation = Reservation::new(meta.end_cluster * geo.cluster_size());
         let shared = Shared {
             file,
             data_file,
@@ -266,6 +267,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             halted: std::sync::OnceLock::new(),
             abandoned: std::sync::Mutex::new(Vec::new()),
             close_on_drop: opts.close_on_drop && opts.writable,
+            reservation,
             path,
         };
         let inner = Arc::new(Inner {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use qimg_format::geometry::{Geometry, RefcountGeometry};
 use qimg_format::header::CompressionType;
 use qimg_format::l2::L2Context;
-use qimg_io::{Storage, StorageError};
+use qimg_io::{AllocateOutcome, Storage, StorageError};
 
 use super::options::Allocation;
 use crate::error::{Error, Result};
@@ -53,6 +53,60 @@ pub(crate) struct Shared<S: Storage> {
     pub(crate) abandoned: std::sync::Mutex<Vec<u64>>,
     /// [`OpenOptions::close_on_drop`](super::OpenOptions::close_on_drop).
     pub(crate) close_on_drop: bool,
+    /// Space reserved ahead of allocation at the end of the image file.
+    pub(crate) reservation: Reservation,
+}
+
+/// How much to reserve past the end of the image file at once (rounded up to whole clusters,
+/// at least four): one `fallocate` for many cluster allocations, like QEMU's `preallocate`
+/// filter, so that allocating writes land in space the file system has already reserved
+/// instead of extending the file one cluster at a time.
+pub(crate) const RESERVE_AHEAD: u64 = 8 << 20;
+
+/// [`Allocation::Contiguous`] past the end of the file: clusters allocated there are reserved
+/// in steps of [`RESERVE_AHEAD`] bytes; the unused tail is cut off at close. Below `from` (the
+/// end of the file at open, in whole clusters) each new cluster is reserved on its own, as
+/// before: it may be a hole a discard punched.
+#[derive(Debug, Default)]
+pub(crate) struct Reservation {
+    pub(crate) from: AtomicU64,
+    /// End of what `fallocate` reserved past `from` (0: nothing yet).
+    pub(crate) end: AtomicU64,
+    /// The file cannot reserve (no `fallocate`, or a backend without it): clusters stay
+    /// sparse, as with [`Allocation::Sparse`].
+    pub(crate) unsupported: AtomicBool,
+    /// A [`Shared::extend_reservation`] is under way.
+    pub(crate) extending: AtomicBool,
+}
+
+impl Reservation {
+    pub(crate) fn new(file_end: u64) -> Self {
+        Self {
+            from: AtomicU64::new(file_end),
+            end: AtomicU64::new(file_end),
+            unsupported: AtomicBool::new(false),
+            extending: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the allocation of `host` leaves less than half a step reserved after it, so
+    /// that the next step should be reserved now (by one caller: this claims the job).
+    pub(crate) fn claim_extension(&self, allocation: Allocation, host: u64, step: u64) -> bool {
+        allocation == Allocation::Contiguous
+            && !self.unsupported.load(Ordering::Relaxed)
+            && host >= self.from.load(Ordering::Relaxed)
+            && host + step / 2 > self.end.load(Ordering::Acquire)
+            && !self.extending.swap(true, Ordering::AcqRel)
+    }
+
+    /// Whether a write may go to the new cluster at `host` (`cluster_size` bytes) without
+    /// reserving anything first.
+    pub(crate) fn covers(&self, allocation: Allocation, host: u64, cluster_size: u64) -> bool {
+        allocation == Allocation::Sparse
+            || self.unsupported.load(Ordering::Relaxed)
+            || (host >= self.from.load(Ordering::Relaxed)
+                && host + cluster_size <= self.end.load(Ordering::Acquire))
+    }
 }
 
 impl<S: Storage> Shared<S> {
@@ -62,6 +116,80 @@ impl<S: Storage> Shared<S> {
 
     pub(crate) fn now(&self) -> Duration {
         self.epoch.elapsed()
+    }
+
+    /// Reserves the space of the new cluster at `host` before its first write
+    /// ([`Allocation::Contiguous`]): on its own inside the file, in steps of [`RESERVE_AHEAD`]
+    /// past its end. Advisory: a file that cannot reserve just stays sparse.
+    pub(crate) async fn reserve_fresh(&self, host: u64) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        let r = &self.reservation;
+        if r.covers(self.allocation, host, cs) {
+            return Ok(());
+        }
+        let (storage, path) = self.data();
+        let (at, len) = if host < r.from.load(Ordering::Relaxed) {
+            (host, cs)
+        } else {
+            let step = self.reserve_step();
+            let at = host.max(r.end.load(Ordering::Acquire));
+            (at, host + step - at)
+        };
+        match storage.allocate(at, len).await {
+            Ok(AllocateOutcome::Reserved) => {
+                if at >= r.from.load(Ordering::Relaxed) {
+                    r.end.fetch_max(at + len, Ordering::AcqRel);
+                }
+                Ok(())
+            }
+            Ok(AllocateOutcome::NotReserved) => {
+                r.unsupported.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => Err(Error::storage(path, e)),
+        }
+    }
+
+    /// Bytes reserved at once past the end of the file.
+    pub(crate) fn reserve_step(&self) -> u64 {
+        let cs = self.geo.cluster_size();
+        RESERVE_AHEAD.div_ceil(cs).max(4) * cs
+    }
+
+    /// Reserves the next step past what is reserved, ahead of the allocations that will need
+    /// it (after [`Reservation::claim_extension`]; the queues' direct path cannot wait for a
+    /// `fallocate`). Advisory: errors leave the file sparse there.
+    pub(crate) async fn extend_reservation(&self) {
+        let r = &self.reservation;
+        let at = r.end.load(Ordering::Acquire);
+        let step = self.reserve_step();
+        match self.file.allocate(at, step).await {
+            Ok(AllocateOutcome::Reserved) => {
+                r.end.fetch_max(at + step, Ordering::AcqRel);
+            }
+            Ok(AllocateOutcome::NotReserved) => r.unsupported.store(true, Ordering::Relaxed),
+            Err(_) => {}
+        }
+        r.extending.store(false, Ordering::Release);
+    }
+
+    /// At close: cuts off what [`reserve_fresh`](Self::reserve_fresh) reserved past the last
+    /// allocated cluster (`end_cluster`), so the file ends where QEMU's would.
+    pub(crate) async fn trim_reservation(&self, end_cluster: u64) -> Result<()> {
+        let r = &self.reservation;
+        let keep = end_cluster * self.geo.cluster_size();
+        if r.end.load(Ordering::Acquire) <= r.from.load(Ordering::Relaxed).max(keep) {
+            return Ok(());
+        }
+        let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        if len > keep {
+            self.file
+                .set_len(keep)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
+        r.end.store(keep, Ordering::Release);
+        Ok(())
     }
 
     pub(crate) fn storage_error(&self, e: StorageError) -> Error {

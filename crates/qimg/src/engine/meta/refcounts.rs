@@ -144,6 +144,90 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// The refcount of `cluster` if its block is cached (or it has none: 0).
+    fn refcount_cached(&self, m: &Meta, cluster: u64) -> Option<u64> {
+        let (block, index) = self.refblock_of(m, cluster);
+        if block == 0 {
+            return Some(0);
+        }
+        let data = m.rc.peek(SliceKey::new(block, 0))?;
+        refcount::get(data, self.rgeo.refcount_order(), index).ok()
+    }
+
+    /// [`alloc_clusters`](Self::alloc_clusters) of `n` single clusters without I/O, for the
+    /// queues' direct path: `None` (and nothing changed) unless the first `n` free clusters
+    /// from the hint are close by, covered by cached refcount blocks, accepted by `accept`
+    /// (given each host offset), and no header change is due first (lazy refcounts).
+    pub(crate) fn try_alloc_cached(
+        &self,
+        m: &mut Meta,
+        n: usize,
+        accept: impl Fn(u64) -> bool,
+    ) -> Option<Vec<u64>> {
+        /// How far past the hint the search looks before leaving it to the engine.
+        const SEARCH: u64 = 64;
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        if self.check_not_halted().is_err() || (self.lazy && !m.dirty_on_disk) {
+            return None;
+        }
+        let cs = self.geo.cluster_size();
+        let mut found = Vec::with_capacity(n);
+        let mut c = m.free_hint;
+        while found.len() < n {
+            if c >= m.free_hint + SEARCH || (c + 1).saturating_mul(cs) > MAX_HOST_OFFSET {
+                return None;
+            }
+            let (block, _) = self.refblock_of(m, c);
+            if block == 0 {
+                return None;
+            }
+            if !m.pending_punch.contains(&c) && self.refcount_cached(m, c)? == 0 {
+                // A free cluster on metadata means damaged refcounts: the engine reports it.
+                if !accept(c * cs) || m.overlap.find(c * cs, cs, Writing::Data).is_some() {
+                    return None;
+                }
+                found.push(c);
+            }
+            c += 1;
+        }
+        let order = self.rgeo.refcount_order();
+        let now = self.now();
+        for &c in &found {
+            let (block, index) = self.refblock_of(m, c);
+            let data = m.rc.get_mut(SliceKey::new(block, 0), now)?;
+            // Cannot fail: the block is cached and 1 fits every refcount width.
+            refcount::set(data, order, index, 1).ok()?;
+        }
+        let last = *found.last()?;
+        // Every cluster from the hint to `last` is in use now (or waits for its punch).
+        m.free_hint = last + 1;
+        m.end_cluster = m.end_cluster.max(last + 1);
+        Some(found.iter().map(|&c| c * cs).collect())
+    }
+
+    /// Gives back a cluster [`try_alloc_cached`](Self::try_alloc_cached) allocated that was
+    /// never linked, without I/O; `false` when its refcount block left the cache (the caller
+    /// then frees it with [`free_clusters`](Self::free_clusters)).
+    pub(crate) fn try_unalloc_cached(&self, m: &mut Meta, host: u64) -> bool {
+        let c = host / self.geo.cluster_size();
+        let (block, index) = self.refblock_of(m, c);
+        let now = self.now();
+        let order = self.rgeo.refcount_order();
+        let Some(data) = m.rc.get_mut(SliceKey::new(block, 0), now) else {
+            return false;
+        };
+        if refcount::get(data, order, index).ok() != Some(1) {
+            return false;
+        }
+        if refcount::set(data, order, index, 0).is_err() {
+            return false;
+        }
+        m.free_hint = m.free_hint.min(c);
+        true
+    }
+
     /// Frees the clusters of write leases dropped without commit or abort (see
     /// [`Shared::abandoned`]): they were never linked, so this is always safe.
     pub(crate) async fn free_abandoned(&self, m: &mut Meta) -> Result<()> {

@@ -90,6 +90,53 @@ impl<S: Storage> Shared<S> {
         write_entry(slice, idx, entry).map_err(|e| self.fmt_err(e))
     }
 
+    /// [`set_entry`](Self::set_entry) without I/O, for the queues' direct path: `false` (and
+    /// nothing changed) unless the entry's L2 table exists, is not shared with a snapshot
+    /// (COPIED), and its slice is cached.
+    pub(crate) fn try_set_entry_cached(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+        entry: &AnyL2Entry,
+    ) -> bool {
+        let Some((key, idx)) = self.cached_position(m, guest) else {
+            return false;
+        };
+        let now = self.now();
+        m.l2.get_mut(key, now)
+            .is_some_and(|slice| write_entry(slice, idx, entry).is_ok())
+    }
+
+    /// Whether [`try_set_entry_cached`](Self::try_set_entry_cached) can change the entry of
+    /// `guest` now.
+    pub(crate) fn can_link_cached(&self, m: &Meta, guest: u64) -> bool {
+        self.cached_position(m, guest).is_some()
+    }
+
+    /// The cached slice and index of the entry of `guest` in a table of its own (COPIED).
+    fn cached_position(&self, m: &Meta, guest: u64) -> Option<(SliceKey, usize)> {
+        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
+        let l1e = m.l1.get(l1i)?;
+        let (Some(table), true) = (l1e.l2_offset, l1e.copied) else {
+            return None;
+        };
+        let (key, idx) = self.l2_position(m, table.0, guest);
+        m.l2.contains(key).then_some((key, idx))
+    }
+
+    /// [`set_dependency`](Self::set_dependency) without I/O: `false` (nothing changed) when
+    /// a dependency the other way must be written back first.
+    pub(crate) fn try_set_dependency(&self, m: &mut Meta, kind: CacheKind, on: CacheKind) -> bool {
+        if self.lazy {
+            return true;
+        }
+        if m.cache(on).dependencies().other_cache {
+            return false;
+        }
+        m.cache(kind).depend_on_other_cache();
+        true
+    }
+
     /// Makes sure the slice `key` is cached, writing back a dirty victim first.
     pub(crate) async fn load(&self, m: &mut Meta, kind: CacheKind, key: SliceKey) -> Result<()> {
         // A counted lookup: hits and misses in the statistics come from here.

@@ -8,7 +8,7 @@ use qimg_io::Storage;
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::Writing;
-use crate::engine::rw::Destination;
+use crate::engine::rw::{Destination, PreparedWrite};
 
 /// One piece of a request on the direct path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +95,81 @@ impl<S: Storage> Inner<S> {
             }
         }
         Some(parts)
+    }
+}
+
+impl<S: Storage> Inner<S> {
+    /// The direct path for a write that only allocates or changes entries (no copy-on-write,
+    /// nothing freed): the parts to write and the writes to link once they are on disk, with
+    /// their new clusters allocated in the cached refcount blocks. `None` (nothing changed)
+    /// when any piece needs the engine.
+    pub(super) fn plan_direct_alloc(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        len: u64,
+    ) -> Option<(Vec<Part>, Vec<PreparedWrite>)> {
+        if self.data_file.is_some() {
+            return None;
+        }
+        let cs = self.geo.cluster_size();
+        let mut planned = Vec::new();
+        let mut fresh = 0;
+        for (gc, a, n, pos) in self.pieces(offset, len) {
+            let old = self.lookup_cached(m, gc)?;
+            let plan = self.plan_write(&old, a, a + n);
+            if plan.start != a || plan.end != a + n || plan.freed.is_some() {
+                return None;
+            }
+            if plan.relink && !self.can_link_cached(m, gc) {
+                return None;
+            }
+            match plan.target {
+                Destination::New => fresh += 1,
+                Destination::InPlace(h) => {
+                    // The engine reports an overlap (and marks the image corrupt).
+                    m.overlap
+                        .find(h + a as u64, n as u64, Writing::Data)
+                        .is_none()
+                        .then_some(())?;
+                }
+            }
+            planned.push((gc, a, n, pos, old, plan));
+        }
+        let allocation = self.allocation;
+        let reservation = &self.reservation;
+        let mut hosts = self
+            .try_alloc_cached(m, fresh, |host| reservation.covers(allocation, host, cs))?
+            .into_iter();
+        let mut parts = Vec::with_capacity(planned.len());
+        let mut links = Vec::new();
+        for (gc, a, n, pos, old, plan) in planned {
+            let (host, fresh) = match plan.target {
+                Destination::InPlace(h) => (h, false),
+                // As many hosts as pieces that wanted one.
+                Destination::New => (hosts.next().unwrap_or_default(), true),
+            };
+            push(
+                &mut parts,
+                Part::Io {
+                    host: host + a as u64,
+                    pos,
+                    len: n,
+                },
+            );
+            if plan.relink {
+                links.push(PreparedWrite {
+                    gc,
+                    a,
+                    b: a + n,
+                    old,
+                    plan,
+                    host,
+                    fresh,
+                });
+            }
+        }
+        Some((parts, links))
     }
 }
 

@@ -54,6 +54,7 @@ use qimg_io::{Op, Storage, StorageError};
 use self::fast::Part;
 use self::worker::Worker;
 use super::image::Image;
+use super::rw::PreparedWrite;
 use crate::error::{Error, Result};
 
 /// A request for [`Queue::submit`].
@@ -162,6 +163,11 @@ pub struct QueueStats {
     pub immediate: u64,
     /// `io_uring_enter` calls the ring made.
     pub ring_enters: u64,
+    /// Direct writes that allocated clusters or changed entries (linked when their data was
+    /// on disk, in the caller's thread or, when that needed metadata I/O, on the engine's).
+    pub allocating: u64,
+    /// Of those, the ones whose linking went to the engine thread.
+    pub linked_on_engine: u64,
 }
 
 /// A direct request between submission and completion.
@@ -178,6 +184,8 @@ struct Pending {
     buffers: IoBuffers,
     len: u64,
     write: bool,
+    /// Writes to link (new clusters, changed bitmaps) once the data is on disk.
+    links: Vec<PreparedWrite>,
 }
 
 /// A per-queue completion handle of an [`Image`]; see the [module docs](self).
@@ -374,10 +382,19 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(lock) = inner.locks.try_acquire(first, end, write) else {
             return Err(buffers);
         };
-        let parts = match inner.meta.try_lock() {
-            Ok(mut m) if !m.closed => inner.plan_direct(&mut m, offset, len, write),
-            _ => None,
-        };
+        let mut meta = inner.meta.try_lock().ok().filter(|m| !m.closed);
+        let mut links = Vec::new();
+        let parts = meta.as_mut().and_then(|m| {
+            let in_place = inner.plan_direct(m, offset, len, write);
+            // Allocating writes need a ring entry per cluster, checked before anything is
+            // allocated: they cannot be given back to the engine afterwards.
+            if in_place.is_some() || !write || (end - first) as usize > self.ring.available() {
+                return in_place;
+            }
+            let (parts, l) = inner.plan_direct_alloc(m, offset, len)?;
+            links = l;
+            Some(parts)
+        });
         let ios = parts.as_ref().map_or(0, |p| {
             p.iter().filter(|p| matches!(p, Part::Io { .. })).count()
         });
@@ -391,9 +408,33 @@ impl<S: Storage + 'static> Queue<S> {
                 })
         });
         let (true, Some(parts)) = (fits, parts) else {
+            if let Some(m) = meta.as_mut() {
+                // Not reached (the checks above come first), but never leak a cluster.
+                for l in links.iter().filter(|l| l.fresh) {
+                    inner.try_unalloc_cached(m, l.host);
+                }
+            }
             inner.locks.release(lock);
             return Err(buffers);
         };
+        drop(meta);
+        if !links.is_empty() {
+            self.stats.allocating += 1;
+            let last = links.iter().filter(|l| l.fresh).map(|l| l.host).max();
+            if let Some(host) = last {
+                let step = inner.reserve_step();
+                if inner
+                    .reservation
+                    .claim_extension(inner.allocation, host, step)
+                {
+                    let image = self.image.clone();
+                    let job = Box::pin(async move { image.inner.extend_reservation().await });
+                    if !self.worker.run(job) {
+                        inner.reservation.extending.store(false, Ordering::Release);
+                    }
+                }
+            }
+        }
         for p in &parts {
             if let Part::Zero { pos, len } = *p {
                 buffers.fill_zero(pos, len);
@@ -437,6 +478,7 @@ impl<S: Storage + 'static> Queue<S> {
             buffers,
             len,
             write,
+            links,
         });
         self.stats.direct += 1;
         self.stats.direct_bytes += len;
@@ -485,10 +527,14 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// Completes the direct request in slot `idx`.
     fn finish(&mut self, idx: usize) {
-        let Some(p) = self.pending.get_mut(idx).and_then(Option::take) else {
+        let Some(mut p) = self.pending.get_mut(idx).and_then(Option::take) else {
             return;
         };
         self.free.push(idx);
+        if !p.links.is_empty() && !self.link_here(&mut p) {
+            self.link_on_engine(p);
+            return;
+        }
         self.image.inner.locks.release(p.lock);
         let mut buffers = p.buffers;
         for (pos, len) in p.short {
@@ -503,6 +549,68 @@ impl<S: Storage + 'static> Queue<S> {
             result,
             buffers: Some(buffers),
         });
+    }
+
+    /// Links (or, after a failed write, gives back the clusters of) the writes of a direct
+    /// request in the caller's thread; `false` leaves what is left in `p.links` to the engine.
+    fn link_here(&mut self, p: &mut Pending) -> bool {
+        let inner = &self.image.inner;
+        let Ok(mut m) = inner.meta.try_lock() else {
+            return false;
+        };
+        let failed = p.error.is_some();
+        while let Some(l) = p.links.first() {
+            let done = if failed {
+                !l.fresh || inner.try_unalloc_cached(&mut m, l.host)
+            } else {
+                inner.try_link_cached(&mut m, l)
+            };
+            if !done {
+                return false;
+            }
+            p.links.remove(0);
+        }
+        true
+    }
+
+    /// Finishes a direct request whose linking needs metadata I/O on the engine thread.
+    fn link_on_engine(&mut self, p: Pending) {
+        let image = self.image.clone();
+        let done = self.engine_done.clone();
+        let in_flight = self.engine_in_flight.clone();
+        let notifier = self.notifier.clone();
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        self.stats.linked_on_engine += 1;
+        let job = Box::pin(async move {
+            let inner = &image.inner;
+            let mut result = match p.error {
+                Some(e) => Err(e),
+                None => Ok(p.len),
+            };
+            for l in &p.links {
+                if result.is_err() {
+                    inner.abandon_chunk(l).await;
+                } else if let Err(e) = inner.link_chunk(l).await {
+                    // What is left of a failed link stays allocated (a leak), as in the engine.
+                    result = Err(e);
+                }
+            }
+            inner.locks.release(p.lock);
+            done.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Completion {
+                    user_data: p.user_data,
+                    result,
+                    buffers: Some(p.buffers),
+                });
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            let _ = notifier.notify();
+        });
+        if !self.worker.run(job) {
+            // The engine thread is gone (the queue is being torn down): the range lock and the
+            // unlinked clusters stay as they are; the image reports the leak at check.
+            self.engine_in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// Runs `request` on the engine thread.

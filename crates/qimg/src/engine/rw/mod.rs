@@ -22,13 +22,12 @@ use std::sync::atomic::Ordering;
 use qimg_format::compressed::CompressedDescriptor;
 use qimg_format::l2::{AnyL2Entry, ExtendedL2Entry, L2Entry, SubclusterBitmap, SubclusterState};
 use qimg_format::units::SubclusterIndex;
-use qimg_io::{AllocateOutcome, Storage};
+use qimg_io::Storage;
 
 use super::compress;
 use super::image::Backing;
 use super::image::Inner;
 use super::meta::{CacheKind, Meta};
-use super::options::Allocation;
 use super::overlap::Writing;
 use crate::error::{Error, Result};
 

@@ -128,17 +128,33 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    /// [`link_chunk`](Self::link_chunk) without I/O, for the queues' direct path: `false`
+    /// when linking needs the engine (a slice to load or a dependency to write back); the
+    /// entry is then unchanged (the refcount dependency may already be recorded, which
+    /// [`link_chunk`](Self::link_chunk) records anyway).
+    pub(crate) fn try_link_cached(&self, m: &mut Meta, p: &PreparedWrite) -> bool {
+        let plan = &p.plan;
+        debug_assert!(plan.freed.is_none() && plan.start == p.a && plan.end == p.b);
+        if !plan.relink {
+            return true;
+        }
+        if p.fresh && !self.try_set_dependency(m, CacheKind::L2, CacheKind::Refcount) {
+            return false;
+        }
+        if !self.try_set_entry_cached(m, p.gc, &self.linked_entry(p.host, plan.bitmap)) {
+            return false;
+        }
+        m.l2.depend_on_flush();
+        true
+    }
+
     /// The copy-on-write part of a prepared write: reserves a fresh cluster and writes the
     /// head `[plan.start, a)` and tail `[b, plan.end)` around the guest bytes, which the caller
     /// writes itself.
     pub(crate) async fn write_cow(&self, p: &PreparedWrite) -> Result<()> {
         let (storage, path) = self.data();
-        let cs = self.geo.cluster_size();
-        if p.fresh && self.allocation == Allocation::Contiguous {
-            let _: AllocateOutcome = storage
-                .allocate(p.host, cs)
-                .await
-                .map_err(|e| Error::storage(path, e))?;
+        if p.fresh {
+            self.reserve_fresh(p.host).await?;
         }
         let plan = &p.plan;
         for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
@@ -166,13 +182,8 @@ impl<S: Storage> Inner<S> {
         fresh: bool,
     ) -> Result<()> {
         let (storage, path) = self.data();
-        let cs = self.geo.cluster_size();
-        if fresh && self.allocation == Allocation::Contiguous {
-            // Advisory; a backend that cannot reserve just stays sparse.
-            let _: AllocateOutcome = storage
-                .allocate(host, cs)
-                .await
-                .map_err(|e| Error::storage(path, e))?;
+        if fresh {
+            self.reserve_fresh(host).await?;
         }
         let b = a + data.len();
         if plan.start == a && plan.end == b {
