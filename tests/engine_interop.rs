@@ -421,3 +421,73 @@ async fn map_extents_point_at_the_bytes_a_read_returns() {
         }
     }
 }
+
+/// Allocating writes past the end of the file reserve space ahead in steps (one `fallocate`
+/// for many clusters); close cuts the unused tail off, so the file ends where `qemu-img check`
+/// says the image ends. A tail left by a crash (reserved, never trimmed) is harmless: the
+/// image checks clean and its clusters are used by later allocations.
+#[tokio::test]
+async fn space_reserved_ahead_is_cut_off_at_close() {
+    if !have_qemu("space_reserved_ahead_is_cut_off_at_close") {
+        return;
+    }
+    let dir = Scratch::new("reserve-ahead");
+    qemu_create(
+        &dir.0,
+        "r.qcow2",
+        "extended_l2=on,cluster_size=64k",
+        64 * MIB,
+        None,
+    );
+    let path = dir.path("r.qcow2");
+    let file_len = || std::fs::metadata(&path).unwrap().len();
+    let mut model = vec![0u8; (64 * MIB) as usize];
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    for k in 0..20u64 {
+        let at = k * 3 * 64 * KIB + 8 * KIB;
+        let data = vec![k as u8 + 1; 4096];
+        img.write(&data, at).await.unwrap();
+        model[at as usize..at as usize + 4096].copy_from_slice(&data);
+    }
+    img.flush().await.unwrap();
+    let reserved = file_len();
+    img.close().await.unwrap();
+    let closed = file_len();
+    let check = json(
+        "qemu-img check",
+        &qemu_img(&dir.0, &["check", "--output=json", "r.qcow2"]),
+    );
+    let end = check["image-end-offset"].as_u64().unwrap();
+    assert_eq!(closed, end, "the file ends where the image ends: {check}");
+    // 20 clusters of data and an L2 table: far less than one reservation step (8 MiB).
+    assert!(
+        reserved >= closed + 4 * MIB,
+        "nothing was reserved ahead: {reserved} bytes before close, {closed} after"
+    );
+    assert_clean(&dir.0, "r.qcow2", "after close");
+    assert_same_as_model(&dir.0, "r.qcow2", &model, "after close");
+
+    // A crash after a reservation: the tail stays; reopening and writing uses it.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(closed + 8 * MIB)
+        .unwrap();
+    assert_clean(&dir.0, "r.qcow2", "with a reserved tail");
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    for k in 0..10u64 {
+        let at = 32 * MIB + k * 64 * KIB;
+        let data = vec![0xa0 + k as u8; 8192];
+        img.write(&data, at).await.unwrap();
+        model[at as usize..at as usize + 8192].copy_from_slice(&data);
+    }
+    img.close().await.unwrap();
+    assert!(
+        file_len() <= closed + 8 * MIB,
+        "the new clusters went into the tail, not past it ({} bytes)",
+        file_len()
+    );
+    assert_clean(&dir.0, "r.qcow2", "after writing into the tail");
+    assert_same_as_model(&dir.0, "r.qcow2", &model, "after writing into the tail");
+}
