@@ -18,7 +18,8 @@
 #
 # Environment: QIMG (binary; default: build target/release/qimg), BENCH_DIR (scratch; default
 # a fresh directory under ${TMPDIR:-/var/tmp}, removed at the end unless KEEP=1), SIZE
-# (image size, 1G), COUNT (requests per run, 50000), REPS (3).
+# (image size, 1G), COUNT (requests per run, 50000), REPS (3), QIMG_AIO (`-i` for qimg serve;
+# default its own default, like qemu-nbd's).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,7 +49,8 @@ pidfile=$dir/server.pid
 start_server() {
     rm -f "$sock" "$pidfile"
     case $1 in
-    qimg) "$QIMG" serve --nbd "unix:$sock" -t none --persistent --pidfile "$pidfile" "$2" & ;;
+    qimg) "$QIMG" serve --nbd "unix:$sock" -t none ${QIMG_AIO:+-i "$QIMG_AIO"} --persistent \
+            --pidfile "$pidfile" "$2" & ;;
     qemu) qemu-nbd --socket="$sock" --format=qcow2 --cache=none --persistent \
             --pid-file="$pidfile" "$2" & ;;
     esac

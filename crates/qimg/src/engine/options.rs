@@ -12,8 +12,11 @@ use crate::chain::MAX_CHAIN_DEPTH;
 /// How a newly allocated host cluster is reserved in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Allocation {
-    /// Reserve the whole cluster with `fallocate` so later subcluster writes land contiguously
-    /// (QEMU's behaviour).
+    /// Reserve the whole cluster with `fallocate` so later subcluster writes land contiguously.
+    /// Past the end of the file space is reserved 8 MiB at a time (one `fallocate` for many
+    /// clusters, like QEMU's `preallocate` filter), so that allocating writes land in space
+    /// the file system has already reserved instead of extending the file each time; close
+    /// cuts off what was not used.
     #[default]
     Contiguous,
     /// Write only what the guest wrote; the rest of the cluster stays a hole (saves space).

@@ -14,10 +14,17 @@
 //!   thread straight to the ring, with the caller's memory ([`IoBuffers`]) handed to the kernel
 //!   as it is when it is aligned for `O_DIRECT` (no copy, no allocation of data buffers);
 //!   zero and unallocated ranges are filled in place;
-//! * everything else (allocation, copy-on-write, slice loads, backing files, compressed
-//!   clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine
-//!   on a thread of the queue's own, and its completion is posted to the same eventfd: the
-//!   caller's loop never blocks on it.
+//! * so does a write that allocates without copying anything (whole subclusters on extended
+//!   L2, whole clusters otherwise) when its L2 slice and refcount block are cached and the new
+//!   cluster lies in space already reserved: the cluster is allocated in the cached refcount
+//!   block in the caller's thread, the data goes from the caller's memory to the ring, and the
+//!   new entry is linked when the data is on disk, before the completion is returned (on the
+//!   engine thread if linking then needs metadata I/O). Allocations past the end of the file
+//!   reserve space 8 MiB ahead, the next step while the last is half used;
+//! * everything else (copy-on-write, slice loads, backing files, compressed clusters,
+//!   unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
+//!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's
+//!   loop never blocks on it.
 //!
 //! Requests on one queue or several run concurrently; overlapping ones are ordered by the
 //! engine's cluster range locks, which direct requests hold until their completion is
