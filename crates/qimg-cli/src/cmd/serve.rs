@@ -223,6 +223,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.allocation_depth = a.allocation_depth;
     export.writethrough = mode.writethrough;
     export.no_flush = mode.no_flush;
+    export.per_connection_queue = true;
     export.tls = tls;
     let export = Arc::new(export);
 

@@ -27,6 +27,8 @@
 pub mod handshake;
 mod host_holes;
 pub mod proto;
+#[cfg(target_os = "linux")]
+mod queued;
 mod status;
 pub mod tls;
 pub mod transmission;
@@ -142,6 +144,11 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     pub no_flush: bool,
     /// When set, the client must run `NBD_OPT_STARTTLS` before anything else.
     pub tls: Option<Arc<dyn StartTls>>,
+    /// Serve each connection's reads and writes through a [`qimg::Queue`] of its own (Linux,
+    /// an image file the queue can reach directly): requests whose metadata is cached go to
+    /// the queue's io_uring ring without the engine. Needs a runtime with I/O enabled
+    /// (`enable_io`, or `enable_all`); off by default.
+    pub per_connection_queue: bool,
 }
 
 impl<S: Storage + 'static> Export<S> {
@@ -158,6 +165,7 @@ impl<S: Storage + 'static> Export<S> {
             writethrough: false,
             no_flush: false,
             tls: None,
+            per_connection_queue: false,
         }
     }
 

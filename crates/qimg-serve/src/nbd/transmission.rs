@@ -17,7 +17,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::{Mutex, Semaphore};
 use tokio::task::JoinSet;
 
+use qimg::io::AlignedBuf;
+
 use super::proto::*;
+#[cfg(target_os = "linux")]
+use super::queued::Queued;
+/// Without io_uring (not Linux) the engine serves every request.
+#[cfg(not(target_os = "linux"))]
+#[derive(Debug, Clone)]
+enum Queued {}
 use super::status::{self, Run};
 use super::{BoxStream, Error, Export, IN_FLIGHT_BYTES, MAX_IN_FLIGHT, Negotiated, Shutdown};
 
@@ -27,6 +35,16 @@ const UNIT: usize = 1024;
 const MAX_STATUS_SPAN: u64 = 1 << 30;
 /// Zeros written per step of a `NO_HOLE` write-zeroes.
 const ZERO_CHUNK: u64 = 1 << 20;
+/// Alignment of payload and read buffers: what `O_DIRECT` asks of memory on every common
+/// device, so that the queue's direct path can take them.
+const PAYLOAD_ALIGN: usize = 4096;
+
+/// An empty buffer, where an aligned one could not be made (only for absurd lengths, which
+/// [`check`] refuses anyway).
+fn empty() -> AlignedBuf {
+    AlignedBuf::copy_from(&[], 1).expect("an empty buffer with alignment 1")
+}
+
 /// How long a shutdown waits for replies a client does not read.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -54,6 +72,17 @@ pub async fn run<S: Storage + 'static>(
     mut shutdown: Shutdown,
 ) -> Result<(), Error> {
     let (mut rd, wr) = tokio::io::split(stream);
+    #[cfg(target_os = "linux")]
+    let (queued, driver) = match export
+        .per_connection_queue
+        .then(|| Queued::start(&export.image))
+        .flatten()
+    {
+        Some((q, d)) => (Some(q), Some(d)),
+        None => (None, None),
+    };
+    #[cfg(not(target_os = "linux"))]
+    let (queued, driver): (Option<Queued>, Option<tokio::task::JoinHandle<()>>) = (None, None);
     let wr: Writer = Arc::new(Mutex::new(wr));
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let budget = Arc::new(Semaphore::new(IN_FLIGHT_BYTES / UNIT));
@@ -126,16 +155,17 @@ pub async fn run<S: Storage + 'static>(
         ) else {
             break Ok(());
         };
-        let mut payload = Vec::new();
+        let mut payload = AlignedBuf::zeroed(0, 1).unwrap_or_else(empty);
         if req.carries {
-            payload = vec![0u8; buffered];
+            // Aligned, so that the queue can hand it to the kernel as it is.
+            payload = AlignedBuf::zeroed(buffered, PAYLOAD_ALIGN).unwrap_or_else(empty);
             if let Err(e) = rd.read_exact(&mut payload).await {
                 break Err(e.into());
             }
         }
-        let (export, wr) = (export.clone(), wr.clone());
+        let (export, wr, queued) = (export.clone(), wr.clone(), queued.clone());
         tasks.spawn(async move {
-            let reply = execute(&export, neg, req, payload).await;
+            let reply = execute(&export, queued.as_ref(), neg, req, payload).await;
             // A client gone away is seen by the reader; nothing to do here.
             let _ = send(&wr, &reply).await;
             drop((slot, bytes));
@@ -149,6 +179,12 @@ pub async fn run<S: Storage + 'static>(
     .await;
     if drained.is_err() {
         tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+    }
+    // The queue goes before the image can close: its driver ends once nothing is in flight.
+    drop(queued);
+    if let Some(driver) = driver {
+        let _ = driver.await;
     }
     if !export.read_only && !export.no_flush {
         // Leave what this client wrote durable, as a flush would.
@@ -334,9 +370,10 @@ fn check<S: Storage + 'static>(
 /// Runs one request and builds its reply.
 async fn execute<S: Storage + 'static>(
     export: &Export<S>,
+    queued: Option<&Queued>,
     neg: Negotiated,
     req: Request,
-    payload: Vec<u8>,
+    payload: AlignedBuf,
 ) -> Vec<u8> {
     if let Err((e, msg)) = check(export, neg, req) {
         return error_reply(neg, req, e, &msg);
@@ -345,9 +382,9 @@ async fn execute<S: Storage + 'static>(
     let fua = req.flags & CMD_FLAG_FUA != 0 || export.writethrough;
     let (offset, len) = (req.offset, req.len);
     let done = match req.kind {
-        CMD_READ => return read(img, neg, req).await,
+        CMD_READ => return read(img, queued, neg, req).await,
         CMD_BLOCK_STATUS => return block_status(img, neg, req).await,
-        CMD_WRITE => img.write(&payload, offset).await,
+        CMD_WRITE => write(img, queued, payload, offset).await,
         CMD_FLUSH if export.no_flush => Ok(()),
         CMD_FLUSH => img.flush().await,
         CMD_TRIM => img.discard(offset, len).await,
@@ -386,12 +423,71 @@ async fn write_zeros_as_data<S: Storage + 'static>(
     Ok(())
 }
 
-/// `NBD_CMD_READ`: simple reply, or data and hole chunks.
-async fn read<S: Storage + 'static>(img: &Image<S>, neg: Negotiated, req: Request) -> Vec<u8> {
-    let mut buf = vec![0u8; req.len as usize];
-    if let Err(e) = img.read(&mut buf, req.offset).await {
-        return error_reply(neg, req, errno(&e), &e.to_string());
+/// `NBD_CMD_WRITE`: through the connection's queue where there is one.
+async fn write<S: Storage + 'static>(
+    img: &Image<S>,
+    queued: Option<&Queued>,
+    payload: AlignedBuf,
+    offset: u64,
+) -> qimg::Result<()> {
+    #[cfg(target_os = "linux")]
+    if let Some(q) = queued {
+        let request = qimg::Request::Write {
+            offset,
+            buffers: qimg::IoBuffers::from_aligned(payload),
+        };
+        let c = q.run(request).await.ok_or_else(queue_gone)?;
+        return c.result.map(drop);
     }
+    let _ = queued;
+    img.write(&payload, offset).await
+}
+
+/// The error of a request a stopped queue did not take.
+#[cfg(target_os = "linux")]
+fn queue_gone() -> qimg::Error {
+    qimg::Error::InvalidOption("the connection's request queue has stopped".into())
+}
+
+/// Reads `len` bytes at `offset`: through the connection's queue where there is one.
+async fn read_data<S: Storage + 'static>(
+    img: &Image<S>,
+    queued: Option<&Queued>,
+    offset: u64,
+    len: usize,
+) -> qimg::Result<Vec<u8>> {
+    #[cfg(target_os = "linux")]
+    if let Some(q) = queued {
+        let buf = AlignedBuf::zeroed(len, PAYLOAD_ALIGN).unwrap_or_else(empty);
+        let request = qimg::Request::Read {
+            offset,
+            buffers: qimg::IoBuffers::from_aligned(buf),
+        };
+        let c = q.run(request).await.ok_or_else(queue_gone)?;
+        c.result?;
+        let mut out = vec![0u8; len];
+        return match c.buffers {
+            Some(b) if b.copy_out(0, &mut out) => Ok(out),
+            _ => Err(queue_gone()),
+        };
+    }
+    let _ = queued;
+    let mut buf = vec![0u8; len];
+    img.read(&mut buf, offset).await?;
+    Ok(buf)
+}
+
+/// `NBD_CMD_READ`: simple reply, or data and hole chunks.
+async fn read<S: Storage + 'static>(
+    img: &Image<S>,
+    queued: Option<&Queued>,
+    neg: Negotiated,
+    req: Request,
+) -> Vec<u8> {
+    let buf = match read_data(img, queued, req.offset, req.len as usize).await {
+        Ok(buf) => buf,
+        Err(e) => return error_reply(neg, req, errno(&e), &e.to_string()),
+    };
     if !neg.structured {
         return simple(req.handle, 0, &buf);
     }
