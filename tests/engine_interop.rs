@@ -491,3 +491,63 @@ async fn space_reserved_ahead_is_cut_off_at_close() {
     assert_clean(&dir.0, "r.qcow2", "after writing into the tail");
     assert_same_as_model(&dir.0, "r.qcow2", &model, "after writing into the tail");
 }
+
+/// A new cluster that has never held data reads as zeros, so copy-on-write parts that would
+/// only copy zeros into it (no backing file, zero clusters) are not written; a cluster reused
+/// inside the file, or parts that come from a backing file, are still copied.
+#[tokio::test]
+async fn zeros_are_not_copied_into_clusters_that_never_held_data() {
+    if !have_qemu("zeros_are_not_copied_into_clusters_that_never_held_data") {
+        return;
+    }
+    let dir = Scratch::new("zero-cow");
+    qemu_create(&dir.0, "z.qcow2", "cluster_size=64k", 16 * MIB, None);
+    std::fs::write(dir.path("base.raw"), vec![0x3cu8; (16 * MIB) as usize]).unwrap();
+    qemu_create(
+        &dir.0,
+        "b.qcow2",
+        "cluster_size=64k",
+        16 * MIB,
+        Some(("base.raw", "raw")),
+    );
+    let mut model = vec![0u8; (16 * MIB) as usize];
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("z.qcow2"))
+        .await
+        .unwrap();
+    for k in 0..8u64 {
+        let at = k * 64 * KIB + 8 * KIB;
+        img.write(&[k as u8 + 1; 4096], at).await.unwrap();
+        model[at as usize..at as usize + 4096].fill(k as u8 + 1);
+    }
+    assert_eq!(img.stats().await.cow_bytes, 0, "zeros were copied");
+    // A cluster freed and reused inside the file may still hold old bytes: copied.
+    img.write(&[0xee; 65536], 8 * 64 * KIB).await.unwrap();
+    img.discard(8 * 64 * KIB, 64 * KIB).await.unwrap();
+    img.flush().await.unwrap();
+    img.write(&[0x77; 4096], 12 * 64 * KIB).await.unwrap();
+    model[(12 * 64 * KIB) as usize..(12 * 64 * KIB + 4096) as usize].fill(0x77);
+    assert_eq!(
+        img.stats().await.cow_bytes,
+        60 * KIB,
+        "a reused cluster was not copied"
+    );
+    img.close().await.unwrap();
+    assert_clean(&dir.0, "z.qcow2", "no backing");
+    assert_same_as_model(&dir.0, "z.qcow2", &model, "no backing");
+
+    // Over a backing file the parts around the guest bytes come from it: copied.
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("b.qcow2"))
+        .await
+        .unwrap();
+    img.write(&[0x11; 4096], 8 * KIB).await.unwrap();
+    assert_eq!(img.stats().await.cow_bytes, 60 * KIB);
+    img.close().await.unwrap();
+    let mut model = vec![0x3cu8; (16 * MIB) as usize];
+    model[(8 * KIB) as usize..(12 * KIB) as usize].fill(0x11);
+    assert_clean(&dir.0, "b.qcow2", "raw backing");
+    assert_same_as_model(&dir.0, "b.qcow2", &model, "raw backing");
+}

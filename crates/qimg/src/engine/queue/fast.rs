@@ -115,11 +115,22 @@ impl<S: Storage> Inner<S> {
         let cs = self.geo.cluster_size();
         let mut planned = Vec::new();
         let mut fresh = 0;
+        // Some piece skips copy-on-write of zeros: its new cluster must read as zeros.
+        let mut unused_only = false;
         for (gc, a, n, pos) in self.pieces(offset, len) {
             let old = self.lookup_cached(m, gc)?;
-            let plan = self.plan_write(&old, a, a + n);
-            if plan.start != a || plan.end != a + n || plan.freed.is_some() {
+            let mut plan = self.plan_write(&old, a, a + n);
+            if plan.freed.is_some() {
                 return None;
+            }
+            if plan.start != a || plan.end != a + n {
+                if plan.target != Destination::New
+                    || !self.cow_reads_zero(&old, gc, &plan, a, a + n)
+                {
+                    return None;
+                }
+                (plan.start, plan.end) = (a, a + n);
+                unused_only = true;
             }
             if plan.relink && !self.can_link_cached(m, gc) {
                 return None;
@@ -138,9 +149,12 @@ impl<S: Storage> Inner<S> {
         }
         let allocation = self.allocation;
         let reservation = &self.reservation;
-        let mut hosts = self
-            .try_alloc_cached(m, fresh, |host| reservation.covers(allocation, host, cs))?
-            .into_iter();
+        // As in the engine's `prepare_chunk`: clusters from here on never held data.
+        let unused_from = m.end_cluster * cs;
+        let accept = |host: u64| {
+            reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)
+        };
+        let mut hosts = self.try_alloc_cached(m, fresh, accept)?.into_iter();
         let mut parts = Vec::with_capacity(planned.len());
         let mut links = Vec::new();
         for (gc, a, n, pos, old, plan) in planned {

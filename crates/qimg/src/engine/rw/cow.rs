@@ -7,6 +7,45 @@ use qimg_io::Storage;
 use super::*;
 
 impl<S: Storage> Inner<S> {
+    /// Whether the copy-on-write parts of `plan` around the guest bytes `[a, b)` read as zeros
+    /// from `old` (zero subclusters, or unallocated ones with nothing behind them). Written
+    /// into a new cluster that already reads as zeros they would change nothing, so only the
+    /// guest bytes need writing.
+    pub(crate) fn cow_reads_zero(
+        &self,
+        old: &AnyL2Entry,
+        gc: u64,
+        plan: &WritePlan,
+        a: usize,
+        b: usize,
+    ) -> bool {
+        let scs = self.geo.subcluster_size() as usize;
+        let zero_from = |from: usize| match old.state(SubclusterIndex((from / scs) as u32)) {
+            SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => true,
+            SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
+                match &self.backing {
+                    None => true,
+                    Some(Backing::Qcow2(image)) => gc + from as u64 >= image.inner.size(),
+                    // Its size would take a system call: copy.
+                    Some(Backing::Raw { .. }) => false,
+                }
+            }
+            SubclusterState::Normal | SubclusterState::Compressed => false,
+        };
+        [(plan.start, a), (b, plan.end)]
+            .into_iter()
+            .all(|(from, to)| {
+                let mut at = from;
+                while at < to {
+                    if !zero_from(at) {
+                        return false;
+                    }
+                    at = (at / scs + 1) * scs;
+                }
+                true
+            })
+    }
+
     pub(crate) fn plan_write(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
         let cs = self.geo.cluster_size() as usize;
         let external = self.data_file.is_some();

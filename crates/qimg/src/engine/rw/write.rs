@@ -64,15 +64,21 @@ impl<S: Storage> Inner<S> {
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
         let old = self.lookup(&mut m, gc).await?;
-        let plan = self.plan_write(&old, a, b);
+        let mut plan = self.plan_write(&old, a, b);
         let (host, fresh) = match plan.target {
             Destination::InPlace(h) => (h, false),
             Destination::New if self.data_file.is_some() => (gc, false),
             Destination::New => {
+                // Clusters past everything allocated since open and past the end of the file
+                // at open have never held data: they read as zeros.
+                let unused_from = m.end_cluster * self.geo.cluster_size();
                 let h = self.alloc_clusters(&mut m, 1).await?;
                 self.counters
                     .clusters_allocated
                     .fetch_add(1, Ordering::Relaxed);
+                if h >= unused_from && self.cow_reads_zero(&old, gc, &plan, a, b) {
+                    (plan.start, plan.end) = (a, b);
+                }
                 (h, true)
             }
         };
