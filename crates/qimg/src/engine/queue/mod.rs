@@ -582,13 +582,10 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// Finishes a direct request whose linking needs metadata I/O on the engine thread.
     fn link_on_engine(&mut self, p: Pending) {
-        let image = self.image.clone();
-        let done = self.engine_done.clone();
-        let in_flight = self.engine_in_flight.clone();
-        let notifier = self.notifier.clone();
-        in_flight.fetch_add(1, Ordering::AcqRel);
         self.stats.linked_on_engine += 1;
-        let job = Box::pin(async move {
+        // If the engine thread is gone (the queue is being torn down) the range lock and the
+        // unlinked clusters stay as they are; check reports the leak.
+        self.post_from_engine(move |image| async move {
             let inner = &image.inner;
             let mut result = match p.error {
                 Some(e) => Err(e),
@@ -603,53 +600,61 @@ impl<S: Storage + 'static> Queue<S> {
                 }
             }
             inner.locks.release(p.lock);
-            done.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Completion {
-                    user_data: p.user_data,
-                    result,
-                    buffers: Some(p.buffers),
-                });
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            let _ = notifier.notify();
+            Completion {
+                user_data: p.user_data,
+                result,
+                buffers: Some(p.buffers),
+            }
         });
-        if !self.worker.run(job) {
-            // The engine thread is gone (the queue is being torn down): the range lock and the
-            // unlinked clusters stay as they are; the image reports the leak at check.
-            self.engine_in_flight.fetch_sub(1, Ordering::AcqRel);
-        }
     }
 
     /// Runs `request` on the engine thread.
     fn run_on_engine_thread(&mut self, request: Request, user_data: u64) -> Result<()> {
-        let image = self.image.clone();
-        let done = self.engine_done.clone();
-        let in_flight = self.engine_in_flight.clone();
-        let notifier = self.notifier.clone();
-        in_flight.fetch_add(1, Ordering::AcqRel);
         self.stats.engine += 1;
-        let job = Box::pin(async move {
+        let queued = self.post_from_engine(move |image| async move {
             let (result, buffers) = run_on_engine(&image, request).await;
-            done.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Completion {
-                    user_data,
-                    result,
-                    buffers,
-                });
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            let _ = notifier.notify();
+            Completion {
+                user_data,
+                result,
+                buffers,
+            }
         });
-        if self.worker.run(job) {
+        if queued {
             Ok(())
         } else {
-            self.engine_in_flight.fetch_sub(1, Ordering::AcqRel);
             Err(Error::io(
                 &self.image.inner.path,
                 "queueing a request",
                 io::Error::other("the queue's engine thread has stopped"),
             ))
         }
+    }
+
+    /// Runs `work` on the engine thread and posts the completion it returns (counted in
+    /// flight until then); `false` if the thread is gone.
+    fn post_from_engine<F, Fut>(&mut self, work: F) -> bool
+    where
+        F: FnOnce(Image<S>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Completion> + Send + 'static,
+    {
+        let image = self.image.clone();
+        let done = self.engine_done.clone();
+        let in_flight = self.engine_in_flight.clone();
+        let notifier = self.notifier.clone();
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        let job = Box::pin(async move {
+            let completion = work(image).await;
+            done.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(completion);
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            let _ = notifier.notify();
+        });
+        let queued = self.worker.run(job);
+        if !queued {
+            self.engine_in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+        queued
     }
 }
 
