@@ -434,6 +434,8 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
             buffers: IoBuffers::from_aligned(AlignedBuf::copy_from(&[9; 24576], 4096).unwrap()),
         },
     );
+    // The unallocated subclusters in the middle are a hole, as map would say.
+    assert_eq!(c.holes, Some(vec![(8192, 8192)]));
     assert_eq!(contents_aligned(c.buffers.unwrap()), expect);
     let c = one(
         &mut queue,
@@ -442,6 +444,7 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
             buffers: aligned(0),
         },
     );
+    assert_eq!(c.holes, Some(vec![]));
     assert_eq!(contents_aligned(c.buffers.unwrap()), vec![4u8; 8192]);
     assert_eq!((queue.stats().direct, queue.stats().engine), (6, 2));
     // A read of never-written clusters: zeros filled in place, no I/O.
@@ -452,6 +455,7 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
             buffers: aligned(9),
         },
     );
+    assert_eq!(c.holes, Some(vec![(0, 8192)]));
     assert_eq!(contents_aligned(c.buffers.unwrap()), vec![0u8; 8192]);
     assert_eq!(queue.stats().immediate, 1);
     // Past the end: an error completion with EINVAL, not a failed submit.

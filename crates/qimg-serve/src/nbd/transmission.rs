@@ -449,13 +449,14 @@ fn queue_gone() -> qimg::Error {
     qimg::Error::InvalidOption("the connection's request queue has stopped".into())
 }
 
-/// Reads `len` bytes at `offset`: through the connection's queue where there is one.
+/// Reads `len` bytes at `offset`: through the connection's queue where there is one. With
+/// them, the ranges that are holes when the queue knows them (`qimg::Completion::holes`).
 async fn read_data<S: Storage + 'static>(
     img: &Image<S>,
     queued: Option<&Queued>,
     offset: u64,
     len: usize,
-) -> qimg::Result<Vec<u8>> {
+) -> qimg::Result<(Vec<u8>, Option<Vec<(usize, usize)>>)> {
     #[cfg(target_os = "linux")]
     if let Some(q) = queued {
         let buf = AlignedBuf::zeroed(len, PAYLOAD_ALIGN).unwrap_or_else(empty);
@@ -467,14 +468,42 @@ async fn read_data<S: Storage + 'static>(
         c.result?;
         let mut out = vec![0u8; len];
         return match c.buffers {
-            Some(b) if b.copy_out(0, &mut out) => Ok(out),
+            Some(b) if b.copy_out(0, &mut out) => Ok((out, c.holes)),
             _ => Err(queue_gone()),
         };
     }
     let _ = queued;
     let mut buf = vec![0u8; len];
     img.read(&mut buf, offset).await?;
-    Ok(buf)
+    Ok((buf, None))
+}
+
+/// The `(start, length, hole)` pieces tiling `[offset, offset + len)`, given the hole ranges
+/// `(position, length)` of a read in order.
+fn tile_holes(offset: u64, len: u64, holes: &[(usize, usize)]) -> Vec<(u64, u64, bool)> {
+    let mut pieces: Vec<(u64, u64, bool)> = Vec::new();
+    let mut push = |start: u64, length: u64, hole: bool| {
+        if length == 0 {
+            return;
+        }
+        match pieces.last_mut() {
+            Some(last) if last.2 == hole && last.0 + last.1 == start => last.1 += length,
+            _ => pieces.push((start, length, hole)),
+        }
+    };
+    let mut at = 0u64;
+    for &(pos, n) in holes {
+        let (pos, n) = (pos as u64, n as u64);
+        if pos < at || pos + n > len {
+            // Not in order or not inside: the caller falls back to all data.
+            return vec![(offset, len, false)];
+        }
+        push(offset + at, pos - at, false);
+        push(offset + pos, n, true);
+        at = pos + n;
+    }
+    push(offset + at, len - at, false);
+    pieces
 }
 
 /// `NBD_CMD_READ`: simple reply, or data and hole chunks.
@@ -484,8 +513,8 @@ async fn read<S: Storage + 'static>(
     neg: Negotiated,
     req: Request,
 ) -> Vec<u8> {
-    let buf = match read_data(img, queued, req.offset, req.len as usize).await {
-        Ok(buf) => buf,
+    let (buf, holes) = match read_data(img, queued, req.offset, req.len as usize).await {
+        Ok(read) => read,
         Err(e) => return error_reply(neg, req, errno(&e), &e.to_string()),
     };
     if !neg.structured {
@@ -496,15 +525,21 @@ async fn read<S: Storage + 'static>(
         chunk(&mut m, neg, req, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0);
         return m;
     }
-    // Which parts read as zeros without being data (holes); data everywhere with DF.
+    // Which parts read as zeros without being data (holes); data everywhere with DF. The
+    // queue's direct path knows them; otherwise the image's map says.
     let mut pieces: Vec<(u64, u64, bool)> = Vec::new();
-    let map = if req.flags & CMD_FLAG_DF != 0 {
-        None
-    } else {
-        img.map(req.offset, req.len).await.ok()
+    let df = req.flags & CMD_FLAG_DF != 0;
+    let map = match holes {
+        _ if df => None,
+        Some(holes) => {
+            pieces = tile_holes(req.offset, req.len, &holes);
+            None
+        }
+        None => img.map(req.offset, req.len).await.ok(),
     };
     match map {
-        None => pieces.push((req.offset, req.len, false)),
+        None if pieces.is_empty() => pieces.push((req.offset, req.len, false)),
+        None => {}
         Some(extents) => {
             for e in extents {
                 let hole = match e.kind {
@@ -597,4 +632,30 @@ async fn block_status<S: Storage + 'static>(
         }
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tile_holes;
+
+    #[test]
+    fn holes_tile_a_read_in_order_and_merge() {
+        let o = 1 << 20;
+        assert_eq!(tile_holes(o, 16384, &[]), [(o, 16384, false)]);
+        assert_eq!(
+            tile_holes(o, 16384, &[(4096, 2048), (6144, 2048)]),
+            [
+                (o, 4096, false),
+                (o + 4096, 4096, true),
+                (o + 8192, 8192, false)
+            ]
+        );
+        assert_eq!(tile_holes(o, 8192, &[(0, 8192)]), [(o, 8192, true)]);
+        // Out of order or past the end: all data, never a wrong reply.
+        assert_eq!(
+            tile_holes(o, 8192, &[(4096, 1024), (0, 1024)]),
+            [(o, 8192, false)]
+        );
+        assert_eq!(tile_holes(o, 8192, &[(4096, 8192)]), [(o, 8192, false)]);
+    }
 }

@@ -115,6 +115,11 @@ pub struct Completion {
     pub result: Result<u64>,
     /// The buffers of a read or write, given back (their memory is no longer used).
     pub buffers: Option<IoBuffers>,
+    /// For a read that took the direct path: the ranges of the buffers, as `(position,
+    /// length)` in order, that read as zeros without being data (zero subclusters, and
+    /// unallocated ones without a backing file), as `Image::map` would report them. `None`
+    /// for other requests and for reads the engine ran (not known: ask `Image::map`).
+    pub holes: Option<Vec<(usize, usize)>>,
 }
 
 impl Completion {
@@ -193,6 +198,8 @@ struct Pending {
     write: bool,
     /// Writes to link (new clusters, changed bitmaps) once the data is on disk.
     links: Vec<PreparedWrite>,
+    /// Ranges of a read that are holes ([`Completion::holes`]).
+    holes: Vec<(usize, usize)>,
 }
 
 /// A per-queue completion handle of an [`Image`]; see the [module docs](self).
@@ -442,9 +449,11 @@ impl<S: Storage + 'static> Queue<S> {
                 }
             }
         }
+        let mut holes = Vec::new();
         for p in &parts {
             if let Part::Zero { pos, len } = *p {
                 buffers.fill_zero(pos, len);
+                holes.push((pos, len));
             }
         }
         let idx = match self.free.pop() {
@@ -486,6 +495,7 @@ impl<S: Storage + 'static> Queue<S> {
             len,
             write,
             links,
+            holes,
         });
         self.stats.direct += 1;
         self.stats.direct_bytes += len;
@@ -555,6 +565,7 @@ impl<S: Storage + 'static> Queue<S> {
             user_data: p.user_data,
             result,
             buffers: Some(buffers),
+            holes: (!p.write).then_some(p.holes),
         });
     }
 
@@ -604,6 +615,7 @@ impl<S: Storage + 'static> Queue<S> {
                 user_data: p.user_data,
                 result,
                 buffers: Some(p.buffers),
+                holes: None,
             }
         });
     }
@@ -617,6 +629,7 @@ impl<S: Storage + 'static> Queue<S> {
                 user_data,
                 result,
                 buffers,
+                holes: None,
             }
         });
         if queued {
