@@ -262,6 +262,7 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
     let mut merged = vec![0u8; SIZE as usize];
     let mut direct_requests = 0;
     let mut engine_requests = 0;
+    let mut allocating = 0;
     for (q, t) in threads.into_iter().enumerate() {
         let (m, stats, wakeups, requests) = t.join().expect("queue thread");
         let (lo, hi) = (q as u64 * region, (q as u64 + 1) * region);
@@ -277,8 +278,13 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
         );
         direct_requests += stats.direct;
         engine_requests += stats.engine;
+        allocating += stats.allocating;
     }
     assert!(direct_requests > 0, "no request took the direct path");
+    if options.contains("extended_l2=on") {
+        // Aligned writes of whole 2 KiB subclusters allocate without copying.
+        assert!(allocating > 0, "no allocating write took the direct path");
+    }
     assert!(engine_requests > 0, "no request ran on the engine");
     drop(async_image);
     image.close().unwrap();

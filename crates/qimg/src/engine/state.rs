@@ -67,10 +67,10 @@ pub(crate) const RESERVE_AHEAD: u64 = 8 << 20;
 /// in steps of [`RESERVE_AHEAD`] bytes; the unused tail is cut off at close. Below `from` (the
 /// end of the file at open, in whole clusters) each new cluster is reserved on its own, as
 /// before: it may be a hole a discard punched.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Reservation {
-    pub(crate) from: AtomicU64,
-    /// End of what `fallocate` reserved past `from` (0: nothing yet).
+    pub(crate) from: u64,
+    /// End of what `fallocate` reserved past `from` (`from` while nothing is).
     pub(crate) end: AtomicU64,
     /// The file cannot reserve (no `fallocate`, or a backend without it): clusters stay
     /// sparse, as with [`Allocation::Sparse`].
@@ -82,21 +82,11 @@ pub(crate) struct Reservation {
 impl Reservation {
     pub(crate) fn new(file_end: u64) -> Self {
         Self {
-            from: AtomicU64::new(file_end),
+            from: file_end,
             end: AtomicU64::new(file_end),
             unsupported: AtomicBool::new(false),
             extending: AtomicBool::new(false),
         }
-    }
-
-    /// Whether the allocation of `host` leaves less than half a step reserved after it, so
-    /// that the next step should be reserved now (by one caller: this claims the job).
-    pub(crate) fn claim_extension(&self, allocation: Allocation, host: u64, step: u64) -> bool {
-        allocation == Allocation::Contiguous
-            && !self.unsupported.load(Ordering::Relaxed)
-            && host >= self.from.load(Ordering::Relaxed)
-            && host + step / 2 > self.end.load(Ordering::Acquire)
-            && !self.extending.swap(true, Ordering::AcqRel)
     }
 
     /// Whether a write may go to the new cluster at `host` (`cluster_size` bytes) without
@@ -104,8 +94,7 @@ impl Reservation {
     pub(crate) fn covers(&self, allocation: Allocation, host: u64, cluster_size: u64) -> bool {
         allocation == Allocation::Sparse
             || self.unsupported.load(Ordering::Relaxed)
-            || (host >= self.from.load(Ordering::Relaxed)
-                && host + cluster_size <= self.end.load(Ordering::Acquire))
+            || (host >= self.from && host + cluster_size <= self.end.load(Ordering::Acquire))
     }
 }
 
@@ -127,27 +116,15 @@ impl<S: Storage> Shared<S> {
         if r.covers(self.allocation, host, cs) {
             return Ok(());
         }
-        let (storage, path) = self.data();
-        let (at, len) = if host < r.from.load(Ordering::Relaxed) {
+        let (at, len) = if host < r.from {
             (host, cs)
         } else {
-            let step = self.reserve_step();
             let at = host.max(r.end.load(Ordering::Acquire));
-            (at, host + step - at)
+            (at, host + self.reserve_step() - at)
         };
-        match storage.allocate(at, len).await {
-            Ok(AllocateOutcome::Reserved) => {
-                if at >= r.from.load(Ordering::Relaxed) {
-                    r.end.fetch_max(at + len, Ordering::AcqRel);
-                }
-                Ok(())
-            }
-            Ok(AllocateOutcome::NotReserved) => {
-                r.unsupported.store(true, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => Err(Error::storage(path, e)),
-        }
+        self.reserve(at, len)
+            .await
+            .map_err(|e| self.storage_error(e))
     }
 
     /// Bytes reserved at once past the end of the file.
@@ -156,21 +133,40 @@ impl<S: Storage> Shared<S> {
         RESERVE_AHEAD.div_ceil(cs).max(4) * cs
     }
 
+    /// Whether the allocation of `host` leaves less than half a step reserved after it, so
+    /// that the next step should be reserved now (by one caller: this claims the job, which
+    /// [`extend_reservation`](Self::extend_reservation) ends).
+    pub(crate) fn claim_extension(&self, host: u64) -> bool {
+        let r = &self.reservation;
+        self.allocation == Allocation::Contiguous
+            && !r.unsupported.load(Ordering::Relaxed)
+            && host >= r.from
+            && host + self.reserve_step() / 2 > r.end.load(Ordering::Acquire)
+            && !r.extending.swap(true, Ordering::AcqRel)
+    }
+
     /// Reserves the next step past what is reserved, ahead of the allocations that will need
-    /// it (after [`Reservation::claim_extension`]; the queues' direct path cannot wait for a
-    /// `fallocate`). Advisory: errors leave the file sparse there.
+    /// it (after [`claim_extension`](Self::claim_extension); the queues' direct path cannot
+    /// wait for a `fallocate`). Advisory: an error leaves the file sparse there.
     pub(crate) async fn extend_reservation(&self) {
         let r = &self.reservation;
-        let at = r.end.load(Ordering::Acquire);
-        let step = self.reserve_step();
-        match self.file.allocate(at, step).await {
-            Ok(AllocateOutcome::Reserved) => {
-                r.end.fetch_max(at + step, Ordering::AcqRel);
-            }
-            Ok(AllocateOutcome::NotReserved) => r.unsupported.store(true, Ordering::Relaxed),
-            Err(_) => {}
-        }
+        let _ = self
+            .reserve(r.end.load(Ordering::Acquire), self.reserve_step())
+            .await;
         r.extending.store(false, Ordering::Release);
+    }
+
+    /// `fallocate` of `[at, at + len)` in the image file, recorded in the reservation.
+    async fn reserve(&self, at: u64, len: u64) -> std::result::Result<(), StorageError> {
+        let r = &self.reservation;
+        match self.file.allocate(at, len).await? {
+            AllocateOutcome::Reserved if at >= r.from => {
+                r.end.fetch_max(at + len, Ordering::AcqRel);
+            }
+            AllocateOutcome::Reserved => {}
+            AllocateOutcome::NotReserved => r.unsupported.store(true, Ordering::Relaxed),
+        }
+        Ok(())
     }
 
     /// At close: cuts off what [`reserve_fresh`](Self::reserve_fresh) reserved past the last
@@ -178,7 +174,7 @@ impl<S: Storage> Shared<S> {
     pub(crate) async fn trim_reservation(&self, end_cluster: u64) -> Result<()> {
         let r = &self.reservation;
         let keep = end_cluster * self.geo.cluster_size();
-        if r.end.load(Ordering::Acquire) <= r.from.load(Ordering::Relaxed).max(keep) {
+        if r.end.load(Ordering::Acquire) <= r.from.max(keep) {
             return Ok(());
         }
         let len = self.file.len().await.map_err(|e| self.storage_error(e))?;

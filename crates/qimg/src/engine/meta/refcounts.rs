@@ -144,13 +144,10 @@ impl<S: Storage> Shared<S> {
         }
     }
 
-    /// The refcount of `cluster` if its block is cached (or it has none: 0).
+    /// The refcount of `cluster` if its refcount block exists and is cached.
     fn refcount_cached(&self, m: &Meta, cluster: u64) -> Option<u64> {
         let (block, index) = self.refblock_of(m, cluster);
-        if block == 0 {
-            return Some(0);
-        }
-        let data = m.rc.peek(SliceKey::new(block, 0))?;
+        let data = m.rc.peek(SliceKey::new(block, 0)).filter(|_| block != 0)?;
         refcount::get(data, self.rgeo.refcount_order(), index).ok()
     }
 
@@ -179,11 +176,9 @@ impl<S: Storage> Shared<S> {
             if c >= m.free_hint + SEARCH || (c + 1).saturating_mul(cs) > MAX_HOST_OFFSET {
                 return None;
             }
-            let (block, _) = self.refblock_of(m, c);
-            if block == 0 {
-                return None;
-            }
-            if !m.pending_punch.contains(&c) && self.refcount_cached(m, c)? == 0 {
+            // A block to create or load is the engine's work.
+            let refcount = self.refcount_cached(m, c)?;
+            if refcount == 0 && !m.pending_punch.contains(&c) {
                 // A free cluster on metadata means damaged refcounts: the engine reports it.
                 if !accept(c * cs) || m.overlap.find(c * cs, cs, Writing::Data).is_some() {
                     return None;

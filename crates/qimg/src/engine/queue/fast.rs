@@ -20,43 +20,19 @@ pub(super) enum Part {
 }
 
 impl<S: Storage> Inner<S> {
-    /// The parts of a `len`-byte request at guest `offset`, or `None` when the request needs
-    /// the engine: an L2 slice not cached, a backing file to read, a compressed cluster, or a
-    /// write that allocates, copies on write or changes an entry. Adjacent parts merge.
-    pub(super) fn plan_direct(
+    /// The parts of a `len`-byte read at guest `offset`, or `None` when it needs the engine:
+    /// an L2 slice not cached, a backing file to read, a compressed cluster. Adjacent parts
+    /// merge.
+    pub(super) fn plan_direct_read(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
-        write: bool,
     ) -> Option<Vec<Part>> {
         let scs = self.geo.subcluster_size() as usize;
         let mut parts: Vec<Part> = Vec::new();
         for (gc, a, n, pos) in self.pieces(offset, len) {
             let entry = self.lookup_cached(m, gc)?;
-            if write {
-                let plan = self.plan_write(&entry, a, a + n);
-                let Destination::InPlace(host) = plan.target else {
-                    return None;
-                };
-                if plan.relink || plan.start != a || plan.end != a + n || plan.freed.is_some() {
-                    return None;
-                }
-                let at = host + a as u64;
-                if self.data_file.is_none() && m.overlap.find(at, n as u64, Writing::Data).is_some()
-                {
-                    return None;
-                }
-                push(
-                    &mut parts,
-                    Part::Io {
-                        host: at,
-                        pos,
-                        len: n,
-                    },
-                );
-                continue;
-            }
             let host = match entry.entry() {
                 L2Entry::Compressed(_) => return None,
                 e => e.host_cluster().map(|h| h.0),
@@ -96,22 +72,19 @@ impl<S: Storage> Inner<S> {
         }
         Some(parts)
     }
-}
 
-impl<S: Storage> Inner<S> {
-    /// The direct path for a write that only allocates or changes entries (no copy-on-write,
-    /// nothing freed): the parts to write and the writes to link once they are on disk, with
-    /// their new clusters allocated in the cached refcount blocks. `None` (nothing changed)
-    /// when any piece needs the engine.
-    pub(super) fn plan_direct_alloc(
+    /// The parts of a `len`-byte write at guest `offset` and the pieces to link once they
+    /// are on disk, or `None` (nothing changed) when a piece needs the engine. A piece goes
+    /// direct when it lands in place, or allocates without copying anything (whole
+    /// subclusters, or copy-on-write of zeros into a cluster that never held data) with its
+    /// new cluster taken from a cached refcount block in space already reserved; nothing it
+    /// replaces may need freeing.
+    pub(super) fn plan_direct_write(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
     ) -> Option<(Vec<Part>, Vec<PreparedWrite>)> {
-        if self.data_file.is_some() {
-            return None;
-        }
         let cs = self.geo.cluster_size();
         let mut planned = Vec::new();
         let mut fresh = 0;
@@ -136,13 +109,19 @@ impl<S: Storage> Inner<S> {
                 return None;
             }
             match plan.target {
+                // With a data file the host offset is the guest offset: nothing to allocate,
+                // but also nothing the direct path links there.
+                Destination::New if self.data_file.is_some() => return None,
                 Destination::New => fresh += 1,
                 Destination::InPlace(h) => {
                     // The engine reports an overlap (and marks the image corrupt).
-                    m.overlap
-                        .find(h + a as u64, n as u64, Writing::Data)
-                        .is_none()
-                        .then_some(())?;
+                    let overlaps = self.data_file.is_none()
+                        && m.overlap
+                            .find(h + a as u64, n as u64, Writing::Data)
+                            .is_some();
+                    if overlaps {
+                        return None;
+                    }
                 }
             }
             planned.push((gc, a, n, pos, old, plan));

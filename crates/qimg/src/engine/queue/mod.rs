@@ -399,13 +399,15 @@ impl<S: Storage + 'static> Queue<S> {
         let mut meta = inner.meta.try_lock().ok().filter(|m| !m.closed);
         let mut links = Vec::new();
         let parts = meta.as_mut().and_then(|m| {
-            let in_place = inner.plan_direct(m, offset, len, write);
-            // Allocating writes need a ring entry per cluster, checked before anything is
-            // allocated: they cannot be given back to the engine afterwards.
-            if in_place.is_some() || !write || (end - first) as usize > self.ring.available() {
-                return in_place;
+            if !write {
+                return inner.plan_direct_read(m, offset, len);
             }
-            let (parts, l) = inner.plan_direct_alloc(m, offset, len)?;
+            // A ring entry per cluster at most, checked before anything is allocated: an
+            // allocation cannot be handed to the engine afterwards.
+            if (end - first) as usize > self.ring.available() {
+                return None;
+            }
+            let (parts, l) = inner.plan_direct_write(m, offset, len)?;
             links = l;
             Some(parts)
         });
@@ -434,19 +436,8 @@ impl<S: Storage + 'static> Queue<S> {
         drop(meta);
         if !links.is_empty() {
             self.stats.allocating += 1;
-            let last = links.iter().filter(|l| l.fresh).map(|l| l.host).max();
-            if let Some(host) = last {
-                let step = inner.reserve_step();
-                if inner
-                    .reservation
-                    .claim_extension(inner.allocation, host, step)
-                {
-                    let image = self.image.clone();
-                    let job = Box::pin(async move { image.inner.extend_reservation().await });
-                    if !self.worker.run(job) {
-                        inner.reservation.extending.store(false, Ordering::Release);
-                    }
-                }
+            if let Some(host) = links.iter().filter(|l| l.fresh).map(|l| l.host).max() {
+                self.reserve_ahead(host);
             }
         }
         let mut holes = Vec::new();
@@ -507,6 +498,21 @@ impl<S: Storage + 'static> Queue<S> {
             let _ = self.ring.submit();
         }
         Ok(())
+    }
+
+    /// After the direct path allocated the cluster at `host`: asks the engine thread to
+    /// reserve the next step past the end of the file while half of this one is left, so that
+    /// the direct path never waits for a `fallocate`.
+    fn reserve_ahead(&self, host: u64) {
+        let inner = &self.image.inner;
+        if !inner.claim_extension(host) {
+            return;
+        }
+        let image = self.image.clone();
+        let job = Box::pin(async move { image.inner.extend_reservation().await });
+        if !self.worker.run(job) {
+            inner.reservation.extending.store(false, Ordering::Release);
+        }
     }
 
     /// One ring operation completed.
