@@ -39,10 +39,10 @@ const ZERO_CHUNK: u64 = 1 << 20;
 /// device, so that the queue's direct path can take them.
 const PAYLOAD_ALIGN: usize = 4096;
 
-/// An empty buffer, where an aligned one could not be made (only for absurd lengths, which
-/// [`check`] refuses anyway).
-fn empty() -> AlignedBuf {
-    AlignedBuf::copy_from(&[], 1).expect("an empty buffer with alignment 1")
+/// A zeroed buffer of `len` bytes aligned to [`PAYLOAD_ALIGN`].
+fn aligned(len: usize) -> io::Result<AlignedBuf> {
+    AlignedBuf::zeroed(len, PAYLOAD_ALIGN)
+        .ok_or_else(|| io::Error::other(format!("cannot make a buffer of {len} bytes")))
 }
 
 /// How long a shutdown waits for replies a client does not read.
@@ -155,13 +155,13 @@ pub async fn run<S: Storage + 'static>(
         ) else {
             break Ok(());
         };
-        let mut payload = AlignedBuf::zeroed(0, 1).unwrap_or_else(empty);
-        if req.carries {
-            // Aligned, so that the queue can hand it to the kernel as it is.
-            payload = AlignedBuf::zeroed(buffered, PAYLOAD_ALIGN).unwrap_or_else(empty);
-            if let Err(e) = rd.read_exact(&mut payload).await {
-                break Err(e.into());
-            }
+        // Aligned, so that the queue can hand it to the kernel as it is.
+        let mut payload = match aligned(if req.carries { buffered } else { 0 }) {
+            Ok(p) => p,
+            Err(e) => break Err(e.into()),
+        };
+        if let Err(e) = rd.read_exact(&mut payload).await {
+            break Err(e.into());
         }
         let (export, wr, queued) = (export.clone(), wr.clone(), queued.clone());
         tasks.spawn(async move {
@@ -449,31 +449,36 @@ fn queue_gone() -> qimg::Error {
     qimg::Error::InvalidOption("the connection's request queue has stopped".into())
 }
 
-/// Reads `len` bytes at `offset`: through the connection's queue where there is one. With
-/// them, the ranges that are holes when the queue knows them (`qimg::Completion::holes`).
+/// Reads `len` bytes at `offset` into an aligned buffer: through the connection's queue
+/// where there is one. With them, the ranges that are holes when the queue knows them
+/// (`qimg::Completion::holes`).
 async fn read_data<S: Storage + 'static>(
     img: &Image<S>,
     queued: Option<&Queued>,
     offset: u64,
     len: usize,
-) -> qimg::Result<(Vec<u8>, Option<Vec<(usize, usize)>>)> {
+) -> qimg::Result<(AlignedBuf, Option<Vec<(usize, usize)>>)> {
+    let mut buf = aligned(len).map_err(|source| qimg::Error::Io {
+        path: img.path().to_path_buf(),
+        op: format!("reading {len} bytes at {offset}"),
+        source,
+    })?;
     #[cfg(target_os = "linux")]
     if let Some(q) = queued {
-        let buf = AlignedBuf::zeroed(len, PAYLOAD_ALIGN).unwrap_or_else(empty);
         let request = qimg::Request::Read {
             offset,
             buffers: qimg::IoBuffers::from_aligned(buf),
         };
         let c = q.run(request).await.ok_or_else(queue_gone)?;
         c.result?;
-        let mut out = vec![0u8; len];
-        return match c.buffers {
-            Some(b) if b.copy_out(0, &mut out) => Ok((out, c.holes)),
-            _ => Err(queue_gone()),
+        // The buffer comes back whole: the ring is done with it.
+        let owner = c.buffers.and_then(|b| b.into_owner().ok().flatten());
+        return match owner.and_then(|o| o.downcast::<AlignedBuf>().ok()) {
+            Some(buf) => Ok((*buf, c.holes)),
+            None => Err(queue_gone()),
         };
     }
     let _ = queued;
-    let mut buf = vec![0u8; len];
     img.read(&mut buf, offset).await?;
     Ok((buf, None))
 }
