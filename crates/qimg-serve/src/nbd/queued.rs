@@ -2,9 +2,9 @@
 //! vhost-user-blk daemon uses. Requests whose place in the image is known from cached
 //! metadata (reads, in-place writes, allocating writes without copy-on-write) go straight to
 //! the queue's own io_uring ring with the connection's aligned buffers (no bounce copy, no
-//! thread hop); the rest run on the queue's engine thread. One driver task per connection
-//! owns the queue, submits what the request tasks send it and hands each completion back; the
-//! queue's eventfd wakes it through the runtime ([`AsyncFd`]).
+//! thread hop); the rest run on the queue's engine thread. The connection's task owns the
+//! queue: it submits as it reads requests and collects completions when the queue's eventfd,
+//! polled by the runtime ([`AsyncFd`]), says there are some.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -12,26 +12,25 @@ use std::os::fd::{AsFd, OwnedFd};
 use qimg::io::Storage;
 use qimg::{Completion, Image, Queue, QueueOptions, Request};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
 
 /// Ring entries per connection: the requests one connection may have in flight
 /// ([`MAX_IN_FLIGHT`](super::MAX_IN_FLIGHT)) with room for multi-cluster ones.
 const DEPTH: u32 = 256;
 
-type Job = (Request, oneshot::Sender<Completion>);
-
-/// A handle on a connection's queue, cloned into every request task.
-#[derive(Debug, Clone)]
-pub(super) struct Queued {
-    tx: mpsc::UnboundedSender<Job>,
+/// A connection's queue and what the connection keeps (`P`) for each request in it.
+#[derive(Debug)]
+pub(super) struct ConnQueue<S: Storage + 'static, P> {
+    queue: Queue<S>,
+    ready: AsyncFd<OwnedFd>,
+    pending: HashMap<u64, P>,
+    next: u64,
 }
 
-impl Queued {
-    /// Starts the driver task of a queue on `image`; `None` where the queue cannot be made
-    /// (no io_uring, storage without a file descriptor): the engine serves the connection.
-    /// Must run inside a runtime with I/O enabled.
-    pub(super) fn start<S: Storage + 'static>(image: &Image<S>) -> Option<(Self, JoinHandle<()>)> {
+impl<S: Storage + 'static, P> ConnQueue<S, P> {
+    /// A queue on `image`; `None` where it cannot be made (no io_uring, storage without a
+    /// file descriptor): the engine serves the connection. Must run inside a runtime with
+    /// I/O enabled.
+    pub(super) fn start(image: &Image<S>) -> Option<Self> {
         // Without a descriptor the queue's ring can use, every request would take the engine
         // with an extra hop.
         image.storage().direct_access()?;
@@ -41,63 +40,60 @@ impl Queued {
         // is registered; an `OwnedFd` moved into the `AsyncFd` cannot be.
         #[allow(deprecated)]
         let ready = AsyncFd::new(fd).ok()?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let driver = tokio::spawn(drive(queue, ready, rx));
-        Some((Self { tx }, driver))
+        Some(Self {
+            queue,
+            ready,
+            pending: HashMap::new(),
+            next: 0,
+        })
     }
 
-    /// Runs `request` on the queue; `None` if the queue stopped taking requests.
-    pub(super) async fn run(&self, request: Request) -> Option<Completion> {
-        let (tx, rx) = oneshot::channel();
-        self.tx.send((request, tx)).ok()?;
-        rx.await.ok()
+    /// Submits `request`, keeping `p` until it completes. `Err(p)`: the queue stopped
+    /// taking requests.
+    pub(super) fn submit(&mut self, request: Request, p: P) -> Result<(), P> {
+        let id = self.next;
+        self.next += 1;
+        match self.queue.submit(request, id) {
+            Ok(()) => {
+                self.pending.insert(id, p);
+                Ok(())
+            }
+            Err(_) => Err(p),
+        }
+    }
+
+    /// The next completed request with what was kept for it, if any (never blocks).
+    pub(super) fn next_completed(&mut self) -> Option<(Completion, P)> {
+        while let Some(c) = self.queue.next_completed() {
+            if let Some(p) = self.pending.remove(&c.user_data) {
+                return Some((c, p));
+            }
+        }
+        None
+    }
+
+    /// Requests submitted and not yet collected.
+    pub(super) fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Resolves when completions may be ready. Borrows only the eventfd, so that the
+    /// future stays `Send` (the queue itself is not `Sync`).
+    pub(super) fn ready(&self) -> impl std::future::Future<Output = ()> + Send + '_ {
+        ready(&self.ready)
     }
 }
 
-/// Submits what arrives on `rx` and answers each completion, until every handle is dropped
-/// and nothing is in flight; then drops the queue (which must go before the image closes).
-async fn drive<S: Storage + 'static>(
-    mut queue: Queue<S>,
-    ready: AsyncFd<OwnedFd>,
-    mut rx: mpsc::UnboundedReceiver<Job>,
-) {
-    let mut waiting: HashMap<u64, oneshot::Sender<Completion>> = HashMap::new();
-    let mut next = 0u64;
-    let mut open = true;
-    loop {
-        while let Some(c) = queue.next_completed() {
-            if let Some(tx) = waiting.remove(&c.user_data) {
-                // A request task that went away (its connection closed) drops the answer.
-                let _ = tx.send(c);
-            }
+async fn ready(fd: &AsyncFd<OwnedFd>) {
+    match fd.readable().await {
+        Ok(mut guard) => {
+            // Reset the eventfd before collecting: a completion posted after this signals
+            // it again. (Non-blocking: EAGAIN when nothing was signalled.)
+            let mut count = [0u8; 8];
+            let _ = nix::unistd::read(fd.get_ref(), &mut count);
+            guard.clear_ready();
         }
-        if !open && waiting.is_empty() {
-            break;
-        }
-        tokio::select! {
-            job = rx.recv(), if open => match job {
-                Some((request, tx)) => {
-                    let id = next;
-                    next += 1;
-                    // A queue that cannot take requests any more: the task gets `None`.
-                    if queue.submit(request, id).is_ok() {
-                        waiting.insert(id, tx);
-                    }
-                }
-                None => open = false,
-            },
-            guard = ready.readable() => match guard {
-                Ok(mut guard) => {
-                    // Reset the eventfd before collecting: a completion posted after this
-                    // signals it again.
-                    let _ = queue.notifier().drain();
-                    guard.clear_ready();
-                }
-                Err(_) => {
-                    // The eventfd cannot be polled: collect by waiting in place.
-                    let _ = queue.wait();
-                }
-            },
-        }
+        // The eventfd cannot be polled: collect after a short sleep instead.
+        Err(_) => tokio::time::sleep(std::time::Duration::from_millis(1)).await,
     }
 }

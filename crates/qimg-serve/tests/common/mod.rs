@@ -34,6 +34,19 @@ pub async fn export(path: &Path) -> Arc<Export<AnyStorage>> {
     Arc::new(Export::new(img))
 }
 
+/// Opens `path` writable and exports it with a `qimg::Queue` per connection (reads and
+/// writes on the queue's direct path where their metadata is cached).
+pub async fn export_queued(path: &Path) -> Arc<Export<AnyStorage>> {
+    let img = qimg::OpenOptions::new()
+        .writable(true)
+        .open(path)
+        .await
+        .expect("open the image");
+    let mut export = Export::new(img);
+    export.per_connection_queue = true;
+    Arc::new(export)
+}
+
 /// `qimg check` of the image finds nothing.
 pub fn assert_clean(path: &Path) {
     let opts = qimg::tools::check::CheckOptions::default();
@@ -224,6 +237,45 @@ impl Client {
                 return (handle, out);
             }
             magic = self.s.read_u32().await.unwrap();
+        }
+    }
+
+    /// Reads one whole structured read reply among several in flight: `reads` gives each
+    /// handle's `(offset, length)`. (This server sends each reply's chunks together.)
+    pub async fn read_reply_any(
+        &mut self,
+        reads: &std::collections::HashMap<u64, (u64, u64)>,
+    ) -> (u64, Reply) {
+        let mut out = Reply::default();
+        let mut current: Option<u64> = None;
+        loop {
+            assert_eq!(self.s.read_u32().await.unwrap(), STRUCTURED_REPLY_MAGIC);
+            let flags = self.s.read_u16().await.unwrap();
+            let kind = self.s.read_u16().await.unwrap();
+            let handle = self.s.read_u64().await.unwrap();
+            let len = self.s.read_u32().await.unwrap();
+            let (offset, length) = reads[&handle];
+            match current {
+                None => {
+                    current = Some(handle);
+                    out.data = vec![0u8; length as usize];
+                }
+                Some(h) => assert_eq!(h, handle, "chunks of two replies interleaved"),
+            }
+            let mut p = vec![0u8; len as usize];
+            self.s.read_exact(&mut p).await.unwrap();
+            out.chunks.push(kind);
+            match kind {
+                REPLY_TYPE_OFFSET_DATA => {
+                    let at = u64::from_be_bytes(p[0..8].try_into().unwrap()) - offset;
+                    out.data[at as usize..at as usize + p.len() - 8].copy_from_slice(&p[8..]);
+                }
+                REPLY_TYPE_ERROR => out.error = u32::from_be_bytes(p[0..4].try_into().unwrap()),
+                _ => {}
+            }
+            if flags & REPLY_FLAG_DONE != 0 {
+                return (handle, out);
+            }
         }
     }
 
