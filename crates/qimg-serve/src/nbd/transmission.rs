@@ -38,6 +38,8 @@ const PAYLOAD_ALIGN: usize = 4096;
 const INPUT_BUFFER: usize = 64 << 10;
 /// Pieces of replies handed to one vectored write.
 const MAX_IOV: usize = 64;
+/// Bytes of spare buffers a connection keeps for its next reads and writes.
+const POOL_BYTES: usize = 4 << 20;
 /// How long a shutdown waits for replies a client does not read.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -211,6 +213,10 @@ struct Conn<S: Storage + 'static> {
     blocked: bool,
     /// Writing to the client failed: replies are dropped.
     write_failed: bool,
+    /// Buffers of finished requests, for the next ones (no allocation and zeroing per
+    /// request), and their bytes.
+    pool: Vec<AlignedBuf>,
+    pool_bytes: usize,
 }
 
 /// Runs the transmission phase until the client disconnects, `shutdown` fires or the client
@@ -248,6 +254,8 @@ pub async fn run<S: Storage + 'static>(
         result: Ok(()),
         blocked: false,
         write_failed: false,
+        pool: Vec::new(),
+        pool_bytes: 0,
     };
     c.serve(&mut rd, &mut wr, &mut rx, &mut shutdown).await;
     // The queue goes before the image can close; nothing is in flight in it any more.
@@ -399,9 +407,33 @@ impl<S: Storage + 'static> Conn<S> {
             }
             n -= rest;
             self.sent = 0;
-            if let Some(r) = self.out.pop_front() {
+            if let Some(mut r) = self.out.pop_front() {
                 self.release(r.units);
+                if let Some(buf) = r.data.take() {
+                    self.recycle(buf);
+                }
             }
+        }
+    }
+
+    /// A buffer of `len` bytes for a read or a write payload: a spare one of that size, or a
+    /// new (zeroed) one. Its old contents do not matter: a read fills all of it (holes with
+    /// zeros), a payload is read whole from the client before it is used.
+    fn buffer(&mut self, len: usize) -> io::Result<AlignedBuf> {
+        match self.pool.iter().rposition(|b| b.len() == len) {
+            Some(i) => {
+                self.pool_bytes -= len;
+                Ok(self.pool.swap_remove(i))
+            }
+            None => aligned(len),
+        }
+    }
+
+    /// Keeps a finished request's buffer for the next ones, within [`POOL_BYTES`].
+    fn recycle(&mut self, buf: AlignedBuf) {
+        if !buf.is_empty() && self.pool_bytes + buf.len() <= POOL_BYTES {
+            self.pool_bytes += buf.len();
+            self.pool.push(buf);
         }
     }
 
@@ -454,19 +486,25 @@ impl<S: Storage + 'static> Conn<S> {
                     }
                 }
             }
-            Queued::Write { req, units } => match c.result {
-                Err(e) => self.reply(error_reply(neg, req, errno(&e), &e.to_string()), units),
-                Ok(_) if self.fua(req) => {
-                    let (export, tx) = (self.export.clone(), self.tx.clone());
-                    self.tasks.spawn(async move {
-                        let done = export.image.flush().await;
-                        let mut r = Reply::bytes(outcome(neg, req, done));
-                        r.units = units;
-                        let _ = tx.send(r);
-                    });
+            Queued::Write { req, units } => {
+                let owner = c.buffers.and_then(|b| b.into_owner().ok().flatten());
+                if let Some(buf) = owner.and_then(|o| o.downcast::<AlignedBuf>().ok()) {
+                    self.recycle(*buf);
                 }
-                Ok(_) => self.reply(success(neg, req), units),
-            },
+                match c.result {
+                    Err(e) => self.reply(error_reply(neg, req, errno(&e), &e.to_string()), units),
+                    Ok(_) if self.fua(req) => {
+                        let (export, tx) = (self.export.clone(), self.tx.clone());
+                        self.tasks.spawn(async move {
+                            let done = export.image.flush().await;
+                            let mut r = Reply::bytes(outcome(neg, req, done));
+                            r.units = units;
+                            let _ = tx.send(r);
+                        });
+                    }
+                    Ok(_) => self.reply(success(neg, req), units),
+                }
+            }
         }
     }
 
@@ -561,7 +599,7 @@ impl<S: Storage + 'static> Conn<S> {
             self.in_flight += 1;
             self.units += units;
             // Aligned, so that the queue can hand it to the kernel as it is.
-            let mut payload = match aligned(if req.carries { buffered } else { 0 }) {
+            let mut payload = match self.buffer(if req.carries { buffered } else { 0 }) {
                 Ok(p) => p,
                 Err(e) => {
                     self.release(units);
@@ -598,29 +636,28 @@ impl<S: Storage + 'static> Conn<S> {
 
     /// Hands a read or write to the connection's queue, if it has one.
     fn enqueue(&mut self, req: Request, payload: AlignedBuf, units: usize) -> Took {
-        let Some(q) = &mut self.queue else {
+        if self.queue.is_none() || !matches!(req.kind, CMD_READ | CMD_WRITE) {
             return Took::Engine(payload);
-        };
+        }
         let offset = req.offset;
-        let (request, kept) = match req.kind {
-            CMD_READ => match aligned(req.len as usize) {
+        let (request, kept) = if req.kind == CMD_READ {
+            match self.buffer(req.len as usize) {
                 Ok(buf) => {
                     let buffers = qimg::IoBuffers::from_aligned(buf);
                     let request = qimg::Request::Read { offset, buffers };
                     (request, Queued::Read { req, units })
                 }
                 Err(e) => return Took::Failed(ENOMEM, e.to_string()),
-            },
-            CMD_WRITE => {
-                let buffers = qimg::IoBuffers::from_aligned(payload);
-                let request = qimg::Request::Write { offset, buffers };
-                (request, Queued::Write { req, units })
             }
-            _ => return Took::Engine(payload),
+        } else {
+            let buffers = qimg::IoBuffers::from_aligned(payload);
+            let request = qimg::Request::Write { offset, buffers };
+            (request, Queued::Write { req, units })
         };
-        match q.submit(request, kept) {
-            Ok(()) => Took::Queued,
-            Err(_) => {
+        let submitted = self.queue.as_mut().map(|q| q.submit(request, kept));
+        match submitted {
+            Some(Ok(())) => Took::Queued,
+            _ => {
                 let e = queue_gone();
                 Took::Failed(errno(&e), e.to_string())
             }
