@@ -3,10 +3,11 @@
 //!
 //! One [`Export`] is shared by every connection (the image handle is cheap to clone and the
 //! engine runs many requests at once); [`serve_connection`] runs one client to the end.
-//! Requests of one connection run as concurrent tasks and their replies go out as they
-//! complete, at most [`MAX_IN_FLIGHT`] requests and [`IN_FLIGHT_BYTES`] of payload at a
-//! time: a client that stops reading replies stops the server reading its requests, and
-//! nothing more is buffered for it.
+//! Requests of one connection run concurrently (through the connection's [`qimg::Queue`], or
+//! as tasks on the image) and their replies go out as they complete, at most
+//! [`MAX_IN_FLIGHT`] requests and [`IN_FLIGHT_BYTES`] of payload at a time: a client that
+//! stops reading replies stops the server reading its requests, and nothing more is
+//! buffered for it.
 //!
 //! Extended headers (`NBD_OPT_EXTENDED_HEADERS`) are offered: 32-byte requests and replies,
 //! 64-bit effect lengths for trim, write-zeroes and block status (`BLOCK_STATUS_EXT`).
