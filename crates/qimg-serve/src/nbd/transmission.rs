@@ -220,7 +220,8 @@ struct Conn<S: Storage + 'static> {
 }
 
 /// Runs the transmission phase until the client disconnects, `shutdown` fires or the client
-/// breaks the protocol; then finishes the requests in flight (waiting at most 10 seconds for replies the client does not read).
+/// breaks the protocol; then finishes the requests in flight (waiting at most 10 seconds for
+/// replies the client does not read).
 pub async fn run<S: Storage + 'static>(
     stream: BoxStream,
     export: Arc<Export<S>>,
