@@ -268,6 +268,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             abandoned: std::sync::Mutex::new(Vec::new()),
             close_on_drop: opts.close_on_drop && opts.writable,
             reservation,
+            slice_loads: Default::default(),
             path,
         };
         let inner = Arc::new(Inner {

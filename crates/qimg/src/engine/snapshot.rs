@@ -336,6 +336,7 @@ impl<S: Storage> Image<S> {
             }
         }
         m.l1 = new;
+        m.l1_epoch += 1;
         if size != inner.size() {
             inner
                 .file
@@ -560,6 +561,7 @@ impl<S: Storage> Inner<S> {
             let rt = self.refcount(m, t.0 / cs).await?;
             if e.copied != (rt == 1) {
                 m.l1[i].copied = rt == 1;
+                m.l1_epoch += 1;
                 l1_changed = true;
             }
             for s in 0..slices {

@@ -55,6 +55,65 @@ pub(crate) struct Shared<S: Storage> {
     pub(crate) close_on_drop: bool,
     /// Space reserved ahead of allocation at the end of the image file.
     pub(crate) reservation: Reservation,
+    /// L2 slices being read without the metadata lock (reads' cache misses).
+    pub(crate) slice_loads: SliceLoads,
+}
+
+/// The L2 slices reads are loading without the metadata lock, so that misses on different
+/// slices load in parallel ([`Inner::lookup_for_read`](super::image::Inner)). A second miss on a
+/// slice being loaded waits for that load ([`done`](Self::done)). A load's slice is inserted
+/// only if its token is still here when it finishes: a locked load of the same slice
+/// supersedes it (removes the token), and so does dropping the loading request (its guard).
+#[derive(Debug, Default)]
+pub(crate) struct SliceLoads {
+    /// `(slice, token)` of each load under way.
+    pub(crate) tokens: std::sync::Mutex<Vec<(qimg_cache::SliceKey, u64)>>,
+    pub(crate) next: AtomicU64,
+    /// Signalled whenever a load ends or is superseded: waiters look again.
+    pub(crate) done: tokio::sync::Notify,
+    /// Most loads seen under way at once (for tests and statistics).
+    pub(crate) peak: AtomicU64,
+}
+
+impl SliceLoads {
+    /// Whether `key` is being loaded.
+    pub(crate) fn loading(&self, key: qimg_cache::SliceKey) -> bool {
+        let t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        t.iter().any(|&(k, _)| k == key)
+    }
+
+    /// Registers a load of `key`; its token.
+    pub(crate) fn begin(&self, key: qimg_cache::SliceKey) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        t.push((key, id));
+        self.peak.fetch_max(t.len() as u64, Ordering::Relaxed);
+        id
+    }
+
+    /// Ends the load of token `id`: whether it was still current (not superseded).
+    pub(crate) fn end(&self, id: u64) -> bool {
+        let mut t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        let found = t.iter().position(|&(_, i)| i == id);
+        if let Some(at) = found {
+            t.swap_remove(at);
+        }
+        drop(t);
+        self.done.notify_waiters();
+        found.is_some()
+    }
+
+    /// Supersedes every load of `key` (the slice is being inserted by someone else).
+    pub(crate) fn supersede(&self, key: qimg_cache::SliceKey) {
+        let mut t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        let before = t.len();
+        t.retain(|&(k, _)| k != key);
+        let changed = t.len() != before;
+        drop(t);
+        if changed {
+            self.done.notify_waiters();
+        }
+    }
 }
 
 /// How much to reserve past the end of the image file at once (rounded up to whole clusters,

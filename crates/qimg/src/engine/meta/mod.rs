@@ -82,6 +82,9 @@ pub(crate) struct Meta {
     pub(crate) compressed_tail: Option<u64>,
     /// Where the metadata is, for the overlap checks before every write.
     pub(crate) overlap: OverlapIndex,
+    /// Changes with every change of the active L1 table: a slice read without the metadata
+    /// lock is kept only if its table was the active one throughout.
+    pub(crate) l1_epoch: u64,
     cluster_size: u64,
 }
 
@@ -191,6 +194,7 @@ impl Meta {
             snapshots: (h.snapshots_offset, h.nb_snapshots),
             compressed_tail: None,
             overlap,
+            l1_epoch: 0,
             cluster_size: cs,
         };
         meta.index_refcounts();
@@ -271,7 +275,7 @@ impl<S: Storage> Shared<S> {
         }
     }
 
-    pub(super) fn cache_err(&self, source: qimg_cache::CacheError) -> Error {
+    pub(crate) fn cache_err(&self, source: qimg_cache::CacheError) -> Error {
         Error::Cache {
             path: self.path.clone(),
             source,

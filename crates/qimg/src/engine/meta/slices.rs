@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 
 impl<S: Storage> Shared<S> {
     /// Slice key and index in the slice of the L2 entry for `guest` in table `table`.
-    pub(super) fn l2_position(&self, m: &Meta, table: u64, guest: u64) -> (SliceKey, usize) {
+    pub(crate) fn l2_position(&self, m: &Meta, table: u64, guest: u64) -> (SliceKey, usize) {
         let per_slice = m.l2_slice / self.geo.l2_entry_size();
         let index = self.geo.l2_index(GuestOffset(guest));
         let slice = index / per_slice;
@@ -25,7 +25,7 @@ impl<S: Storage> Shared<S> {
         )
     }
 
-    pub(super) fn slice_location(&self, m: &Meta, kind: CacheKind, key: SliceKey) -> u64 {
+    pub(crate) fn slice_location(&self, m: &Meta, kind: CacheKind, key: SliceKey) -> u64 {
         match kind {
             CacheKind::L2 => key.table + u64::from(key.slice) * m.l2_slice,
             CacheKind::Refcount => key.table,
@@ -40,6 +40,17 @@ impl<S: Storage> Shared<S> {
         };
         let (key, idx) = self.l2_position(m, table.0, guest);
         self.load(m, CacheKind::L2, key).await?;
+        self.entry_in_slice(m, key, idx).await
+    }
+
+    /// Entry `idx` of the cached L2 slice `key` (an uncounted look: the caller counted the
+    /// lookup). An entry that does not decode is corruption.
+    pub(crate) async fn entry_in_slice(
+        &self,
+        m: &mut Meta,
+        key: SliceKey,
+        idx: usize,
+    ) -> Result<AnyL2Entry> {
         let es = self.geo.l2_entry_size() as usize;
         let slice =
             m.l2.peek(key)
@@ -171,6 +182,10 @@ impl<S: Storage> Shared<S> {
             }
             return Err(Error::corrupt(&self.path, what));
         }
+        if kind == CacheKind::L2 {
+            // A read loading the same slice without the lock must not insert its copy.
+            self.slice_loads.supersede(key);
+        }
         let now = self.now();
         let evicted = m
             .cache(kind)
@@ -189,7 +204,7 @@ impl<S: Storage> Shared<S> {
         }
     }
 
-    pub(super) async fn write_evicted(
+    pub(crate) async fn write_evicted(
         &self,
         m: &mut Meta,
         kind: CacheKind,

@@ -59,6 +59,7 @@ impl<S: Storage> Shared<S> {
         // image stays consistent; at worst the cluster leaks.
         self.write_l1_entry(m, l1i, linked).await?;
         m.l1[l1i] = linked;
+        m.l1_epoch += 1;
         m.overlap.insert_counted(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
             m.overlap.remove_one(Region::ActiveL2, old.0);
@@ -139,6 +140,7 @@ impl<S: Storage> Shared<S> {
         let old_at = m.l1_offset;
         let old_clusters = l1::table_bytes(m.l1.len() as u64).div_ceil(cs);
         m.l1 = l1;
+        m.l1_epoch += 1;
         m.l1_offset = at;
         m.overlap.remove_all(Region::ActiveL1);
         m.overlap

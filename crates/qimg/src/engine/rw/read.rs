@@ -33,17 +33,86 @@ impl<S: Storage> Inner<S> {
         for buf in bufs.iter_mut() {
             let segment_len = buf.len() as u64;
             for (gc, a, n, pos) in self.pieces(at, segment_len) {
-                let entry = {
-                    let mut m = self.meta.lock().await;
-                    self.ensure_open(&m)?;
-                    self.lookup(&mut m, gc).await?
-                };
+                let entry = self.lookup_for_read(gc).await?;
                 self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
                     .await?;
             }
             at += segment_len;
         }
         Ok(())
+    }
+
+    /// The L2 entry of the guest cluster at `gc`, for a read. As [`lookup`](Self::lookup),
+    /// except that a cache miss reads its slice without holding the metadata lock: misses of
+    /// different slices load in parallel, a second miss on a slice being loaded waits for that
+    /// load, and the slice is inserted (within the cache's budget, evicting as a locked load
+    /// does) only if its table stayed the active one and nobody inserted the slice meanwhile;
+    /// otherwise the locked lookup runs. Dropping the request mid-load ends the load.
+    pub(crate) async fn lookup_for_read(&self, gc: u64) -> Result<AnyL2Entry> {
+        // Each turn either answers or waits for another load to end; a bounded number of
+        // waits, then the locked path.
+        for _ in 0..8 {
+            // Before looking (under the lock), so that a load ending after the look wakes it.
+            let ended = self.slice_loads.done.notified();
+            let (key, idx, at, size, epoch, token) = {
+                let mut m = self.meta.lock().await;
+                self.ensure_open(&m)?;
+                let l1i = self.geo.l1_index(qimg_format::units::GuestOffset(gc)) as usize;
+                let Some(table) = m.l1.get(l1i).and_then(|e| e.l2_offset) else {
+                    return self.lookup(&mut m, gc).await;
+                };
+                let (key, idx) = self.l2_position(&m, table.0, gc);
+                let dirty_victim =
+                    m.l2.victim()
+                        .is_some_and(|v| m.l2.is_dirty(v) == Some(true));
+                // A hit, or a miss whose victim must be written back first: the locked path.
+                if m.l2.contains(key) || dirty_victim {
+                    return self.lookup(&mut m, gc).await;
+                }
+                if self.slice_loads.loading(key) {
+                    drop(m);
+                    ended.await;
+                    continue;
+                }
+                // The miss, counted as a locked load counts it.
+                let now = self.now();
+                let _ = m.l2.get(key, now);
+                let at = self.slice_location(&m, CacheKind::L2, key);
+                let size = m.l2.slice_size();
+                let token = self.slice_loads.begin(key);
+                (key, idx, at, size, m.l1_epoch, token)
+            };
+            let load = LoadGuard {
+                loads: &self.slice_loads,
+                token: Some(token),
+            };
+            let mut buf = vec![0u8; size];
+            let read = self.file.read_at(&mut buf, at).await;
+            let mut m = self.meta.lock().await;
+            let current = load.end();
+            if read.is_err() || !current || m.closed || m.l1_epoch != epoch || m.l2.contains(key) {
+                // Something changed, or the read failed: the locked lookup decides (and reports
+                // a failure as it always has).
+                self.ensure_open(&m)?;
+                return self.lookup(&mut m, gc).await;
+            }
+            if let Some(victim) = m.l2.victim() {
+                if m.l2.is_dirty(victim) == Some(true) {
+                    self.write_back(&mut m, CacheKind::L2).await?;
+                }
+            }
+            let now = self.now();
+            let evicted =
+                m.l2.insert(key, buf.into_boxed_slice(), now)
+                    .map_err(|e| self.cache_err(e))?;
+            if let Some(d) = evicted {
+                self.write_evicted(&mut m, CacheKind::L2, d).await?;
+            }
+            return self.entry_in_slice(&mut m, key, idx).await;
+        }
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        self.lookup(&mut m, gc).await
     }
 
     /// Reads `out.len()` bytes from offset `a` of the guest cluster at `gc` as `entry`
@@ -151,5 +220,27 @@ impl<S: Storage> Inner<S> {
                 }
             }
         })
+    }
+}
+
+/// Ends a slice load started by [`Inner::lookup_for_read`], also when the request is dropped
+/// mid-load, so that waiters for the slice never wait for a load that will not finish.
+struct LoadGuard<'a> {
+    loads: &'a crate::engine::state::SliceLoads,
+    token: Option<u64>,
+}
+
+impl LoadGuard<'_> {
+    /// Ends the load: whether it was still current (nobody superseded it).
+    fn end(mut self) -> bool {
+        self.token.take().is_some_and(|t| self.loads.end(t))
+    }
+}
+
+impl Drop for LoadGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.token.take() {
+            self.loads.end(t);
+        }
     }
 }

@@ -172,6 +172,7 @@ impl<S: Storage> Inner<S> {
             .await
             .map_err(|e| self.storage_error(e))?;
         m.l1[i] = L1Entry::UNALLOCATED;
+        m.l1_epoch += 1;
         Ok(())
     }
 }
