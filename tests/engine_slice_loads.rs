@@ -1,9 +1,10 @@
-//! Parallel L2 slice loads: a read's cache miss reads its slice without holding the metadata
-//! lock, so that misses on different slices proceed at once, and a second miss on a slice
+//! How reads fetch metadata and data. Parallel L2 slice loads: a read's cache miss reads its
+//! slice without holding the metadata lock, so that misses on different slices proceed at once, and a second miss on a slice
 //! being loaded waits for that load instead of reading it again. Counted through a storage
 //! that watches the slice reads, never timed. Then many tasks reading and writing through a
 //! two-slice cache (constant eviction, loads superseded by writers' loads) must leave the
-//! image clean and equal to a model.
+//! image clean and equal to a model. And the data of clusters that follow one another in the
+//! file is read in one request.
 
 mod common;
 
@@ -301,4 +302,78 @@ async fn reads_and_writes_through_a_tiny_cache_match_the_model() {
             "reads and writes through a tiny cache",
         );
     }
+}
+
+/// A read issues one data request per run of clusters that follow one another in the file,
+/// as `map` reports them (sixteen clusters written in one request; a zeroed cluster between
+/// data; four clusters written last to first, so reversed in the file).
+#[tokio::test]
+async fn consecutive_clusters_are_read_in_one_request() {
+    let dir = Scratch::new("read-merge");
+    let path = dir.path("a.qcow2");
+    let opts = qimg::tools::create::CreateOptions {
+        size: Some(8 * MIB),
+        ..Default::default()
+    };
+    qimg::tools::create::create(&path, &opts, &mut |_, _| {}).unwrap();
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    let cs = 65536u64;
+    let data = pattern(1, 0, MIB as usize);
+    img.write(&data, 0).await.unwrap();
+    img.write(&data[..(4 * cs) as usize], 3 * MIB)
+        .await
+        .unwrap();
+    img.write_zeroes(3 * MIB + cs, cs).await.unwrap();
+    for c in (0..4u64).rev() {
+        let at = 2 * MIB + c * cs;
+        img.write(&data[(c * cs) as usize..((c + 1) * cs) as usize], at)
+            .await
+            .unwrap();
+    }
+    img.close().await.unwrap();
+    let storage = qimg_io::FaultyStorage::in_memory(&std::fs::read(&path).unwrap());
+    let faults = storage.controller();
+    let img = OpenOptions::new()
+        .open_storage(storage, "a.qcow2", None, None)
+        .await
+        .unwrap();
+    // Warm the L2 cache: the counts below are data reads only.
+    let mut buf = vec![0u8; 512];
+    img.read(&mut buf, 0).await.unwrap();
+    for (at, len, want_runs) in [(0, MIB, 2), (3 * MIB, 4 * cs, 2), (2 * MIB, 4 * cs, 4)] {
+        let runs = img
+            .map(at, len)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|e| matches!(e.kind, qimg::ExtentKind::Data { .. }))
+            .count();
+        let before = faults.counts().reads;
+        let mut buf = vec![0u8; len as usize];
+        img.read(&mut buf, at).await.unwrap();
+        let reads = faults.counts().reads - before;
+        assert_eq!(
+            reads as usize, runs,
+            "read of {len} at {at}: one request per run"
+        );
+        // The layouts this test means to cover: sixteen clusters in at most two runs (the
+        // L2 table may be allocated after the first data cluster), split by zeros, reversed.
+        assert!(
+            runs <= want_runs,
+            "{runs} runs at {at}: the allocator changed?"
+        );
+        match at {
+            0 => assert_eq!(buf, data),
+            a if a == 3 * MIB => {
+                assert_eq!(buf[..cs as usize], data[..cs as usize]);
+                assert!(buf[cs as usize..2 * cs as usize].iter().all(|&b| b == 0));
+                assert_eq!(
+                    buf[2 * cs as usize..],
+                    data[2 * cs as usize..4 * cs as usize]
+                );
+            }
+            _ => assert_eq!(buf, data[..(4 * cs) as usize]),
+        }
+    }
+    img.close().await.unwrap();
 }

@@ -32,14 +32,43 @@ impl<S: Storage> Inner<S> {
         let mut at = offset;
         for buf in bufs.iter_mut() {
             let segment_len = buf.len() as u64;
+            // Data of consecutive clusters that lie one after another in the file is read in
+            // one request: `(host offset, position in buf, length)` of the run so far.
+            let mut run: Option<(u64, usize, usize)> = None;
             for (gc, a, n, pos) in self.pieces(at, segment_len) {
                 let entry = self.lookup_for_read(gc).await?;
-                self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
-                    .await?;
+                let host = plain_host(&entry, self.geo.subcluster_size() as usize, a, n);
+                if let (Some(h), Some((rh, rp, rl))) = (host, &mut run) {
+                    if *rh + *rl as u64 == h && *rp + *rl == pos {
+                        *rl += n;
+                        continue;
+                    }
+                }
+                if let Some((rh, rp, rl)) = run.take() {
+                    self.read_data(&mut buf[rp..rp + rl], rh).await?;
+                }
+                match host {
+                    Some(h) => run = Some((h, pos, n)),
+                    None => {
+                        self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
+                            .await?
+                    }
+                }
+            }
+            if let Some((rh, rp, rl)) = run {
+                self.read_data(&mut buf[rp..rp + rl], rh).await?;
             }
             at += segment_len;
         }
         Ok(())
+    }
+
+    /// Reads guest data at host offset `host` of the data file (zeros past its end).
+    async fn read_data(&self, dst: &mut [u8], host: u64) -> Result<()> {
+        let (data, path) = self.data();
+        data.read_at_zero_fill(dst, host)
+            .await
+            .map_err(|e| Error::storage(path, e))
     }
 
     /// The L2 entry of the guest cluster at `gc`, for a read. As [`lookup`](Self::lookup),
@@ -221,6 +250,15 @@ impl<S: Storage> Inner<S> {
             }
         })
     }
+}
+
+/// Where bytes `a..a + n` of a cluster described by `entry` are in the file, when they are all
+/// plain data (every subcluster they touch allocated with data, subclusters of `scs` bytes).
+fn plain_host(entry: &AnyL2Entry, scs: usize, a: usize, n: usize) -> Option<u64> {
+    let host = entry.entry().host_cluster()?.0;
+    let normal = (a / scs..(a + n).div_ceil(scs))
+        .all(|i| entry.state(SubclusterIndex(i as u32)) == SubclusterState::Normal);
+    normal.then_some(host + a as u64)
 }
 
 /// Ends a slice load started by [`Inner::lookup_for_read`], also when the request is dropped
