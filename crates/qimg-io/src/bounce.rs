@@ -95,7 +95,7 @@ impl<S: Storage> BounceStorage<S> {
     fn bounce_buf(&self, op: Op, offset: u64, len: u64) -> Result<AlignedBuf> {
         usize::try_from(len)
             .ok()
-            .and_then(|n| AlignedBuf::zeroed(n, self.mem))
+            .and_then(|n| AlignedBuf::zeroed(n, self.mem.max(crate::aligned::BUFFER_ALIGNMENT)))
             .ok_or(StorageError::OutOfRange { op, offset, len })
     }
 
@@ -403,6 +403,15 @@ mod tests {
             .build()
             .expect("runtime")
             .block_on(f)
+    }
+
+    #[test]
+    fn bounce_buffers_start_on_a_page_even_when_the_device_takes_less() {
+        let s = BounceStorage::new(MemStorage::new().with_alignment(512, 512));
+        for len in [512u64, 4096, 65536] {
+            let b = s.bounce_buf(Op::Write, 0, len).unwrap();
+            assert_eq!(b.as_ptr() as usize % crate::aligned::BUFFER_ALIGNMENT, 0);
+        }
     }
 
     #[test]

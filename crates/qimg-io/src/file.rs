@@ -400,7 +400,8 @@ fn retarget(e: StorageError, offset: u64, len: u64) -> StorageError {
 }
 
 fn aligned_buf(op: Op, offset: u64, len: u64, size: usize, align: usize) -> Result<AlignedBuf> {
-    AlignedBuf::zeroed(size, align).ok_or(StorageError::OutOfRange { op, offset, len })
+    AlignedBuf::zeroed(size, align.max(crate::aligned::BUFFER_ALIGNMENT))
+        .ok_or(StorageError::OutOfRange { op, offset, len })
 }
 
 /// Finds the O_DIRECT alignments of an open file by reading its first bytes: first the
@@ -620,13 +621,17 @@ impl Storage for FileStorage {
         if self.offload().is_none() {
             return self.inner.write_all(Op::Write, buf, offset);
         }
-        let owned = AlignedBuf::copy_from(buf, self.inner.mem_alignment).ok_or(
-            StorageError::OutOfRange {
-                op: Op::Write,
-                offset,
-                len,
-            },
-        )?;
+        let owned = AlignedBuf::copy_from(
+            buf,
+            self.inner
+                .mem_alignment
+                .max(crate::aligned::BUFFER_ALIGNMENT),
+        )
+        .ok_or(StorageError::OutOfRange {
+            op: Op::Write,
+            offset,
+            len,
+        })?;
         self.run(Op::Write, offset, len, move |inner| {
             inner.write_all(Op::Write, &owned, offset)
         })
@@ -732,5 +737,18 @@ impl Storage for FileStorage {
             request_alignment: self.inner.request_alignment,
             mem_alignment: self.inner.mem_alignment,
         })
+    }
+}
+
+#[cfg(test)]
+mod alignment_tests {
+    use super::*;
+
+    #[test]
+    fn io_buffers_start_on_a_page_even_when_the_device_takes_less() {
+        for align in [1, 512, 4096] {
+            let b = aligned_buf(Op::Read, 0, 0, 4096, align).unwrap();
+            assert_eq!(b.as_ptr() as usize % crate::aligned::BUFFER_ALIGNMENT, 0);
+        }
     }
 }

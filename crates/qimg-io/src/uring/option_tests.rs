@@ -172,3 +172,17 @@ fn the_completion_thread_takes_over_from_a_dropped_runtime() {
     r.unwrap();
     assert!(back.iter().all(|&b| b == 1));
 }
+
+/// Bounce buffers start on a page whatever the device's own memory alignment (file systems
+/// serialise direct writes whose memory is not aligned to their block size).
+#[test]
+fn bounce_buffers_start_on_a_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(s) = make(&dir, true, (false, false)) else {
+        return;
+    };
+    for len in [512u64, 4096, 65536] {
+        let b = s.bounce(crate::Op::Write, 0, len).unwrap();
+        assert_eq!(b.as_ptr() as usize % crate::aligned::BUFFER_ALIGNMENT, 0);
+    }
+}

@@ -7,7 +7,7 @@ use nix::errno::Errno;
 use nix::fcntl::FallocateFlags;
 use nix::libc;
 
-use crate::aligned::AlignedBuf;
+use crate::aligned::{AlignedBuf, BUFFER_ALIGNMENT};
 use crate::error::{Op, Result, StorageError};
 use crate::storage::Storage;
 
@@ -29,11 +29,8 @@ impl UringStorage {
     /// A bounce buffer for `len` bytes of a request.
     pub(super) fn bounce(&self, op: Op, offset: u64, len: u64) -> Result<AlignedBuf> {
         let size = usize::try_from(len).unwrap_or(CHUNK).min(CHUNK);
-        AlignedBuf::zeroed(size, self.mem_alignment().max(1)).ok_or(StorageError::OutOfRange {
-            op,
-            offset,
-            len,
-        })
+        AlignedBuf::zeroed(size, self.mem_alignment().max(BUFFER_ALIGNMENT))
+            .ok_or(StorageError::OutOfRange { op, offset, len })
     }
 
     pub(super) async fn ring_read(
