@@ -72,10 +72,6 @@ impl<S: Storage> Inner<S> {
                 // Clusters past everything allocated since open and past the end of the file
                 // at open have never held data: they read as zeros.
                 let unused_from = m.end_cluster * self.geo.cluster_size();
-                // The L2 table before the data (as QEMU orders them), so that the clusters of
-                // consecutive writes follow one another in the file: reads then merge them.
-                let l1i = self.geo.l1_index(qimg_format::units::GuestOffset(gc)) as usize;
-                self.ensure_l2(&mut m, l1i).await?;
                 let h = self.alloc_clusters(&mut m, 1).await?;
                 self.counters
                     .clusters_allocated
