@@ -246,11 +246,7 @@ async fn sixteen_clients(queued: bool) {
     let dir = tempfile::tempdir().unwrap();
     let size = 16 * MIB;
     let path = make_image(dir.path(), "a.qcow2", size, true);
-    let export = if queued {
-        export_queued(&path).await
-    } else {
-        export(&path).await
-    };
+    let export = export_with(&path, queued).await;
     let region = size / 16;
     let mut clients = Vec::new();
     for id in 0..16u64 {
@@ -324,11 +320,7 @@ async fn pipelined(queued: bool, extended_l2: bool) {
     let dir = tempfile::tempdir().unwrap();
     let size = 8 * MIB;
     let path = make_image(dir.path(), "a.qcow2", size, extended_l2);
-    let export = if queued {
-        export_queued(&path).await
-    } else {
-        export(&path).await
-    };
+    let export = export_with(&path, queued).await;
     let mut c = connect_raw(export.clone(), 1 << 20);
     c.go("", true, &[]).await;
     let mut model = vec![0u8; size as usize];

@@ -47,6 +47,15 @@ pub async fn export_queued(path: &Path) -> Arc<Export<AnyStorage>> {
     Arc::new(export)
 }
 
+/// [`export_queued`] when `queued`, else [`export`].
+pub async fn export_with(path: &Path, queued: bool) -> Arc<Export<AnyStorage>> {
+    if queued {
+        export_queued(path).await
+    } else {
+        export(path).await
+    }
+}
+
 /// `qimg check` of the image finds nothing.
 pub fn assert_clean(path: &Path) {
     let opts = qimg::tools::check::CheckOptions::default();
