@@ -12,9 +12,11 @@
 #   write QD1 / QD32   allocating writes to an empty image, one per 64 KiB cluster (stride
 #                      68 KiB); the image is made afresh before every run
 #
-# Columns: IOPS through qimg serve, through qemu-nbd, and qimg / qemu-nbd (> 1: qimg is
-# faster). Each cell is the best of REPS runs (the machine is shared; interference only
-# slows a run down).
+# Columns: IOPS through qimg serve and through qemu-nbd (each the best of REPS runs: the
+# machine is shared, interference only slows a run down), their ratio (> 1: qimg is faster),
+# and the median of the REPS per-round ratios. The two servers alternate, one run each per
+# round, so that a change in the machine's state (other load, the host's cache of the disk,
+# idle CPUs) hits both alike.
 #
 # Environment: QIMG (binary; default: build target/release/qimg), BENCH_DIR (scratch; default
 # a fresh directory under ${TMPDIR:-/var/tmp}, removed at the end unless KEEP=1), SIZE
@@ -80,27 +82,38 @@ full=$dir/full.qcow2
 qemu-img create -q -f qcow2 "$full" "$SIZE"
 qemu-io -f qcow2 -c "write -P 0x5a 0 $SIZE" "$full" >/dev/null
 
-read_row() { # SERVER DEPTH
+# read_once SERVER DEPTH: IOPS of one read run.
+read_once() {
     start_server "$1" "$full"
-    for _ in $(seq "$REPS"); do bench -d "$2" -S $((7 * 1048576 + 4096)); done | best
+    bench -d "$2" -S $((7 * 1048576 + 4096))
     stop_server
 }
 
-write_row() { # SERVER DEPTH
-    for _ in $(seq "$REPS"); do
-        qemu-img create -q -f qcow2 "$dir/empty.qcow2" "$SIZE"
-        start_server "$1" "$dir/empty.qcow2"
-        bench -w -d "$2" -S $((68 * 1024))
-        stop_server
-    done | best
+# write_once SERVER DEPTH: IOPS of one write run on a fresh image.
+write_once() {
+    qemu-img create -q -f qcow2 "$dir/empty.qcow2" "$SIZE"
+    start_server "$1" "$dir/empty.qcow2"
+    bench -w -d "$2" -S $((68 * 1024))
+    stop_server
 }
 
-printf '%-14s %12s %12s %8s\n' row "qimg IOPS" "qemu-nbd" ratio
+median() { sort -n | awk '{ v[NR] = $1 } END { printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+printf '%-14s %12s %12s %8s %8s
+' row "qimg IOPS" "qemu-nbd" ratio median
 for kind in read write; do
     for depth in 1 32; do
-        q=$(${kind}_row qimg "$depth")
-        n=$(${kind}_row qemu "$depth")
+        qs=() ns=() rs=()
+        for _ in $(seq "$REPS"); do
+            q=$(${kind}_once qimg "$depth")
+            n=$(${kind}_once qemu "$depth")
+            qs+=("$q") ns+=("$n")
+            rs+=("$(awk -v a="$q" -v b="$n" 'BEGIN { printf "%.4f", a / b }')")
+        done
+        q=$(printf '%s\n' "${qs[@]}" | best)
+        n=$(printf '%s\n' "${ns[@]}" | best)
         r=$(awk -v a="$q" -v b="$n" 'BEGIN { printf "%.2f", a / b }')
-        printf '%-14s %12s %12s %8s\n' "$kind QD$depth" "$q" "$n" "$r"
+        m=$(printf '%s\n' "${rs[@]}" | median)
+        printf '%-14s %12s %12s %8s %8s\n' "$kind QD$depth" "$q" "$n" "$r" "$m"
     done
 done
