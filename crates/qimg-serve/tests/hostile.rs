@@ -305,10 +305,15 @@ async fn sixteen_clients(queued: bool) {
     for c in clients {
         model.extend(c.await.unwrap());
     }
+    assert_image_is(&export, &path, &model).await;
+}
+
+/// Closes the export's image, which must then check clean and read as `model`.
+async fn assert_image_is(export: &qimg_serve::nbd::Export, path: &std::path::Path, model: &[u8]) {
     export.image.close().await.unwrap();
-    assert_clean(&path);
-    let img = qimg::OpenOptions::new().open(&path).await.unwrap();
-    let mut all = vec![0u8; size as usize];
+    assert_clean(path);
+    let img = qimg::OpenOptions::new().open(path).await.unwrap();
+    let mut all = vec![0u8; model.len()];
     img.read(&mut all, 0).await.unwrap();
     assert!(all == model, "the image differs from the model");
 }
@@ -384,12 +389,7 @@ async fn pipelined(queued: bool, extended_l2: bool) {
         }
     }
     c.disconnect().await;
-    export.image.close().await.unwrap();
-    assert_clean(&path);
-    let img = qimg::OpenOptions::new().open(&path).await.unwrap();
-    let mut all = vec![0u8; size as usize];
-    img.read(&mut all, 0).await.unwrap();
-    assert!(all == model, "the image differs from the model");
+    assert_image_is(&export, &path, &model).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -155,12 +155,7 @@ impl<S: Storage> Shared<S> {
         if m.cache(kind).get(key, now).is_some() {
             return Ok(());
         }
-        if let Some(victim) = m.cache(kind).victim() {
-            if m.cache(kind).is_dirty(victim) == Some(true) {
-                // Written back while still cached: if the write fails, nothing is lost.
-                self.write_back(m, kind).await?;
-            }
-        }
+        self.make_room(m, kind).await?;
         let size = m.cache(kind).slice_size();
         let mut buf = vec![0u8; size];
         let at = self.slice_location(m, kind, key);
@@ -186,6 +181,29 @@ impl<S: Storage> Shared<S> {
             // A read loading the same slice without the lock must not insert its copy.
             self.slice_loads.supersede(key);
         }
+        self.insert_slice(m, kind, key, buf).await
+    }
+
+    /// Writes the cache's victim back if it is dirty, before a slice is read to replace it:
+    /// written back while still cached, so that nothing is lost if the write fails.
+    pub(crate) async fn make_room(&self, m: &mut Meta, kind: CacheKind) -> Result<()> {
+        if let Some(victim) = m.cache(kind).victim() {
+            if m.cache(kind).is_dirty(victim) == Some(true) {
+                self.write_back(m, kind).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Inserts a slice just read (after [`make_room`](Self::make_room)), writing back what
+    /// its insertion evicts.
+    pub(crate) async fn insert_slice(
+        &self,
+        m: &mut Meta,
+        kind: CacheKind,
+        key: SliceKey,
+        buf: Vec<u8>,
+    ) -> Result<()> {
         let now = self.now();
         let evicted = m
             .cache(kind)

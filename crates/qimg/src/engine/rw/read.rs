@@ -125,18 +125,8 @@ impl<S: Storage> Inner<S> {
                 self.ensure_open(&m)?;
                 return self.lookup(&mut m, gc).await;
             }
-            if let Some(victim) = m.l2.victim() {
-                if m.l2.is_dirty(victim) == Some(true) {
-                    self.write_back(&mut m, CacheKind::L2).await?;
-                }
-            }
-            let now = self.now();
-            let evicted =
-                m.l2.insert(key, buf.into_boxed_slice(), now)
-                    .map_err(|e| self.cache_err(e))?;
-            if let Some(d) = evicted {
-                self.write_evicted(&mut m, CacheKind::L2, d).await?;
-            }
+            self.make_room(&mut m, CacheKind::L2).await?;
+            self.insert_slice(&mut m, CacheKind::L2, key, buf).await?;
             return self.entry_in_slice(&mut m, key, idx).await;
         }
         let mut m = self.meta.lock().await;
