@@ -183,45 +183,93 @@ fn writes_the_same_bytes_as_qemu_img_bench() {
             );
         }
         make(dir, c, "q.img");
-        make(dir, c, "m.img");
         let mut qa = vec!["bench", "-w"];
         qa.extend_from_slice(c.args);
-        let mut ma = qa.clone();
         qa.push("q.img");
-        ma.push("m.img");
         let qo = ok(&format!("qemu-img bench ({})", c.name), &qemu_img(dir, &qa));
-        let mo = ok(&format!("qimg bench ({})", c.name), &qimg(dir, &ma));
-        // The first line is qemu-img's, word for word.
-        assert_eq!(
-            qo.lines().next(),
-            mo.lines().next(),
-            "{}: first line",
-            c.name
-        );
-        assert!(
-            mo.lines()
-                .nth(1)
-                .is_some_and(|l| l.starts_with("Run completed in ") && l.ends_with(" seconds.")),
-            "{}: {mo}",
-            c.name
-        );
-        let mut cmp = vec!["compare"];
-        if c.create == "raw" {
-            cmp.extend(["-f", "raw", "-F", "raw"]);
-        }
-        cmp.extend(["q.img", "m.img"]);
-        let o = qemu_img(dir, &cmp);
-        assert!(
-            o.status.success(),
-            "{}: images differ: {}{}",
-            c.name,
-            stdout(&o),
-            stderr(&o)
-        );
-        if c.create != "raw" {
-            check_clean(dir, "m.img");
+        // The task loop (the default, -i threads), then the queue loop (-i io_uring), the
+        // latter buffered and with O_DIRECT.
+        for (img, extra) in [
+            ("m.img", &[][..]),
+            ("u.img", &["-i", "io_uring"][..]),
+            ("n.img", &["-i", "io_uring", "-t", "none"][..]),
+        ] {
+            make(dir, c, img);
+            let mut ma = vec!["bench", "-w"];
+            ma.extend_from_slice(extra);
+            ma.extend_from_slice(c.args);
+            ma.push(img);
+            let mo = ok(
+                &format!("qimg bench {extra:?} ({})", c.name),
+                &qimg(dir, &ma),
+            );
+            // The first line is qemu-img's, word for word.
+            assert_eq!(
+                qo.lines().next(),
+                mo.lines().next(),
+                "{} {extra:?}: first line",
+                c.name
+            );
+            assert!(
+                mo.lines().nth(1).is_some_and(
+                    |l| l.starts_with("Run completed in ") && l.ends_with(" seconds.")
+                ),
+                "{} {extra:?}: {mo}",
+                c.name
+            );
+            let mut cmp = vec!["compare"];
+            if c.create == "raw" {
+                cmp.extend(["-f", "raw", "-F", "raw"]);
+            }
+            cmp.extend(["q.img", img]);
+            let o = qemu_img(dir, &cmp);
+            assert!(
+                o.status.success(),
+                "{} {extra:?}: images differ: {}{}",
+                c.name,
+                stdout(&o),
+                stderr(&o)
+            );
+            if c.create != "raw" {
+                check_clean(dir, img);
+            }
         }
     }
+}
+
+#[test]
+fn the_queue_api_reads_into_the_callers_buffers() {
+    // O_DIRECT reads of written clusters go from the bench's buffers straight to the ring,
+    // not through the engine's bounce buffers.
+    let d = Scratch::new("bench-queue");
+    let dir = &d.0;
+    create(dir, "a.qcow2", "cluster_size=64k,extended_l2=on", "8M");
+    let w = bench_json(dir, &["-w", "-c", "128", "-s", "64k", "a.qcow2"]);
+    assert_eq!(w["api"], "async", "{w:#}");
+    let v = bench_json(
+        dir,
+        &[
+            "-c", "2000", "-d", "8", "-S", "20k", "-i", "io_uring", "-t", "none", "a.qcow2",
+        ],
+    );
+    assert_eq!(v["api"], "queue", "{v:#}");
+    assert_eq!(u(&v, "requests"), 2000, "{v:#}");
+    // Only the first requests, which find the L2 slice not loaded yet (8 in flight), run on
+    // the engine.
+    let q = &v["queue"];
+    let direct = q["direct"].as_u64().unwrap();
+    assert_eq!(direct + q["engine"].as_u64().unwrap(), 2000, "{v:#}");
+    assert!(direct >= 2000 - 8, "{v:#}");
+    assert_eq!(q["direct-bytes"], direct * 4096, "{v:#}");
+    // --api async on the same backend takes the task loop (no queue counters).
+    let a = bench_json(
+        dir,
+        &[
+            "-c", "200", "-i", "io_uring", "-t", "none", "--api", "async", "a.qcow2",
+        ],
+    );
+    assert_eq!(a["api"], "async", "{a:#}");
+    assert!(a["queue"].is_null(), "{a:#}");
 }
 
 #[test]
@@ -321,37 +369,78 @@ fn flush_interval_drains_and_flushes_like_qemu() {
     let d = Scratch::new("bench-flush");
     let dir = &d.0;
     create(dir, "a.qcow2", "", "8M");
-    // Flushes whenever the requests not yet issued are a multiple of 128: 896, 768, ..., 0.
-    let v = bench_json(
-        dir,
-        &[
-            "-w",
-            "-c",
-            "1000",
-            "-d",
-            "16",
-            "--flush-interval",
-            "128",
-            "a.qcow2",
-        ],
+    // The task loop (-i threads) and the queue loop (-i io_uring), on qcow2 and raw.
+    ok(
+        "raw",
+        &qimg(dir, &["create", "-q", "-f", "raw", "r.img", "8M"]),
     );
-    assert_eq!(u(&v, "flushes"), 8, "{v:#}");
-    assert_eq!(u(&v, "requests"), 1000);
-    let v = bench_json(
-        dir,
-        &[
-            "-w",
-            "-c",
-            "1000",
-            "-d",
-            "16",
-            "--flush-interval",
-            "128",
-            "--no-drain",
-            "a.qcow2",
-        ],
-    );
-    assert!(u(&v, "flushes") >= 8, "{v:#}");
+    for (aio, img) in [
+        ("threads", "a.qcow2"),
+        ("io_uring", "a.qcow2"),
+        ("threads", "r.img"),
+        ("io_uring", "r.img"),
+    ] {
+        // Flushes whenever the requests not yet issued are a multiple of 128: 896, ..., 0.
+        let v = bench_json(
+            dir,
+            &[
+                "-w",
+                "-c",
+                "1000",
+                "-d",
+                "16",
+                "--flush-interval",
+                "128",
+                "-i",
+                aio,
+                img,
+            ],
+        );
+        assert_eq!(u(&v, "flushes"), 8, "{aio} {img}: {v:#}");
+        assert_eq!(u(&v, "requests"), 1000, "{aio} {img}");
+        if aio == "io_uring" && img == "a.qcow2" {
+            // The queue runs each flush on the engine.
+            assert!(v["queue"]["engine"].as_u64().unwrap() >= 8, "{v:#}");
+        }
+        let v = bench_json(
+            dir,
+            &[
+                "-w",
+                "-c",
+                "1000",
+                "-d",
+                "16",
+                "--flush-interval",
+                "128",
+                "--no-drain",
+                "-i",
+                aio,
+                img,
+            ],
+        );
+        assert!(u(&v, "flushes") >= 8, "{aio} {img}: {v:#}");
+        assert_eq!(u(&v, "requests"), 1000, "{aio} {img}");
+        // Writethrough: every write is followed by its flush (on the engine, with a queue).
+        let v = bench_json(
+            dir,
+            &[
+                "-w",
+                "-c",
+                "300",
+                "-d",
+                "4",
+                "-t",
+                "writethrough",
+                "-i",
+                aio,
+                img,
+            ],
+        );
+        assert_eq!(u(&v, "requests"), 300, "{aio} {img}");
+        if aio == "io_uring" && img == "a.qcow2" {
+            assert!(v["queue"]["engine"].as_u64().unwrap() >= 300, "{v:#}");
+        }
+    }
     let o = qimg(
         dir,
         &[
@@ -445,14 +534,16 @@ fn time_limit_stops_the_run() {
     let d = Scratch::new("bench-time");
     let dir = &d.0;
     create(dir, "a.qcow2", "", "64M");
-    let t = Instant::now();
-    let v = bench_json(dir, &["--time", "0.3", "-d", "4", "a.qcow2"]);
-    let wall = t.elapsed();
-    let secs = f(&v, "seconds");
-    assert!((0.3..5.0).contains(&secs), "{v:#}");
-    assert!(wall < Duration::from_secs(20), "took {wall:?}");
-    assert!(u(&v, "requests") > 0);
-    assert!(v["requested-count"].is_null());
+    for aio in ["threads", "io_uring"] {
+        let t = Instant::now();
+        let v = bench_json(dir, &["--time", "0.3", "-d", "4", "-i", aio, "a.qcow2"]);
+        let wall = t.elapsed();
+        let secs = f(&v, "seconds");
+        assert!((0.3..5.0).contains(&secs), "{aio}: {v:#}");
+        assert!(wall < Duration::from_secs(20), "{aio}: took {wall:?}");
+        assert!(u(&v, "requests") > 0, "{aio}");
+        assert!(v["requested-count"].is_null());
+    }
     // With a count as well, whichever comes first.
     let v = bench_json(dir, &["--time", "30", "-c", "10", "a.qcow2"]);
     assert_eq!(u(&v, "requests"), 10);
@@ -490,13 +581,15 @@ fn backends_and_runtimes_agree() {
     let mut i = 0;
     for aio in ["threads", "io_uring"] {
         for cache in ["writeback", "none"] {
-            for (rt, completions) in [
-                ("multi", "runtime"),
-                ("current", "runtime"),
-                ("multi", "thread"),
-                ("current", "thread"),
+            for (rt, completions, api) in [
+                ("multi", "runtime", "async"),
+                ("current", "runtime", "async"),
+                ("multi", "thread", "async"),
+                ("current", "thread", "async"),
+                ("current", "runtime", "queue"),
+                ("multi", "thread", "queue"),
             ] {
-                if aio == "threads" && completions == "thread" {
+                if aio == "threads" && (completions == "thread" || api == "queue") {
                     continue;
                 }
                 i += 1;
@@ -525,6 +618,8 @@ fn backends_and_runtimes_agree() {
                         rt,
                         "--completions",
                         completions,
+                        "--api",
+                        api,
                         &name,
                     ],
                 );
@@ -538,7 +633,7 @@ fn backends_and_runtimes_agree() {
                         println!("skipped {aio}/{cache}: {e}");
                         continue;
                     }
-                    panic!("{aio} {cache} {rt} {completions}: {e}");
+                    panic!("{aio} {cache} {rt} {completions} {api}: {e}");
                 }
                 assert!(
                     stdout(&o).contains(&format!("cache={cache}")),
@@ -552,7 +647,7 @@ fn backends_and_runtimes_agree() {
                         dir,
                         &[
                             "bench", "-c", "400", "-s", "3k", "-S", "5k", "-o", "100", "-i", aio,
-                            "-t", cache, &name,
+                            "-t", cache, "--api", api, &name,
                         ],
                     ),
                 );
@@ -560,7 +655,7 @@ fn backends_and_runtimes_agree() {
                     let same = qemu_img(dir, &["compare", "ref.qcow2", &name]);
                     assert!(
                         same.status.success(),
-                        "{aio} {cache} {rt} {completions}: {}",
+                        "{aio} {cache} {rt} {completions} {api}: {}",
                         stdout(&same)
                     );
                     check_clean(dir, &name);
@@ -623,6 +718,14 @@ fn bad_options_fail_clearly_with_exit_code_1() {
             &["--runtime", "fast"],
             "--runtime expects 'multi' or 'current'",
         ),
+        (
+            &["--api", "fast"],
+            "--api expects 'queue' or 'async' not 'fast'",
+        ),
+        (
+            &["--api", "queue"],
+            "--api queue runs on io_uring: add -i io_uring",
+        ),
         (&["--time", "0"], "Invalid time specified: '0'"),
         (&["--time", "soon"], "Invalid time specified: 'soon'"),
         (&["--seed", "3"], "--seed is only meaningful with --random"),
@@ -636,6 +739,10 @@ fn bad_options_fail_clearly_with_exit_code_1() {
             "Invalid l2-cache-size specified: 'lots'.",
         ),
         (&["-o", "2M", "-c", "1"], "runs past the end of the image"),
+        (
+            &["-o", "2M", "-c", "1", "-i", "io_uring"],
+            "runs past the end of the image",
+        ),
     ];
     for (args, want) in cases {
         let mut a = vec!["bench"];

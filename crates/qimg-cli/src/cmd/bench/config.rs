@@ -96,6 +96,12 @@ pub(super) struct BenchOpts {
     /// multi (a worker thread per core).
     #[arg(long, default_value = "current")]
     runtime: String,
+    /// qimg: how requests are issued: queue (one thread drives a `qimg::Queue`, the VMM data
+    /// path: its own io_uring ring, buffers lent without a copy; the default with -i io_uring
+    /// and -i native) or async (a task per request in flight awaiting `Image::read`/`write`;
+    /// the default, and the only choice, with -i threads).
+    #[arg(long)]
+    api: Option<String>,
     /// qimg: report format: human (qemu-img's lines, then qimg's report) or json.
     #[arg(long, default_value = "human")]
     output: String,
@@ -128,6 +134,8 @@ pub(super) struct Config {
     pub(super) duration: Option<Duration>,
     pub(super) multi_thread: bool,
     pub(super) on_runtime: bool,
+    /// Requests go through a `qimg::Queue` (or a bare ring for raw files) from one thread.
+    pub(super) queue_api: bool,
     pub(super) json: bool,
     pub(super) quiet: bool,
 }
@@ -273,6 +281,15 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
              cache.direct=on, which was not specified."
         ));
     }
+    let queue_api = match args.api.as_deref() {
+        None => aio != Aio::Threads,
+        Some("queue") if aio == Aio::Threads => {
+            return Err("--api queue runs on io_uring: add -i io_uring".into());
+        }
+        Some("queue") => true,
+        Some("async") => false,
+        Some(other) => return Err(format!("--api expects 'queue' or 'async' not '{other}'")),
+    };
     // Requests past the count are never issued, so more workers than requests would idle.
     let workers = count.map_or(depth, |c| depth.min(c));
     // Each worker owns a buffer and a latency histogram (30 KiB).
@@ -309,6 +326,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         duration,
         multi_thread,
         on_runtime,
+        queue_api,
         json,
         quiet: args.quiet,
     })

@@ -10,10 +10,20 @@
 //!            [--random [--seed N]] [--time SECONDS] [--l2-cache-size SIZE]
 //!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE] [--cache-size SIZE]
 //!            [--cache-clean-interval SECONDS] [--runtime current|multi]
-//!            [--completions runtime|thread] [--output human|json] FILENAME
+//!            [--completions runtime|thread] [--api queue|async] [--output human|json]
+//!            FILENAME
 //! ```
 //!
-//! Backends: `-i threads` is `FileStorage` (system calls inline on the runtime thread for
+//! Two request loops: with `-i io_uring` or `-i native` (`--api queue`, the default there) one
+//! thread drives a [`qimg::Queue`] as a VMM's guest-queue loop does, lending each request's
+//! buffer to the queue's ring (aligned, so O_DIRECT reads and writes reach the kernel with
+//! it, no copy) and sleeping until a completion arrives; a raw file gets a bare ring on its
+//! descriptor, so the baseline has the same loop (O_DIRECT requests not aligned for the file
+//! fall back to the task loop, and the report says which loop ran). With `-i threads`, or
+//! `--api async`, `depth` tasks await [`Image::read`] and [`Image::write`], the engine's
+//! async API, on a tokio runtime.
+//!
+//! Backends of the engine: `-i threads` is `FileStorage` (system calls inline on the runtime thread for
 //! buffered I/O, on tokio's blocking thread pool with O_DIRECT, like QEMU's thread pool);
 //! `-i io_uring` (and `-i native`, which QEMU's rules otherwise follow) is `UringStorage`,
 //! whose completions the runtime's I/O driver waits for (`--completions runtime`, with
@@ -29,6 +39,7 @@
 mod config;
 mod hist;
 pub(crate) mod parse;
+mod queue;
 mod report;
 mod run;
 
@@ -42,8 +53,9 @@ use qimg::{CacheStats, Image, OpenOptions, Stats};
 
 use self::config::{BenchOpts, Config, config};
 use self::parse::Aio;
+use self::queue::{ImageQueue, QueueTarget, RawQueue, drive_queue};
 use self::report::{Report, print_report, sending_line};
-use self::run::{BenchTarget, Offsets, Outcome, Plan, Raw, drive};
+use self::run::{Offsets, Outcome, Plan, Raw, drive};
 
 /// Arguments of `qimg bench` (boxed: they are many, and the subcommand enum stays small).
 #[derive(clap::Args)]
@@ -161,13 +173,28 @@ where
             let s = open(&cfg.path, cfg.write).map_err(|e| open_error(cfg, e))?;
             let size = s.len().await.map_err(|e| open_error(cfg, e))?;
             let align = s.mem_alignment().max(4096);
-            let target = Arc::new(Raw(s));
-            let outcome = announce_and_drive(cfg, size, align, target.clone()).await?;
+            let plan = announce(cfg, size, align)?;
+            // A bare ring takes requests as they are: with O_DIRECT only aligned ones.
+            let aligned = s
+                .direct_access()
+                .is_some_and(|a| plan_is_aligned(cfg, a.request_alignment as u64));
+            let queue_api = cfg.queue_api && (aligned || !cfg.cache_mode.direct);
+            let outcome = if queue_api {
+                // Room for every request and its writethrough flush, and flushes beside.
+                let depth = plan.workers.saturating_mul(2).saturating_add(2);
+                match RawQueue::new(s, depth)? {
+                    Some(q) => drive_blocking(q, plan).await?,
+                    None => return Err(anyhow!("the raw file has no descriptor for a ring")),
+                }
+            } else {
+                drive(Arc::new(Raw(s)), plan).await?
+            };
             Ok(Report {
                 outcome,
                 size,
                 stats: None,
                 backend,
+                queue_api,
             })
         }
         ImageFormat::Qcow2 => {
@@ -182,8 +209,14 @@ where
                 .map_err(|e| open_error(cfg, e))?;
             let size = img.size();
             let before = chain_stats(&img).await;
-            let target = Arc::new(img.clone());
-            let outcome = announce_and_drive(cfg, size, 4096, target).await;
+            let outcome = match announce(cfg, size, 4096) {
+                Err(e) => Err(e),
+                Ok(plan) if cfg.queue_api => match ImageQueue::new(&img, plan.workers) {
+                    Ok(q) => drive_blocking(q, plan).await,
+                    Err(e) => Err(e),
+                },
+                Ok(plan) => drive(Arc::new(img.clone()), plan).await,
+            };
             let after = chain_stats(&img).await;
             let closed = img.close().await;
             let outcome = outcome?;
@@ -193,6 +226,7 @@ where
                 size,
                 stats: Some(delta(&before, &after)),
                 backend,
+                queue_api: cfg.queue_api,
             })
         }
     }
@@ -232,13 +266,27 @@ fn delta(before: &Stats, after: &Stats) -> Stats {
     d
 }
 
-/// Prints qemu-img's first lines (human output), then runs.
-async fn announce_and_drive<T: BenchTarget>(
-    cfg: &Config,
-    size: u64,
-    mem_align: usize,
-    target: Arc<T>,
-) -> Result<Outcome> {
+/// Runs the queue loop on a blocking thread; the runtime stays free to drive the storage's
+/// completions (the engine's requests of a queue wait for them).
+async fn drive_blocking<Q: QueueTarget + 'static>(q: Q, plan: Plan) -> Result<Outcome> {
+    tokio::task::spawn_blocking(move || drive_queue(q, &plan))
+        .await
+        .map_err(|e| anyhow!("the bench loop failed: {e}"))?
+}
+
+/// Whether every request of the run starts and ends on a multiple of `align`.
+fn plan_is_aligned(cfg: &Config, align: u64) -> bool {
+    let align = align.max(1);
+    let steps = if cfg.random.is_some() {
+        cfg.bufsize
+    } else {
+        cfg.step
+    };
+    cfg.offset % align == 0 && cfg.bufsize % align == 0 && steps % align == 0
+}
+
+/// Prints qemu-img's first lines (human output) and says what the run does.
+fn announce(cfg: &Config, size: u64, mem_align: usize) -> Result<Plan> {
     let offsets = match cfg.random {
         None => Offsets::Sequential {
             start: cfg.offset,
@@ -285,5 +333,5 @@ async fn announce_and_drive<T: BenchTarget>(
         flush_interval: cfg.flush_interval,
         drain: cfg.drain,
     };
-    drive(target, plan).await
+    Ok(plan)
 }

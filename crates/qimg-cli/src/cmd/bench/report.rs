@@ -16,6 +16,8 @@ pub(super) struct Report {
     /// qcow2 only: the engine's counters over the run (summed over the chain for the caches).
     pub(super) stats: Option<Stats>,
     pub(super) backend: &'static str,
+    /// Whether the run went through the queue loop (`--api queue`) or the task loop.
+    pub(super) queue_api: bool,
 }
 
 /// qemu-img's "Sending ..." line (extended for qimg's timed and random runs).
@@ -75,6 +77,7 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
             "cache": cfg.cache_mode.name,
             "direct": cfg.cache_mode.direct,
             "runtime": if cfg.multi_thread { "multi" } else { "current" },
+            "api": if r.queue_api { "queue" } else { "async" },
             "image-size": r.size,
             "buffer-size": cfg.bufsize,
             "depth": cfg.depth,
@@ -106,6 +109,14 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
                 "evictions": s.l2_cache.evictions,
                 "bytes-held": s.l2_cache.bytes_held,
             })),
+            "queue": o.queue.map(|q| serde_json::json!({
+                "direct": q.direct,
+                "direct-bytes": q.direct_bytes,
+                "engine": q.engine,
+                "immediate": q.immediate,
+                "allocating": q.allocating,
+                "ring-enters": q.ring_enters,
+            })),
             "cow-bytes": r.stats.map(|s| s.cow_bytes),
             "clusters-allocated": r.stats.map(|s| s.clusters_allocated),
         });
@@ -117,15 +128,15 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
         return Ok(());
     }
     println!(
-        "qimg: {} requests, {iops:.0} IOPS, {mibs:.1} MiB/s ({} on {}, cache={}, {} runtime)",
+        "qimg: {} requests, {iops:.0} IOPS, {mibs:.1} MiB/s ({} on {}, cache={}, {})",
         o.completed,
         fmt.name(),
         r.backend,
         cfg.cache_mode.name,
-        if cfg.multi_thread {
-            "multi-thread"
-        } else {
-            "current-thread"
+        match (r.queue_api, cfg.multi_thread) {
+            (true, _) => "queue API, one thread",
+            (false, true) => "async API, multi-thread runtime",
+            (false, false) => "async API, current-thread runtime",
         }
     );
     println!(
@@ -138,6 +149,13 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
     );
     if cfg.flush_interval > 0 {
         println!("qimg: {} flushes", o.flushes);
+    }
+    if let Some(q) = &o.queue {
+        println!(
+            "qimg: queue: {} requests direct from the caller's buffers, {} on the engine, \
+             {} without I/O, {} io_uring_enter calls",
+            q.direct, q.engine, q.immediate, q.ring_enters
+        );
     }
     if let Some((s, rate)) = l2 {
         println!(

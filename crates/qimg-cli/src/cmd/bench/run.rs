@@ -146,6 +146,8 @@ pub struct Outcome {
     pub elapsed: Duration,
     /// Per-request latency, nanoseconds.
     pub latency: Histogram,
+    /// What the image's queue did (`--api queue` on qcow2).
+    pub queue: Option<qimg::QueueStats>,
 }
 
 /// qemu-img bench's `BenchData` fields that decide flushes, shared by the workers.
@@ -412,6 +414,7 @@ pub async fn drive<T: BenchTarget>(target: Arc<T>, plan: Plan) -> Result<Outcome
         flushes: shared.flushes.load(Ordering::Relaxed),
         elapsed,
         latency,
+        queue: None,
     })
 }
 
