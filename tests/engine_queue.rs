@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::{Scratch, assert_clean, assert_same_as_model, have_qemu, qemu_create};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use qimg::io::{AlignedBuf, AnyStorage, Backend};
-use qimg::{Image, IoBuffers, OpenOptions, Queue, QueueOptions, Request};
+use qimg::{CacheOptions, Image, IoBuffers, OpenOptions, Queue, QueueOptions, Request};
 use qimg_testkit::model::GuestModel;
 use qimg_testkit::pattern::pattern;
 use qimg_testkit::rng::Rng;
@@ -221,7 +221,23 @@ fn drive(
     (model, stats, wakeups, requests)
 }
 
+/// L2 caches of `slices` slices of 4 KiB (`None`: the default cache).
+fn small_cache(slices: Option<u64>) -> CacheOptions {
+    match slices {
+        None => CacheOptions::default(),
+        Some(n) => CacheOptions {
+            l2_cache_size: Some(n * 4096),
+            l2_cache_entry_size: Some(4096),
+            ..CacheOptions::default()
+        },
+    }
+}
+
 fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
+    run_with(options, backend, direct, seed, None);
+}
+
+fn run_with(options: &str, backend: Backend, direct: bool, seed: u64, slices: Option<u64>) {
     let dir = Scratch::new("queue");
     let backing: Vec<u8> = (0..SIZE).map(|i| (i / 4096 % 251) as u8 | 1).collect();
     std::fs::write(dir.path("base.raw"), &backing).unwrap();
@@ -236,6 +252,7 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
         .writable(true)
         .backend(backend)
         .direct(direct)
+        .cache(small_cache(slices))
         .open_blocking(dir.path("top.qcow2"));
     let image = match opened {
         Ok(i) => i,
@@ -263,19 +280,22 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
     let mut direct_requests = 0;
     let mut engine_requests = 0;
     let mut allocating = 0;
+    let mut slice_loads = 0;
     for (q, t) in threads.into_iter().enumerate() {
         let (m, stats, wakeups, requests) = t.join().expect("queue thread");
         let (lo, hi) = (q as u64 * region, (q as u64 + 1) * region);
         merged[lo as usize..hi as usize].copy_from_slice(m.read(lo, hi - lo));
         println!(
-            "queue {q}: {requests} requests, {} direct ({} completed without I/O, {} allocating, {} of them linked on the engine), {} on the engine, {wakeups} epoll wake-ups, {} ring enters",
+            "queue {q}: {requests} requests, {} direct ({} completed without I/O, {} allocating, {} of them linked on the engine), {} on the engine, {} L2 slices loaded on the ring, {wakeups} epoll wake-ups, {} ring enters",
             stats.direct,
             stats.immediate,
             stats.allocating,
             stats.linked_on_engine,
             stats.engine,
+            stats.slice_loads,
             stats.ring_enters
         );
+        slice_loads += stats.slice_loads;
         direct_requests += stats.direct;
         engine_requests += stats.engine;
         allocating += stats.allocating;
@@ -286,6 +306,7 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
         assert!(allocating > 0, "no allocating write took the direct path");
     }
     assert!(engine_requests > 0, "no request ran on the engine");
+    println!("{slice_loads} L2 slices loaded on the queues' rings");
     drop(async_image);
     image.close().unwrap();
     let what = format!("{options} {backend:?} direct={direct}");
@@ -320,6 +341,152 @@ fn four_epoll_queues_match_the_model_with_standard_l2() {
         return;
     }
     run("cluster_size=4k", Backend::Threads, false, 3);
+}
+
+#[test]
+fn four_epoll_queues_match_the_model_with_a_two_slice_l2_cache() {
+    if !have_qemu("four_epoll_queues_match_the_model_with_a_two_slice_l2_cache") {
+        return;
+    }
+    // 16 KiB clusters with extended entries: one L2 table of 4 slices for 16 MiB; 4 KiB
+    // standard clusters: 8 tables of one slice. The cache holds 2 slices: misses everywhere,
+    // mostly with dirty victims (the engine's case), some loaded on the queues' rings.
+    run_with(
+        "extended_l2=on,cluster_size=16k",
+        Backend::IoUring,
+        true,
+        4,
+        Some(2),
+    );
+    run_with("cluster_size=4k", Backend::Threads, false, 5, Some(2));
+}
+
+#[test]
+fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
+    if !have_qemu("l2_slice_misses_load_on_the_queues_ring_and_then_go_direct") {
+        return;
+    }
+    // 4 KiB clusters: one 4 KiB L2 slice maps 2 MiB, so 32 MiB has 16 slices; the cache
+    // holds 2 and every strided request misses.
+    let dir = Scratch::new("queue-loads");
+    let size: u64 = 32 << 20;
+    let data: Vec<u8> = (0..size).map(|i| ((i / 4096) % 253) as u8 ^ 0x5a).collect();
+    std::fs::write(dir.path("d.raw"), &data).unwrap();
+    let o = std::process::Command::new("qemu-img")
+        .args([
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=4k",
+        ])
+        .arg(dir.path("d.raw"))
+        .arg(dir.path("d.qcow2"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let image = match OpenOptions::new()
+        .writable(true)
+        .backend(Backend::IoUring)
+        .direct(true)
+        .cache(small_cache(Some(2)))
+        .open_blocking(dir.path("d.qcow2"))
+    {
+        Ok(i) => i,
+        Err(e) => {
+            println!("skipped: O_DIRECT on io_uring unavailable: {e}");
+            return;
+        }
+    };
+    let mut model = data.clone();
+    // Pass 1: two queues in two threads read with strides that miss on nearly every request:
+    // the misses load on the rings and then go direct. Pass 2: the second queue overwrites
+    // in place as well, which dirties slices: misses with a dirty victim go to the engine
+    // (whose locked loads then keep the metadata lock busy); correctness only.
+    for pass in 0..2 {
+        let (stats, written) = two_queues(&image, &data, pass == 1);
+        let loads: u64 = stats.iter().map(|s| s.slice_loads).sum();
+        let direct: u64 = stats.iter().map(|s| s.direct).sum();
+        let engine: u64 = stats.iter().map(|s| s.engine).sum();
+        println!("pass {pass}: {stats:?}");
+        if pass == 0 {
+            assert!(loads >= 300, "{loads} slices loaded on the rings");
+            assert!(direct >= 900, "{direct} direct, {engine} on the engine");
+        }
+        for (off, b) in written {
+            model[off as usize..off as usize + 4096].fill(b);
+        }
+    }
+    image.close().unwrap();
+    assert_clean(&dir.0, "d.qcow2", "queue slice loads");
+    assert_same_as_model(&dir.0, "d.qcow2", &model, "queue slice loads");
+}
+
+/// 600 requests on each of two queues in two threads, 16 in flight, strided over each half
+/// of the image (a different 4 KiB block each time); reads of the first half are checked
+/// against `data`. With `write`, every fifth request of the second queue writes a block of
+/// one byte instead; returns the queues' counters and the writes as (offset, byte).
+fn two_queues(
+    image: &qimg::BlockingImage,
+    data: &[u8],
+    write: bool,
+) -> (Vec<qimg::QueueStats>, Vec<(u64, u8)>) {
+    let size = data.len() as u64;
+    let threads: Vec<_> = (0..2u64)
+        .map(|q| {
+            let mut queue = image
+                .as_async()
+                .queue(QueueOptions::new().depth(16))
+                .unwrap();
+            let first_half = data[..(size / 2) as usize].to_vec();
+            std::thread::spawn(move || {
+                let mut written = Vec::new();
+                let mut in_flight: HashMap<u64, u64> = HashMap::new();
+                // 2 MiB + 12 or 16 KiB: 1024 different blocks before a repeat.
+                let stride = (2 << 20) + 4096 * (3 + q);
+                let half = size / 2;
+                for i in 0..600u64 {
+                    let offset = q * half + (i * stride) % half / 4096 * 4096;
+                    let request = if write && q == 1 && i % 5 == 0 {
+                        let fill = [(i % 251) as u8; 4096];
+                        written.push((offset, fill[0]));
+                        let buffers =
+                            IoBuffers::from_aligned(AlignedBuf::copy_from(&fill, 4096).unwrap());
+                        Request::Write { offset, buffers }
+                    } else {
+                        let buffers =
+                            IoBuffers::from_aligned(AlignedBuf::zeroed(4096, 4096).unwrap());
+                        Request::Read { offset, buffers }
+                    };
+                    queue.submit(request, i).unwrap();
+                    in_flight.insert(i, offset);
+                    while in_flight.len() >= 16 || (i == 599 && !in_flight.is_empty()) {
+                        queue.wait().unwrap();
+                        while let Some(c) = queue.next_completed() {
+                            let off = in_flight.remove(&c.user_data).unwrap();
+                            assert_eq!(c.result.as_ref().unwrap(), &4096, "request at {off}");
+                            if q == 0 {
+                                let got = contents_aligned(c.buffers.unwrap());
+                                let want = &first_half[off as usize..off as usize + 4096];
+                                assert!(got == want, "read at {off} differs");
+                            }
+                        }
+                    }
+                }
+                (queue.stats(), written)
+            })
+        })
+        .collect();
+    let mut stats = Vec::new();
+    let mut written = Vec::new();
+    for t in threads {
+        let (s, w) = t.join().expect("queue thread");
+        stats.push(s);
+        written.extend(w);
+    }
+    (stats, written)
 }
 
 /// Submits one request and waits for its completion (no epoll: `Queue::wait`).

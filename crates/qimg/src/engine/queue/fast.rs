@@ -22,17 +22,18 @@ pub(super) enum Part {
 impl<S: Storage> Inner<S> {
     /// The parts of a `len`-byte read at guest `offset`, or `None` when it needs the engine:
     /// an L2 slice not cached, a backing file to read, a compressed cluster. Adjacent parts
-    /// merge.
+    /// merge. `counted`: cache hits count (see `lookup_cached`).
     pub(super) fn plan_direct_read(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
+        counted: bool,
     ) -> Option<Vec<Part>> {
         let scs = self.geo.subcluster_size() as usize;
         let mut parts: Vec<Part> = Vec::new();
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let entry = self.lookup_cached(m, gc)?;
+            let entry = self.lookup_cached(m, gc, counted)?;
             let host = match entry.entry() {
                 L2Entry::Compressed(_) => return None,
                 e => e.host_cluster().map(|h| h.0),
@@ -78,12 +79,13 @@ impl<S: Storage> Inner<S> {
     /// direct when it lands in place, or allocates without copying anything (whole
     /// subclusters, or copy-on-write of zeros into a cluster that never held data) with its
     /// new cluster taken from a cached refcount block in space already reserved; nothing it
-    /// replaces may need freeing.
+    /// replaces may need freeing. `counted` as for [`plan_direct_read`](Self::plan_direct_read).
     pub(super) fn plan_direct_write(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
+        counted: bool,
     ) -> Option<(Vec<Part>, Vec<PreparedWrite>)> {
         let cs = self.geo.cluster_size();
         let mut planned = Vec::new();
@@ -91,7 +93,7 @@ impl<S: Storage> Inner<S> {
         // Some piece skips copy-on-write of zeros: its new cluster must read as zeros.
         let mut unused_only = false;
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let old = self.lookup_cached(m, gc)?;
+            let old = self.lookup_cached(m, gc, counted)?;
             let mut plan = self.plan_write(&old, a, a + n);
             if plan.freed.is_some() {
                 return None;

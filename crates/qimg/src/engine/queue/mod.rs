@@ -47,6 +47,7 @@
 //! async runtime in those threads.
 
 mod fast;
+mod loads;
 mod worker;
 
 use std::collections::VecDeque;
@@ -59,6 +60,7 @@ use qimg_io::queue::{IoBuffers, Notifier, QueueRing, RingCompletion};
 use qimg_io::{Op, Storage, StorageError};
 
 use self::fast::Part;
+use self::loads::{LOAD_TOKEN, Parked, SliceLoad};
 use self::worker::Worker;
 use super::image::Image;
 use super::rw::PreparedWrite;
@@ -180,6 +182,9 @@ pub struct QueueStats {
     pub allocating: u64,
     /// Of those, the ones whose linking went to the engine thread.
     pub linked_on_engine: u64,
+    /// L2 slices read on the queue's ring for requests that missed them (which then took
+    /// the direct path, or the engine when something changed meanwhile).
+    pub slice_loads: u64,
 }
 
 /// A direct request between submission and completion.
@@ -217,6 +222,8 @@ pub struct Queue<S: Storage + 'static> {
     engine_done: Arc<Mutex<Vec<Completion>>>,
     engine_in_flight: Arc<AtomicUsize>,
     reaped: Vec<RingCompletion>,
+    /// L2 slices being read on the ring, with the requests waiting for them.
+    loads: Vec<Option<SliceLoad>>,
     stats: QueueStats,
     // Last: dropped after `Drop::drop` waited for the ring, and waits for engine requests.
     worker: Worker,
@@ -262,6 +269,7 @@ impl<S: Storage + 'static> Image<S> {
             engine_done: Arc::new(Mutex::new(Vec::new())),
             engine_in_flight: Arc::new(AtomicUsize::new(0)),
             reaped: Vec::new(),
+            loads: Vec::new(),
             stats: QueueStats::default(),
             worker,
         })
@@ -292,6 +300,7 @@ impl<S: Storage + 'static> Queue<S> {
     /// Requests submitted whose completion was not collected yet.
     pub fn in_flight(&self) -> usize {
         self.pending.iter().filter(|p| p.is_some()).count()
+            + self.parked()
             + self.engine_in_flight.load(Ordering::Acquire)
             + self.done.len()
     }
@@ -302,13 +311,13 @@ impl<S: Storage + 'static> Queue<S> {
     pub fn submit(&mut self, request: Request, user_data: u64) -> Result<()> {
         let request = match request {
             Request::Read { offset, buffers } => {
-                match self.try_direct(offset, buffers, user_data, false) {
+                match self.try_direct(offset, buffers, user_data, false, 0) {
                     Ok(()) => return Ok(()),
                     Err(buffers) => Request::Read { offset, buffers },
                 }
             }
             Request::Write { offset, buffers } => {
-                match self.try_direct(offset, buffers, user_data, true) {
+                match self.try_direct(offset, buffers, user_data, true, 0) {
                     Ok(()) => return Ok(()),
                     Err(buffers) => Request::Write { offset, buffers },
                 }
@@ -367,13 +376,16 @@ impl<S: Storage + 'static> Queue<S> {
         self.done.extend(engine.drain(..));
     }
 
-    /// Tries the direct path; gives the buffers back when the request needs the engine.
+    /// Tries the direct path (after loading a missing L2 slice on the ring, if that is all
+    /// it lacks; `loads` counts the loads the request waited for so far); gives the buffers
+    /// back when the request needs the engine.
     fn try_direct(
         &mut self,
         offset: u64,
         mut buffers: IoBuffers,
         user_data: u64,
         write: bool,
+        loads: u8,
     ) -> std::result::Result<(), IoBuffers> {
         let inner = &self.image.inner;
         let len = buffers.len() as u64;
@@ -396,18 +408,18 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(lock) = inner.locks.try_acquire(first, end, write) else {
             return Err(buffers);
         };
-        let mut meta = inner.meta.try_lock().ok().filter(|m| !m.closed);
+        let mut meta = lock_briefly(&inner.meta).filter(|m| !m.closed);
         let mut links = Vec::new();
         let parts = meta.as_mut().and_then(|m| {
             if !write {
-                return inner.plan_direct_read(m, offset, len);
+                return inner.plan_direct_read(m, offset, len, loads == 0);
             }
             // A ring entry per cluster at most, checked before anything is allocated: an
             // allocation cannot be handed to the engine afterwards.
             if (end - first) as usize > self.ring.available() {
                 return None;
             }
-            let (parts, l) = inner.plan_direct_write(m, offset, len)?;
+            let (parts, l) = inner.plan_direct_write(m, offset, len, loads == 0)?;
             links = l;
             Some(parts)
         });
@@ -423,6 +435,7 @@ impl<S: Storage + 'static> Queue<S> {
                     Part::Zero { .. } => true,
                 })
         });
+        let unplanned = parts.is_none() && meta.is_some();
         let (true, Some(parts)) = (fits, parts) else {
             if let Some(m) = meta.as_mut() {
                 // Not reached (the checks above come first), but never leak a cluster.
@@ -431,6 +444,18 @@ impl<S: Storage + 'static> Queue<S> {
                 }
             }
             inner.locks.release(lock);
+            drop(meta);
+            if unplanned {
+                // Perhaps only an L2 slice is missing: load it here and come back.
+                let p = Parked {
+                    offset,
+                    buffers,
+                    user_data,
+                    write,
+                    loads,
+                };
+                return self.park_on_slice_load(p).map_err(|p| p.buffers);
+            }
             return Err(buffers);
         };
         drop(meta);
@@ -517,6 +542,10 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// One ring operation completed.
     fn on_ring(&mut self, c: RingCompletion) {
+        if c.token & LOAD_TOKEN != 0 {
+            self.on_slice_load(c);
+            return;
+        }
         let idx = (c.token >> 32) as usize;
         let part = (c.token & 0xffff_ffff) as usize;
         let path = self.image.inner.path.clone();
@@ -579,7 +608,7 @@ impl<S: Storage + 'static> Queue<S> {
     /// request in the caller's thread; `false` leaves what is left in `p.links` to the engine.
     fn link_here(&mut self, p: &mut Pending) -> bool {
         let inner = &self.image.inner;
-        let Ok(mut m) = inner.meta.try_lock() else {
+        let Some(mut m) = lock_briefly(&inner.meta) else {
             return false;
         };
         let failed = p.error.is_some();
@@ -677,6 +706,23 @@ impl<S: Storage + 'static> Queue<S> {
     }
 }
 
+/// The metadata lock if it comes free within a short spin: the direct path's holders (other
+/// queues' threads) keep it for about a microsecond, while the engine may hold it across
+/// I/O, and then the request goes to the engine rather than wait.
+fn lock_briefly<T>(m: &tokio::sync::Mutex<T>) -> Option<tokio::sync::MutexGuard<'_, T>> {
+    for i in 0..64 {
+        if let Ok(g) = m.try_lock() {
+            return Some(g);
+        }
+        if i % 8 == 7 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    None
+}
+
 async fn run_on_engine<S: Storage + 'static>(
     image: &Image<S>,
     request: Request,
@@ -757,7 +803,7 @@ fn ring_error(
 impl<S: Storage + 'static> Drop for Queue<S> {
     fn drop(&mut self) {
         // Direct requests hold memory the kernel uses and range locks: wait for each.
-        while self.pending.iter().any(Option::is_some) {
+        while self.pending.iter().any(Option::is_some) || self.loads.iter().any(Option::is_some) {
             if self.ring.wait().is_err() {
                 break;
             }

@@ -1,0 +1,227 @@
+//! L2 slice loads on the queue's own ring: a read or write whose L2 slice is not cached waits
+//! for the slice to be read on the ring, in the caller's thread, and then takes the direct
+//! path, instead of going to the engine thread (two thread hops and a context switch each
+//! way). It follows the engine's parallel loads ([`Inner::lookup_for_read`]): the load is
+//! registered in the image's `SliceLoads` (a second load of the same slice waits for it, a
+//! locked load supersedes it), and the slice is inserted only if its table is still the
+//! active one, nobody inserted it meanwhile and the cache can take it without writing a dirty
+//! slice back. Any doubt sends the waiting requests to the engine, which decides as always.
+//!
+//! [`Inner::lookup_for_read`]: crate::engine::image::Inner
+
+use qimg_format::units::GuestOffset;
+use qimg_io::queue::{IoBuffers, RingCompletion};
+use qimg_io::{AlignedBuf, Storage};
+
+use super::{Queue, Request};
+use crate::engine::meta::{CacheKind, Meta};
+
+/// Ring tokens of slice loads have this bit set (requests' tokens are `slot << 32 | part`
+/// with far fewer than 2^31 slots).
+pub(super) const LOAD_TOKEN: u64 = 1 << 63;
+
+/// Loads a request may wait for before it goes to the engine (a request whose clusters
+/// span two slices of a cache too small for both would otherwise load them in turn forever).
+const MAX_LOADS_PER_REQUEST: u8 = 2;
+
+/// A slice being read on the ring, and the requests waiting for it.
+pub(super) struct SliceLoad {
+    key: qimg_cache::SliceKey,
+    /// The image's `SliceLoads` registration.
+    token: u64,
+    /// The active L1 table's generation when the read started.
+    epoch: u64,
+    buffers: IoBuffers,
+    size: usize,
+    waiting: Vec<Parked>,
+}
+
+/// A request waiting for a slice.
+pub(super) struct Parked {
+    pub(super) offset: u64,
+    pub(super) buffers: IoBuffers,
+    pub(super) user_data: u64,
+    pub(super) write: bool,
+    pub(super) loads: u8,
+}
+
+impl<S: Storage + 'static> Queue<S> {
+    /// Parks `p` on a load of the first L2 slice its range misses (joining this queue's load
+    /// of it if one is under way); gives it back when the slice cannot be loaded here.
+    pub(super) fn park_on_slice_load(&mut self, p: Parked) -> std::result::Result<(), Parked> {
+        if p.loads >= MAX_LOADS_PER_REQUEST {
+            return Err(p);
+        }
+        let inner = self.image.inner.clone();
+        let Some(mut m) = super::lock_briefly(&inner.meta) else {
+            return Err(p);
+        };
+        if m.closed {
+            return Err(p);
+        }
+        let m = &mut *m;
+        let Some(key) = missing_slice(&inner, m, p.offset, p.buffers.len() as u64) else {
+            return Err(p);
+        };
+        if let Some(load) = self.loads.iter_mut().flatten().find(|l| l.key == key) {
+            load.waiting.push(p);
+            return Ok(());
+        }
+        // Another thread's load: the engine waits for it. A dirty victim needs a write-back
+        // first: the engine does that.
+        if inner.slice_loads.loading(key)
+            || m.l2
+                .victim()
+                .is_some_and(|v| m.l2.is_dirty(v) == Some(true))
+            || self.ring.available() == 0
+        {
+            return Err(p);
+        }
+        let Some(access) = inner.file.direct_access() else {
+            return Err(p);
+        };
+        let at = inner.slice_location(m, CacheKind::L2, key);
+        let size = m.l2.slice_size();
+        let (ra, ma) = (access.request_alignment.max(1), access.mem_alignment.max(1));
+        if at % ra as u64 != 0 || size % ra != 0 {
+            return Err(p);
+        }
+        // Page-aligned, as the storage's own bounce buffers (see qimg-io's `aligned`).
+        let Some(buf) = AlignedBuf::zeroed(size, ma.max(4096)) else {
+            return Err(p);
+        };
+        let mut buffers = IoBuffers::from_aligned(buf);
+        let idx = match self.loads.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.loads.push(None);
+                self.loads.len() - 1
+            }
+        };
+        let token = inner.slice_loads.begin(key);
+        if self
+            .ring
+            .read(
+                access.fd,
+                at,
+                &mut buffers,
+                0,
+                size,
+                LOAD_TOKEN | idx as u64,
+            )
+            .is_err()
+        {
+            inner.slice_loads.end(token);
+            return Err(p);
+        }
+        // The miss, counted as a locked load counts it.
+        let now = inner.now();
+        let _ = m.l2.get(key, now);
+        self.loads[idx] = Some(SliceLoad {
+            key,
+            token,
+            epoch: m.l1_epoch,
+            buffers,
+            size,
+            waiting: vec![p],
+        });
+        self.stats.slice_loads += 1;
+        let _ = self.ring.submit();
+        Ok(())
+    }
+
+    /// A slice read on the ring completed: insert it if nothing changed, then retry its
+    /// waiting requests (direct path, else engine).
+    pub(super) fn on_slice_load(&mut self, c: RingCompletion) {
+        let idx = (c.token & !LOAD_TOKEN) as usize;
+        let Some(load) = self.loads.get_mut(idx).and_then(Option::take) else {
+            return;
+        };
+        let inner = self.image.inner.clone();
+        let read = c.result >= 0 && c.result as usize == load.size;
+        let cached = match super::lock_briefly(&inner.meta) {
+            Some(mut m) => {
+                let current = inner.slice_loads.end(load.token);
+                if !read || !current || m.closed || m.l1_epoch != load.epoch {
+                    false
+                } else if m.l2.contains(load.key) {
+                    true
+                } else if m
+                    .l2
+                    .victim()
+                    .is_some_and(|v| m.l2.is_dirty(v) == Some(true))
+                {
+                    false
+                } else {
+                    let mut data = vec![0u8; load.size];
+                    let now = inner.now();
+                    load.buffers.copy_out(0, &mut data)
+                        && matches!(
+                            m.l2.insert(load.key, data.into_boxed_slice(), now),
+                            // The victim was clean, so nothing dirty is evicted.
+                            Ok(None)
+                        )
+                }
+            }
+            None => {
+                inner.slice_loads.end(load.token);
+                false
+            }
+        };
+        for mut p in load.waiting {
+            p.loads += 1;
+            let retry = if cached {
+                self.try_direct(p.offset, p.buffers, p.user_data, p.write, p.loads)
+            } else {
+                Err(p.buffers)
+            };
+            if let Err(buffers) = retry {
+                let request = if p.write {
+                    Request::Write {
+                        offset: p.offset,
+                        buffers,
+                    }
+                } else {
+                    Request::Read {
+                        offset: p.offset,
+                        buffers,
+                    }
+                };
+                if let Err(e) = self.run_on_engine_thread(request, p.user_data) {
+                    self.done.push_back(super::Completion {
+                        user_data: p.user_data,
+                        result: Err(e),
+                        buffers: None,
+                        holes: None,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Requests waiting for slice loads.
+    pub(super) fn parked(&self) -> usize {
+        self.loads.iter().flatten().map(|l| l.waiting.len()).sum()
+    }
+}
+
+/// The first L2 slice (in a table that exists) that a `len`-byte request at `offset` needs
+/// and the cache does not hold.
+fn missing_slice<S: Storage>(
+    inner: &crate::engine::image::Inner<S>,
+    m: &Meta,
+    offset: u64,
+    len: u64,
+) -> Option<qimg_cache::SliceKey> {
+    for (gc, ..) in inner.pieces(offset, len) {
+        let l1i = inner.geo.l1_index(GuestOffset(gc)) as usize;
+        let Some(table) = m.l1.get(l1i)?.l2_offset else {
+            continue;
+        };
+        let (key, _) = inner.l2_position(m, table.0, gc);
+        if !m.l2.contains(key) {
+            return Some(key);
+        }
+    }
+    None
+}
