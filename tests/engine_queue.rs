@@ -406,7 +406,9 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
     // in place as well, which dirties slices: misses with a dirty victim go to the engine
     // (whose locked loads then keep the metadata lock busy); correctness only.
     for pass in 0..2 {
+        let before = image.stats().l2_cache;
         let (stats, written) = two_queues(&image, &data, pass == 1);
+        let after = image.stats().l2_cache;
         let loads: u64 = stats.iter().map(|s| s.slice_loads).sum();
         let direct: u64 = stats.iter().map(|s| s.direct).sum();
         let engine: u64 = stats.iter().map(|s| s.engine).sum();
@@ -414,6 +416,11 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
         if pass == 0 {
             assert!(loads >= 300, "{loads} slices loaded on the rings");
             assert!(direct >= 900, "{direct} direct, {engine} on the engine");
+            // Every request's lookup counts once: a hit, a miss that loaded its slice, or a
+            // hit after waiting for another request's load.
+            let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+            assert!(hits + misses >= 1200, "{hits} hits, {misses} misses");
+            assert!(misses >= loads, "{misses} misses, {loads} loads");
         }
         for (off, b) in written {
             model[off as usize..off as usize + 4096].fill(b);

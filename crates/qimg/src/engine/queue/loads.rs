@@ -43,6 +43,9 @@ pub(super) struct Parked {
     pub(super) user_data: u64,
     pub(super) write: bool,
     pub(super) loads: u8,
+    /// It joined a load another request started: its lookup after the load counts as a
+    /// hit (as a request waiting for the engine's load of a slice finds it cached after).
+    pub(super) joined: bool,
 }
 
 impl<S: Storage + 'static> Queue<S> {
@@ -64,7 +67,7 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(p);
         };
         if let Some(load) = self.loads.iter_mut().flatten().find(|l| l.key == key) {
-            load.waiting.push(p);
+            load.waiting.push(Parked { joined: true, ..p });
             return Ok(());
         }
         // Another thread's load: the engine waits for it. A dirty victim needs a write-back
@@ -123,7 +126,7 @@ impl<S: Storage + 'static> Queue<S> {
             epoch: m.l1_epoch,
             buffers,
             size,
-            waiting: vec![p],
+            waiting: vec![Parked { joined: false, ..p }],
         });
         self.stats.slice_loads += 1;
         let _ = self.ring.submit();
@@ -171,7 +174,8 @@ impl<S: Storage + 'static> Queue<S> {
         for mut p in load.waiting {
             p.loads += 1;
             let retry = if cached {
-                self.try_direct(p.offset, p.buffers, p.user_data, p.write, p.loads)
+                let counted = p.joined;
+                self.try_direct(p.offset, p.buffers, p.user_data, p.write, p.loads, counted)
             } else {
                 Err(p.buffers)
             };

@@ -311,13 +311,13 @@ impl<S: Storage + 'static> Queue<S> {
     pub fn submit(&mut self, request: Request, user_data: u64) -> Result<()> {
         let request = match request {
             Request::Read { offset, buffers } => {
-                match self.try_direct(offset, buffers, user_data, false, 0) {
+                match self.try_direct(offset, buffers, user_data, false, 0, true) {
                     Ok(()) => return Ok(()),
                     Err(buffers) => Request::Read { offset, buffers },
                 }
             }
             Request::Write { offset, buffers } => {
-                match self.try_direct(offset, buffers, user_data, true, 0) {
+                match self.try_direct(offset, buffers, user_data, true, 0, true) {
                     Ok(()) => return Ok(()),
                     Err(buffers) => Request::Write { offset, buffers },
                 }
@@ -377,8 +377,9 @@ impl<S: Storage + 'static> Queue<S> {
     }
 
     /// Tries the direct path (after loading a missing L2 slice on the ring, if that is all
-    /// it lacks; `loads` counts the loads the request waited for so far); gives the buffers
-    /// back when the request needs the engine.
+    /// it lacks; `loads` counts the loads the request waited for so far, and `counted` says
+    /// whether its cache lookups count: not after a load that counted its miss); gives the
+    /// buffers back when the request needs the engine.
     fn try_direct(
         &mut self,
         offset: u64,
@@ -386,6 +387,7 @@ impl<S: Storage + 'static> Queue<S> {
         user_data: u64,
         write: bool,
         loads: u8,
+        counted: bool,
     ) -> std::result::Result<(), IoBuffers> {
         let inner = &self.image.inner;
         let len = buffers.len() as u64;
@@ -412,14 +414,14 @@ impl<S: Storage + 'static> Queue<S> {
         let mut links = Vec::new();
         let parts = meta.as_mut().and_then(|m| {
             if !write {
-                return inner.plan_direct_read(m, offset, len, loads == 0);
+                return inner.plan_direct_read(m, offset, len, counted);
             }
             // A ring entry per cluster at most, checked before anything is allocated: an
             // allocation cannot be handed to the engine afterwards.
             if (end - first) as usize > self.ring.available() {
                 return None;
             }
-            let (parts, l) = inner.plan_direct_write(m, offset, len, loads == 0)?;
+            let (parts, l) = inner.plan_direct_write(m, offset, len, counted)?;
             links = l;
             Some(parts)
         });
@@ -453,6 +455,7 @@ impl<S: Storage + 'static> Queue<S> {
                     user_data,
                     write,
                     loads,
+                    joined: false,
                 };
                 return self.park_on_slice_load(p).map_err(|p| p.buffers);
             }
