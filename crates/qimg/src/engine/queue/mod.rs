@@ -224,6 +224,8 @@ pub struct Queue<S: Storage + 'static> {
     reaped: Vec<RingCompletion>,
     /// L2 slices being read on the ring, with the requests waiting for them.
     loads: Vec<Option<SliceLoad>>,
+    /// Inside [`collect`](Self::collect).
+    collecting: bool,
     stats: QueueStats,
     // Last: dropped after `Drop::drop` waited for the ring, and waits for engine requests.
     worker: Worker,
@@ -270,6 +272,7 @@ impl<S: Storage + 'static> Image<S> {
             engine_in_flight: Arc::new(AtomicUsize::new(0)),
             reaped: Vec::new(),
             loads: Vec::new(),
+            collecting: false,
             stats: QueueStats::default(),
             worker,
         })
@@ -344,6 +347,15 @@ impl<S: Storage + 'static> Queue<S> {
             if !self.done.is_empty() || self.in_flight() == 0 {
                 return Ok(());
             }
+            if self.engine_in_flight.load(Ordering::Acquire) == 0 && self.ring.in_flight() > 0 {
+                // Only the ring can complete anything (engine requests start only from this
+                // thread): wait in io_uring_enter itself, one system call instead of a poll
+                // and an eventfd read.
+                self.ring
+                    .wait()
+                    .map_err(|e| Error::io(&self.image.inner.path, "waiting for completions", e))?;
+                continue;
+            }
             let fd = self.notifier.as_fd();
             let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
             match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
@@ -364,6 +376,8 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// Takes what the ring and the engine thread finished into `done`.
     fn collect(&mut self) {
+        // Completions made here are seen by the caller, who is collecting: no eventfd write.
+        self.collecting = true;
         // Entries a failed submission left queued get another chance.
         let _ = self.ring.submit();
         let mut reaped = std::mem::take(&mut self.reaped);
@@ -374,6 +388,8 @@ impl<S: Storage + 'static> Queue<S> {
         self.reaped = reaped;
         let mut engine = self.engine_done.lock().unwrap_or_else(|e| e.into_inner());
         self.done.extend(engine.drain(..));
+        drop(engine);
+        self.collecting = false;
     }
 
     /// Tries the direct path (after loading a missing L2 slice on the ring, if that is all
@@ -521,7 +537,9 @@ impl<S: Storage + 'static> Queue<S> {
         if left == 0 {
             self.stats.immediate += 1;
             self.finish(idx);
-            let _ = self.notifier.notify();
+            if !self.collecting {
+                let _ = self.notifier.notify();
+            }
         } else {
             let _ = self.ring.submit();
         }
