@@ -238,6 +238,33 @@ fn writes_the_same_bytes_as_qemu_img_bench() {
 }
 
 #[test]
+fn sparse_allocation_writes_only_the_subclusters() {
+    // Extended L2, 2 MiB clusters: a 4 KiB write per cluster fills one 64 KiB subcluster.
+    // contiguous reserves whole clusters (and 8 MiB steps) with fallocate; sparse leaves the
+    // rest of each cluster a hole, as qemu-img does.
+    use std::os::unix::fs::MetadataExt;
+    let d = Scratch::new("bench-alloc");
+    let dir = &d.0;
+    let mut used = Vec::new();
+    for mode in ["contiguous", "sparse"] {
+        let name = format!("{mode}.qcow2");
+        create(dir, &name, "cluster_size=2M,extended_l2=on", "64M");
+        let v = bench_json(
+            dir,
+            &["-w", "-c", "16", "-S", "2M", "--allocation", mode, &name],
+        );
+        assert_eq!(u(&v, "requests"), 16, "{v:#}");
+        used.push(std::fs::metadata(dir.join(&name)).unwrap().blocks() * 512);
+        if have_qemu("sparse_allocation_writes_only_the_subclusters") {
+            check_clean(dir, &name);
+        }
+    }
+    // 16 clusters reserved whole: 32 MiB; sparse: 16 subclusters and the metadata.
+    assert!(used[0] >= 32 << 20, "contiguous: {used:?}");
+    assert!(used[1] <= 8 << 20, "sparse: {used:?}");
+}
+
+#[test]
 fn the_queue_api_reads_into_the_callers_buffers() {
     // O_DIRECT reads of written clusters go from the bench's buffers straight to the ring,
     // not through the engine's bounce buffers.

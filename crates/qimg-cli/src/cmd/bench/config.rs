@@ -102,6 +102,11 @@ pub(super) struct BenchOpts {
     /// the default, and the only choice, with -i threads).
     #[arg(long)]
     api: Option<String>,
+    /// qimg: how new clusters are reserved in the file: contiguous (the whole cluster, and
+    /// 8 MiB at a time past the end of the file, with fallocate; the default) or sparse (only
+    /// what is written, as qemu-img without its preallocate filter).
+    #[arg(long)]
+    allocation: Option<String>,
     /// qimg: report format: human (qemu-img's lines, then qimg's report) or json.
     #[arg(long, default_value = "human")]
     output: String,
@@ -136,6 +141,7 @@ pub(super) struct Config {
     pub(super) on_runtime: bool,
     /// Requests go through a `qimg::Queue` (or a bare ring for raw files) from one thread.
     pub(super) queue_api: bool,
+    pub(super) allocation: qimg::Allocation,
     pub(super) json: bool,
     pub(super) quiet: bool,
 }
@@ -290,6 +296,15 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         Some("async") => false,
         Some(other) => return Err(format!("--api expects 'queue' or 'async' not '{other}'")),
     };
+    let allocation = match args.allocation.as_deref() {
+        None | Some("contiguous") => qimg::Allocation::Contiguous,
+        Some("sparse") => qimg::Allocation::Sparse,
+        Some(other) => {
+            return Err(format!(
+                "--allocation expects 'contiguous' or 'sparse' not '{other}'"
+            ));
+        }
+    };
     // Requests past the count are never issued, so more workers than requests would idle.
     let workers = count.map_or(depth, |c| depth.min(c));
     // Each worker owns a buffer and a latency histogram (30 KiB).
@@ -327,6 +342,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         multi_thread,
         on_runtime,
         queue_api,
+        allocation,
         json,
         quiet: args.quiet,
     })

@@ -10,8 +10,8 @@
 //!            [--random [--seed N]] [--time SECONDS] [--l2-cache-size SIZE]
 //!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE] [--cache-size SIZE]
 //!            [--cache-clean-interval SECONDS] [--runtime current|multi]
-//!            [--completions runtime|thread] [--api queue|async] [--output human|json]
-//!            FILENAME
+//!            [--completions runtime|thread] [--api queue|async]
+//!            [--allocation contiguous|sparse] [--output human|json] FILENAME
 //! ```
 //!
 //! Two request loops: with `-i io_uring` or `-i native` (`--api queue`, the default there) one
@@ -202,6 +202,7 @@ where
                 .writable(cfg.write)
                 .force_share(cfg.force_share)
                 .cache(cfg.cache)
+                .allocation(cfg.allocation)
                 .direct(cfg.cache_mode.direct);
             let img = opts
                 .open_with(&cfg.path, open)
