@@ -36,9 +36,10 @@
 #      (--ioengine=io_uring --rw=randread, --direct=1 or --invalidate=0) on the raw copy when
 #      fio is installed
 #   e  qimg convert vs qemu-img convert of a 1 GiB qcow2 image (half base64 text, a quarter
-#      random bytes, a quarter unallocated) to raw (-O raw), to qcow2 (-O qcow2) and to
-#      compressed qcow2 (-c -O qcow2), with each tool's default cache modes and a `sync OUT`
-#      (fsync of the output, not of the whole machine's dirty pages) timed after it
+#      random bytes, a quarter unallocated) to raw (-O raw), to raw with copy offloading
+#      (-C -O raw: copy_file_range), to qcow2 (-O qcow2) and to compressed qcow2
+#      (-c -O qcow2), with each tool's default cache modes and a `sync OUT` (fsync of the
+#      output, not of the whole machine's dirty pages) timed after it
 #      (qemu-img's output cache mode defaults to unsafe, qimg's to writeback: the sync makes
 #      the two comparable); the source is in the page cache
 #
@@ -407,7 +408,8 @@ if want e; then
     qemu-img convert -f raw -O qcow2 conv.raw conv.qcow2
     rm -f conv.raw
     warm conv conv.qcow2
-    for cfg in "raw:-O raw:out.raw" "qcow2:-O qcow2:out.qcow2" "compressed qcow2:-c -O qcow2:out.qcow2"; do
+    for cfg in "raw:-O raw:out.raw" "raw with copy offloading (-C):-C -O raw:out.raw" \
+        "qcow2:-O qcow2:out.qcow2" "compressed qcow2:-c -O qcow2:out.qcow2"; do
         IFS=: read -r what opts out <<<"$cfg"
         read -ra o <<<"$opts"
         label="e: convert $(human "$conv_bytes") qcow2 to $what (s, CPU s)"

@@ -5,6 +5,7 @@ use anyhow::{Context, Result, anyhow};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
+use super::offload::copy_range;
 use super::plan::{Job, Jobs, Plan, SourceChain, push_range};
 use super::source::Source;
 use super::target::ConvertOutput;
@@ -64,6 +65,9 @@ async fn run_job(
         plan.zero_unit.max(1)
     };
     let limit = job.end.min(plan.size);
+    if plan.copy_range {
+        return offloaded_job(src, dst, job, limit, turn, done).await;
+    }
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     let mut covered = 0;
     for &(s, e) in &job.data {
@@ -112,6 +116,38 @@ async fn run_job(
             dst.write(&buf, s)
                 .await
                 .with_context(|| format!("error while writing at byte {s}"))?;
+        }
+    }
+    if let Some(done) = done {
+        let _ = done.send(());
+    }
+    Ok(covered)
+}
+
+/// A chunk with `-C`: in turn, its zero ranges, then its data ranges whole, offloaded where
+/// possible (see [`copy_range`]).
+async fn offloaded_job(
+    src: Source,
+    dst: ConvertOutput,
+    job: Job,
+    limit: u64,
+    turn: Option<oneshot::Receiver<()>>,
+    done: Option<oneshot::Sender<()>>,
+) -> Result<u64> {
+    if let Some(turn) = turn {
+        let _ = turn.await;
+    }
+    for &(s, e) in &job.zeros {
+        dst.write_zeroes(s, e - s)
+            .await
+            .with_context(|| format!("error while writing at byte {s}"))?;
+    }
+    let mut covered = 0;
+    for &(s, e) in &job.data {
+        covered += e - s;
+        let (s, e) = (s.max(job.start), e.min(limit));
+        if s < e {
+            copy_range(&src, &dst, s, e).await?;
         }
     }
     if let Some(done) = done {

@@ -20,6 +20,7 @@
 //! is `unsafe`).
 
 mod copy;
+mod offload;
 mod options;
 mod plan;
 mod source;
@@ -54,6 +55,11 @@ pub struct ConvertArgs {
     /// Compress every data cluster of the (qcow2) output.
     #[arg(short = 'c')]
     compress: bool,
+    /// Copy offloading: data goes from the source's file to a raw output with
+    /// copy_file_range (no copy through user space); data ranges are copied whole (no zero
+    /// detection, so not with -S), and not with -c.
+    #[arg(short = 'C')]
+    copy_range: bool,
     /// Show progress.
     #[arg(short = 'p')]
     progress: bool,
@@ -146,7 +152,9 @@ fn execute(settings: Settings) -> Result<()> {
             compress_cluster,
             // A backing file may hold data where the source reads zeros: write them.
             zero_target: no_create || has_backing,
-            all_data: sparse == 0,
+            // (-C sets no -S: zero ranges stay out, data ranges are copied whole.)
+            all_data: sparse == 0 && !settings.copy_range,
+            copy_range: settings.copy_range,
             parallel: settings.parallel,
             // Compressed clusters are packed wherever they land; compress them in parallel.
             in_order: !settings.out_of_order && compress_cluster == 0,

@@ -30,6 +30,8 @@ pub(super) struct Settings {
     pub(super) no_create: bool,
     /// `-c`.
     pub(super) compress: bool,
+    /// `-C`.
+    pub(super) copy_range: bool,
     /// `-S`: smallest run of zeros left unwritten (0: write everything).
     pub(super) sparse: u64,
     /// `-m`: chunks in flight.
@@ -69,7 +71,15 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if args.compress && out_fmt != ImageFormat::Qcow2 {
         bail!("Compression not supported for this file format");
     }
+    if args.copy_range && (args.compress || args.sparse.is_some()) {
+        bail!(
+            "Cannot enable copy offloading when -{} is used",
+            if args.compress { 'c' } else { 'S' }
+        );
+    }
     let sparse = match &args.sparse {
+        // -C copies data ranges whole, as -S 0 but leaving the source's zero ranges out.
+        None if args.copy_range => 0,
         None => 4096,
         Some(s) => match parse_size(s) {
             Some(v) if v % 512 == 0 && v <= 16 << 20 => v,
@@ -138,6 +148,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         has_backing,
         no_create: args.no_create,
         compress: args.compress,
+        copy_range: args.copy_range,
         sparse,
         parallel,
         out_of_order: args.out_of_order,

@@ -25,6 +25,8 @@ pub(super) struct Plan {
     pub(super) zero_target: bool,
     /// Source zero ranges are copied as data (`-S 0`).
     pub(super) all_data: bool,
+    /// `-C`: data ranges are copied whole with copy offloading where possible.
+    pub(super) copy_range: bool,
     /// Chunks in flight.
     pub(super) parallel: usize,
     /// Chunks write in guest order.

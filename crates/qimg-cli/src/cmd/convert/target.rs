@@ -116,6 +116,9 @@ impl Storage for OutStorage {
     fn mem_alignment(&self) -> usize {
         self.inner.mem_alignment()
     }
+    fn direct_access(&self) -> Option<qimg::io::DirectAccess<'_>> {
+        self.inner.direct_access()
+    }
 }
 
 /// The output image.
@@ -133,6 +136,14 @@ pub(super) struct ConvertOutput {
 }
 
 impl ConvertOutput {
+    /// A descriptor of a raw output file (for copy offloading); `None` for a qcow2 output.
+    pub(super) fn raw_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        match &self.out {
+            OutputImage::Raw(f) => f.direct_access()?.fd.try_clone_to_owned().ok(),
+            OutputImage::Qcow2(_) => None,
+        }
+    }
+
     /// The flush of a writethrough cache mode.
     pub(super) async fn written(&self) -> Result<()> {
         if self.writethrough {
