@@ -240,7 +240,7 @@ fn writes_the_same_bytes_as_qemu_img_bench() {
 #[test]
 fn sparse_allocation_writes_only_the_subclusters() {
     // Extended L2, 2 MiB clusters: a 4 KiB write per cluster fills one 64 KiB subcluster.
-    // contiguous reserves whole clusters (and 8 MiB steps) with fallocate; sparse leaves the
+    // contiguous reserves whole clusters (and 32 MiB steps) with fallocate; sparse leaves the
     // rest of each cluster a hole, as qemu-img does.
     use std::os::unix::fs::MetadataExt;
     let d = Scratch::new("bench-alloc");

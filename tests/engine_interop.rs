@@ -459,7 +459,7 @@ async fn space_reserved_ahead_is_cut_off_at_close() {
     );
     let end = check["image-end-offset"].as_u64().unwrap();
     assert_eq!(closed, end, "the file ends where the image ends: {check}");
-    // 20 clusters of data and an L2 table: far less than one reservation step (8 MiB).
+    // 20 clusters of data and an L2 table: far less than one reservation step (32 MiB).
     assert!(
         reserved >= closed + 4 * MIB,
         "nothing was reserved ahead: {reserved} bytes before close, {closed} after"

@@ -120,7 +120,7 @@ impl SliceLoads {
 /// at least four): one `fallocate` for many cluster allocations, like QEMU's `preallocate`
 /// filter, so that allocating writes land in space the file system has already reserved
 /// instead of extending the file one cluster at a time.
-pub(crate) const RESERVE_AHEAD: u64 = 8 << 20;
+pub(crate) const RESERVE_AHEAD: u64 = 32 << 20;
 
 /// [`Allocation::Contiguous`] past the end of the file: clusters allocated there are reserved
 /// in steps of [`RESERVE_AHEAD`] bytes; the unused tail is cut off at close. Below `from` (the

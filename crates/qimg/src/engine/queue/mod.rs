@@ -20,7 +20,7 @@
 //!   block in the caller's thread, the data goes from the caller's memory to the ring, and the
 //!   new entry is linked when the data is on disk, before the completion is returned (on the
 //!   engine thread if linking then needs metadata I/O). Allocations past the end of the file
-//!   reserve space 8 MiB ahead, the next step while the last is half used;
+//!   reserve space 32 MiB ahead, the next step while the last is half used;
 //! * everything else (copy-on-write, slice loads, backing files, compressed clusters,
 //!   unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
 //!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's
