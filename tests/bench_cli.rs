@@ -407,44 +407,21 @@ fn flush_interval_drains_and_flushes_like_qemu() {
         ("threads", "r.img"),
         ("io_uring", "r.img"),
     ] {
+        let interval = |extra: &[&str]| {
+            let mut a = vec!["-w", "-c", "1000", "-d", "16", "--flush-interval", "128"];
+            a.extend_from_slice(extra);
+            a.extend(["-i", aio, img]);
+            bench_json(dir, &a)
+        };
         // Flushes whenever the requests not yet issued are a multiple of 128: 896, ..., 0.
-        let v = bench_json(
-            dir,
-            &[
-                "-w",
-                "-c",
-                "1000",
-                "-d",
-                "16",
-                "--flush-interval",
-                "128",
-                "-i",
-                aio,
-                img,
-            ],
-        );
+        let v = interval(&[]);
         assert_eq!(u(&v, "flushes"), 8, "{aio} {img}: {v:#}");
         assert_eq!(u(&v, "requests"), 1000, "{aio} {img}");
         if aio == "io_uring" && img == "a.qcow2" {
             // The queue runs each flush on the engine.
             assert!(v["queue"]["engine"].as_u64().unwrap() >= 8, "{v:#}");
         }
-        let v = bench_json(
-            dir,
-            &[
-                "-w",
-                "-c",
-                "1000",
-                "-d",
-                "16",
-                "--flush-interval",
-                "128",
-                "--no-drain",
-                "-i",
-                aio,
-                img,
-            ],
-        );
+        let v = interval(&["--no-drain"]);
         assert!(u(&v, "flushes") >= 8, "{aio} {img}: {v:#}");
         assert_eq!(u(&v, "requests"), 1000, "{aio} {img}");
         // Writethrough: every write is followed by its flush (on the engine, with a queue).

@@ -88,11 +88,7 @@ async fn run_job(
         // An error in the previous chunk drops its sender; that error is reported anyway.
         let _ = turn.await;
     }
-    for &(s, e) in &job.zeros {
-        dst.write_zeroes(s, e - s)
-            .await
-            .with_context(|| format!("error while writing at byte {s}"))?;
-    }
+    write_zero_ranges(&dst, &job.zeros).await?;
     for (s, buf) in bufs {
         if plan.compress_cluster > 0 {
             let cluster_size = plan.compress_cluster as usize;
@@ -124,6 +120,16 @@ async fn run_job(
     Ok(covered)
 }
 
+/// Zeroes the chunk's zero ranges in the target (`-n`, or over a backing file).
+async fn write_zero_ranges(dst: &ConvertOutput, zeros: &[(u64, u64)]) -> Result<()> {
+    for &(s, e) in zeros {
+        dst.write_zeroes(s, e - s)
+            .await
+            .with_context(|| format!("error while writing at byte {s}"))?;
+    }
+    Ok(())
+}
+
 /// A chunk with `-C`: in turn, its zero ranges, then its data ranges whole, offloaded where
 /// possible (see [`copy_range`]).
 async fn offloaded_job(
@@ -137,11 +143,7 @@ async fn offloaded_job(
     if let Some(turn) = turn {
         let _ = turn.await;
     }
-    for &(s, e) in &job.zeros {
-        dst.write_zeroes(s, e - s)
-            .await
-            .with_context(|| format!("error while writing at byte {s}"))?;
-    }
+    write_zero_ranges(&dst, &job.zeros).await?;
     let mut covered = 0;
     for &(s, e) in &job.data {
         covered += e - s;
