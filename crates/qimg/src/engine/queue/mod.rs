@@ -21,8 +21,13 @@
 //!   new entry is linked when the data is on disk, before the completion is returned (on the
 //!   engine thread if linking then needs metadata I/O). Allocations past the end of the file
 //!   reserve space 32 MiB ahead, the next step while the last is half used;
-//! * everything else (copy-on-write, slice loads, backing files, compressed clusters,
-//!   unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
+//! * a request that would go direct but for an L2 slice not cached waits while the queue
+//!   reads the slice on its own ring (when no other thread is loading it and the cache can
+//!   take it without writing a dirty slice back), then goes direct; the caller's loop sees
+//!   the slice's completion on the eventfd like any other, and must keep collecting for the
+//!   load to end (other requests for that slice, on any queue or the engine, wait for it);
+//! * everything else (copy-on-write, the other slice misses, backing files, compressed
+//!   clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
 //!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's
 //!   loop never blocks on it.
 //!
