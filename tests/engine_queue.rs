@@ -431,6 +431,89 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
     assert_same_as_model(&dir.0, "d.qcow2", &model, "queue slice loads");
 }
 
+#[test]
+fn an_engine_read_does_not_wait_for_a_queue_that_stopped_collecting() {
+    if !have_qemu("an_engine_read_does_not_wait_for_a_queue_that_stopped_collecting") {
+        return;
+    }
+    let dir = Scratch::new("queue-load-stall");
+    let size: u64 = 8 << 20;
+    let data: Vec<u8> = (0..size).map(|i| ((i / 4096) % 249) as u8 ^ 0x33).collect();
+    std::fs::write(dir.path("d.raw"), &data).unwrap();
+    let o = std::process::Command::new("qemu-img")
+        .args([
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=4k",
+        ])
+        .arg(dir.path("d.raw"))
+        .arg(dir.path("d.qcow2"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let image = match OpenOptions::new()
+        .backend(Backend::IoUring)
+        .direct(true)
+        .cache(small_cache(Some(2)))
+        .open_blocking(dir.path("d.qcow2"))
+    {
+        Ok(i) => i,
+        Err(e) => {
+            println!("skipped: O_DIRECT on io_uring unavailable: {e}");
+            return;
+        }
+    };
+    let mut queue = image
+        .as_async()
+        .queue(QueueOptions::new().depth(4))
+        .unwrap();
+    // 4 MiB in: its slice is not cached, so the queue starts reading it on its ring; the
+    // caller then does not collect (as a VMM thread busy elsewhere).
+    let at = 4 << 20;
+    let buffers = IoBuffers::from_aligned(AlignedBuf::zeroed(4096, 4096).unwrap());
+    queue
+        .submit(
+            Request::Read {
+                offset: at,
+                buffers,
+            },
+            1,
+        )
+        .unwrap();
+    assert_eq!(queue.stats().slice_loads, 1, "{:?}", queue.stats());
+    // An engine read of another cluster of that slice finishes anyway.
+    let engine = image.as_async().clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let r = rt.block_on(engine.read(&mut buf, at + 8192));
+        let _ = tx.send((r, buf));
+    });
+    let (r, buf) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the engine read waited for the queue's slice load");
+    r.unwrap();
+    assert!(buf[..] == data[at as usize + 8192..at as usize + 12288]);
+    // The queue's request completes too, with the right bytes (its load was superseded).
+    let c = loop {
+        queue.wait().unwrap();
+        if let Some(c) = queue.next_completed() {
+            break c;
+        }
+    };
+    assert_eq!(c.result.unwrap(), 4096);
+    let got = contents_aligned(c.buffers.unwrap());
+    assert!(got == data[at as usize..at as usize + 4096]);
+}
+
 /// 600 requests on each of two queues in two threads, 16 in flight, strided over each half
 /// of the image (a different 4 KiB block each time); reads of the first half are checked
 /// against `data`. With `write`, every fifth request of the second queue writes a block of

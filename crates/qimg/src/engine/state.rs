@@ -75,16 +75,36 @@ pub(crate) struct SliceLoads {
     pub(crate) peak: AtomicU64,
 }
 
+/// Token bit of the loads a `Queue` runs on its own ring. Their end depends on the queue's
+/// caller collecting completions, so engine reads never wait for them: they load the slice
+/// under the lock, which supersedes the queue's load.
+pub(crate) const QUEUE_LOAD: u64 = 1 << 63;
+
 impl SliceLoads {
-    /// Whether `key` is being loaded.
+    /// Whether `key` is being loaded (by anyone).
     pub(crate) fn loading(&self, key: qimg_cache::SliceKey) -> bool {
         let t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
         t.iter().any(|&(k, _)| k == key)
     }
 
+    /// Whether an engine read (not a queue) is loading `key`: one worth waiting for.
+    pub(crate) fn engine_loading(&self, key: qimg_cache::SliceKey) -> bool {
+        let t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        t.iter().any(|&(k, id)| k == key && id & QUEUE_LOAD == 0)
+    }
+
+    /// Registers a load of `key` by a queue ([`QUEUE_LOAD`]); its token.
+    pub(crate) fn begin_for_queue(&self, key: qimg_cache::SliceKey) -> u64 {
+        self.register(key, QUEUE_LOAD)
+    }
+
     /// Registers a load of `key`; its token.
     pub(crate) fn begin(&self, key: qimg_cache::SliceKey) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.register(key, 0)
+    }
+
+    fn register(&self, key: qimg_cache::SliceKey, bits: u64) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) | bits;
         let mut t = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
         t.push((key, id));
         self.peak.fetch_max(t.len() as u64, Ordering::Relaxed);

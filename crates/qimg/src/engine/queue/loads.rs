@@ -2,10 +2,12 @@
 //! for the slice to be read on the ring, in the caller's thread, and then takes the direct
 //! path, instead of going to the engine thread (two thread hops and a context switch each
 //! way). It follows the engine's parallel loads ([`Inner::lookup_for_read`]): the load is
-//! registered in the image's `SliceLoads` (a second load of the same slice waits for it, a
-//! locked load supersedes it), and the slice is inserted only if its table is still the
-//! active one, nobody inserted it meanwhile and the cache can take it without writing a dirty
-//! slice back. Any doubt sends the waiting requests to the engine, which decides as always.
+//! registered in the image's `SliceLoads` as a queue's (`QUEUE_LOAD`: engine reads do not
+//! wait for it, since it ends only when this queue's caller collects; they load the slice
+//! under the lock, which supersedes it), and the slice is inserted only if the load was not
+//! superseded, its table is still the active one and the cache can take it without writing a
+//! dirty slice back. Any doubt sends the waiting requests to the engine, which decides as
+//! always.
 //!
 //! [`Inner::lookup_for_read`]: crate::engine::image::Inner
 
@@ -70,8 +72,8 @@ impl<S: Storage + 'static> Queue<S> {
             load.waiting.push(Parked { joined: true, ..p });
             return Ok(());
         }
-        // Another thread's load: the engine waits for it. A dirty victim needs a write-back
-        // first: the engine does that.
+        // Another load of it under way (an engine read's or another queue's), or a dirty
+        // victim to write back first: the engine deals with both.
         if inner.slice_loads.loading(key)
             || m.l2
                 .victim()
@@ -101,7 +103,7 @@ impl<S: Storage + 'static> Queue<S> {
                 self.loads.len() - 1
             }
         };
-        let token = inner.slice_loads.begin(key);
+        let token = inner.slice_loads.begin_for_queue(key);
         if self
             .ring
             .read(

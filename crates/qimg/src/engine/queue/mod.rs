@@ -23,9 +23,9 @@
 //!   reserve space 32 MiB ahead, the next step while the last is half used;
 //! * a request that would go direct but for an L2 slice not cached waits while the queue
 //!   reads the slice on its own ring (when no other thread is loading it and the cache can
-//!   take it without writing a dirty slice back), then goes direct; the caller's loop sees
-//!   the slice's completion on the eventfd like any other, and must keep collecting for the
-//!   load to end (other requests for that slice, on any queue or the engine, wait for it);
+//!   take it without writing a dirty slice back), then goes direct (the caller's loop sees
+//!   the slice's completion on the eventfd like any other; nobody else waits for it: other
+//!   requests for that slice load it on the engine, which supersedes the queue's load);
 //! * everything else (copy-on-write, the other slice misses, backing files, compressed
 //!   clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
 //!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's

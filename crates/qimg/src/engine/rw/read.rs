@@ -98,10 +98,15 @@ impl<S: Storage> Inner<S> {
                 if m.l2.contains(key) || dirty_victim {
                     return self.lookup(&mut m, gc).await;
                 }
-                if self.slice_loads.loading(key) {
+                if self.slice_loads.engine_loading(key) {
                     drop(m);
                     ended.await;
                     continue;
+                }
+                if self.slice_loads.loading(key) {
+                    // A queue's load, which ends only when its caller collects: load under
+                    // the lock instead (which supersedes it).
+                    return self.lookup(&mut m, gc).await;
                 }
                 // The miss, counted as a locked load counts it.
                 let now = self.now();
