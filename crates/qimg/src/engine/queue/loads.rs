@@ -161,11 +161,16 @@ impl<S: Storage + 'static> Queue<S> {
                     let mut data = vec![0u8; load.size];
                     let now = inner.now();
                     load.buffers.copy_out(0, &mut data)
-                        && matches!(
-                            m.l2.insert(load.key, data.into_boxed_slice(), now),
-                            // The victim was clean, so nothing dirty is evicted.
-                            Ok(None)
-                        )
+                        && match m.l2.insert(load.key, data.into_boxed_slice(), now) {
+                            Ok(None) => true,
+                            // Not reached: the victim was clean under this same lock. Never
+                            // drop a dirty slice, though: the engine writes it back.
+                            Ok(Some(dirty)) => {
+                                self.write_back_on_engine(dirty);
+                                true
+                            }
+                            Err(_) => false,
+                        }
                 }
             }
             None => {
@@ -203,6 +208,20 @@ impl<S: Storage + 'static> Queue<S> {
                 }
             }
         }
+    }
+
+    /// Writes an evicted dirty L2 slice back on the engine thread (a failure there marks the
+    /// image as the engine's own write-backs do).
+    fn write_back_on_engine(&self, dirty: qimg_cache::DirtySlice) {
+        let image = self.image.clone();
+        let job = Box::pin(async move {
+            let inner = &image.inner;
+            let mut m = inner.meta.lock().await;
+            if let Err(e) = inner.write_evicted(&mut m, CacheKind::L2, dirty).await {
+                let _ = inner.signal_corruption(&mut m, e.to_string()).await;
+            }
+        });
+        let _ = self.worker.run(job);
     }
 
     /// Requests waiting for slice loads.
