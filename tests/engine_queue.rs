@@ -745,3 +745,104 @@ fn contents_aligned(b: IoBuffers) -> Vec<u8> {
     let owner = b.into_owner().expect("idle").expect("owned");
     owner.downcast::<AlignedBuf>().expect("AlignedBuf").to_vec()
 }
+
+#[test]
+fn a_batch_goes_to_the_kernel_in_one_system_call() {
+    if !have_qemu("a_batch_goes_to_the_kernel_in_one_system_call") {
+        return;
+    }
+    let dir = Scratch::new("queue-batch");
+    qemu_create(
+        &dir.0,
+        "b.qcow2",
+        "extended_l2=on,cluster_size=64k",
+        4 << 20,
+        None,
+    );
+    let image = OpenOptions::new()
+        .writable(true)
+        .backend(Backend::IoUring)
+        .open_blocking(dir.path("b.qcow2"))
+        .unwrap();
+    let mut queue = image
+        .as_async()
+        .queue(QueueOptions::new().depth(32))
+        .unwrap();
+    let block = |byte: u8| IoBuffers::from_vecs(vec![vec![byte; 4096]]);
+    // 20 clusters written one by one (the first allocates on the engine, which also caches
+    // the L2 slice and refcount block the others need).
+    for i in 0..20u64 {
+        let c = one(
+            &mut queue,
+            Request::Write {
+                offset: i * 65536,
+                buffers: block(i as u8 + 1),
+            },
+        );
+        assert_eq!(c.result.unwrap(), 4096);
+    }
+    let before = queue.stats();
+    // A batch as a VMM hands over a drained virtqueue: 16 reads and 4 in-place writes of
+    // other clusters (all direct), a flush and a write-zeroes (engine).
+    let mut batch: Vec<(Request, u64)> = (0..16u64)
+        .map(|i| {
+            let r = Request::Read {
+                offset: i * 65536,
+                buffers: block(0),
+            };
+            (r, i)
+        })
+        .collect();
+    for i in 0..4u64 {
+        let w = Request::Write {
+            offset: (16 + i) * 65536,
+            buffers: block(0xa0 + i as u8),
+        };
+        batch.push((w, 100 + i));
+    }
+    batch.push((Request::Flush, 200));
+    batch.push((
+        Request::WriteZeroes {
+            offset: 2 << 20,
+            len: 65536,
+            unmap: false,
+        },
+        201,
+    ));
+    queue.submit_batch(batch).unwrap();
+    let after = queue.stats();
+    assert_eq!(after.direct - before.direct, 20, "{after:?}");
+    assert_eq!(after.engine - before.engine, 2, "{after:?}");
+    assert_eq!(
+        after.ring_enters - before.ring_enters,
+        1,
+        "one io_uring_enter for the batch: {after:?}"
+    );
+    let mut seen = HashMap::new();
+    while seen.len() < 22 {
+        queue.wait().unwrap();
+        while let Some(c) = queue.next_completed() {
+            let ud = c.user_data;
+            if ud < 16 {
+                let got = contents(c.buffers.unwrap());
+                assert_eq!(got, vec![ud as u8 + 1; 4096], "read {ud}");
+            } else {
+                c.result.as_ref().unwrap();
+            }
+            assert!(seen.insert(ud, ()).is_none(), "{ud} completed twice");
+        }
+    }
+    for i in 0..4u64 {
+        let c = one(
+            &mut queue,
+            Request::Read {
+                offset: (16 + i) * 65536,
+                buffers: block(0),
+            },
+        );
+        assert_eq!(contents(c.buffers.unwrap()), vec![0xa0 + i as u8; 4096]);
+    }
+    drop(queue);
+    image.close().unwrap();
+    assert_clean(&dir.0, "b.qcow2", "a batch");
+}

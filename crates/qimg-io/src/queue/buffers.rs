@@ -320,6 +320,24 @@ impl IoBuffers {
         true
     }
 
+    /// The address of bytes `[pos, pos + len)` when they lie in one segment (`None` when they
+    /// span several, are empty or out of bounds).
+    pub(super) fn contiguous(&self, pos: usize, len: usize) -> Option<*mut u8> {
+        let end = pos.checked_add(len)?;
+        if len == 0 || end > self.len() {
+            return None;
+        }
+        let mut at = 0usize;
+        for s in &self.memory.segments {
+            if pos < at + s.len {
+                // Address arithmetic inside one segment, as in `iovecs`.
+                return (end <= at + s.len).then(|| s.base.wrapping_add(pos - at));
+            }
+            at += s.len;
+        }
+        None
+    }
+
     /// The iovecs for bytes `[pos, pos + len)` of the buffers (`None` when out of bounds).
     pub(super) fn iovecs(&self, pos: usize, len: usize) -> Option<Vec<libc::iovec>> {
         let end = pos.checked_add(len)?;
@@ -364,6 +382,23 @@ impl IoBuffers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contiguous_ranges_stay_inside_one_segment() {
+        let b = IoBuffers::from_vecs(vec![vec![0u8; 4], vec![0u8; 4], vec![0u8; 4]]);
+        let base = |i: usize| b.memory.segments[i].base as usize;
+        let at = |pos, len| b.contiguous(pos, len).map(|p| p as usize);
+        assert_eq!(at(1, 2), Some(base(0) + 1));
+        assert_eq!(at(0, 4), Some(base(0)));
+        assert_eq!(at(4, 4), Some(base(1)));
+        assert_eq!(at(9, 3), Some(base(2) + 1));
+        // Across a segment boundary, empty, or out of bounds: none.
+        assert_eq!(at(2, 4), None);
+        assert_eq!(at(0, 12), None);
+        assert_eq!(at(5, 0), None);
+        assert_eq!(at(10, 4), None);
+        assert_eq!(at(usize::MAX, 2), None);
+    }
 
     #[test]
     fn owned_buffers_come_back_and_iovecs_cut_across_segments() {

@@ -22,8 +22,14 @@ unsafe impl Send for Iovecs {}
 struct Slot {
     token: u64,
     expected: usize,
+    /// The iovec array of a vectored transfer (`None` for one contiguous range, which the
+    /// entry addresses directly, and for flushes).
     _iovecs: Option<Iovecs>,
     _memory: Option<Arc<Memory>>,
+    /// Addresses of the memory ranges handed to the kernel (tests: proof that lent memory is
+    /// used in place).
+    #[cfg(test)]
+    addresses: Vec<usize>,
 }
 
 /// One completed operation.
@@ -112,8 +118,7 @@ impl QueueRing {
         self.slots
             .iter()
             .flatten()
-            .filter_map(|s| s._iovecs.as_ref())
-            .flat_map(|v| v.0.iter().map(|iov| iov.iov_base as usize))
+            .flat_map(|s| s.addresses.iter().copied())
             .collect()
     }
 
@@ -161,6 +166,34 @@ impl QueueRing {
         token: u64,
         write: bool,
     ) -> io::Result<()> {
+        let fd = types::Fd(fd.as_raw_fd());
+        // One contiguous range (a guest page, an aligned buffer) goes as a plain read or write
+        // addressing it directly: no iovec array to allocate.
+        if let Some(base) = bufs
+            .contiguous(pos, len)
+            .filter(|_| len <= u32::MAX as usize)
+        {
+            let entry = if write {
+                opcode::Write::new(fd, base, len as u32)
+                    .offset(offset)
+                    .build()
+            } else {
+                opcode::Read::new(fd, base, len as u32)
+                    .offset(offset)
+                    .build()
+            };
+            return self.push(
+                entry,
+                Slot {
+                    token,
+                    expected: len,
+                    _iovecs: None,
+                    _memory: Some(bufs.share()),
+                    #[cfg(test)]
+                    addresses: vec![base as usize],
+                },
+            );
+        }
         let iovecs = bufs.iovecs(pos, len).ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -175,7 +208,6 @@ impl QueueRing {
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too many segments"))?;
         let iovecs = Iovecs(iovecs.into_boxed_slice());
         let ptr = iovecs.0.as_ptr();
-        let fd = types::Fd(fd.as_raw_fd());
         let entry = if write {
             opcode::Writev::new(fd, ptr, count).offset(offset).build()
         } else {
@@ -186,6 +218,8 @@ impl QueueRing {
             Slot {
                 token,
                 expected: len,
+                #[cfg(test)]
+                addresses: iovecs.0.iter().map(|v| v.iov_base as usize).collect(),
                 _iovecs: Some(iovecs),
                 _memory: Some(bufs.share()),
             },
@@ -205,6 +239,8 @@ impl QueueRing {
                 expected: 0,
                 _iovecs: None,
                 _memory: None,
+                #[cfg(test)]
+                addresses: Vec::new(),
             },
         )
     }
@@ -222,8 +258,8 @@ impl QueueRing {
         // not move.
         self.slots[idx] = Some(slot);
         loop {
-            // SAFETY: the entry's iovec array and the memory it describes are kept alive by
-            // the slot at `idx` until the completion with user_data `idx` is reaped (`reap`),
+            // SAFETY: the entry's iovec array (if any) and the memory it addresses are kept
+            // alive by the slot at `idx` until the completion with user_data `idx` is reaped (`reap`),
             // and `Drop` waits for every such completion before the slots are freed. The
             // descriptor is valid now (`BorrowedFd`) and the caller keeps it open until
             // `submit` returns. `&mut self` makes this the only access to the submission queue.

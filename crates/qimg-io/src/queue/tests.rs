@@ -24,6 +24,8 @@ fn reads_and_writes_lent_memory_and_signals_the_eventfd() {
 
     let out = IoBuffers::from_vecs(vec![vec![1u8; 100], vec![2u8; 412]]);
     ring.write(file.as_fd(), 4096, &out, 0, 512, 11).unwrap();
+    // Two segments: a vectored write, one iovec per segment.
+    assert_eq!(ring.in_flight_addresses().len(), 2);
     let mut back = IoBuffers::from_vec(vec![0u8; 1024]);
     ring.submit().unwrap();
     ring.wait().unwrap();

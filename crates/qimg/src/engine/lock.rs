@@ -36,7 +36,21 @@ struct Waiter {
 #[derive(Debug, Default)]
 struct State {
     held: Vec<Range>,
+    /// Exclusive ranges among `held`: with none, a shared range conflicts with nothing.
+    exclusive_held: usize,
     waiting: Vec<Waiter>,
+}
+
+impl State {
+    fn conflicts(&self, start: u64, end: u64, exclusive: bool) -> bool {
+        (exclusive || self.exclusive_held > 0)
+            && self.held.iter().any(|h| h.conflicts(start, end, exclusive))
+    }
+
+    fn hold(&mut self, range: Range) {
+        self.exclusive_held += usize::from(range.exclusive);
+        self.held.push(range);
+    }
 }
 
 /// The set of guest cluster ranges held by requests in flight.
@@ -96,12 +110,8 @@ impl RangeLocks {
         };
         let wake = {
             let mut state = self.state();
-            if !state
-                .held
-                .iter()
-                .any(|h| h.conflicts(start, end, exclusive))
-            {
-                state.held.push(range);
+            if !state.conflicts(start, end, exclusive) {
+                state.hold(range);
                 return range.id;
             }
             let wake = Arc::new(Notify::new());
@@ -119,13 +129,9 @@ impl RangeLocks {
             // `notify_one` leaves a permit when it comes before this await: no lost wake-up.
             wake.notified().await;
             let mut state = self.state();
-            if !state
-                .held
-                .iter()
-                .any(|h| h.conflicts(start, end, exclusive))
-            {
+            if !state.conflicts(start, end, exclusive) {
                 state.waiting.retain(|w| w.range.id != range.id);
-                state.held.push(range);
+                state.hold(range);
                 drop(state);
                 std::mem::forget(registration);
                 return range.id;
@@ -137,15 +143,11 @@ impl RangeLocks {
     /// for [`release`](Self::release), or `None`.
     pub(crate) fn try_acquire(&self, start: u64, end: u64, exclusive: bool) -> Option<u64> {
         let mut state = self.state();
-        if state
-            .held
-            .iter()
-            .any(|h| h.conflicts(start, end, exclusive))
-        {
+        if state.conflicts(start, end, exclusive) {
             return None;
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        state.held.push(Range {
+        state.hold(Range {
             start,
             end,
             exclusive,
@@ -173,6 +175,7 @@ impl RangeLocks {
             return;
         };
         let gone = state.held.swap_remove(i);
+        state.exclusive_held -= usize::from(gone.exclusive);
         for w in &state.waiting {
             if gone.conflicts(w.range.start, w.range.end, w.range.exclusive) {
                 w.wake.notify_one();
@@ -218,6 +221,36 @@ mod tests {
             .await
             .expect("waiter woke")
             .unwrap();
+        assert_eq!(locks.held(), 0);
+    }
+
+    #[test]
+    fn try_acquire_refuses_shared_over_exclusive_until_released() {
+        let locks = RangeLocks::default();
+        let a = locks.try_acquire(0, 4, false).unwrap();
+        let b = locks.try_acquire(2, 6, false).unwrap();
+        assert!(
+            locks.try_acquire(3, 4, true).is_none(),
+            "exclusive over shared"
+        );
+        let w = locks.try_acquire(10, 12, true).unwrap();
+        assert!(
+            locks.try_acquire(11, 12, false).is_none(),
+            "shared over exclusive"
+        );
+        assert!(
+            locks.try_acquire(11, 12, true).is_none(),
+            "exclusive over exclusive"
+        );
+        // Disjoint from the exclusive range: shared still goes.
+        let c = locks.try_acquire(12, 13, false).unwrap();
+        locks.release(w);
+        let d = locks.try_acquire(11, 12, false).unwrap();
+        for id in [a, b, c, d] {
+            locks.release(id);
+        }
+        let e = locks.try_acquire(0, 20, true).unwrap();
+        locks.release(e);
         assert_eq!(locks.held(), 0);
     }
 

@@ -46,17 +46,39 @@ pub(super) trait QueueTarget: Send {
     }
 }
 
-/// A qcow2 image through [`qimg::Queue`], the data path a VMM embeds.
-pub(super) struct ImageQueue<S: Storage + 'static>(pub(super) Queue<S>);
+/// A qcow2 image through [`qimg::Queue`], the data path a VMM embeds. Requests wait in a
+/// batch until the loop looks for completions and finds none ready, then go to
+/// [`Queue::submit_batch`] (one `io_uring_enter` for the batch), as the raw loop hands its
+/// ring entries to the kernel and as QEMU defers its io_uring submissions.
+pub(super) struct ImageQueue<S: Storage + 'static> {
+    queue: Queue<S>,
+    batch: Vec<(Request, u64)>,
+    /// Why the queue stopped taking requests (reported by the next `wait`).
+    failed: Option<qimg::Error>,
+}
 
 impl<S: Storage + 'static> ImageQueue<S> {
     /// A queue of the image's with room for `depth` requests on its ring.
     pub(super) fn new(img: &qimg::Image<S>, depth: usize) -> Result<Self> {
         let depth = u32::try_from(depth.clamp(1, 4096)).unwrap_or(4096);
-        let q = img
+        let queue = img
             .queue(QueueOptions::new().depth(depth))
             .context("cannot set up the image's queue")?;
-        Ok(ImageQueue(q))
+        Ok(ImageQueue {
+            queue,
+            batch: Vec::new(),
+            failed: None,
+        })
+    }
+
+    /// Hands the batched requests to the queue.
+    fn flush_batch(&mut self) {
+        if self.batch.is_empty() || self.failed.is_some() {
+            return;
+        }
+        if let Err(e) = self.queue.submit_batch(self.batch.drain(..)) {
+            self.failed = Some(e);
+        }
     }
 }
 
@@ -68,19 +90,32 @@ impl<S: Storage + 'static> QueueTarget for ImageQueue<S> {
             (Op::Flush, _) => Request::Flush,
             (_, None) => return Err(anyhow!("a read or write without a buffer")),
         };
-        Ok(self.0.submit(request, token)?)
+        self.batch.push((request, token));
+        Ok(())
     }
 
     fn wait(&mut self) -> Result<()> {
-        Ok(self.0.wait()?)
+        self.flush_batch();
+        if let Some(e) = self.failed.take() {
+            return Err(e.into());
+        }
+        Ok(self.queue.wait()?)
     }
 
     fn stats(&self) -> Option<qimg::QueueStats> {
-        Some(self.0.stats())
+        Some(self.queue.stats())
     }
 
     fn next(&mut self) -> Option<Done> {
-        let c = self.0.next_completed()?;
+        let c = match self.queue.next_completed() {
+            Some(c) => c,
+            None => {
+                // Nothing ready: what the loop submitted meanwhile goes now (a failure is
+                // reported by the next `wait`).
+                self.flush_batch();
+                self.queue.next_completed()?
+            }
+        };
         Some(Done {
             token: c.user_data,
             result: c.result.map(drop).map_err(anyhow::Error::from),

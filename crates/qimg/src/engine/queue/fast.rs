@@ -20,18 +20,19 @@ pub(super) enum Part {
 }
 
 impl<S: Storage> Inner<S> {
-    /// The parts of a `len`-byte read at guest `offset`, or `None` when it needs the engine:
-    /// an L2 slice not cached, a backing file to read, a compressed cluster. Adjacent parts
-    /// merge. `counted`: cache hits count (see `lookup_cached`).
+    /// Appends to `parts` (empty, reused from request to request so that planning allocates
+    /// nothing) the parts of a `len`-byte read at guest `offset`, or gives `None` when it
+    /// needs the engine: an L2 slice not cached, a backing file to read, a compressed cluster.
+    /// Adjacent parts merge. `counted`: cache hits count (see `lookup_cached`).
     pub(super) fn plan_direct_read(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
         counted: bool,
-    ) -> Option<Vec<Part>> {
+        parts: &mut Vec<Part>,
+    ) -> Option<()> {
         let scs = self.geo.subcluster_size() as usize;
-        let mut parts: Vec<Part> = Vec::new();
         for (gc, a, n, pos) in self.pieces(offset, len) {
             let entry = self.lookup_cached(m, gc, counted)?;
             let host = match entry.entry() {
@@ -50,7 +51,7 @@ impl<S: Storage> Inner<S> {
                 let (p, l) = (pos + (at - a), run_end - at);
                 match s {
                     SubclusterState::Normal => push(
-                        &mut parts,
+                        parts,
                         Part::Io {
                             host: host? + at as u64,
                             pos: p,
@@ -58,23 +59,24 @@ impl<S: Storage> Inner<S> {
                         },
                     ),
                     SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => {
-                        push(&mut parts, Part::Zero { pos: p, len: l })
+                        push(parts, Part::Zero { pos: p, len: l })
                     }
                     SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
                         if self.backing.is_some() {
                             return None;
                         }
-                        push(&mut parts, Part::Zero { pos: p, len: l })
+                        push(parts, Part::Zero { pos: p, len: l })
                     }
                     SubclusterState::Compressed => return None,
                 }
                 at = run_end;
             }
         }
-        Some(parts)
+        Some(())
     }
 
-    /// The parts of a `len`-byte write at guest `offset` and the pieces to link once they
+    /// Appends to `parts` (empty, as for [`plan_direct_read`](Self::plan_direct_read)) the
+    /// parts of a `len`-byte write at guest `offset` and gives the pieces to link once they
     /// are on disk, or `None` (nothing changed) when a piece needs the engine. A piece goes
     /// direct when it lands in place, or allocates without copying anything (whole
     /// subclusters, or copy-on-write of zeros into a cluster that never held data) with its
@@ -86,7 +88,8 @@ impl<S: Storage> Inner<S> {
         offset: u64,
         len: u64,
         counted: bool,
-    ) -> Option<(Vec<Part>, Vec<PreparedWrite>)> {
+        parts: &mut Vec<Part>,
+    ) -> Option<Vec<PreparedWrite>> {
         let cs = self.geo.cluster_size();
         let mut planned = Vec::new();
         let mut fresh = 0;
@@ -136,7 +139,6 @@ impl<S: Storage> Inner<S> {
             reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)
         };
         let mut hosts = self.try_alloc_cached(m, fresh, accept)?.into_iter();
-        let mut parts = Vec::with_capacity(planned.len());
         let mut links = Vec::new();
         for (gc, a, n, pos, old, plan) in planned {
             let (host, fresh) = match plan.target {
@@ -145,7 +147,7 @@ impl<S: Storage> Inner<S> {
                 Destination::New => (hosts.next().unwrap_or_default(), true),
             };
             push(
-                &mut parts,
+                parts,
                 Part::Io {
                     host: host + a as u64,
                     pos,
@@ -164,7 +166,7 @@ impl<S: Storage> Inner<S> {
                 });
             }
         }
-        Some((parts, links))
+        Some(links)
     }
 }
 

@@ -131,7 +131,9 @@ impl<S: Storage + 'static> Queue<S> {
             waiting: vec![Parked { joined: false, ..p }],
         });
         self.stats.slice_loads += 1;
-        let _ = self.ring.submit();
+        if !self.batching {
+            let _ = self.ring.submit();
+        }
         Ok(())
     }
 

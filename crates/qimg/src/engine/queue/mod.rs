@@ -45,6 +45,7 @@
 //! | `read_vectored(offset, iovecs, user_data)` | `submit(Request::Read { offset, buffers: unsafe { IoBuffers::from_raw(iovecs) } }, user_data)` |
 //! | `write_vectored(offset, iovecs, user_data)` | `submit(Request::Write { .. }, user_data)` |
 //! | `fsync(Some(user_data))` | `submit(Request::Flush, user_data)` |
+//! | `submit_batch_requests(&[BatchRequest])` | [`Queue::submit_batch`] (one `io_uring_enter` for the batch) |
 //! | `write_zeroes` / `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap }` / `Request::Discard` |
 //! | `next_completed_request() -> Option<(u64, i32)>` | `next_completed().map(\|c\| (c.user_data, c.raw_result()))` |
 //!
@@ -231,6 +232,14 @@ pub struct Queue<S: Storage + 'static> {
     loads: Vec<Option<SliceLoad>>,
     /// Inside [`collect`](Self::collect).
     collecting: bool,
+    /// Inside [`submit_batch`](Self::submit_batch): ring entries wait for its one
+    /// `io_uring_enter`.
+    batching: bool,
+    /// The direct path's plan, reused from request to request.
+    plan: Vec<Part>,
+    /// `Pending::parts` vectors of finished requests, for reuse (the direct path allocates
+    /// nothing per request once warm).
+    spare: Vec<Vec<(usize, usize)>>,
     stats: QueueStats,
     // Last: dropped after `Drop::drop` waited for the ring, and waits for engine requests.
     worker: Worker,
@@ -278,6 +287,9 @@ impl<S: Storage + 'static> Image<S> {
             reaped: Vec::new(),
             loads: Vec::new(),
             collecting: false,
+            batching: false,
+            plan: Vec::new(),
+            spare: Vec::new(),
             stats: QueueStats::default(),
             worker,
         })
@@ -333,6 +345,29 @@ impl<S: Storage + 'static> Queue<S> {
             other => other,
         };
         self.run_on_engine_thread(request, user_data)
+    }
+
+    /// Submits `requests` as [`submit`](Self::submit) does, handing the direct ones to the
+    /// kernel with one `io_uring_enter` at the end instead of one each (cloud-hypervisor's
+    /// `submit_batch_requests`): a VMM that drains a virtqueue's available ring passes what
+    /// it found at once. On an error (the queue cannot run requests any more) the requests
+    /// not yet taken from `requests` are dropped without completions.
+    pub fn submit_batch<I>(&mut self, requests: I) -> Result<()>
+    where
+        I: IntoIterator<Item = (Request, u64)>,
+    {
+        self.batching = true;
+        let mut result = Ok(());
+        for (request, user_data) in requests {
+            result = self.submit(request, user_data);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.batching = false;
+        // A failed submission leaves the entries queued: `collect` tries again.
+        let _ = self.ring.submit();
+        result
     }
 
     /// The next completed request, if any (never blocks).
@@ -404,6 +439,25 @@ impl<S: Storage + 'static> Queue<S> {
     fn try_direct(
         &mut self,
         offset: u64,
+        buffers: IoBuffers,
+        user_data: u64,
+        write: bool,
+        loads: u8,
+        counted: bool,
+    ) -> std::result::Result<(), IoBuffers> {
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        let r = self.try_direct_with(&mut plan, offset, buffers, user_data, write, loads, counted);
+        self.plan = plan;
+        r
+    }
+
+    /// [`try_direct`](Self::try_direct) with the plan's vector lent.
+    #[allow(clippy::too_many_arguments)]
+    fn try_direct_with(
+        &mut self,
+        plan: &mut Vec<Part>,
+        offset: u64,
         mut buffers: IoBuffers,
         user_data: u64,
         write: bool,
@@ -435,16 +489,16 @@ impl<S: Storage + 'static> Queue<S> {
         let mut links = Vec::new();
         let parts = meta.as_mut().and_then(|m| {
             if !write {
-                return inner.plan_direct_read(m, offset, len, counted);
+                inner.plan_direct_read(m, offset, len, counted, plan)?;
+                return Some(&*plan);
             }
             // A ring entry per cluster at most, checked before anything is allocated: an
             // allocation cannot be handed to the engine afterwards.
             if (end - first) as usize > self.ring.available() {
                 return None;
             }
-            let (parts, l) = inner.plan_direct_write(m, offset, len, counted)?;
-            links = l;
-            Some(parts)
+            links = inner.plan_direct_write(m, offset, len, counted, plan)?;
+            Some(&*plan)
         });
         let ios = parts.as_ref().map_or(0, |p| {
             p.iter().filter(|p| matches!(p, Part::Io { .. })).count()
@@ -490,7 +544,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         let mut holes = Vec::new();
-        for p in &parts {
+        for p in parts {
             if let Part::Zero { pos, len } = *p {
                 buffers.fill_zero(pos, len);
                 holes.push((pos, len));
@@ -503,9 +557,10 @@ impl<S: Storage + 'static> Queue<S> {
                 self.pending.len() - 1
             }
         };
-        let mut positions = Vec::with_capacity(ios);
+        let mut positions = self.spare.pop().unwrap_or_default();
+        positions.reserve(ios);
         let mut error = None;
-        for p in &parts {
+        for p in parts {
             let Part::Io { host, pos, len: n } = *p else {
                 continue;
             };
@@ -545,7 +600,7 @@ impl<S: Storage + 'static> Queue<S> {
             if !self.collecting {
                 let _ = self.notifier.notify();
             }
-        } else {
+        } else if !self.batching {
             let _ = self.ring.submit();
         }
         Ok(())
@@ -574,7 +629,7 @@ impl<S: Storage + 'static> Queue<S> {
         }
         let idx = (c.token >> 32) as usize;
         let part = (c.token & 0xffff_ffff) as usize;
-        let path = self.image.inner.path.clone();
+        let path = &self.image.inner.path;
         let Some(Some(p)) = self.pending.get_mut(idx) else {
             return;
         };
@@ -582,7 +637,7 @@ impl<S: Storage + 'static> Queue<S> {
         if c.result < 0 {
             let e = io::Error::from_raw_os_error(-c.result);
             p.error
-                .get_or_insert(ring_error(&path, p.write, pos as u64, len as u64, e));
+                .get_or_insert_with(|| ring_error(path, p.write, pos as u64, len as u64, e));
         } else if (c.result as usize) < c.expected {
             let got = c.result as usize;
             if p.write {
@@ -591,7 +646,7 @@ impl<S: Storage + 'static> Queue<S> {
                     format!("short write: {got} of {} bytes", c.expected),
                 );
                 p.error
-                    .get_or_insert(ring_error(&path, true, pos as u64, len as u64, e));
+                    .get_or_insert_with(|| ring_error(path, true, pos as u64, len as u64, e));
             } else {
                 // The file ended: the rest reads as zeros, as everywhere in the engine.
                 p.short.push((pos + got, len - got));
@@ -609,6 +664,9 @@ impl<S: Storage + 'static> Queue<S> {
             return;
         };
         self.free.push(idx);
+        let mut parts = std::mem::take(&mut p.parts);
+        parts.clear();
+        self.spare.push(parts);
         if !p.links.is_empty() && !self.link_here(&mut p) {
             self.link_on_engine(p);
             return;

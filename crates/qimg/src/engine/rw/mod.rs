@@ -109,6 +109,30 @@ pub(super) fn old_reference(e: &L2Entry) -> Option<Freed> {
     }
 }
 
+/// The per-cluster pieces of a range: see [`Inner::pieces`].
+pub(crate) struct Pieces {
+    cs: u64,
+    offset: u64,
+    len: u64,
+    pos: u64,
+}
+
+impl Iterator for Pieces {
+    type Item = (u64, usize, usize, usize);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.pos >= self.len {
+            return None;
+        }
+        let at = self.offset + self.pos;
+        let within = at % self.cs;
+        let n = (self.cs - within).min(self.len - self.pos);
+        let piece = (at - within, within as usize, n as usize, self.pos as usize);
+        self.pos += n;
+        Some(piece)
+    }
+}
+
 pub(super) fn lowest(mask: u32) -> usize {
     mask.trailing_zeros() as usize
 }
@@ -123,19 +147,14 @@ pub(super) fn subcluster_mask(first: usize, end: usize) -> u32 {
 
 impl<S: Storage> Inner<S> {
     /// Splits `[offset, offset + len)` into per-cluster pieces `(cluster start, offset in
-    /// cluster, length, position in the request)`.
-    pub(crate) fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, usize, usize, usize)> {
-        let cs = self.geo.cluster_size();
-        let mut out = Vec::new();
-        let mut pos = 0u64;
-        while pos < len {
-            let at = offset + pos;
-            let within = at % cs;
-            let n = (cs - within).min(len - pos);
-            out.push((at - within, within as usize, n as usize, pos as usize));
-            pos += n;
+    /// cluster, length, position in the request)`, without allocating.
+    pub(crate) fn pieces(&self, offset: u64, len: u64) -> Pieces {
+        Pieces {
+            cs: self.geo.cluster_size(),
+            offset,
+            len,
+            pos: 0,
         }
-        out
     }
 
     /// The total length of a request's segments, checked against the disk.
