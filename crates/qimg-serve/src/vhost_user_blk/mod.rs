@@ -225,6 +225,9 @@ impl Backend {
                     Err(e) => return Err(io::Error::other(e)),
                 }
             };
+            // The chains' engine requests, handed to the queue at once below (one
+            // `io_uring_enter` for all of them).
+            let mut batch = Vec::new();
             for chain in chains {
                 let head = chain.head_index();
                 let descs: Vec<Desc> = chain
@@ -245,13 +248,26 @@ impl Backend {
                 } else {
                     parse(&*mem, &descs, &self.device.limits)
                 };
-                if let Some(done) = self.start(&mut state, &mem, head, parsed) {
+                if let Some(done) = self.start(&mut state, &mem, head, parsed, &mut batch) {
                     let (status, used) = done;
                     if let Some(at) = status {
                         let _ = mem.write_obj(used.1, GuestAddress(at));
                     }
                     vring.add_used(head, used.0).map_err(io::Error::other)?;
                     answered = true;
+                }
+            }
+            if let (Some(&(_, first)), Some(&(_, last))) = (batch.first(), batch.last()) {
+                if state.queue.submit_batch(batch).is_err() {
+                    // The queue cannot run requests any more: whatever of the batch it did
+                    // not take will never complete, and what it took may not either.
+                    for token in first..=last {
+                        if let Some(p) = state.pending.remove(&token) {
+                            let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
+                            vring.add_used(p.head, 1).map_err(io::Error::other)?;
+                            answered = true;
+                        }
+                    }
                 }
             }
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
@@ -264,8 +280,8 @@ impl Backend {
         Ok(())
     }
 
-    /// Starts one parsed request: submits it to the engine queue, or answers it at once,
-    /// returning `(status address, (used length, status))`.
+    /// Starts one parsed request: adds it to `batch` for the engine queue, or answers it at
+    /// once, returning `(status address, (used length, status))`.
     #[allow(clippy::type_complexity)]
     fn start(
         &self,
@@ -273,6 +289,7 @@ impl Backend {
         mem: &GuestMemoryLoadGuardOf,
         head: u16,
         parsed: request::Parsed,
+        batch: &mut Vec<(Request, u64)>,
     ) -> Option<(Option<u64>, (u32, u8))> {
         let status = parsed.status;
         let req = match parsed.request {
@@ -331,10 +348,7 @@ impl Backend {
                 generation: self.generation,
             },
         );
-        if state.queue.submit(engine_req, token).is_err() {
-            state.pending.remove(&token);
-            return Some((status, (1, VIRTIO_BLK_S_IOERR as u8)));
-        }
+        batch.push((engine_req, token));
         None
     }
 
