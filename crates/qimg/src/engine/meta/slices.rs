@@ -66,27 +66,27 @@ impl<S: Storage> Shared<S> {
     /// The L2 entry of the guest cluster containing `guest` if it is known without I/O (its
     /// slice cached, or no L2 table): the lookup of requests that must not wait. `None` on a
     /// cache miss or an entry that does not decode (the full [`lookup`](Self::lookup) reports
-    /// that). `counted`: a hit counts (and refreshes the slice) as the full lookup's does;
-    /// uncounted for a request whose miss was counted when its slice was loaded for it.
+    /// that). `stamp`: a hit counts (and refreshes the slice with this time, as the full
+    /// lookup does with [`now`](Self::now)); `None` for a request whose miss was counted when
+    /// its slice was loaded for it.
     pub(crate) fn lookup_cached(
         &self,
         m: &mut Meta,
         guest: u64,
-        counted: bool,
+        stamp: Option<Duration>,
     ) -> Option<AnyL2Entry> {
         let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
         let Some(table) = m.l1.get(l1i)?.l2_offset else {
             return Some(self.unallocated_entry());
         };
         let (key, idx) = self.l2_position(m, table.0, guest);
+        // Not `get` first: a miss here is not counted (the load that follows counts it).
         m.l2.peek(key)?;
         let es = self.geo.l2_entry_size() as usize;
         let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
-        let slice = if counted {
-            let now = self.now();
-            m.l2.get(key, now)?
-        } else {
-            m.l2.peek(key)?
+        let slice = match stamp {
+            Some(now) => m.l2.get(key, now)?,
+            None => m.l2.peek(key)?,
         };
         AnyL2Entry::decode(slice.get(idx * es..(idx + 1) * es)?, &self.ctx, at).ok()
     }

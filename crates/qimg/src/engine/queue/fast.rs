@@ -1,6 +1,8 @@
 //! The direct path's planning: where each byte of a request is, when that is known without
 //! metadata I/O and nothing in the image has to change.
 
+use std::time::Duration;
+
 use qimg_format::l2::{L2Entry, SubclusterState};
 use qimg_format::units::SubclusterIndex;
 use qimg_io::Storage;
@@ -23,18 +25,19 @@ impl<S: Storage> Inner<S> {
     /// Appends to `parts` (empty, reused from request to request so that planning allocates
     /// nothing) the parts of a `len`-byte read at guest `offset`, or gives `None` when it
     /// needs the engine: an L2 slice not cached, a backing file to read, a compressed cluster.
-    /// Adjacent parts merge. `counted`: cache hits count (see `lookup_cached`).
+    /// Adjacent parts merge. `stamp`: cache hits count, stamped with this time (see
+    /// `lookup_cached`).
     pub(super) fn plan_direct_read(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
-        counted: bool,
+        stamp: Option<Duration>,
         parts: &mut Vec<Part>,
     ) -> Option<()> {
         let scs = self.geo.subcluster_size() as usize;
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let entry = self.lookup_cached(m, gc, counted)?;
+            let entry = self.lookup_cached(m, gc, stamp)?;
             let host = match entry.entry() {
                 L2Entry::Compressed(_) => return None,
                 e => e.host_cluster().map(|h| h.0),
@@ -81,13 +84,13 @@ impl<S: Storage> Inner<S> {
     /// direct when it lands in place, or allocates without copying anything (whole
     /// subclusters, or copy-on-write of zeros into a cluster that never held data) with its
     /// new cluster taken from a cached refcount block in space already reserved; nothing it
-    /// replaces may need freeing. `counted` as for [`plan_direct_read`](Self::plan_direct_read).
+    /// replaces may need freeing. `stamp` as for [`plan_direct_read`](Self::plan_direct_read).
     pub(super) fn plan_direct_write(
         &self,
         m: &mut Meta,
         offset: u64,
         len: u64,
-        counted: bool,
+        stamp: Option<Duration>,
         parts: &mut Vec<Part>,
     ) -> Option<Vec<PreparedWrite>> {
         let cs = self.geo.cluster_size();
@@ -96,7 +99,7 @@ impl<S: Storage> Inner<S> {
         // Some piece skips copy-on-write of zeros: its new cluster must read as zeros.
         let mut unused_only = false;
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let old = self.lookup_cached(m, gc, counted)?;
+            let old = self.lookup_cached(m, gc, stamp)?;
             let mut plan = self.plan_write(&old, a, a + n);
             if plan.freed.is_some() {
                 return None;

@@ -235,6 +235,8 @@ pub struct Queue<S: Storage + 'static> {
     /// Inside [`submit_batch`](Self::submit_batch): ring entries wait for its one
     /// `io_uring_enter`.
     batching: bool,
+    /// The time the batch's cache hits are stamped with (one clock read per batch).
+    batch_now: Option<std::time::Duration>,
     /// The direct path's plan, reused from request to request.
     plan: Vec<Part>,
     /// `Pending::parts` vectors of finished requests, for reuse (the direct path allocates
@@ -288,6 +290,7 @@ impl<S: Storage + 'static> Image<S> {
             loads: Vec::new(),
             collecting: false,
             batching: false,
+            batch_now: None,
             plan: Vec::new(),
             spare: Vec::new(),
             stats: QueueStats::default(),
@@ -357,6 +360,7 @@ impl<S: Storage + 'static> Queue<S> {
         I: IntoIterator<Item = (Request, u64)>,
     {
         self.batching = true;
+        self.batch_now = Some(self.image.inner.now());
         let mut result = Ok(());
         for (request, user_data) in requests {
             result = self.submit(request, user_data);
@@ -365,6 +369,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         self.batching = false;
+        self.batch_now = None;
         // A failed submission leaves the entries queued: `collect` tries again.
         let _ = self.ring.submit();
         result
@@ -487,9 +492,10 @@ impl<S: Storage + 'static> Queue<S> {
         };
         let mut meta = lock_briefly(&inner.meta).filter(|m| !m.closed);
         let mut links = Vec::new();
+        let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.now()));
         let parts = meta.as_mut().and_then(|m| {
             if !write {
-                inner.plan_direct_read(m, offset, len, counted, plan)?;
+                inner.plan_direct_read(m, offset, len, stamp, plan)?;
                 return Some(&*plan);
             }
             // A ring entry per cluster at most, checked before anything is allocated: an
@@ -497,7 +503,7 @@ impl<S: Storage + 'static> Queue<S> {
             if (end - first) as usize > self.ring.available() {
                 return None;
             }
-            links = inner.plan_direct_write(m, offset, len, counted, plan)?;
+            links = inner.plan_direct_write(m, offset, len, stamp, plan)?;
             Some(&*plan)
         });
         let ios = parts.as_ref().map_or(0, |p| {
