@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use io_uring::{IoUring, squeue};
 
+use crate::aligned::AlignedBuf;
 use crate::file::FileStorage;
 
 use super::SHUTDOWN;
@@ -114,6 +115,9 @@ pub(super) struct Shared {
     pub(super) batch: bool,
     /// A task on a tokio runtime waits for completions (the completion thread stays parked).
     pub(super) reaper: AtomicBool,
+    /// Bounce buffers of finished requests, reused instead of allocating and zeroing new ones
+    /// ([`UringStorage::bounce`](super::UringStorage)).
+    pub(super) spare: Mutex<Vec<AlignedBuf>>,
 }
 
 impl Shared {

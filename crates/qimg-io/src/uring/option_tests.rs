@@ -186,3 +186,37 @@ fn bounce_buffers_start_on_a_page() {
         assert_eq!(b.as_ptr() as usize % crate::aligned::BUFFER_ALIGNMENT, 0);
     }
 }
+
+/// Bounce buffers are reused: a write of zeros through a buffer another request left behind
+/// still writes zeros, and reads see only what the kernel read.
+#[tokio::test(flavor = "current_thread")]
+async fn reused_bounce_buffers_never_leak_stale_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    for direct in [false, true] {
+        let Some(s) = make(&dir, direct, (true, false)) else {
+            continue;
+        };
+        let data = AlignedBuf::copy_from(&[0xab; 8192], 4096).unwrap();
+        s.write_at(&data, 0).await.unwrap();
+        assert_eq!(
+            s.shared().spare.lock().unwrap().len(),
+            1,
+            "the buffer was kept"
+        );
+        // Zeros by writing (as where FALLOC_FL_ZERO_RANGE is refused), through that buffer.
+        s.shared().zero_range.store(false, Ordering::Relaxed);
+        s.write_zeroes(0, 8192).await.unwrap();
+        let mut back = AlignedBuf::zeroed(8192, 4096).unwrap();
+        s.read_at(&mut back, 0).await.unwrap();
+        assert!(back.iter().all(|&b| b == 0), "stale bytes written as zeros");
+        let other = AlignedBuf::copy_from(&[0x5c; 8192], 4096).unwrap();
+        s.write_at(&other, 0).await.unwrap();
+        s.read_at(&mut back, 0).await.unwrap();
+        assert!(back.iter().all(|&b| b == 0x5c));
+        assert_eq!(
+            s.shared().spare.lock().unwrap().len(),
+            1,
+            "one buffer, reused"
+        );
+    }
+}

@@ -152,6 +152,7 @@ impl UringStorage {
             inline: options.inline,
             batch: watch.is_some(),
             reaper: AtomicBool::new(watch.is_some()),
+            spare: Mutex::new(Vec::new()),
         });
         if let Some((handle, afd)) = watch {
             handle.spawn(reaper(Arc::downgrade(&shared), afd));

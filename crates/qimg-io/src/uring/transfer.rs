@@ -12,6 +12,11 @@ use crate::error::{Op, Result, StorageError};
 use crate::storage::Storage;
 
 use super::CHUNK;
+
+/// Bounce buffers kept for reuse per storage.
+const SPARE_BUFFERS: usize = 32;
+/// The largest bounce buffer kept for reuse (32 of them: 8 MiB at most).
+const SPARE_BYTES: usize = 256 << 10;
 use super::request::{Request, Stage};
 use super::storage::UringStorage;
 use super::submission::{ReadOpcode, RequestKind, RequestMemory};
@@ -26,11 +31,39 @@ impl UringStorage {
         }
     }
 
-    /// A bounce buffer for `len` bytes of a request.
+    /// A bounce buffer for `len` bytes of a request: one a finished request left behind
+    /// when one of that size is there (its bytes are stale: callers write before they read,
+    /// and read only what the kernel transferred), else a new zeroed one.
     pub(super) fn bounce(&self, op: Op, offset: u64, len: u64) -> Result<AlignedBuf> {
         let size = usize::try_from(len).unwrap_or(CHUNK).min(CHUNK);
+        {
+            let mut spare = self
+                .shared()
+                .spare
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = spare.iter().position(|b| b.len() == size) {
+                return Ok(spare.swap_remove(i));
+            }
+        }
         AlignedBuf::zeroed(size, self.mem_alignment().max(BUFFER_ALIGNMENT))
             .ok_or(StorageError::OutOfRange { op, offset, len })
+    }
+
+    /// Keeps a finished request's bounce buffer for the next one of its size (small ones
+    /// only, a few of them: at most [`SPARE_BUFFERS`] of at most [`SPARE_BYTES`] each).
+    pub(super) fn recycle(&self, buf: AlignedBuf) {
+        if buf.len() > SPARE_BYTES {
+            return;
+        }
+        let mut spare = self
+            .shared()
+            .spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if spare.len() < SPARE_BUFFERS {
+            spare.push(buf);
+        }
     }
 
     pub(super) async fn ring_read(
@@ -67,6 +100,7 @@ impl UringStorage {
                 e => return Err(StorageError::io(Op::Read, offset, len, errno(e))),
             }
         }
+        self.recycle(bounce);
         Ok(done)
     }
 
@@ -79,6 +113,10 @@ impl UringStorage {
         len: u64,
     ) -> Result<()> {
         let mut bounce = self.bounce(op, offset, len)?;
+        if data.is_none() {
+            // Zeros are written from the buffer itself (a reused one holds stale bytes).
+            bounce.fill(0);
+        }
         let mut pos = 0u64;
         while pos < len {
             let n = (len - pos).min(bounce.len() as u64) as usize;
@@ -106,6 +144,7 @@ impl UringStorage {
                 e => return Err(StorageError::io(op, offset, len, errno(e))),
             }
         }
+        self.recycle(bounce);
         Ok(())
     }
 
