@@ -156,3 +156,33 @@ fn the_vhost_request_corpus_replays() {
     }
     assert!(n >= 50, "{n} inputs in {}", dir.display());
 }
+
+/// The `nbd` target's seeds are the two sessions above (structured replies, extended
+/// headers), written by this test: without them libFuzzer spends its runs on the handshake's
+/// magic numbers (a 30-minute run without seeds kept 9 inputs). `QIMG_UPDATE_CORPUS=1`
+/// rewrites them; otherwise they must match what `session` builds. Every committed input
+/// replays through the harness.
+#[test]
+fn the_nbd_seeds_are_the_sessions_and_the_corpus_replays() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/nbd");
+    for (name, extended) in [("session-structured", false), ("session-extended", true)] {
+        let want = session(extended);
+        let path = dir.join(name);
+        if std::env::var_os("QIMG_UPDATE_CORPUS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &want).unwrap();
+        }
+        let got = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            got == want,
+            "{} is not what session() builds",
+            path.display()
+        );
+    }
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("the corpus directory") {
+        qimg_serve::fuzzing::connection(&std::fs::read(entry.unwrap().path()).unwrap());
+        n += 1;
+    }
+    assert!(n >= 2, "{n} inputs in {}", dir.display());
+}
