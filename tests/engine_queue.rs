@@ -809,7 +809,8 @@ fn a_batch_goes_to_the_kernel_in_one_system_call() {
         },
         201,
     ));
-    queue.submit_batch(batch).unwrap();
+    let refused = queue.submit_batch(batch);
+    assert!(refused.is_empty(), "{refused:?}");
     let after = queue.stats();
     assert_eq!(after.direct - before.direct, 20, "{after:?}");
     assert_eq!(after.engine - before.engine, 2, "{after:?}");

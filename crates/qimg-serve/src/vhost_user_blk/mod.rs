@@ -257,16 +257,14 @@ impl Backend {
                     answered = true;
                 }
             }
-            if let (Some(&(_, first)), Some(&(_, last))) = (batch.first(), batch.last()) {
-                if state.queue.submit_batch(batch).is_err() {
-                    // The queue cannot run requests any more: whatever of the batch it did
-                    // not take will never complete, and what it took may not either.
-                    for token in first..=last {
-                        if let Some(p) = state.pending.remove(&token) {
-                            let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
-                            vring.add_used(p.head, 1).map_err(io::Error::other)?;
-                            answered = true;
-                        }
+            if !batch.is_empty() {
+                // Requests the queue refused (its engine thread is gone) never complete:
+                // answer them now. Those it took complete as usual.
+                for (token, _) in state.queue.submit_batch(batch) {
+                    if let Some(p) = state.pending.remove(&token) {
+                        let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
+                        vring.add_used(p.head, 1).map_err(io::Error::other)?;
+                        answered = true;
                     }
                 }
             }

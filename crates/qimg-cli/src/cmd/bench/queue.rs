@@ -76,7 +76,8 @@ impl<S: Storage + 'static> ImageQueue<S> {
         if self.batch.is_empty() || self.failed.is_some() {
             return;
         }
-        if let Err(e) = self.queue.submit_batch(self.batch.drain(..)) {
+        let refused = self.queue.submit_batch(self.batch.drain(..));
+        if let Some((_, e)) = refused.into_iter().next() {
             self.failed = Some(e);
         }
     }

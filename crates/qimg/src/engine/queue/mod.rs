@@ -353,26 +353,28 @@ impl<S: Storage + 'static> Queue<S> {
     /// Submits `requests` as [`submit`](Self::submit) does, handing the direct ones to the
     /// kernel with one `io_uring_enter` at the end instead of one each (cloud-hypervisor's
     /// `submit_batch_requests`): a VMM that drains a virtqueue's available ring passes what
-    /// it found at once. On an error (the queue cannot run requests any more) the requests
-    /// not yet taken from `requests` are dropped without completions.
-    pub fn submit_batch<I>(&mut self, requests: I) -> Result<()>
+    /// it found at once. Returns the requests the queue could not take (`submit`'s error:
+    /// its engine thread is gone) with their `user_data`, in order; they will never
+    /// complete, and every other request does, through
+    /// [`next_completed`](Self::next_completed). Empty (no allocation) when all were taken.
+    #[must_use = "requests the queue refused never complete: answer them"]
+    pub fn submit_batch<I>(&mut self, requests: I) -> Vec<(u64, Error)>
     where
         I: IntoIterator<Item = (Request, u64)>,
     {
         self.batching = true;
         self.batch_now = Some(self.image.inner.now());
-        let mut result = Ok(());
+        let mut refused = Vec::new();
         for (request, user_data) in requests {
-            result = self.submit(request, user_data);
-            if result.is_err() {
-                break;
+            if let Err(e) = self.submit(request, user_data) {
+                refused.push((user_data, e));
             }
         }
         self.batching = false;
         self.batch_now = None;
         // A failed submission leaves the entries queued: `collect` tries again.
         let _ = self.ring.submit();
-        result
+        refused
     }
 
     /// The next completed request, if any (never blocks).
