@@ -418,10 +418,13 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
         let engine: u64 = stats.iter().map(|s| s.engine).sum();
         println!("pass {pass}: {stats:?}");
         if pass == 0 {
-            // (Typically 600-700 loads and 1,150-1,200 direct; without loads on the rings
-            // every request would go to the engine.)
-            assert!(loads >= 200, "{loads} slices loaded on the rings");
-            assert!(direct >= 600, "{direct} direct, {engine} on the engine");
+            // Without loads on the rings nearly every request would go to the engine (each
+            // queue's 16 requests in flight miss together). How many go direct depends on how
+            // the two queues' loads evict each other's slices, i.e. on disk latency: 600-700
+            // loads and 1,150-1,200 direct on some days, 226-388 loads and 273-487 direct in
+            // six runs on others. The floors are below both.
+            assert!(loads >= 100, "{loads} slices loaded on the rings");
+            assert!(direct >= 150, "{direct} direct, {engine} on the engine");
             // Every request's lookup counts once: a hit, a miss that loaded its slice, or a
             // hit after waiting for another request's load.
             let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
