@@ -12,7 +12,11 @@
 //!   been reaped. Reads copy from the bounce buffer into the caller's buffer on completion;
 //!   writes copy the caller's data in before submission. A future dropped while its request
 //!   is in flight marks the slot abandoned; the memory is freed when the completion arrives.
-//!   Cancelling a future can therefore never let the kernel touch freed memory.
+//!   Cancelling a future can therefore never let the kernel touch freed memory. A request
+//!   that finishes normally hands its bounce buffer back for reuse by the next request of
+//!   the same size (a few small ones are kept), so the data path does not allocate and zero
+//!   a buffer per request; stale bytes in a reused buffer are never read (reads copy out
+//!   only what the kernel transferred, writes fill what they write, zeros clear it first).
 //! * **Completions** are collected ("reaped") by whichever comes first: a future being polled
 //!   (it reaps every completion waiting in the queue and wakes their tasks), or the storage's
 //!   single completion thread, which sleeps in `io_uring_enter(GETEVENTS)` and wakes the tasks
