@@ -362,6 +362,12 @@ impl<S: Storage + 'static> Conn<S> {
         if self.reading {
             self.reading = false;
             self.result = result;
+            // A request whose payload did not come in full never runs: nothing to wait for
+            // (counted in flight, it kept the connection draining until the timeout).
+            if let Some((_, payload, _, units)) = self.input.partial.take() {
+                self.release(units);
+                self.recycle(payload);
+            }
         }
     }
 
