@@ -12,14 +12,14 @@ use crate::error::{Op, Result, StorageError};
 use crate::storage::Storage;
 
 use super::CHUNK;
+use super::request::{Request, Stage};
+use super::storage::UringStorage;
+use super::submission::{ReadOpcode, RequestKind, RequestMemory};
 
 /// Bounce buffers kept for reuse per storage.
 const SPARE_BUFFERS: usize = 32;
 /// The largest bounce buffer kept for reuse (32 of them: 8 MiB at most).
 const SPARE_BYTES: usize = 256 << 10;
-use super::request::{Request, Stage};
-use super::storage::UringStorage;
-use super::submission::{ReadOpcode, RequestKind, RequestMemory};
 
 impl UringStorage {
     /// Submits one request and waits for its completion: the result (bytes, or a negated
