@@ -238,6 +238,23 @@ fn run(options: &str, backend: Backend, direct: bool, seed: u64) {
 }
 
 fn run_with(options: &str, backend: Backend, direct: bool, seed: u64, slices: Option<u64>) {
+    // Partly written subclusters copy on write on the ring when their cluster's metadata is
+    // cached: unaligned writes when buffered, and 4 KiB-aligned ones into 64 KiB
+    // subclusters (2 MiB clusters) or whole clusters on standard L2.
+    let extended = options.contains("extended_l2=on");
+    let big = options.contains("cluster_size=2M") || (!extended && options.contains("64k"));
+    let expect_cow = slices.is_none() && (big || (extended && !direct));
+    run_checked(options, backend, direct, seed, slices, expect_cow);
+}
+
+fn run_checked(
+    options: &str,
+    backend: Backend,
+    direct: bool,
+    seed: u64,
+    slices: Option<u64>,
+    expect_cow: bool,
+) {
     let dir = Scratch::new("queue");
     let backing: Vec<u8> = (0..SIZE).map(|i| (i / 4096 % 251) as u8 | 1).collect();
     std::fs::write(dir.path("base.raw"), &backing).unwrap();
@@ -281,15 +298,17 @@ fn run_with(options: &str, backend: Backend, direct: bool, seed: u64, slices: Op
     let mut engine_requests = 0;
     let mut allocating = 0;
     let mut slice_loads = 0;
+    let mut cow = 0;
     for (q, t) in threads.into_iter().enumerate() {
         let (m, stats, wakeups, requests) = t.join().expect("queue thread");
         let (lo, hi) = (q as u64 * region, (q as u64 + 1) * region);
         merged[lo as usize..hi as usize].copy_from_slice(m.read(lo, hi - lo));
         println!(
-            "queue {q}: {requests} requests, {} direct ({} completed without I/O, {} allocating, {} of them linked on the engine), {} on the engine, {} L2 slices loaded on the ring, {wakeups} epoll wake-ups, {} ring enters",
+            "queue {q}: {requests} requests, {} direct ({} completed without I/O, {} allocating, {} of them copying on write, {} linked on the engine), {} on the engine, {} L2 slices loaded on the ring, {wakeups} epoll wake-ups, {} ring enters",
             stats.direct,
             stats.immediate,
             stats.allocating,
+            stats.cow,
             stats.linked_on_engine,
             stats.engine,
             stats.slice_loads,
@@ -299,6 +318,7 @@ fn run_with(options: &str, backend: Backend, direct: bool, seed: u64, slices: Op
         direct_requests += stats.direct;
         engine_requests += stats.engine;
         allocating += stats.allocating;
+        cow += stats.cow;
     }
     // With a 2-slice cache nearly every request misses with a dirty victim (the engine's
     // case), so whether any goes direct depends on timing: there only the model counts.
@@ -310,6 +330,9 @@ fn run_with(options: &str, backend: Backend, direct: bool, seed: u64, slices: Op
         assert!(allocating > 0, "no allocating write took the direct path");
     }
     assert!(engine_requests > 0, "no request ran on the engine");
+    if expect_cow {
+        assert!(cow > 0, "no write copied on write on a queue's ring");
+    }
     println!("{slice_loads} L2 slices loaded on the queues' rings");
     drop(async_image);
     image.close().unwrap();
@@ -337,6 +360,23 @@ fn four_epoll_queues_match_the_model_with_o_direct_on_io_uring() {
         return;
     }
     run("extended_l2=on,cluster_size=64k", Backend::IoUring, true, 2);
+}
+
+#[test]
+fn four_epoll_queues_copy_on_write_on_their_rings_with_2m_clusters() {
+    if !have_qemu("four_epoll_queues_copy_on_write_on_their_rings_with_2m_clusters") {
+        return;
+    }
+    run("extended_l2=on,cluster_size=2M", Backend::IoUring, true, 6);
+    run("extended_l2=on,cluster_size=2M", Backend::Threads, false, 7);
+}
+
+#[test]
+fn four_epoll_queues_copy_on_write_on_their_rings_with_standard_l2_and_o_direct() {
+    if !have_qemu("four_epoll_queues_copy_on_write_on_their_rings_with_standard_l2_and_o_direct") {
+        return;
+    }
+    run("cluster_size=64k", Backend::IoUring, true, 8);
 }
 
 #[test]
@@ -849,4 +889,103 @@ fn a_batch_goes_to_the_kernel_in_one_system_call() {
     drop(queue);
     image.close().unwrap();
     assert_clean(&dir.0, "b.qcow2", "a batch");
+}
+
+#[test]
+fn a_partial_subcluster_write_copies_on_write_on_the_ring() {
+    if !have_qemu("a_partial_subcluster_write_copies_on_write_on_the_ring") {
+        return;
+    }
+    // Buffered, the kernel leaves the bytes past the end of the backing file as they were in
+    // the buffer; with O_DIRECT it may clear them: both must read as zeros.
+    partial_subcluster_write(Backend::Threads, false);
+    partial_subcluster_write(Backend::IoUring, true);
+}
+
+fn partial_subcluster_write(backend: Backend, direct: bool) {
+    const MIB2: u64 = 2 << 20;
+    const SIZE: u64 = 8 << 20;
+    let dir = Scratch::new("queue-cow");
+    // The backing file ends 96 KiB into the second cluster, inside its second subcluster.
+    let backing: Vec<u8> = (0..MIB2 + (96 << 10))
+        .map(|i| (i / 512 % 251) as u8 | 1)
+        .collect();
+    std::fs::write(dir.path("base.raw"), &backing).unwrap();
+    qemu_create(
+        &dir.0,
+        "top.qcow2",
+        "extended_l2=on,cluster_size=2M",
+        SIZE,
+        Some(("base.raw", "raw")),
+    );
+    let image = match OpenOptions::new()
+        .writable(true)
+        .backend(backend)
+        .direct(direct)
+        .open_blocking(dir.path("top.qcow2"))
+    {
+        Ok(i) => i,
+        Err(e) if direct => {
+            println!("skipped: O_DIRECT on io_uring unavailable: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let mut queue = image
+        .as_async()
+        .queue(QueueOptions::new().depth(4))
+        .unwrap();
+    let mut expect = backing.clone();
+    expect.resize(SIZE as usize, 0);
+    let mut write = |queue: &mut Queue<AnyStorage>, offset: u64, byte: u8| {
+        let c = one(
+            queue,
+            Request::Write {
+                offset,
+                buffers: IoBuffers::from_aligned(
+                    AlignedBuf::copy_from(&[byte; 4096], 4096).unwrap(),
+                ),
+            },
+        );
+        assert_eq!(c.result.unwrap(), 4096);
+        // The caller's buffers come back as they were lent.
+        assert_eq!(contents_aligned(c.buffers.unwrap()), vec![byte; 4096]);
+        expect[offset as usize..offset as usize + 4096].fill(byte);
+    };
+    // The first write creates the L2 table: the engine.
+    write(&mut queue, 8192, 1);
+    assert_eq!((queue.stats().engine, queue.stats().cow), (1, 0));
+    // A new cluster whose L2 slice and refcount block are cached, in reserved space: its
+    // first 64 KiB subcluster is completed from the backing file on the ring, and written
+    // with the guest's 4 KiB in one write.
+    write(&mut queue, MIB2 + 8192, 2);
+    let stats = queue.stats();
+    assert_eq!((stats.direct, stats.engine, stats.cow), (1, 1, 1));
+    assert_eq!((stats.allocating, stats.linked_on_engine), (1, 0));
+    // The next subcluster of that cluster, in place: the backing file ends inside it, so its
+    // read ends early and the rest reads as zeros (the bounce buffer is the previous write's,
+    // full of backing bytes: none may leak).
+    write(&mut queue, MIB2 + (64 << 10) + 8192, 3);
+    let stats = queue.stats();
+    assert_eq!((stats.direct, stats.engine, stats.cow), (2, 1, 2));
+    // Reads of both subclusters, direct now, see the merged bytes.
+    let c = one(
+        &mut queue,
+        Request::Read {
+            offset: MIB2,
+            buffers: IoBuffers::from_aligned(AlignedBuf::zeroed(128 << 10, 4096).unwrap()),
+        },
+    );
+    let at = MIB2 as usize;
+    assert!(
+        contents_aligned(c.buffers.unwrap()) == expect[at..at + (128 << 10)],
+        "the subclusters written on the ring read back wrong"
+    );
+    assert_eq!(queue.stats().direct, 3);
+    drop(queue);
+    // Each of the three writes copied the other 60 KiB of its subcluster.
+    assert_eq!(image.stats().cow_bytes, 3 * 61440);
+    image.close().unwrap();
+    assert_clean(&dir.0, "top.qcow2", "copy-on-write on the ring");
+    assert_same_as_model(&dir.0, "top.qcow2", &expect, "copy-on-write on the ring");
 }

@@ -7,7 +7,7 @@ use qimg_format::l2::{L2Entry, SubclusterState};
 use qimg_format::units::SubclusterIndex;
 use qimg_io::Storage;
 
-use crate::engine::image::Inner;
+use crate::engine::image::{Backing, Inner};
 use crate::engine::meta::Meta;
 use crate::engine::overlap::Writing;
 use crate::engine::rw::{Destination, PreparedWrite};
@@ -21,7 +21,155 @@ pub(super) enum Part {
     Zero { pos: usize, len: usize },
 }
 
+/// Where the bytes a direct write copies around the guest's come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fill {
+    /// Zeros (zero subclusters, unallocated ones with nothing behind them).
+    Zero,
+    /// The raw backing file, from this offset (bytes past its end read as zeros).
+    Backing(u64),
+}
+
+/// A write into one guest cluster that copies on write on the queue's ring: the bytes
+/// `[plan.start, plan.end)` of the cluster go to the host in one write, the guest's at
+/// `[a, b)` and [`fills`](Self::fills) around them.
+#[derive(Debug)]
+pub(super) struct CowWrite {
+    /// The write, linked once the merged bytes are on disk (`host` is chosen by
+    /// [`Inner::alloc_direct_cow`] for a new cluster).
+    pub(super) link: PreparedWrite,
+    /// `(position in the merged range, length, source)` of the bytes around the guest's, in
+    /// order.
+    pub(super) fills: Vec<(usize, usize, Fill)>,
+}
+
+impl CowWrite {
+    /// Bytes written: the guest's and the copied ones.
+    pub(super) fn span(&self) -> usize {
+        self.link.plan.end - self.link.plan.start
+    }
+
+    /// Where the guest's bytes start in the merged range.
+    pub(super) fn guest_pos(&self) -> usize {
+        self.link.a - self.link.plan.start
+    }
+
+    /// Host offset of the merged range.
+    pub(super) fn host(&self) -> u64 {
+        self.link.host + self.link.plan.start as u64
+    }
+
+    /// Whether the cluster is a new one to allocate.
+    pub(super) fn fresh(&self) -> bool {
+        self.link.fresh
+    }
+}
+
 impl<S: Storage> Inner<S> {
+    /// Plans a `len`-byte write at guest `offset` that stays in one cluster and copies on
+    /// write (partly written subclusters on extended L2, the rest of the cluster otherwise)
+    /// from sources the queue's ring reads itself: zeros, or a raw backing file. `None` for
+    /// everything else (a slice not cached, a cluster to free, a qcow2 backing file to read,
+    /// data to move out of a cluster the image shares): the engine's work. Nothing is
+    /// allocated yet (see [`alloc_direct_cow`](Self::alloc_direct_cow)).
+    pub(super) fn plan_direct_cow(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        len: u64,
+        stamp: Option<Duration>,
+    ) -> Option<CowWrite> {
+        let mut pieces = self.pieces(offset, len);
+        let (gc, a, n, _) = pieces.next()?;
+        if pieces.next().is_some() || self.data_file.is_some() {
+            return None;
+        }
+        let b = a + n;
+        let old = self.lookup_cached(m, gc, stamp)?;
+        let plan = self.plan_write(&old, a, b);
+        if plan.freed.is_some()
+            || !plan.relink
+            || (plan.start == a && plan.end == b)
+            || !self.can_link_cached(m, gc)
+        {
+            return None;
+        }
+        let scs = self.geo.subcluster_size() as usize;
+        let mut fills: Vec<(usize, usize, Fill)> = Vec::with_capacity(2);
+        for (from, to) in [(plan.start, a), (b, plan.end)] {
+            let mut at = from;
+            while at < to {
+                let end = ((at / scs + 1) * scs).min(to);
+                let fill = match old.state(SubclusterIndex((at / scs) as u32)) {
+                    SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => Fill::Zero,
+                    SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
+                        match &self.backing {
+                            None => Fill::Zero,
+                            Some(Backing::Raw { .. }) => Fill::Backing(gc + at as u64),
+                            Some(Backing::Qcow2(image)) if gc + at as u64 >= image.inner.size() => {
+                                Fill::Zero
+                            }
+                            Some(Backing::Qcow2(_)) => return None,
+                        }
+                    }
+                    SubclusterState::Normal | SubclusterState::Compressed => return None,
+                };
+                let pos = at - plan.start;
+                let n = end - at;
+                match fills.last_mut() {
+                    Some((p, l, Fill::Zero)) if fill == Fill::Zero && *p + *l == pos => *l += n,
+                    Some((p, l, Fill::Backing(o)))
+                        if *p + *l == pos && fill == Fill::Backing(*o + *l as u64) =>
+                    {
+                        *l += n
+                    }
+                    _ => fills.push((pos, n, fill)),
+                }
+                at = end;
+            }
+        }
+        let (host, fresh) = match plan.target {
+            Destination::InPlace(h) => {
+                // The engine reports an overlap (and marks the image corrupt).
+                let span = (plan.end - plan.start) as u64;
+                if m.overlap
+                    .find(h + plan.start as u64, span, Writing::Data)
+                    .is_some()
+                {
+                    return None;
+                }
+                (h, false)
+            }
+            Destination::New => (0, true),
+        };
+        Some(CowWrite {
+            link: PreparedWrite {
+                gc,
+                a,
+                b,
+                old,
+                plan,
+                host,
+                fresh,
+            },
+            fills,
+        })
+    }
+
+    /// Allocates the new cluster of a planned copy-on-write write from a cached refcount
+    /// block, in space already reserved (as [`plan_direct_write`](Self::plan_direct_write)
+    /// does); `None` (nothing changed) when that needs the engine.
+    pub(super) fn alloc_direct_cow(&self, m: &mut Meta, cow: &mut CowWrite) -> Option<()> {
+        if !cow.link.fresh {
+            return Some(());
+        }
+        let cs = self.geo.cluster_size();
+        let (allocation, reservation) = (self.allocation, &self.reservation);
+        let hosts = self.try_alloc_cached(m, 1, |host| reservation.covers(allocation, host, cs))?;
+        cow.link.host = *hosts.first()?;
+        Some(())
+    }
+
     /// Appends to `parts` (empty, reused from request to request so that planning allocates
     /// nothing) the parts of a `len`-byte read at guest `offset`, or gives `None` when it
     /// needs the engine: an L2 slice not cached, a backing file to read, a compressed cluster.

@@ -78,7 +78,7 @@ impl<S: Storage + 'static> Queue<S> {
             || m.l2
                 .victim()
                 .is_some_and(|v| m.l2.is_dirty(v) == Some(true))
-            || self.ring.available() == 0
+            || self.free_slots() == 0
         {
             return Err(p);
         }

@@ -21,13 +21,18 @@
 //!   new entry is linked when the data is on disk, before the completion is returned (on the
 //!   engine thread if linking then needs metadata I/O). Allocations past the end of the file
 //!   reserve space 32 MiB ahead, the next step while the last is half used;
+//! * so does a write inside one cluster that must copy on write (a partly written subcluster
+//!   on extended L2, a new cluster on standard L2) from zeros or a raw backing file, under
+//!   the same conditions: the queue reads the bytes around the caller's on its own ring into
+//!   a bounce buffer that holds the caller's too, writes the whole range at once and links
+//!   it when it is on disk ([`QueueStats::cow`]);
 //! * a request that would go direct but for an L2 slice not cached waits while the queue
 //!   reads the slice on its own ring (when no other thread is loading it and the cache can
 //!   take it without writing a dirty slice back), then goes direct (the caller's loop sees
 //!   the slice's completion on the eventfd like any other; nobody else waits for it: other
 //!   requests for that slice load it on the engine, which supersedes the queue's load);
-//! * everything else (copy-on-write, the other slice misses, backing files, compressed
-//!   clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
+//! * everything else (other copy-on-write, the other slice misses, backing-file reads,
+//!   compressed clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
 //!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's
 //!   loop never blocks on it.
 //!
@@ -52,6 +57,7 @@
 //! The example `examples/epoll_queue.rs` runs queues from plain `epoll` loops without any
 //! async runtime in those threads.
 
+mod cow;
 mod fast;
 mod loads;
 mod worker;
@@ -63,8 +69,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use qimg_io::queue::{IoBuffers, Notifier, QueueRing, RingCompletion};
-use qimg_io::{Op, Storage, StorageError};
+use qimg_io::{AlignedBuf, Op, Storage, StorageError};
 
+use self::cow::CowIo;
 use self::fast::Part;
 use self::loads::{LOAD_TOKEN, Parked, SliceLoad};
 use self::worker::Worker;
@@ -191,6 +198,11 @@ pub struct QueueStats {
     /// L2 slices read on the queue's ring for requests that missed them (which then took
     /// the direct path, or the engine when something changed meanwhile).
     pub slice_loads: u64,
+    /// Of the allocating direct writes, those that copied on write on the ring: the bytes
+    /// around the caller's in a partly written subcluster (or cluster, on standard L2) read
+    /// from a raw backing file or filled with zeros, and written with the caller's in one
+    /// write.
+    pub cow: u64,
 }
 
 /// A direct request between submission and completion.
@@ -211,6 +223,8 @@ struct Pending {
     links: Vec<PreparedWrite>,
     /// Ranges of a read that are holes ([`Completion::holes`]).
     holes: Vec<(usize, usize)>,
+    /// A write that copies on write on the ring: its bounce buffer and step.
+    cow: Option<CowIo>,
 }
 
 /// A per-queue completion handle of an [`Image`]; see the [module docs](self).
@@ -242,6 +256,11 @@ pub struct Queue<S: Storage + 'static> {
     /// `Pending::parts` vectors of finished requests, for reuse (the direct path allocates
     /// nothing per request once warm).
     spare: Vec<Vec<(usize, usize)>>,
+    /// Ring places promised to copy-on-write writes still reading (each writes once its
+    /// reads are in, and must find a place then).
+    reserved: usize,
+    /// Bounce buffers of finished copy-on-write writes, for reuse.
+    bounces: Vec<AlignedBuf>,
     stats: QueueStats,
     // Last: dropped after `Drop::drop` waited for the ring, and waits for engine requests.
     worker: Worker,
@@ -293,6 +312,8 @@ impl<S: Storage + 'static> Image<S> {
             batch_now: None,
             plan: Vec::new(),
             spare: Vec::new(),
+            reserved: 0,
+            bounces: Vec::new(),
             stats: QueueStats::default(),
             worker,
         })
@@ -433,6 +454,8 @@ impl<S: Storage + 'static> Queue<S> {
             self.on_ring(c);
         }
         self.reaped = reaped;
+        // What the completions started (copy-on-write writes, requests after slice loads).
+        let _ = self.ring.submit();
         let mut engine = self.engine_done.lock().unwrap_or_else(|e| e.into_inner());
         self.done.extend(engine.drain(..));
         drop(engine);
@@ -493,6 +516,7 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(buffers);
         };
         let mut meta = lock_briefly(&inner.meta).filter(|m| !m.closed);
+        let free = self.ring.available().saturating_sub(self.reserved);
         let mut links = Vec::new();
         let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.now()));
         let parts = meta.as_mut().and_then(|m| {
@@ -502,7 +526,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
             // A ring entry per cluster at most, checked before anything is allocated: an
             // allocation cannot be handed to the engine afterwards.
-            if (end - first) as usize > self.ring.available() {
+            if (end - first) as usize > free {
                 return None;
             }
             links = inner.plan_direct_write(m, offset, len, stamp, plan)?;
@@ -512,7 +536,7 @@ impl<S: Storage + 'static> Queue<S> {
             p.iter().filter(|p| matches!(p, Part::Io { .. })).count()
         });
         let fits = parts.as_ref().is_some_and(|parts| {
-            ios <= self.ring.available()
+            ios <= free
                 && parts.iter().all(|p| match *p {
                     Part::Io { host, pos, len } => {
                         host % ra as u64 == 0 && pos % ra == 0 && len % ra == 0
@@ -528,8 +552,17 @@ impl<S: Storage + 'static> Queue<S> {
                     inner.try_unalloc_cached(m, l.host);
                 }
             }
-            inner.locks.release(lock);
             drop(meta);
+            // A write that only needs copy-on-write the ring can do itself.
+            let buffers = if write && unplanned {
+                match self.try_cow(offset, buffers, user_data, lock) {
+                    Ok(()) => return Ok(()),
+                    Err(buffers) => buffers,
+                }
+            } else {
+                buffers
+            };
+            self.image.inner.locks.release(lock);
             if unplanned {
                 // Perhaps only an L2 slice is missing: load it here and come back.
                 let p = Parked {
@@ -558,6 +591,7 @@ impl<S: Storage + 'static> Queue<S> {
                 holes.push((pos, len));
             }
         }
+        // `slot()` inline: `inner` borrows the image.
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -599,6 +633,7 @@ impl<S: Storage + 'static> Queue<S> {
             write,
             links,
             holes,
+            cow: None,
         });
         self.stats.direct += 1;
         self.stats.direct_bytes += len;
@@ -612,6 +647,22 @@ impl<S: Storage + 'static> Queue<S> {
             let _ = self.ring.submit();
         }
         Ok(())
+    }
+
+    /// A free slot of `pending`.
+    fn slot(&mut self) -> usize {
+        match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.pending.push(None);
+                self.pending.len() - 1
+            }
+        }
+    }
+
+    /// Ring places a new request may take: those not promised to copy-on-write writes.
+    fn free_slots(&self) -> usize {
+        self.ring.available().saturating_sub(self.reserved)
     }
 
     /// After the direct path allocated the cluster at `host`: asks the engine thread to
@@ -637,15 +688,20 @@ impl<S: Storage + 'static> Queue<S> {
         }
         let idx = (c.token >> 32) as usize;
         let part = (c.token & 0xffff_ffff) as usize;
+        if self.on_cow_read(idx, part, c.result, c.expected) {
+            return;
+        }
         let path = &self.image.inner.path;
         let Some(Some(p)) = self.pending.get_mut(idx) else {
             return;
         };
         let (pos, len) = p.parts.get(part).copied().unwrap_or((0, 0));
+        // The merged write of a copy-on-write is named by its place in the file.
+        let at = p.cow.as_ref().map_or(pos as u64, |cow| cow.host);
         if c.result < 0 {
             let e = io::Error::from_raw_os_error(-c.result);
             p.error
-                .get_or_insert_with(|| ring_error(path, p.write, pos as u64, len as u64, e));
+                .get_or_insert_with(|| ring_error(path, p.write, at, len as u64, e));
         } else if (c.result as usize) < c.expected {
             let got = c.result as usize;
             if p.write {
@@ -654,7 +710,7 @@ impl<S: Storage + 'static> Queue<S> {
                     format!("short write: {got} of {} bytes", c.expected),
                 );
                 p.error
-                    .get_or_insert_with(|| ring_error(path, true, pos as u64, len as u64, e));
+                    .get_or_insert_with(|| ring_error(path, true, at, len as u64, e));
             } else {
                 // The file ended: the rest reads as zeros, as everywhere in the engine.
                 p.short.push((pos + got, len - got));
@@ -675,6 +731,9 @@ impl<S: Storage + 'static> Queue<S> {
         let mut parts = std::mem::take(&mut p.parts);
         parts.clear();
         self.spare.push(parts);
+        if let Some(cow) = p.cow.take() {
+            self.end_cow(cow);
+        }
         if !p.links.is_empty() && !self.link_here(&mut p) {
             self.link_on_engine(p);
             return;

@@ -140,7 +140,7 @@ impl<S: Storage> Inner<S> {
     /// [`link_chunk`](Self::link_chunk) records anyway).
     pub(crate) fn try_link_cached(&self, m: &mut Meta, p: &PreparedWrite) -> bool {
         let plan = &p.plan;
-        debug_assert!(plan.freed.is_none() && plan.start == p.a && plan.end == p.b);
+        debug_assert!(plan.freed.is_none());
         if !plan.relink {
             return true;
         }
@@ -151,6 +151,10 @@ impl<S: Storage> Inner<S> {
             return false;
         }
         m.l2.depend_on_flush();
+        let cow = (p.a - plan.start) + (plan.end - p.b);
+        self.counters
+            .cow_bytes
+            .fetch_add(cow as u64, Ordering::Relaxed);
         true
     }
 
