@@ -13,8 +13,8 @@ use crate::chain::MAX_CHAIN_DEPTH;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Allocation {
     /// Reserve the whole cluster with `fallocate` so later subcluster writes land contiguously.
-    /// Past the end of the file space is reserved 32 MiB at a time (one `fallocate` for many
-    /// clusters, like QEMU's `preallocate` filter), so that allocating writes land in space
+    /// Past the end of the file space is reserved 32 MiB (at least 64 clusters) at a time (one
+    /// `fallocate` for many clusters, like QEMU's `preallocate` filter), so that allocating writes land in space
     /// the file system has already reserved instead of extending the file each time; close
     /// cuts off what was not used.
     #[default]

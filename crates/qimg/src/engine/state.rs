@@ -137,13 +137,19 @@ impl SliceLoads {
 }
 
 /// How much to reserve past the end of the image file at once (rounded up to whole clusters,
-/// at least four): one `fallocate` for many cluster allocations, like QEMU's `preallocate`
-/// filter, so that allocating writes land in space the file system has already reserved
-/// instead of extending the file one cluster at a time.
+/// at least [`RESERVE_CLUSTERS`]): one `fallocate` for many cluster allocations, like QEMU's
+/// `preallocate` filter, so that allocating writes land in space the file system has already
+/// reserved instead of extending the file one cluster at a time.
 pub(crate) const RESERVE_AHEAD: u64 = 32 << 20;
 
+/// The fewest clusters reserved at once: with large clusters (16 of 2 MiB in 32 MiB) a queue
+/// depth of new clusters would outrun a step, and the queues' direct path, which takes only
+/// reserved space, would hand the rest of a batch to the engine. The next step starts when
+/// half is used, so 64 leave room for 32 allocations in flight.
+pub(crate) const RESERVE_CLUSTERS: u64 = 64;
+
 /// [`Allocation::Contiguous`] past the end of the file: clusters allocated there are reserved
-/// in steps of [`RESERVE_AHEAD`] bytes; the unused tail is cut off at close. Below `from` (the
+/// in steps of [`RESERVE_AHEAD`] bytes (at least [`RESERVE_CLUSTERS`] clusters); the unused tail is cut off at close. Below `from` (the
 /// end of the file at open, in whole clusters) each new cluster is reserved on its own, as
 /// before: it may be a hole a discard punched.
 #[derive(Debug)]
@@ -209,7 +215,7 @@ impl<S: Storage> Shared<S> {
     /// Bytes reserved at once past the end of the file.
     pub(crate) fn reserve_step(&self) -> u64 {
         let cs = self.geo.cluster_size();
-        RESERVE_AHEAD.div_ceil(cs).max(4) * cs
+        RESERVE_AHEAD.div_ceil(cs).max(RESERVE_CLUSTERS) * cs
     }
 
     /// Whether the allocation of `host` leaves less than half a step reserved after it, so

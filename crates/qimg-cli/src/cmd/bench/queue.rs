@@ -58,9 +58,13 @@ pub(super) struct ImageQueue<S: Storage + 'static> {
 }
 
 impl<S: Storage + 'static> ImageQueue<S> {
-    /// A queue of the image's with room for `depth` requests on its ring.
+    /// A queue of the image's for `depth` requests in flight. Its ring has four places per
+    /// request (at least 8): a request may take several (one per run of clusters, or two
+    /// reads and a write when it copies on write), and one that finds no room goes to the
+    /// engine. A VMM sizes its ring the same way, by its virtqueue (128 places), not by
+    /// what the guest keeps in flight.
     pub(super) fn new(img: &qimg::Image<S>, depth: usize) -> Result<Self> {
-        let depth = u32::try_from(depth.clamp(1, 4096)).unwrap_or(4096);
+        let depth = u32::try_from(depth.saturating_mul(4).clamp(8, 4096)).unwrap_or(4096);
         let queue = img
             .queue(QueueOptions::new().depth(depth))
             .context("cannot set up the image's queue")?;
