@@ -182,8 +182,9 @@ impl QueueOptions {
 pub struct QueueStats {
     /// Reads and writes that went from the caller's thread straight to the ring.
     pub direct: u64,
-    /// Bytes those direct requests moved, all from or into the caller's memory (the direct
-    /// path never copies).
+    /// Bytes those direct requests moved, from or into the caller's memory (the direct path
+    /// copies only the guest bytes of a [`cow`](Self::cow) write, into the buffer that
+    /// holds the bytes around them).
     pub direct_bytes: u64,
     /// Requests run on the engine (the queue's thread).
     pub engine: u64,
