@@ -33,9 +33,9 @@
 //!   the slice's completion on the eventfd like any other; nobody else waits for it: other
 //!   requests for that slice load it on the engine, which supersedes the queue's load);
 //! * everything else (other copy-on-write, the other slice misses, backing-file reads,
-//!   compressed clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on the engine on a
-//!   thread of the queue's own, and its completion is posted to the same eventfd: the caller's
-//!   loop never blocks on it.
+//!   compressed clusters, unaligned `O_DIRECT` requests, flush, write-zeroes, discard) runs on
+//!   the engine on a thread of the queue's own, and its completion is posted to the same
+//!   eventfd: the caller's loop never blocks on it.
 //!
 //! Requests on one queue or several run concurrently; overlapping ones are ordered by the
 //! engine's cluster range locks, which direct requests hold until their completion is
@@ -518,7 +518,7 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(buffers);
         };
         let mut meta = lock_briefly(&inner.meta).filter(|m| !m.closed);
-        let free = self.ring.available().saturating_sub(self.reserved);
+        let free = self.free_slots();
         let mut links = Vec::new();
         let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.now()));
         let parts = meta.as_mut().and_then(|m| {
