@@ -937,7 +937,7 @@ fn partial_subcluster_write(backend: Backend, direct: bool) {
         .unwrap();
     let mut expect = backing.clone();
     expect.resize(SIZE as usize, 0);
-    let mut write = |queue: &mut Queue<AnyStorage>, offset: u64, byte: u8| {
+    let write = |queue: &mut Queue<AnyStorage>, expect: &mut [u8], offset: u64, byte: u8| {
         let c = one(
             queue,
             Request::Write {
@@ -953,38 +953,54 @@ fn partial_subcluster_write(backend: Backend, direct: bool) {
         expect[offset as usize..offset as usize + 4096].fill(byte);
     };
     // The first write creates the L2 table: the engine.
-    write(&mut queue, 8192, 1);
+    write(&mut queue, &mut expect, 8192, 1);
     assert_eq!((queue.stats().engine, queue.stats().cow), (1, 0));
     // A new cluster whose L2 slice and refcount block are cached, in reserved space: its
     // first 64 KiB subcluster is completed from the backing file on the ring, and written
     // with the guest's 4 KiB in one write.
-    write(&mut queue, MIB2 + 8192, 2);
+    write(&mut queue, &mut expect, MIB2 + 8192, 2);
     let stats = queue.stats();
     assert_eq!((stats.direct, stats.engine, stats.cow), (1, 1, 1));
     assert_eq!((stats.allocating, stats.linked_on_engine), (1, 0));
     // The next subcluster of that cluster, in place: the backing file ends inside it, so its
     // read ends early and the rest reads as zeros (the bounce buffer is the previous write's,
     // full of backing bytes: none may leak).
-    write(&mut queue, MIB2 + (64 << 10) + 8192, 3);
+    write(&mut queue, &mut expect, MIB2 + (64 << 10) + 8192, 3);
     let stats = queue.stats();
     assert_eq!((stats.direct, stats.engine, stats.cow), (2, 1, 2));
-    // Reads of both subclusters, direct now, see the merged bytes.
+    // A zero subcluster (write-zeroes: the engine) written in part: nothing to read, the
+    // bytes around are zeros (cleared in the reused bounce buffer).
+    let zeroed = MIB2 + (128 << 10);
+    let c = one(
+        &mut queue,
+        Request::WriteZeroes {
+            offset: zeroed,
+            len: 64 << 10,
+            unmap: false,
+        },
+    );
+    c.result.unwrap();
+    expect[zeroed as usize..zeroed as usize + (64 << 10)].fill(0);
+    write(&mut queue, &mut expect, zeroed + 8192, 4);
+    let stats = queue.stats();
+    assert_eq!((stats.direct, stats.engine, stats.cow), (3, 2, 3));
+    // Reads of the three subclusters, direct now, see the merged bytes.
     let c = one(
         &mut queue,
         Request::Read {
             offset: MIB2,
-            buffers: IoBuffers::from_aligned(AlignedBuf::zeroed(128 << 10, 4096).unwrap()),
+            buffers: IoBuffers::from_aligned(AlignedBuf::zeroed(192 << 10, 4096).unwrap()),
         },
     );
     let at = MIB2 as usize;
     assert!(
-        contents_aligned(c.buffers.unwrap()) == expect[at..at + (128 << 10)],
+        contents_aligned(c.buffers.unwrap()) == expect[at..at + (192 << 10)],
         "the subclusters written on the ring read back wrong"
     );
-    assert_eq!(queue.stats().direct, 3);
+    assert_eq!(queue.stats().direct, 4);
     drop(queue);
-    // Each of the three writes copied the other 60 KiB of its subcluster.
-    assert_eq!(image.stats().cow_bytes, 3 * 61440);
+    // Each of the four writes copied the other 60 KiB of its subcluster.
+    assert_eq!(image.stats().cow_bytes, 4 * 61440);
     image.close().unwrap();
     assert_clean(&dir.0, "top.qcow2", "copy-on-write on the ring");
     assert_same_as_model(&dir.0, "top.qcow2", &expect, "copy-on-write on the ring");
