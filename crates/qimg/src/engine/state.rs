@@ -144,8 +144,9 @@ pub(crate) const RESERVE_AHEAD: u64 = 32 << 20;
 
 /// The fewest clusters reserved at once: with large clusters (16 of 2 MiB in 32 MiB) a queue
 /// depth of new clusters would outrun a step, and the queues' direct path, which takes only
-/// reserved space, would hand the rest of a batch to the engine. The next step starts when
-/// half is used, so 64 leave room for 32 allocations in flight.
+/// reserved space, would hand the rest of a batch to the engine. The next step starts as soon
+/// as less than a whole step is left (see [`Shared::claim_extension`]), so at least 64
+/// clusters stay reserved ahead of the allocations in flight while it is made.
 pub(crate) const RESERVE_CLUSTERS: u64 = 64;
 
 /// [`Allocation::Contiguous`] past the end of the file: clusters allocated there are reserved
@@ -218,15 +219,17 @@ impl<S: Storage> Shared<S> {
         RESERVE_AHEAD.div_ceil(cs).max(RESERVE_CLUSTERS) * cs
     }
 
-    /// Whether the allocation of `host` leaves less than half a step reserved after it, so
-    /// that the next step should be reserved now (by one caller: this claims the job, which
+    /// Whether the allocation of `host` leaves less than a whole step reserved after it, so
+    /// that the next step should be reserved now (half a step was too little: 2 MiB
+    /// copy-on-write writes whose backing reads end at once, 32 in flight, used it up before
+    /// the `fallocate` of the next step ended, and a third of them went to the engine) (by one caller: this claims the job, which
     /// [`extend_reservation`](Self::extend_reservation) ends).
     pub(crate) fn claim_extension(&self, host: u64) -> bool {
         let r = &self.reservation;
         self.allocation == Allocation::Contiguous
             && !r.unsupported.load(Ordering::Relaxed)
             && host >= r.from
-            && host + self.reserve_step() / 2 > r.end.load(Ordering::Acquire)
+            && host + self.reserve_step() > r.end.load(Ordering::Acquire)
             && !r.extending.swap(true, Ordering::AcqRel)
     }
 

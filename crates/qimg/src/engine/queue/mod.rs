@@ -20,8 +20,8 @@
 //!   block in the caller's thread, the data goes from the caller's memory to the ring, and the
 //!   new entry is linked when the data is on disk, before the completion is returned (on the
 //!   engine thread if linking then needs metadata I/O). Allocations past the end of the file
-//!   reserve space 32 MiB (at least 64 clusters) ahead, the next step while the last is half
-//!   used;
+//!   reserve space 32 MiB (at least 64 clusters) ahead, the next step as soon as less than a
+//!   step is left;
 //! * so does a write inside one cluster that must copy on write (a partly written subcluster
 //!   on extended L2, a new cluster on standard L2) from zeros or a raw backing file, under
 //!   the same conditions: the queue reads the bytes around the caller's on its own ring into
@@ -668,8 +668,8 @@ impl<S: Storage + 'static> Queue<S> {
     }
 
     /// After the direct path allocated the cluster at `host`: asks the engine thread to
-    /// reserve the next step past the end of the file while half of this one is left, so that
-    /// the direct path never waits for a `fallocate`.
+    /// reserve the next step past the end of the file as soon as less than a step is left, so
+    /// that the direct path never waits for a `fallocate`.
     fn reserve_ahead(&self, host: u64) {
         let inner = &self.image.inner;
         if !inner.claim_extension(host) {
