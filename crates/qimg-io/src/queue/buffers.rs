@@ -198,10 +198,14 @@ impl IoBuffers {
     pub fn is_aligned(&self, mem_align: usize, len_align: usize) -> bool {
         let mem_align = mem_align.max(1);
         let len_align = len_align.max(1);
+        if mem_align == 1 && len_align == 1 {
+            // Buffered I/O: everything is aligned (and this is on every request's path).
+            return true;
+        }
         self.memory
             .segments
             .iter()
-            .all(|s| (s.base as usize) % mem_align == 0 && s.len % len_align == 0)
+            .all(|s| multiple_of(s.base as usize, mem_align) && multiple_of(s.len, len_align))
     }
 
     /// Whether no ring operation holds the memory now (then the methods that touch the bytes
@@ -376,6 +380,15 @@ impl IoBuffers {
     /// A handle a ring operation keeps while the kernel uses the memory.
     pub(super) fn share(&self) -> Arc<Memory> {
         self.memory.clone()
+    }
+}
+
+/// Whether `value` is a multiple of `align` (a mask for the usual powers of two: no division).
+fn multiple_of(value: usize, align: usize) -> bool {
+    if align.is_power_of_two() {
+        value & (align - 1) == 0
+    } else {
+        value % align == 0
     }
 }
 

@@ -6,7 +6,6 @@
 //! requests, and there is no lock ordering to get wrong). Requests on disjoint clusters never
 //! wait for each other. The lock is held across data I/O; the metadata lock is not.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -35,21 +34,65 @@ struct Waiter {
 
 #[derive(Debug, Default)]
 struct State {
-    held: Vec<Range>,
+    /// Held ranges, in slots reused from holder to holder: a holder's id names its slot (low
+    /// 32 bits) and a serial number (high 32 bits, so that a stale id never releases the
+    /// slot's next holder), and a release finds its range without a search.
+    held: Vec<Option<Range>>,
+    /// Free slots of `held`.
+    free: Vec<u32>,
     /// Exclusive ranges among `held`: with none, a shared range conflicts with nothing.
     exclusive_held: usize,
     waiting: Vec<Waiter>,
+    /// Serial numbers of holders and waiters.
+    serial: u64,
 }
 
 impl State {
     fn conflicts(&self, start: u64, end: u64, exclusive: bool) -> bool {
         (exclusive || self.exclusive_held > 0)
-            && self.held.iter().any(|h| h.conflicts(start, end, exclusive))
+            && self
+                .held
+                .iter()
+                .flatten()
+                .any(|h| h.conflicts(start, end, exclusive))
     }
 
-    fn hold(&mut self, range: Range) {
-        self.exclusive_held += usize::from(range.exclusive);
-        self.held.push(range);
+    fn next_serial(&mut self) -> u64 {
+        self.serial = self.serial.wrapping_add(1);
+        self.serial
+    }
+
+    /// Holds `[start, end)` and returns the holder's id.
+    fn hold(&mut self, start: u64, end: u64, exclusive: bool) -> u64 {
+        let slot = match self.free.pop() {
+            Some(s) => s as usize,
+            None => {
+                self.held.push(None);
+                self.held.len() - 1
+            }
+        };
+        let id = (self.next_serial() << 32) | slot as u64;
+        self.exclusive_held += usize::from(exclusive);
+        self.held[slot] = Some(Range {
+            start,
+            end,
+            exclusive,
+            id,
+        });
+        id
+    }
+
+    /// Gives up the range of holder `id`, if it is still held.
+    fn unhold(&mut self, id: u64) -> Option<Range> {
+        let slot = (id & 0xffff_ffff) as usize;
+        let held = self.held.get_mut(slot)?;
+        if held.is_none_or(|r| r.id != id) {
+            return None;
+        }
+        let gone = held.take()?;
+        self.free.push(slot as u32);
+        self.exclusive_held -= usize::from(gone.exclusive);
+        Some(gone)
     }
 }
 
@@ -63,7 +106,6 @@ impl State {
 #[derive(Debug, Default)]
 pub(crate) struct RangeLocks {
     state: Mutex<State>,
-    next_id: AtomicU64,
 }
 
 /// A held range; dropping it releases the range and wakes waiters.
@@ -102,24 +144,23 @@ impl RangeLocks {
     /// Takes `[start, end)` and returns the holder id to pass to [`release`](Self::release)
     /// (for holders that outlive a borrow, such as write leases).
     pub(crate) async fn acquire(&self, start: u64, end: u64, exclusive: bool) -> u64 {
-        let range = Range {
-            start,
-            end,
-            exclusive,
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
-        };
-        let wake = {
+        let (range, wake) = {
             let mut state = self.state();
             if !state.conflicts(start, end, exclusive) {
-                state.hold(range);
-                return range.id;
+                return state.hold(start, end, exclusive);
             }
+            let range = Range {
+                start,
+                end,
+                exclusive,
+                id: state.next_serial(),
+            };
             let wake = Arc::new(Notify::new());
             state.waiting.push(Waiter {
                 range,
                 wake: wake.clone(),
             });
-            wake
+            (range, wake)
         };
         let registration = Registration {
             locks: self,
@@ -131,10 +172,10 @@ impl RangeLocks {
             let mut state = self.state();
             if !state.conflicts(start, end, exclusive) {
                 state.waiting.retain(|w| w.range.id != range.id);
-                state.hold(range);
+                let id = state.hold(start, end, exclusive);
                 drop(state);
                 std::mem::forget(registration);
-                return range.id;
+                return id;
             }
         }
     }
@@ -146,20 +187,13 @@ impl RangeLocks {
         if state.conflicts(start, end, exclusive) {
             return None;
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        state.hold(Range {
-            start,
-            end,
-            exclusive,
-            id,
-        });
-        Some(id)
+        Some(state.hold(start, end, exclusive))
     }
 
     /// Number of ranges held now.
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
-        self.state().held.len()
+        self.state().held.iter().flatten().count()
     }
 
     /// Number of requests waiting now.
@@ -171,11 +205,9 @@ impl RangeLocks {
     /// Gives up the range held under `id`, waking the waiters it was keeping out.
     pub(crate) fn release(&self, id: u64) {
         let mut state = self.state();
-        let Some(i) = state.held.iter().position(|h| h.id == id) else {
+        let Some(gone) = state.unhold(id) else {
             return;
         };
-        let gone = state.held.swap_remove(i);
-        state.exclusive_held -= usize::from(gone.exclusive);
         for w in &state.waiting {
             if gone.conflicts(w.range.start, w.range.end, w.range.exclusive) {
                 w.wake.notify_one();
@@ -194,6 +226,7 @@ impl Drop for RangeGuard<'_> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
     #[tokio::test]
@@ -252,6 +285,22 @@ mod tests {
         let e = locks.try_acquire(0, 20, true).unwrap();
         locks.release(e);
         assert_eq!(locks.held(), 0);
+    }
+
+    #[test]
+    fn a_stale_id_never_releases_the_next_holder_of_its_slot() {
+        let locks = RangeLocks::default();
+        let first = locks.try_acquire(0, 4, true).unwrap();
+        locks.release(first);
+        // The same slot, another holder.
+        let second = locks.try_acquire(2, 3, true).unwrap();
+        assert_eq!(first & 0xffff_ffff, second & 0xffff_ffff);
+        locks.release(first);
+        assert_eq!(locks.held(), 1);
+        assert!(locks.try_acquire(2, 3, false).is_none());
+        locks.release(second);
+        assert_eq!(locks.held(), 0);
+        assert!(locks.try_acquire(2, 3, false).is_some());
     }
 
     #[tokio::test]

@@ -21,8 +21,8 @@
 use qimg_io::queue::IoBuffers;
 use qimg_io::{AlignedBuf, Op, Storage, StorageError};
 
+use super::Queue;
 use super::fast::Fill;
-use super::{Pending, Queue};
 use crate::engine::image::Backing;
 use crate::error::Error;
 
@@ -115,7 +115,8 @@ impl<S: Storage + 'static> Queue<S> {
         }
         let mut bounce = IoBuffers::from_aligned(bounce);
         let idx = self.slot();
-        let mut positions = self.spare.pop().unwrap_or_default();
+        // The slot's own vector (empty), with the capacity of earlier requests.
+        let mut positions = std::mem::take(&mut self.pending[idx].parts);
         let mut sources = Vec::with_capacity(reads);
         let mut error = None;
         if let Some(b) = backing {
@@ -141,25 +142,23 @@ impl<S: Storage + 'static> Queue<S> {
             self.reserve_ahead(cow.link.host);
         }
         let host = cow.host();
-        self.pending[idx] = Some(Pending {
-            user_data,
-            left,
-            parts: positions,
+        let p = &mut self.pending[idx];
+        p.active = true;
+        p.user_data = user_data;
+        p.left = left;
+        p.parts = positions;
+        p.error = error;
+        p.lock = lock;
+        p.buffers = Some(buffers);
+        p.len = len as u64;
+        p.write = true;
+        p.links = vec![cow.link];
+        p.cow = Some(CowIo {
+            bounce,
+            host,
+            reading: true,
             short: Vec::new(),
-            error,
-            lock,
-            buffers,
-            len: len as u64,
-            write: true,
-            links: vec![cow.link],
-            holes: Vec::new(),
-            cow: Some(CowIo {
-                bounce,
-                host,
-                reading: true,
-                short: Vec::new(),
-                sources,
-            }),
+            sources,
         });
         // The write's place, kept from now on.
         self.reserved += 1;
@@ -185,7 +184,7 @@ impl<S: Storage + 'static> Queue<S> {
         expected: usize,
     ) -> bool {
         let inner = self.image.inner.clone();
-        let Some(Some(p)) = self.pending.get_mut(idx) else {
+        let Some(p) = self.pending.get_mut(idx).filter(|p| p.active) else {
             return false;
         };
         let Some(cow) = p.cow.as_mut().filter(|c| c.reading) else {
@@ -214,7 +213,7 @@ impl<S: Storage + 'static> Queue<S> {
     fn cow_reads_done(&mut self, idx: usize) {
         self.reserved -= 1;
         let inner = self.image.inner.clone();
-        let Some(Some(p)) = self.pending.get_mut(idx) else {
+        let Some(p) = self.pending.get_mut(idx).filter(|p| p.active) else {
             return;
         };
         let Some(cow) = p.cow.as_mut() else {

@@ -207,8 +207,15 @@ pub struct QueueStats {
     pub cow: u64,
 }
 
-/// A direct request between submission and completion.
+/// A direct request between submission and completion, in a slot of `Queue::pending` that
+/// stays allocated from request to request (`active` while it is in use): a request is
+/// written into its slot and read out of it field by field, never moved whole (at ~300 bytes
+/// those moves were a tenth of the direct path's own time), and the slot's vectors keep their
+/// capacity for the next request.
+#[derive(Default)]
 struct Pending {
+    /// The slot holds a request.
+    active: bool,
     user_data: u64,
     /// Ring operations not completed yet.
     left: usize,
@@ -218,7 +225,8 @@ struct Pending {
     short: Vec<(usize, usize)>,
     error: Option<Error>,
     lock: u64,
-    buffers: IoBuffers,
+    /// The caller's buffers (`None` only while the slot is free).
+    buffers: Option<IoBuffers>,
     len: u64,
     write: bool,
     /// Writes to link (new clusters, changed bitmaps) once the data is on disk.
@@ -238,7 +246,7 @@ pub struct Queue<S: Storage + 'static> {
     image: Image<S>,
     ring: QueueRing,
     notifier: Notifier,
-    pending: Vec<Option<Pending>>,
+    pending: Vec<Pending>,
     free: Vec<usize>,
     done: VecDeque<Completion>,
     engine_done: Arc<Mutex<Vec<Completion>>>,
@@ -255,9 +263,6 @@ pub struct Queue<S: Storage + 'static> {
     batch_now: Option<std::time::Duration>,
     /// The direct path's plan, reused from request to request.
     plan: Vec<Part>,
-    /// `Pending::parts` vectors of finished requests, for reuse (the direct path allocates
-    /// nothing per request once warm).
-    spare: Vec<Vec<(usize, usize)>>,
     /// Ring places promised to copy-on-write writes still reading (each writes once its
     /// reads are in, and must find a place then).
     reserved: usize,
@@ -313,7 +318,6 @@ impl<S: Storage + 'static> Image<S> {
             batching: false,
             batch_now: None,
             plan: Vec::new(),
-            spare: Vec::new(),
             reserved: 0,
             bounces: Vec::new(),
             stats: QueueStats::default(),
@@ -345,7 +349,7 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// Requests submitted whose completion was not collected yet.
     pub fn in_flight(&self) -> usize {
-        self.pending.iter().filter(|p| p.is_some()).count()
+        self.pending.iter().filter(|p| p.active).count()
             + self.parked()
             + self.engine_in_flight.load(Ordering::Acquire)
             + self.done.len()
@@ -597,11 +601,12 @@ impl<S: Storage + 'static> Queue<S> {
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {
-                self.pending.push(None);
+                self.pending.push(Pending::default());
                 self.pending.len() - 1
             }
         };
-        let mut positions = self.spare.pop().unwrap_or_default();
+        // The slot's own vector (empty), with the capacity of earlier requests.
+        let mut positions = std::mem::take(&mut self.pending[idx].parts);
         positions.reserve(ios);
         let mut error = None;
         for p in parts {
@@ -623,20 +628,19 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         let left = positions.len();
-        self.pending[idx] = Some(Pending {
-            user_data,
-            left,
-            parts: positions,
-            short: Vec::new(),
-            error,
-            lock,
-            buffers,
-            len,
-            write,
-            links,
-            holes,
-            cow: None,
-        });
+        // Field by field: the slot's other vectors are empty and keep their capacity.
+        let p = &mut self.pending[idx];
+        p.active = true;
+        p.user_data = user_data;
+        p.left = left;
+        p.parts = positions;
+        p.error = error;
+        p.lock = lock;
+        p.buffers = Some(buffers);
+        p.len = len;
+        p.write = write;
+        p.links = links;
+        p.holes = holes;
         self.stats.direct += 1;
         self.stats.direct_bytes += len;
         if left == 0 {
@@ -656,7 +660,7 @@ impl<S: Storage + 'static> Queue<S> {
         match self.free.pop() {
             Some(i) => i,
             None => {
-                self.pending.push(None);
+                self.pending.push(Pending::default());
                 self.pending.len() - 1
             }
         }
@@ -694,7 +698,7 @@ impl<S: Storage + 'static> Queue<S> {
             return;
         }
         let path = &self.image.inner.path;
-        let Some(Some(p)) = self.pending.get_mut(idx) else {
+        let Some(p) = self.pending.get_mut(idx).filter(|p| p.active) else {
             return;
         };
         let (pos, len) = p.parts.get(part).copied().unwrap_or((0, 0));
@@ -726,13 +730,39 @@ impl<S: Storage + 'static> Queue<S> {
 
     /// Completes the direct request in slot `idx`.
     fn finish(&mut self, idx: usize) {
-        let Some(mut p) = self.pending.get_mut(idx).and_then(Option::take) else {
+        let Some(slot) = self.pending.get_mut(idx).filter(|p| p.active) else {
             return;
         };
+        slot.active = false;
+        slot.parts.clear();
         self.free.push(idx);
-        let mut parts = std::mem::take(&mut p.parts);
-        parts.clear();
-        self.spare.push(parts);
+        if slot.cow.is_none() && slot.links.is_empty() {
+            // Reads and in-place writes: read out of the slot, nothing moved whole.
+            let mut buffers = slot.buffers.take();
+            if let Some(b) = buffers.as_mut() {
+                for (pos, len) in slot.short.drain(..) {
+                    b.fill_zero(pos, len);
+                }
+            }
+            let result = match slot.error.take() {
+                Some(e) => Err(e),
+                None => Ok(slot.len),
+            };
+            let holes = std::mem::take(&mut slot.holes);
+            let (user_data, write, lock) = (slot.user_data, slot.write, slot.lock);
+            self.image.inner.locks.release(lock);
+            self.done.push_back(Completion {
+                user_data,
+                result,
+                buffers,
+                holes: (!write).then_some(holes),
+            });
+            return;
+        }
+        // Writes with clusters to link: owned from here (they may go to the engine thread).
+        let parts = std::mem::take(&mut slot.parts);
+        let mut p = std::mem::take(slot);
+        self.pending[idx].parts = parts;
         if let Some(cow) = p.cow.take() {
             self.end_cow(cow);
         }
@@ -742,8 +772,10 @@ impl<S: Storage + 'static> Queue<S> {
         }
         self.image.inner.locks.release(p.lock);
         let mut buffers = p.buffers;
-        for (pos, len) in p.short {
-            buffers.fill_zero(pos, len);
+        if let Some(b) = buffers.as_mut() {
+            for (pos, len) in p.short {
+                b.fill_zero(pos, len);
+            }
         }
         let result = match p.error {
             Some(e) => Err(e),
@@ -752,7 +784,7 @@ impl<S: Storage + 'static> Queue<S> {
         self.done.push_back(Completion {
             user_data: p.user_data,
             result,
-            buffers: Some(buffers),
+            buffers,
             holes: (!p.write).then_some(p.holes),
         });
     }
@@ -802,7 +834,7 @@ impl<S: Storage + 'static> Queue<S> {
             Completion {
                 user_data: p.user_data,
                 result,
-                buffers: Some(p.buffers),
+                buffers: p.buffers,
                 holes: None,
             }
         });
@@ -956,7 +988,7 @@ fn ring_error(
 impl<S: Storage + 'static> Drop for Queue<S> {
     fn drop(&mut self) {
         // Direct requests hold memory the kernel uses and range locks: wait for each.
-        while self.pending.iter().any(Option::is_some) || self.loads.iter().any(Option::is_some) {
+        while self.pending.iter().any(|p| p.active) || self.loads.iter().any(Option::is_some) {
             if self.ring.wait().is_err() {
                 break;
             }
