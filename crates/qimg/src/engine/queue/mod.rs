@@ -69,6 +69,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::MutexGuard;
+
 use qimg_io::queue::{IoBuffers, Notifier, QueueRing, RingCompletion};
 use qimg_io::{AlignedBuf, Op, Storage, StorageError};
 
@@ -76,7 +78,8 @@ use self::cow::CowIo;
 use self::fast::Part;
 use self::loads::{LOAD_TOKEN, Parked, SliceLoad};
 use self::worker::Worker;
-use super::image::Image;
+use super::image::{Image, Inner};
+use super::meta::Meta;
 use super::rw::PreparedWrite;
 use crate::error::{Error, Result};
 
@@ -392,11 +395,50 @@ impl<S: Storage + 'static> Queue<S> {
         self.batching = true;
         self.batch_now = Some(self.image.inner.now());
         let mut refused = Vec::new();
+        // Consecutive reads that go direct keep the metadata lock from one to the next (its
+        // release is not free), for at most `BATCH_HOLD` of them so that other queues and
+        // the engine get their turn.
+        let inner = self.image.inner.clone();
+        let mut held = None;
+        let mut kept = 0;
         for (request, user_data) in requests {
-            if let Err(e) = self.submit(request, user_data) {
+            if kept == BATCH_HOLD {
+                held = None;
+                kept = 0;
+            }
+            let request = match request {
+                Request::Read { offset, buffers } => {
+                    match self.try_direct_in(
+                        &inner,
+                        Some(&mut held),
+                        offset,
+                        buffers,
+                        user_data,
+                        false,
+                        0,
+                        true,
+                    ) {
+                        Ok(()) => {
+                            kept += usize::from(held.is_some());
+                            continue;
+                        }
+                        Err(buffers) => Request::Read { offset, buffers },
+                    }
+                }
+                other => other,
+            };
+            held = None;
+            kept = 0;
+            let submitted = match request {
+                // Already tried: `submit` would try the direct path again.
+                Request::Read { .. } => self.run_on_engine_thread(request, user_data),
+                other => self.submit(other, user_data),
+            };
+            if let Err(e) = submitted {
                 refused.push((user_data, e));
             }
         }
+        drop(held);
         self.batching = false;
         self.batch_now = None;
         // A failed submission leaves the entries queued: `collect` tries again.
@@ -481,17 +523,42 @@ impl<S: Storage + 'static> Queue<S> {
         loads: u8,
         counted: bool,
     ) -> std::result::Result<(), IoBuffers> {
+        let inner = self.image.inner.clone();
+        self.try_direct_in(
+            &inner, None, offset, buffers, user_data, write, loads, counted,
+        )
+    }
+
+    /// [`try_direct`](Self::try_direct) on `inner` (the queue's image), where `held` is the
+    /// metadata lock [`submit_batch`](Self::submit_batch) keeps from one read to the next:
+    /// a read that goes direct leaves it held, anything else lets it go.
+    #[allow(clippy::too_many_arguments)]
+    fn try_direct_in<'g>(
+        &mut self,
+        inner: &'g Inner<S>,
+        held: Option<&mut Option<MutexGuard<'g, Meta>>>,
+        offset: u64,
+        buffers: IoBuffers,
+        user_data: u64,
+        write: bool,
+        loads: u8,
+        counted: bool,
+    ) -> std::result::Result<(), IoBuffers> {
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
-        let r = self.try_direct_with(&mut plan, offset, buffers, user_data, write, loads, counted);
+        let r = self.try_direct_with(
+            inner, held, &mut plan, offset, buffers, user_data, write, loads, counted,
+        );
         self.plan = plan;
         r
     }
 
-    /// [`try_direct`](Self::try_direct) with the plan's vector lent.
+    /// [`try_direct_in`](Self::try_direct_in) with the plan's vector lent.
     #[allow(clippy::too_many_arguments)]
-    fn try_direct_with(
+    fn try_direct_with<'g>(
         &mut self,
+        inner: &'g Inner<S>,
+        held: Option<&mut Option<MutexGuard<'g, Meta>>>,
         plan: &mut Vec<Part>,
         offset: u64,
         mut buffers: IoBuffers,
@@ -500,7 +567,17 @@ impl<S: Storage + 'static> Queue<S> {
         loads: u8,
         counted: bool,
     ) -> std::result::Result<(), IoBuffers> {
-        let inner = &self.image.inner;
+        let mut own = None;
+        // Reads keep the batch's hold; a write lets it go (its fallbacks take the lock).
+        let keep = held.is_some() && !write;
+        let meta = match held {
+            Some(h) if !write => h,
+            Some(h) => {
+                *h = None;
+                &mut own
+            }
+            None => &mut own,
+        };
         let len = buffers.len() as u64;
         if len == 0 || offset.checked_add(len).is_none_or(|end| end > inner.size()) {
             return Err(buffers);
@@ -521,7 +598,12 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(lock) = inner.locks.try_acquire(first, end, write) else {
             return Err(buffers);
         };
-        let mut meta = lock_briefly(&inner.meta).filter(|m| !m.closed);
+        if meta.is_none() {
+            *meta = lock_briefly(&inner.meta);
+        }
+        if meta.as_ref().is_some_and(|m| m.closed) {
+            *meta = None;
+        }
         let free = self.free_slots();
         let mut links = Vec::new();
         let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.now()));
@@ -558,7 +640,8 @@ impl<S: Storage + 'static> Queue<S> {
                     inner.try_unalloc_cached(m, l.host);
                 }
             }
-            drop(meta);
+            // Released before the fallbacks, which take it themselves.
+            *meta = None;
             // A write that only needs copy-on-write the ring can do itself.
             let buffers = if write && unplanned {
                 match self.try_cow(offset, buffers, user_data, lock) {
@@ -568,7 +651,7 @@ impl<S: Storage + 'static> Queue<S> {
             } else {
                 buffers
             };
-            self.image.inner.locks.release(lock);
+            inner.locks.release(lock);
             if unplanned {
                 // Perhaps only an L2 slice is missing: load it here and come back.
                 let p = Parked {
@@ -583,7 +666,9 @@ impl<S: Storage + 'static> Queue<S> {
             }
             return Err(buffers);
         };
-        drop(meta);
+        if !keep {
+            *meta = None;
+        }
         if !links.is_empty() {
             self.stats.allocating += 1;
             if let Some(host) = links.iter().filter(|l| l.fresh).map(|l| l.host).max() {
@@ -890,6 +975,9 @@ impl<S: Storage + 'static> Queue<S> {
         queued
     }
 }
+
+/// Reads of a batch that may go direct under one hold of the metadata lock.
+const BATCH_HOLD: usize = 16;
 
 /// The metadata lock if it comes free within a short spin: the direct path's holders (other
 /// queues' threads) keep it for about a microsecond, while the engine may hold it across
