@@ -143,16 +143,16 @@ impl<S: Storage + 'static> Queue<S> {
         }
         let host = cow.host();
         let p = &mut self.pending[idx];
-        p.active = true;
-        p.user_data = user_data;
-        p.left = left;
-        p.parts = positions;
-        p.error = error;
-        p.lock = lock;
-        p.buffers = Some(buffers);
-        p.len = len as u64;
-        p.write = true;
-        p.links = vec![cow.link];
+        p.start(
+            user_data,
+            positions,
+            error,
+            lock,
+            buffers,
+            len as u64,
+            true,
+            vec![cow.link],
+        );
         p.cow = Some(CowIo {
             bounce,
             host,

@@ -240,6 +240,34 @@ struct Pending {
     cow: Option<CowIo>,
 }
 
+impl Pending {
+    /// Puts a request whose ring operations are `parts` into this free slot, field by field
+    /// (its other vectors are empty and keep their capacity).
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        user_data: u64,
+        parts: Vec<(usize, usize)>,
+        error: Option<Error>,
+        lock: u64,
+        buffers: IoBuffers,
+        len: u64,
+        write: bool,
+        links: Vec<PreparedWrite>,
+    ) {
+        self.active = true;
+        self.user_data = user_data;
+        self.left = parts.len();
+        self.parts = parts;
+        self.error = error;
+        self.lock = lock;
+        self.buffers = Some(buffers);
+        self.len = len;
+        self.write = write;
+        self.links = links;
+    }
+}
+
 /// A per-queue completion handle of an [`Image`]; see the [module docs](self).
 ///
 /// `Queue` is `Send`: create it anywhere and move it to the thread that serves the guest
@@ -713,18 +741,10 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         let left = positions.len();
-        // Field by field: the slot's other vectors are empty and keep their capacity.
         let p = &mut self.pending[idx];
-        p.active = true;
-        p.user_data = user_data;
-        p.left = left;
-        p.parts = positions;
-        p.error = error;
-        p.lock = lock;
-        p.buffers = Some(buffers);
-        p.len = len;
-        p.write = write;
-        p.links = links;
+        p.start(
+            user_data, positions, error, lock, buffers, len, write, links,
+        );
         p.holes = holes;
         self.stats.direct += 1;
         self.stats.direct_bytes += len;
