@@ -479,3 +479,119 @@ async fn an_overlay_cannot_be_written_without_its_backing_file() {
     let err = opts.open(dir.path("b.qcow2")).await.unwrap_err();
     assert!(err.to_string().contains("backing file"), "{err}");
 }
+
+/// A storage that counts the bytes written to it.
+#[derive(Clone)]
+struct CountWrites {
+    inner: qimg_io::MemStorage,
+    written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl CountWrites {
+    fn written(&self) -> u64 {
+        self.written.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn count(&self, n: u64) {
+        self.written
+            .fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl qimg_io::Storage for CountWrites {
+    async fn read_at_most(&self, buf: &mut [u8], offset: u64) -> qimg_io::Result<usize> {
+        self.inner.read_at_most(buf, offset).await
+    }
+    async fn write_at(&self, buf: &[u8], offset: u64) -> qimg_io::Result<()> {
+        self.count(buf.len() as u64);
+        self.inner.write_at(buf, offset).await
+    }
+    async fn write_vectored_at(
+        &self,
+        bufs: &[std::io::IoSlice<'_>],
+        offset: u64,
+    ) -> qimg_io::Result<()> {
+        self.count(bufs.iter().map(|b| b.len() as u64).sum());
+        self.inner.write_vectored_at(bufs, offset).await
+    }
+    async fn write_zeroes(&self, offset: u64, len: u64) -> qimg_io::Result<qimg_io::ZeroOutcome> {
+        self.count(len);
+        self.inner.write_zeroes(offset, len).await
+    }
+    async fn discard(&self, offset: u64, len: u64) -> qimg_io::Result<qimg_io::DiscardOutcome> {
+        self.inner.discard(offset, len).await
+    }
+    async fn allocate(&self, offset: u64, len: u64) -> qimg_io::Result<qimg_io::AllocateOutcome> {
+        self.inner.allocate(offset, len).await
+    }
+    async fn flush(&self) -> qimg_io::Result<()> {
+        self.inner.flush().await
+    }
+    async fn len(&self) -> qimg_io::Result<u64> {
+        self.inner.len().await
+    }
+    async fn set_len(&self, len: u64) -> qimg_io::Result<()> {
+        self.inner.set_len(len).await
+    }
+}
+
+/// A new L2 table in a cluster that never held data, inside space reserved with `fallocate`,
+/// is not written as zeros (2 MiB per table with 2 MiB clusters); one that reuses a freed
+/// cluster is. Either way qemu-img checks the image clean and reads what was written.
+#[tokio::test]
+async fn a_new_l2_table_in_reserved_space_is_not_written_as_zeros() {
+    if !have_qemu("a_new_l2_table_in_reserved_space_is_not_written_as_zeros") {
+        return;
+    }
+    const TABLE: u64 = 256 << 30;
+    let mut written_by = Vec::new();
+    for allocation in [qimg::Allocation::Contiguous, qimg::Allocation::Sparse] {
+        let dir = Scratch::new("l2-zeros");
+        // 2 MiB clusters, extended L2: an L2 table (2 MiB) covers 256 GiB of guest space.
+        qemu_create(
+            &dir.0,
+            "a.qcow2",
+            "cluster_size=2M,extended_l2=on",
+            4 * TABLE,
+            None,
+        );
+        let mem = qimg_io::MemStorage::from_bytes(&std::fs::read(dir.path("a.qcow2")).unwrap());
+        let storage = CountWrites {
+            inner: mem.clone(),
+            written: Default::default(),
+        };
+        let img = OpenOptions::new()
+            .writable(true)
+            .allocation(allocation)
+            .open_storage(storage.clone(), "a.qcow2", None, None)
+            .await
+            .unwrap();
+        // Four tables: one 4 KiB write in each table's range.
+        let data = pattern::pattern(3, 0, 4096);
+        for t in 0..4u64 {
+            img.write(&data, t * TABLE + 8192).await.unwrap();
+        }
+        img.close().await.unwrap();
+        let written = storage.written();
+        let what = format!("{allocation:?}: {written} bytes written");
+        written_by.push(written);
+        std::fs::write(dir.path("a.qcow2"), mem.snapshot()).unwrap();
+        assert_clean(&dir.0, "a.qcow2", &what);
+        let img = OpenOptions::new().open(dir.path("a.qcow2")).await.unwrap();
+        for t in 0..4u64 {
+            let mut got = vec![0u8; 3 * 4096];
+            img.read(&mut got, t * TABLE + 4096).await.unwrap();
+            assert!(got[..4096].iter().all(|&b| b == 0), "{what}");
+            assert!(got[4096..8192] == data[..], "{what}");
+            assert!(got[8192..].iter().all(|&b| b == 0), "{what}");
+        }
+    }
+    // Without a reservation each of the four tables is written whole; with one, none is
+    // (the rest, the same in both: data, refcount blocks, L1 entries, header).
+    let (contiguous, sparse) = (written_by[0], written_by[1]);
+    assert!(sparse >= 4 * 2 * MIB, "sparse: {sparse} bytes");
+    assert_eq!(
+        sparse - contiguous,
+        4 * 2 * MIB,
+        "{contiguous} against {sparse} bytes"
+    );
+}
