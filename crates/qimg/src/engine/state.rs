@@ -175,14 +175,6 @@ impl Reservation {
         }
     }
 
-    /// Whether `fallocate` reserved the whole cluster at `host` past the file's end at open
-    /// (then it reads as zeros until written, and lies inside the file).
-    pub(crate) fn holds(&self, host: u64, cluster_size: u64) -> bool {
-        !self.unsupported.load(Ordering::Relaxed)
-            && host >= self.from
-            && host + cluster_size <= self.end.load(Ordering::Acquire)
-    }
-
     /// Whether a write may go to the new cluster at `host` (`cluster_size` bytes) without
     /// reserving anything first.
     pub(crate) fn covers(&self, allocation: Allocation, host: u64, cluster_size: u64) -> bool {

@@ -9,7 +9,6 @@ use qimg_format::units::HostOffset;
 use qimg_io::Storage;
 
 use super::{CacheKind, Meta};
-use crate::engine::options::Allocation;
 use crate::engine::overlap::{Region, Writing};
 use crate::engine::state::Shared;
 use crate::error::{Error, Result};
@@ -33,36 +32,20 @@ impl<S: Storage> Shared<S> {
         }
         self.mark_dirty_if_lazy(m).await?;
         let cs = self.geo.cluster_size();
-        // Clusters past everything allocated since open and past the end of the file at
-        // open have never held data.
-        let unused_from = m.end_cluster * cs;
         let new = self.alloc_clusters(m, 1).await?;
-        // A new table in such a cluster, inside space `fallocate` reserved, already reads as
-        // zeros: writing them (2 MiB with 2 MiB clusters) is skipped. The flush below still
-        // makes the reservation and the refcounts durable before the L1 entry names it.
-        let mut zeroed = false;
-        if entry.l2_offset.is_none()
-            && new >= unused_from
-            && self.allocation == Allocation::Contiguous
-        {
-            self.reserve_fresh(new).await?;
-            zeroed = self.reservation.holds(new, cs);
-        }
-        if !zeroed {
-            let mut content = vec![0u8; cs as usize];
-            if let Some(old) = entry.l2_offset {
-                self.write_back(m, CacheKind::L2).await?;
-                self.file
-                    .read_at(&mut content, old.0)
-                    .await
-                    .map_err(|e| self.storage_error(e))?;
-            }
-            self.guard_write(m, new, cs, Writing::Data).await?;
+        let mut content = vec![0u8; cs as usize];
+        if let Some(old) = entry.l2_offset {
+            self.write_back(m, CacheKind::L2).await?;
             self.file
-                .write_at(&content, new)
+                .read_at(&mut content, old.0)
                 .await
                 .map_err(|e| self.storage_error(e))?;
         }
+        self.guard_write(m, new, cs, Writing::Data).await?;
+        self.file
+            .write_at(&content, new)
+            .await
+            .map_err(|e| self.storage_error(e))?;
         if !self.lazy {
             self.write_back(m, CacheKind::Refcount).await?;
         }
