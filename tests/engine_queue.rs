@@ -1110,6 +1110,14 @@ fn batches_of_hits_misses_and_writes_match_the_model() {
     }
     let after = queue.stats();
     assert!(after.direct - before.direct > 300, "{after:?}");
+    // Runs of hits shared lock holds; a hold never spans more than 16 reads, so at least
+    // one read in 16 of those that went direct took the lock itself.
+    let held = after.held_reads - before.held_reads;
+    assert!(held > 0, "no read kept the batch's lock: {after:?}");
+    assert!(
+        held * 16 <= (after.direct - before.direct) * 15,
+        "{after:?}"
+    );
     assert!(
         after.slice_loads > before.slice_loads,
         "no slice loaded mid-batch: {after:?}"

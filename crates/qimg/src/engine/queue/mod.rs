@@ -208,6 +208,10 @@ pub struct QueueStats {
     /// from a raw backing file or filled with zeros, and written with the caller's in one
     /// write.
     pub cow: u64,
+    /// Direct reads of a [`submit_batch`](Queue::submit_batch) planned under the metadata
+    /// lock an earlier read of the same batch took (consecutive reads share one lock hold,
+    /// at most 16 of them).
+    pub held_reads: u64,
 }
 
 /// A direct request between submission and completion, in a slot of `Queue::pending` that
@@ -626,7 +630,8 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(lock) = inner.locks.try_acquire(first, end, write) else {
             return Err(buffers);
         };
-        if meta.is_none() {
+        let reused = meta.is_some();
+        if !reused {
             *meta = lock_briefly(&inner.meta);
         }
         if meta.as_ref().is_some_and(|m| m.closed) {
@@ -696,6 +701,8 @@ impl<S: Storage + 'static> Queue<S> {
         };
         if !keep {
             *meta = None;
+        } else if reused {
+            self.stats.held_reads += 1;
         }
         if !links.is_empty() {
             self.stats.allocating += 1;
