@@ -220,10 +220,10 @@ impl<S: Storage> Shared<S> {
     }
 
     /// Whether the allocation of `host` leaves less than a whole step reserved after it, so
-    /// that the next step should be reserved now (half a step was too little: 2 MiB
-    /// copy-on-write writes whose backing reads end at once, 32 in flight, used it up before
-    /// the `fallocate` of the next step ended, and a third of them went to the engine) (by one caller: this claims the job, which
-    /// [`extend_reservation`](Self::extend_reservation) ends).
+    /// that the next step should be reserved now; the one caller that gets `true` claims the
+    /// job, which [`extend_reservation`](Self::extend_reservation) ends. (Half a step was too
+    /// little: 32 copy-on-write writes of 2 MiB clusters in flight used it up before the
+    /// `fallocate` of the next step ended, and a third of them went to the engine.)
     pub(crate) fn claim_extension(&self, host: u64) -> bool {
         let r = &self.reservation;
         self.allocation == Allocation::Contiguous

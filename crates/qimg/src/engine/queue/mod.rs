@@ -279,6 +279,10 @@ impl Pending {
 /// ones on its thread). Drop every queue before closing the image.
 pub struct Queue<S: Storage + 'static> {
     image: Image<S>,
+    /// The image's state, lent to the direct path while it runs (`None` then): a reference
+    /// that does not borrow the queue, without touching the reference count shared with
+    /// every other queue of the image on each request.
+    lent: Option<Arc<Inner<S>>>,
     ring: QueueRing,
     notifier: Notifier,
     pending: Vec<Pending>,
@@ -340,6 +344,7 @@ impl<S: Storage + 'static> Image<S> {
             .map_err(|e| Error::io(path, "starting the queue's engine thread", e))?;
         Ok(Queue {
             image: self.clone(),
+            lent: Some(self.inner.clone()),
             ring,
             notifier,
             pending: Vec::new(),
@@ -430,7 +435,7 @@ impl<S: Storage + 'static> Queue<S> {
         // Consecutive reads that go direct keep the metadata lock from one to the next (its
         // release is not free), for at most `BATCH_HOLD` of them so that other queues and
         // the engine get their turn.
-        let inner = self.image.inner.clone();
+        let inner = self.borrow_inner();
         let mut held = None;
         let mut kept = 0;
         for (request, user_data) in requests {
@@ -471,6 +476,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         drop(held);
+        self.lent.get_or_insert(inner);
         self.batching = false;
         self.batch_now = None;
         // A failed submission leaves the entries queued: `collect` tries again.
@@ -555,10 +561,18 @@ impl<S: Storage + 'static> Queue<S> {
         loads: u8,
         counted: bool,
     ) -> std::result::Result<(), IoBuffers> {
-        let inner = self.image.inner.clone();
-        self.try_direct_in(
+        let inner = self.borrow_inner();
+        let r = self.try_direct_in(
             &inner, None, offset, buffers, user_data, write, loads, counted,
-        )
+        );
+        self.lent.get_or_insert(inner);
+        r
+    }
+
+    /// The image's state from `lent` (a clone only when the direct path is entered again
+    /// while it is out); give it back to `lent` after use.
+    fn borrow_inner(&mut self) -> Arc<Inner<S>> {
+        self.lent.take().unwrap_or_else(|| self.image.inner.clone())
     }
 
     /// [`try_direct`](Self::try_direct) on `inner` (the queue's image), where `held` is the
