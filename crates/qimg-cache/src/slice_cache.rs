@@ -1,6 +1,7 @@
 //! The slice cache: LRU over a byte budget with dirty tracking and pins.
 
 use std::fmt;
+use std::ops::Range;
 use std::time::Duration;
 
 use lru::LruCache;
@@ -121,6 +122,9 @@ pub struct CacheStats {
 struct Entry {
     data: Box<[u8]>,
     dirty: bool,
+    /// While dirty: the bytes `[start, end)` that may differ from storage (the hull of every
+    /// change since the slice was last clean).
+    span: (usize, usize),
     version: u64,
     pins: u32,
     last_used: Duration,
@@ -251,6 +255,7 @@ impl SliceCache {
                     entry.dirty = true;
                     self.dirty += 1;
                 }
+                entry.span = (0, entry.data.len());
                 entry.version = self.next_version;
                 self.next_version = self.next_version.wrapping_add(1);
                 Some(&mut entry.data)
@@ -260,6 +265,54 @@ impl SliceCache {
                 None
             }
         }
+    }
+
+    /// [`get_mut`](Self::get_mut) for a change to the bytes `range` of the slice alone: hands
+    /// out just those bytes and marks only them dirty, so that a write-back of a large slice
+    /// (a whole 2 MiB table or refcount block) can write only what changed (see
+    /// [`dirty_span`](Self::dirty_span)). `None` on a miss (counted) and for a range outside
+    /// the slice (not counted: a caller's mistake, not a lookup).
+    pub fn get_mut_range(
+        &mut self,
+        key: SliceKey,
+        range: Range<usize>,
+        now: Duration,
+    ) -> Option<&mut [u8]> {
+        if range.start > range.end || range.end > self.slice_size {
+            return None;
+        }
+        match self.slices.get_mut(&key) {
+            Some(entry) => {
+                self.hits = self.hits.saturating_add(1);
+                entry.last_used = now;
+                if entry.dirty {
+                    entry.span = (entry.span.0.min(range.start), entry.span.1.max(range.end));
+                } else {
+                    entry.dirty = true;
+                    self.dirty += 1;
+                    entry.span = (range.start, range.end);
+                }
+                entry.version = self.next_version;
+                self.next_version = self.next_version.wrapping_add(1);
+                entry.data.get_mut(range)
+            }
+            None => {
+                self.misses = self.misses.saturating_add(1);
+                None
+            }
+        }
+    }
+
+    /// The bytes of dirty slice `key` that may differ from storage: every byte changed
+    /// through [`get_mut_range`](Self::get_mut_range) since the slice was last clean, or
+    /// the whole slice once [`get_mut`](Self::get_mut) or [`mark_dirty`](Self::mark_dirty)
+    /// touched it. Writing these bytes back is as good as writing the whole slice. `None`
+    /// when `key` is clean or not cached.
+    pub fn dirty_span(&self, key: SliceKey) -> Option<Range<usize>> {
+        self.slices
+            .peek(&key)
+            .filter(|entry| entry.dirty)
+            .map(|entry| entry.span.0..entry.span.1)
     }
 
     /// The bytes of `key` without touching recency, time or statistics
@@ -344,6 +397,7 @@ impl SliceCache {
             Entry {
                 data,
                 dirty: false,
+                span: (0, 0),
                 version: 0,
                 pins: 0,
                 last_used: now,
@@ -363,6 +417,7 @@ impl SliceCache {
             entry.dirty = true;
             self.dirty += 1;
         }
+        entry.span = (0, entry.data.len());
         entry.version = self.next_version;
         self.next_version = self.next_version.wrapping_add(1);
         Ok(())

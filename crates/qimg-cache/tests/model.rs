@@ -15,6 +15,7 @@ enum CacheOp {
     Advance(u64),
     Get(SliceKey),
     GetMut(SliceKey, u16, u8),
+    GetMutRange(SliceKey, u16, u16, u8),
     Insert(SliceKey),
     MarkDirty(SliceKey),
     SnapshotDirty,
@@ -34,6 +35,8 @@ fn op() -> impl Strategy<Value = CacheOp> {
         2 => (0u64..40).prop_map(CacheOp::Advance),
         4 => key().prop_map(CacheOp::Get),
         2 => (key(), 0u16..SLICE as u16, any::<u8>()).prop_map(|(k, at, b)| CacheOp::GetMut(k, at, b)),
+        3 => (key(), 0u16..SLICE as u16 + 8, 0u16..24, any::<u8>())
+            .prop_map(|(k, at, n, b)| CacheOp::GetMutRange(k, at, n, b)),
         5 => key().prop_map(CacheOp::Insert),
         2 => key().prop_map(CacheOp::MarkDirty),
         1 => Just(CacheOp::SnapshotDirty),
@@ -49,6 +52,8 @@ fn op() -> impl Strategy<Value = CacheOp> {
 struct ModelEntry {
     key: SliceKey,
     data: Vec<u8>,
+    /// What storage holds for the slice: its bytes when inserted or last marked clean.
+    disk: Vec<u8>,
     dirty: bool,
     version: u64,
     pins: u32,
@@ -188,6 +193,29 @@ fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
                     prop_assert_eq!(got, None);
                 }
             }
+            CacheOp::GetMutRange(key, at, n, byte) => {
+                let range = usize::from(at)..usize::from(at) + usize::from(n);
+                let fits = range.end <= SLICE;
+                let got = cache
+                    .get_mut_range(key, range.clone(), ms(now))
+                    .map(|data| {
+                        data.fill(byte);
+                        data.len()
+                    });
+                if !fits {
+                    prop_assert_eq!(got, None, "a range past the slice is refused");
+                } else if model.touch(key, now).is_some() {
+                    model.hits += 1;
+                    model.dirty(key);
+                    let entry = model.find(key).expect("just touched");
+                    entry.data[range.clone()].fill(byte);
+                    prop_assert_eq!(got, Some(range.len()));
+                    ledger.insert(key, entry.data.clone());
+                } else {
+                    model.misses += 1;
+                    prop_assert_eq!(got, None);
+                }
+            }
             CacheOp::Insert(key) => {
                 fill = fill.wrapping_add(1);
                 let data = vec![fill; SLICE];
@@ -223,6 +251,7 @@ fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
                 if model.position(key).is_none() && model.entries.len() < capacity {
                     model.entries.push(ModelEntry {
                         key,
+                        disk: data.clone(),
                         data,
                         dirty: false,
                         version: 0,
@@ -255,6 +284,7 @@ fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
                         let cleans = entry.dirty && entry.version == written.version;
                         if cleans {
                             entry.dirty = false;
+                            entry.disk = entry.data.clone();
                             ledger.remove(&written.key);
                         }
                         prop_assert_eq!(result, Ok(cleans));
@@ -371,6 +401,25 @@ fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
             prop_assert_eq!(cache.peek(entry.key), Some(&*entry.data));
             prop_assert_eq!(cache.pin_count(entry.key), Some(entry.pins));
             prop_assert_eq!(cache.last_used(entry.key), Some(ms(entry.last_used)));
+            // Writing back the dirty span alone would leave storage equal to the slice.
+            match cache.dirty_span(entry.key) {
+                Some(span) => {
+                    prop_assert!(entry.dirty, "a span for clean {}", entry.key);
+                    prop_assert!(span.start <= span.end && span.end <= SLICE);
+                    let mut written = entry.disk.clone();
+                    written[span.clone()].copy_from_slice(&entry.data[span]);
+                    prop_assert_eq!(
+                        &written,
+                        &entry.data,
+                        "{} changed outside its span",
+                        entry.key
+                    );
+                }
+                None => {
+                    prop_assert!(!entry.dirty, "no span for dirty {}", entry.key);
+                    prop_assert_eq!(&entry.disk, &entry.data, "clean {} differs", entry.key);
+                }
+            }
         }
         // Nothing dirty vanished: every unwritten change is still cached, dirty,
         // with exactly the bytes last written.
@@ -557,4 +606,38 @@ fn dependency_flags_are_kept_until_taken() {
     let deps = cache.take_dependencies();
     assert!(deps.other_cache && deps.flush);
     assert_eq!(cache.dependencies(), Default::default());
+}
+
+#[test]
+fn a_range_change_dirties_only_its_bytes_until_the_slice_is_clean() {
+    let mut cache = SliceCache::new(2 * 4096, 4096).unwrap();
+    let key = SliceKey::new(0x10000, 0);
+    let t = Duration::ZERO;
+    cache.insert(key, vec![0; 4096].into(), t).unwrap();
+    assert_eq!(cache.dirty_span(key), None);
+    cache.get_mut_range(key, 100..108, t).unwrap().fill(1);
+    assert_eq!(cache.dirty_span(key), Some(100..108));
+    assert_eq!(
+        cache.peek(key).unwrap()[99..109],
+        [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]
+    );
+    let written = cache.dirty_entries()[0];
+    // Changed again while the write-back of the first change is in flight: the stale
+    // write-back leaves it dirty, with the hull of both changes.
+    cache.get_mut_range(key, 3000..3016, t).unwrap().fill(2);
+    assert_eq!(cache.dirty_span(key), Some(100..3016));
+    assert_eq!(cache.mark_clean(written), Ok(false));
+    assert_eq!(cache.dirty_span(key), Some(100..3016));
+    let written = cache.dirty_entries()[0];
+    assert_eq!(cache.mark_clean(written), Ok(true));
+    assert_eq!(cache.dirty_span(key), None);
+    // A whole-slice change dirties everything; a range past the end is refused.
+    cache.get_mut_range(key, 8..16, t).unwrap();
+    cache.get_mut(key, t).unwrap();
+    assert_eq!(cache.dirty_span(key), Some(0..4096));
+    assert!(cache.get_mut_range(key, 4090..4100, t).is_none());
+    cache.mark_clean(cache.dirty_entries()[0]).unwrap();
+    cache.get_mut_range(key, 8..16, t).unwrap();
+    cache.mark_dirty(key).unwrap();
+    assert_eq!(cache.dirty_span(key), Some(0..4096));
 }

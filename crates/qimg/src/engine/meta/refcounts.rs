@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use qimg_cache::SliceKey;
+use qimg_cache::{SliceCache, SliceKey};
 use qimg_format::header;
 use qimg_format::lenient::encode_words;
 use qimg_format::refcount;
@@ -73,7 +73,7 @@ impl<S: Storage> Shared<S> {
         let now = self.now();
         let path = &self.path;
         let data =
-            m.rc.get_mut(key, now)
+            m.rc.peek(key)
                 .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?;
         let old = refcount::get(data, order, index).map_err(|e| Error::format(path, e))?;
         let new = if delta >= 0 {
@@ -91,7 +91,9 @@ impl<S: Storage> Shared<S> {
                 ),
             ));
         };
-        refcount::set(data, order, index, new).map_err(|e| Error::format(path, e))?;
+        set_cached(&mut m.rc, key, order, index, new, now)
+            .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?
+            .map_err(|e| Error::format(path, e))?;
         Ok(new)
     }
 
@@ -191,9 +193,8 @@ impl<S: Storage> Shared<S> {
         let now = self.now();
         for &c in &found {
             let (block, index) = self.refblock_of(m, c);
-            let data = m.rc.get_mut(SliceKey::new(block, 0), now)?;
             // Cannot fail: the block is cached and 1 fits every refcount width.
-            refcount::set(data, order, index, 1).ok()?;
+            set_cached(&mut m.rc, SliceKey::new(block, 0), order, index, 1, now)?.ok()?;
         }
         let last = *found.last()?;
         // Every cluster from the hint to `last` is in use now (or waits for its punch).
@@ -210,13 +211,17 @@ impl<S: Storage> Shared<S> {
         let (block, index) = self.refblock_of(m, c);
         let now = self.now();
         let order = self.rgeo.refcount_order();
-        let Some(data) = m.rc.get_mut(SliceKey::new(block, 0), now) else {
+        let key = SliceKey::new(block, 0);
+        let Some(data) = m.rc.peek(key) else {
             return false;
         };
         if refcount::get(data, order, index).ok() != Some(1) {
             return false;
         }
-        if refcount::set(data, order, index, 0).is_err() {
+        if !matches!(
+            set_cached(&mut m.rc, key, order, index, 0, now),
+            Some(Ok(()))
+        ) {
             return false;
         }
         m.free_hint = m.free_hint.min(c);
@@ -266,7 +271,7 @@ impl<S: Storage> Shared<S> {
         }
         let cs = self.geo.cluster_size();
         let first = index * self.rgeo.refblock_entries();
-        let mut block = vec![0u8; cs as usize];
+        let mut block = self.io_buf(cs as usize)?;
         refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
         let at = first * cs;
         self.guard_write(m, at, cs, Writing::Data).await?;
@@ -441,6 +446,25 @@ pub(crate) fn plan_refcount_area(
         area.blocks = blocks;
         area.table_clusters = table_clusters;
     }
+}
+
+/// Sets refcount `index` (`2^order`-bit entries) of the cached refcount block `key` to
+/// `value`, marking only the entry's bytes dirty, so that writing the block back writes a
+/// few KiB rather than the whole cluster (2 MiB with 2 MiB clusters). `None` when the block
+/// is not cached.
+fn set_cached(
+    rc: &mut SliceCache,
+    key: SliceKey,
+    order: u32,
+    index: u64,
+    value: u64,
+    now: std::time::Duration,
+) -> Option<std::result::Result<(), qimg_format::FormatError>> {
+    let bytes = refcount::entry_bytes(order, index);
+    // The entry's place in those bytes: entries narrower than a byte share it.
+    let within = if order < 3 { index % (8 >> order) } else { 0 };
+    let entry = rc.get_mut_range(key, bytes, now)?;
+    Some(refcount::set(entry, order, within, value))
 }
 
 #[cfg(test)]

@@ -100,14 +100,30 @@ impl<S: Storage> Shared<S> {
         entry: &AnyL2Entry,
     ) -> Result<()> {
         let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
-        let table = self.ensure_l2(m, l1i).await?;
+        let (table, zeros) = self.ensure_l2(m, l1i).await?;
         let (key, idx) = self.l2_position(m, table, guest);
-        self.load(m, CacheKind::L2, key).await?;
+        if zeros && !m.l2.contains(key) {
+            // A new table: its slices are the zeros just written, no need to read them.
+            self.make_room(m, CacheKind::L2).await?;
+            self.slice_loads.supersede(key);
+            let size = m.l2.slice_size();
+            self.insert_slice(m, CacheKind::L2, key, vec![0u8; size])
+                .await?;
+        } else {
+            self.load(m, CacheKind::L2, key).await?;
+        }
         let now = self.now();
-        let slice =
-            m.l2.get_mut(key, now)
+        let slot = self.entry_bytes(idx);
+        let bytes =
+            m.l2.get_mut_range(key, slot, now)
                 .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
-        write_entry(slice, idx, entry).map_err(|e| self.fmt_err(e))
+        write_entry(bytes, 0, entry).map_err(|e| self.fmt_err(e))
+    }
+
+    /// The bytes of entry `idx` in an L2 slice: the only ones a change of the entry dirties.
+    fn entry_bytes(&self, idx: usize) -> std::ops::Range<usize> {
+        let es = self.geo.l2_entry_size() as usize;
+        idx * es..(idx + 1) * es
     }
 
     /// [`set_entry`](Self::set_entry) without I/O, for the queues' direct path: `false` (and
@@ -123,8 +139,9 @@ impl<S: Storage> Shared<S> {
             return false;
         };
         let now = self.now();
-        m.l2.get_mut(key, now)
-            .is_some_and(|slice| write_entry(slice, idx, entry).is_ok())
+        let slot = self.entry_bytes(idx);
+        m.l2.get_mut_range(key, slot, now)
+            .is_some_and(|bytes| write_entry(bytes, 0, entry).is_ok())
     }
 
     /// Whether [`try_set_entry_cached`](Self::try_set_entry_cached) can change the entry of
@@ -278,15 +295,26 @@ impl<S: Storage> Shared<S> {
     pub(super) async fn write_slices(&self, m: &mut Meta, kind: CacheKind) -> Result<()> {
         for entry in m.cache(kind).dirty_entries() {
             let at = self.slice_location(m, kind, entry.key);
-            let Some(data) = m.cache(kind).peek(entry.key).map(<[u8]>::to_vec) else {
+            let cache = m.cache(kind);
+            let (Some(span), Some(cached)) = (cache.dirty_span(entry.key), cache.peek(entry.key))
+            else {
                 continue;
             };
-            self.guard_write(m, at, data.len() as u64, Self::own(kind, entry.key))
-                .await?;
-            self.file
-                .write_at(&data, at)
-                .await
-                .map_err(|e| self.storage_error(e))?;
+            // Only the blocks holding changed bytes: a 2 MiB table or refcount block with
+            // one new entry costs a 4 KiB write, not 2 MiB.
+            let span = write_back_span(span, cached.len());
+            if !span.is_empty() {
+                // Copied (the write may wait while the cache changes), into aligned memory.
+                let mut data = self.io_buf(span.len())?;
+                data.copy_from_slice(&cached[span.clone()]);
+                let at = at + span.start as u64;
+                self.guard_write(m, at, data.len() as u64, Self::own(kind, entry.key))
+                    .await?;
+                self.file
+                    .write_at(&data, at)
+                    .await
+                    .map_err(|e| self.storage_error(e))?;
+            }
             m.cache(kind)
                 .mark_clean(entry)
                 .map_err(|e| self.cache_err(e))?;
@@ -372,6 +400,21 @@ impl<S: Storage> Shared<S> {
         }
         Ok(freed)
     }
+}
+
+/// Blocks written back for the changed bytes `span` of a slice of `len` bytes.
+const WRITE_BACK_BLOCK: usize = 4096;
+
+/// `span` widened to whole [`WRITE_BACK_BLOCK`]s (whole slices when smaller), within the
+/// slice: writes O_DIRECT storage takes without a read-modify-write.
+fn write_back_span(span: std::ops::Range<usize>, len: usize) -> std::ops::Range<usize> {
+    if span.is_empty() {
+        return 0..0;
+    }
+    let block = WRITE_BACK_BLOCK.min(len).max(1);
+    let start = span.start / block * block;
+    let end = span.end.div_ceil(block).saturating_mul(block).min(len);
+    start..end
 }
 
 fn restore(cache: &mut SliceCache, deps: Dependencies) {

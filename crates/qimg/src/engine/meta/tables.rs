@@ -16,8 +16,9 @@ use crate::error::{Error, Result};
 impl<S: Storage> Shared<S> {
     // ----- L1 / L2 tables -----
 
-    /// The L2 table for L1 index `l1i`, allocated (zeroed) or un-shared (copied) if needed.
-    pub(crate) async fn ensure_l2(&self, m: &mut Meta, l1i: usize) -> Result<u64> {
+    /// The L2 table for L1 index `l1i`, allocated (zeroed) or un-shared (copied) if needed;
+    /// `true` with it when the table was just created and holds only zeros.
+    pub(crate) async fn ensure_l2(&self, m: &mut Meta, l1i: usize) -> Result<(u64, bool)> {
         let entry = *m.l1.get(l1i).ok_or_else(|| {
             Error::corrupt(
                 &self.path,
@@ -28,12 +29,12 @@ impl<S: Storage> Shared<S> {
             )
         })?;
         if let (Some(off), true) = (entry.l2_offset, entry.copied) {
-            return Ok(off.0);
+            return Ok((off.0, false));
         }
         self.mark_dirty_if_lazy(m).await?;
         let cs = self.geo.cluster_size();
         let new = self.alloc_clusters(m, 1).await?;
-        let mut content = vec![0u8; cs as usize];
+        let mut content = self.io_buf(cs as usize)?;
         if let Some(old) = entry.l2_offset {
             self.write_back(m, CacheKind::L2).await?;
             self.file
@@ -67,7 +68,7 @@ impl<S: Storage> Shared<S> {
             let _ = m.l2.remove(old.0);
             self.free_clusters(m, old.0, 1).await?;
         }
-        Ok(new)
+        Ok((new, entry.l2_offset.is_none()))
     }
 
     /// Writes `hdr` at header offset `at` and flushes: the switch to a new table, whose

@@ -169,7 +169,7 @@ impl<S: Storage> Inner<S> {
         let plan = &p.plan;
         for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
             if from < to {
-                let mut buf = vec![0u8; to - from];
+                let mut buf = self.io_buf(to - from)?;
                 self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
                 storage
                     .write_at(&buf, p.host + from as u64)
@@ -202,7 +202,7 @@ impl<S: Storage> Inner<S> {
                 .await
                 .map_err(|e| Error::storage(path, e));
         }
-        let mut buf = vec![0u8; plan.end - plan.start];
+        let mut buf = self.io_buf(plan.end - plan.start)?;
         if plan.start < a {
             self.read_entry_range(old, gc, plan.start, &mut buf[..a - plan.start])
                 .await?;
