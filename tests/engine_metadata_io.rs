@@ -1,8 +1,8 @@
 //! What the engine itself writes and reads for its metadata, counted at the storage: a
 //! write-back writes only the blocks of a table or refcount block that changed (a 2 MiB table
 //! with one new entry costs 4 KiB, not 2 MiB), allocations racing past the end of the file
-//! reserve the space once rather than once each, and the slice of a table just created is
-//! taken from memory instead of being read back. Each image is then checked by
+//! reserve the space once rather than once each, and a table just created is zeroed as a
+//! range and its slice taken from memory instead of being read back. Each image is then checked by
 //! `qemu-img check` and compared with a model by `qemu-img compare`.
 
 mod common;
@@ -79,7 +79,7 @@ fn a_flush_writes_back_only_the_blocks_of_a_large_table_that_changed() {
             img.write(&data, at).await.expect("write");
             model[at as usize..at as usize + data.len()].copy_from_slice(&data);
         };
-        // The first writes create the table (written whole, as zeros) and load the block.
+        // The first writes create the table (zeroed whole) and load the refcount block.
         for k in 0..4 {
             write(k).await;
         }
@@ -228,6 +228,20 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         img.read(&mut back, at - 4 * KIB).await.expect("read");
         assert_eq!(&back[..4096], &[0u8; 4096][..]);
         assert_eq!(&back[4096..], &data[..]);
+        // The table was zeroed as a range (`fallocate(FALLOC_FL_ZERO_RANGE)` on a file), not
+        // written as 2 MiB of zero bytes.
+        let ops = log.lock().unwrap().clone();
+        let zeroed: Vec<(u64, u64)> = ops
+            .iter()
+            .filter_map(|op| match op {
+                TraceOp::WriteZeroes { offset, len } => Some((*offset, *len)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(zeroed.len(), 1, "{ops:x?}");
+        assert_eq!(zeroed[0].1, shape.cluster_size);
+        let largest = writes(&log).iter().map(|w| w.1).max();
+        assert_eq!(largest, Some(4096), "{ops:x?}");
         img.close().await.expect("close");
         let mut model = vec![0u8; shape.size as usize];
         model[at as usize..at as usize + 4096].copy_from_slice(&data);

@@ -34,19 +34,26 @@ impl<S: Storage> Shared<S> {
         self.mark_dirty_if_lazy(m).await?;
         let cs = self.geo.cluster_size();
         let new = self.alloc_clusters(m, 1).await?;
-        let mut content = self.io_buf(cs as usize)?;
+        self.guard_write(m, new, cs, Writing::Data).await?;
         if let Some(old) = entry.l2_offset {
+            let mut content = self.io_buf(cs as usize)?;
             self.write_back(m, CacheKind::L2).await?;
             self.file
                 .read_at(&mut content, old.0)
                 .await
                 .map_err(|e| self.storage_error(e))?;
+            self.file
+                .write_at(&content, new)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        } else {
+            // A table of zeros: `fallocate(FALLOC_FL_ZERO_RANGE)` where the file takes it
+            // (a 2 MiB table costs an extent change, not a 2 MiB write), zero bytes otherwise.
+            self.file
+                .write_zeroes(new, cs)
+                .await
+                .map_err(|e| self.storage_error(e))?;
         }
-        self.guard_write(m, new, cs, Writing::Data).await?;
-        self.file
-            .write_at(&content, new)
-            .await
-            .map_err(|e| self.storage_error(e))?;
         if !self.lazy {
             self.write_back(m, CacheKind::Refcount).await?;
         }
