@@ -21,6 +21,13 @@
 //!   dirty slice hands its bytes back ([`DirtySlice`]) for write-back; so does
 //!   [`remove`](SliceCache::remove) of a freed table; the clean timer reports
 //!   dirty idle slices instead of dropping them.
+//! * **Only what changed needs writing back.**
+//!   [`get_mut_range`](SliceCache::get_mut_range) hands out just the bytes of a
+//!   change (an L2 entry, a refcount) and dirties only those;
+//!   [`dirty_span`](SliceCache::dirty_span) is the hull of every such change
+//!   since the slice was last clean (the whole slice after `get_mut` or
+//!   `mark_dirty`). Writing the span back is as good as writing the slice: a
+//!   2 MiB table or refcount block with one new entry costs a 4 KiB write.
 //! * **Versions make write-back safe while requests go on.** Each dirtying
 //!   gives the slice a new version; [`dirty_entries`](SliceCache::dirty_entries)
 //!   reports `(key, version)` and [`mark_clean`](SliceCache::mark_clean) only
@@ -68,9 +75,10 @@
 //! assert!(l2.get(key, now).is_none()); // miss: the engine loads the slice
 //! let evicted = l2.insert(key, vec![0u8; 4096].into_boxed_slice(), now)?;
 //! assert!(evicted.is_none());
-//! l2.get_mut(key, now).unwrap()[0] = 1; // now dirty
+//! l2.get_mut_range(key, 16..32, now).unwrap().fill(1); // one entry: now dirty
+//! assert_eq!(l2.dirty_span(key), Some(16..32));
 //! for written in l2.dirty_entries() {
-//!     // ... the engine writes l2.peek(written.key) to storage ...
+//!     // ... the engine writes the dirty span of l2.peek(written.key) to storage ...
 //!     assert!(l2.mark_clean(written)?);
 //! }
 //! let report = l2.clean_idle(now + Duration::from_secs(600), Duration::from_secs(600));

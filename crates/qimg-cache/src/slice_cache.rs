@@ -243,6 +243,16 @@ impl SliceCache {
         }
     }
 
+    /// [`get`](Self::get) for a caller that does not count a miss here because the load
+    /// that follows counts it: a hit is counted and refreshes the slice; a miss changes
+    /// nothing. One lookup where `peek` then `get` would take two.
+    pub fn get_if_cached(&mut self, key: SliceKey, now: Duration) -> Option<&[u8]> {
+        let entry = self.slices.get_mut(&key)?;
+        self.hits = self.hits.saturating_add(1);
+        entry.last_used = now;
+        Some(&entry.data)
+    }
+
     /// Looks `key` up for modification: like [`get`](Self::get), and a hit
     /// also marks the slice dirty (with a new version), so a slice changed
     /// through this reference can never be dropped unwritten.

@@ -14,6 +14,7 @@ const TABLES: [u64; 3] = [0x10000, 0x20000, 0x30000];
 enum CacheOp {
     Advance(u64),
     Get(SliceKey),
+    GetIfCached(SliceKey),
     GetMut(SliceKey, u16, u8),
     GetMutRange(SliceKey, u16, u16, u8),
     Insert(SliceKey),
@@ -34,6 +35,7 @@ fn op() -> impl Strategy<Value = CacheOp> {
     prop_oneof![
         2 => (0u64..40).prop_map(CacheOp::Advance),
         4 => key().prop_map(CacheOp::Get),
+        2 => key().prop_map(CacheOp::GetIfCached),
         2 => (key(), 0u16..SLICE as u16, any::<u8>()).prop_map(|(k, at, b)| CacheOp::GetMut(k, at, b)),
         3 => (key(), 0u16..SLICE as u16 + 8, 0u16..24, any::<u8>())
             .prop_map(|(k, at, n, b)| CacheOp::GetMutRange(k, at, n, b)),
@@ -174,6 +176,17 @@ fn run(capacity: usize, ops: Vec<CacheOp>) -> Result<(), TestCaseError> {
                         prop_assert_eq!(got, None);
                         model.misses += 1;
                     }
+                }
+            }
+            CacheOp::GetIfCached(key) => {
+                let got = cache.get_if_cached(key, ms(now)).map(<[u8]>::to_vec);
+                match model.touch(key, now) {
+                    Some(entry) => {
+                        prop_assert_eq!(got.as_ref(), Some(&entry.data));
+                        model.hits += 1;
+                    }
+                    // A miss is not counted: the caller's load counts it.
+                    None => prop_assert_eq!(got, None),
                 }
             }
             CacheOp::GetMut(key, at, byte) => {

@@ -80,12 +80,11 @@ impl<S: Storage> Shared<S> {
             return Some(self.unallocated_entry());
         };
         let (key, idx) = self.l2_position(m, table.0, guest);
-        // Not `get` first: a miss here is not counted (the load that follows counts it).
-        m.l2.peek(key)?;
         let es = self.geo.l2_entry_size() as usize;
         let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
+        // Not `get`: a miss here is not counted (the load that follows counts it).
         let slice = match stamp {
-            Some(now) => m.l2.get(key, now)?,
+            Some(now) => m.l2.get_if_cached(key, now)?,
             None => m.l2.peek(key)?,
         };
         AnyL2Entry::decode(slice.get(idx * es..(idx + 1) * es)?, &self.ctx, at).ok()
