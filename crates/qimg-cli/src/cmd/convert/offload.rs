@@ -92,6 +92,7 @@ async fn offload_pieces(
             .map_err(|e| anyhow!("a copy offload task failed: {e}"))?
             .with_context(|| format!("error while writing at byte {guest}"))?;
         offloaded += done;
+        dst.wrote(guest, done).await;
         if done < len {
             copy_through(src, dst, guest + done, guest + len).await?;
         }
