@@ -288,6 +288,17 @@ fn the_queue_api_reads_into_the_callers_buffers() {
     assert_eq!(direct + q["engine"].as_u64().unwrap(), 2000, "{v:#}");
     assert!(direct >= 2000 - 8, "{v:#}");
     assert_eq!(q["direct-bytes"], direct * 4096, "{v:#}");
+    // With --poll the waits watch the ring first: the same requests, the same split.
+    let p = bench_json(
+        dir,
+        &[
+            "-c", "2000", "-d", "1", "-S", "20k", "-i", "io_uring", "-t", "none", "--poll", "50",
+            "a.qcow2",
+        ],
+    );
+    assert_eq!(u(&p, "requests"), 2000, "{p:#}");
+    let pq = &p["queue"];
+    assert!(pq["direct"].as_u64().unwrap() >= 2000 - 1, "{p:#}");
     // --api async on the same backend takes the task loop (no queue counters).
     let a = bench_json(
         dir,
@@ -733,6 +744,7 @@ fn bad_options_fail_clearly_with_exit_code_1() {
         (&["--time", "0"], "Invalid time specified: '0'"),
         (&["--time", "soon"], "Invalid time specified: 'soon'"),
         (&["--seed", "3"], "--seed is only meaningful with --random"),
+        (&["--poll", "50"], "--poll needs the queue API"),
         (
             &["--random", "-s", "2M"],
             "--random: no 2097152-byte request fits",

@@ -186,3 +186,34 @@ fn guest_memory_is_lent_in_place_across_regions_and_copied_never_borrowed() {
     let err = IoBuffers::from_guest(mem, &[(0x1_f000, 0x2000)]).unwrap_err();
     assert!(err.to_string().contains("0x1f000"), "{err}");
 }
+
+#[test]
+fn a_polling_wait_sees_completions_without_sleeping_first() {
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(&[5u8; 65536]).unwrap();
+    let Ok(mut ring) = QueueRing::new(4) else {
+        eprintln!("SKIPPED: io_uring unavailable");
+        return;
+    };
+    ring.set_poll(std::time::Duration::from_micros(500));
+    assert_eq!(ring.poll(), std::time::Duration::from_micros(500));
+    for k in 0..16u64 {
+        let mut back = IoBuffers::from_vec(vec![0u8; 4096]);
+        // Queued only: the polling wait hands it to the kernel itself.
+        ring.read(file.as_fd(), k * 4096, &mut back, 0, 4096, k)
+            .unwrap();
+        ring.wait().unwrap();
+        let mut seen = Vec::new();
+        // The wait returned, so the completion is there (polled, or after sleeping).
+        ring.reap(|c| seen.push(c));
+        assert_eq!(seen.len(), 1, "request {k}");
+        assert_eq!(seen[0].token, k);
+        assert_eq!(seen[0].result, 4096);
+        let owner = back.into_owner().unwrap().unwrap();
+        let v = owner.downcast::<Vec<u8>>().unwrap();
+        assert!(v.iter().all(|&b| b == 5));
+    }
+    assert_eq!(ring.in_flight(), 0);
+    // Nothing in flight: the wait returns at once, polling or not.
+    ring.wait().unwrap();
+}

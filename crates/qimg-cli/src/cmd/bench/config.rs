@@ -69,6 +69,10 @@ pub(super) struct BenchOpts {
     /// qimg: seed of --random (default 0); the same seed gives the same offsets.
     #[arg(long, allow_hyphen_values = true)]
     seed: Option<String>,
+    /// qimg: with the queue API, watch the ring for up to this many microseconds before
+    /// sleeping in each wait (default 0: sleep at once; QEMU's iothreads poll up to 32).
+    #[arg(long = "poll", allow_hyphen_values = true)]
+    poll: Option<String>,
     /// qimg: run for this many seconds instead of a request count (with -c, whichever ends
     /// first).
     #[arg(long = "time", allow_hyphen_values = true)]
@@ -141,6 +145,8 @@ pub(super) struct Config {
     pub(super) on_runtime: bool,
     /// Requests go through a `qimg::Queue` (or a bare ring for raw files) from one thread.
     pub(super) queue_api: bool,
+    /// `--poll`: how long a queue's wait watches its ring before it sleeps.
+    pub(super) poll: Duration,
     pub(super) allocation: qimg::Allocation,
     pub(super) json: bool,
     pub(super) quiet: bool,
@@ -208,6 +214,10 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
             return Err("--seed is only meaningful with --random".into());
         }
         None
+    };
+    let poll = match &args.poll {
+        Some(s) => Duration::from_micros(parse::int("poll", s, 0, 1_000_000)?),
+        None => Duration::ZERO,
     };
     let duration = match &args.time {
         None => None,
@@ -296,6 +306,9 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         Some("async") => false,
         Some(other) => return Err(format!("--api expects 'queue' or 'async' not '{other}'")),
     };
+    if !poll.is_zero() && !queue_api {
+        return Err("--poll needs the queue API (--api queue, -i io_uring)".into());
+    }
     let allocation = match args.allocation.as_deref() {
         None | Some("contiguous") => qimg::Allocation::Contiguous,
         Some("sparse") => qimg::Allocation::Sparse,
@@ -342,6 +355,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         multi_thread,
         on_runtime,
         queue_api,
+        poll,
         allocation,
         json,
         quiet: args.quiet,

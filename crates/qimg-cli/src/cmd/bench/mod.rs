@@ -182,7 +182,7 @@ where
             let outcome = if queue_api {
                 // Room for every request and its writethrough flush, and flushes beside.
                 let depth = plan.workers.saturating_mul(2).saturating_add(2);
-                match RawQueue::new(s, depth)? {
+                match RawQueue::new(s, depth, cfg.poll)? {
                     Some(q) => drive_blocking(q, plan).await?,
                     None => return Err(anyhow!("the raw file has no descriptor for a ring")),
                 }
@@ -212,7 +212,7 @@ where
             let before = chain_stats(&img).await;
             let outcome = match announce(cfg, size, 4096) {
                 Err(e) => Err(e),
-                Ok(plan) if cfg.queue_api => match ImageQueue::new(&img, plan.workers) {
+                Ok(plan) if cfg.queue_api => match ImageQueue::new(&img, plan.workers, cfg.poll) {
                     Ok(q) => drive_blocking(q, plan).await,
                     Err(e) => Err(e),
                 },

@@ -63,10 +63,14 @@ impl<S: Storage + 'static> ImageQueue<S> {
     /// reads and a write when it copies on write), and one that finds no room goes to the
     /// engine. A VMM sizes its ring the same way, by its virtqueue (128 places), not by
     /// what the guest keeps in flight.
-    pub(super) fn new(img: &qimg::Image<S>, depth: usize) -> Result<Self> {
+    pub(super) fn new(
+        img: &qimg::Image<S>,
+        depth: usize,
+        poll: std::time::Duration,
+    ) -> Result<Self> {
         let depth = u32::try_from(depth.saturating_mul(4).clamp(8, 4096)).unwrap_or(4096);
         let queue = img
-            .queue(QueueOptions::new().depth(depth))
+            .queue(QueueOptions::new().depth(depth).poll(poll))
             .context("cannot set up the image's queue")?;
         Ok(ImageQueue {
             queue,
@@ -145,13 +149,14 @@ pub(super) struct RawQueue<S: Storage> {
 
 impl<S: Storage> RawQueue<S> {
     /// `depth` operations on the ring at once; `None` when the storage has no descriptor.
-    pub(super) fn new(storage: S, depth: usize) -> Result<Option<Self>> {
+    pub(super) fn new(storage: S, depth: usize, poll: std::time::Duration) -> Result<Option<Self>> {
         if storage.direct_access().is_none() {
             return Ok(None);
         }
         let depth = depth.clamp(1, 4096);
-        let ring = QueueRing::new(u32::try_from(depth).unwrap_or(4096))
+        let mut ring = QueueRing::new(u32::try_from(depth).unwrap_or(4096))
             .context("cannot set up an io_uring ring")?;
+        ring.set_poll(poll);
         Ok(Some(RawQueue {
             storage,
             ring,

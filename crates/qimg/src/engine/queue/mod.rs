@@ -156,6 +156,7 @@ impl Completion {
 pub struct QueueOptions {
     depth: Option<u32>,
     eventfd: Option<OwnedFd>,
+    poll: std::time::Duration,
 }
 
 impl QueueOptions {
@@ -175,6 +176,16 @@ impl QueueOptions {
     /// creates. It should be non-blocking.
     pub fn eventfd(mut self, fd: OwnedFd) -> Self {
         self.eventfd = Some(fd);
+        self
+    }
+
+    /// Have [`Queue::wait`] watch the ring for up to `poll` before it sleeps, when only the
+    /// ring can complete anything (default zero: sleep at once). See
+    /// [`QueueRing::set_poll`](qimg_io::queue::QueueRing::set_poll): it saves the waiting
+    /// thread's wake-up per completion at low queue depths, for up to `poll` of a busy core per
+    /// wait. An event loop that polls [`Queue::notifier`] instead is not affected.
+    pub fn poll(mut self, poll: std::time::Duration) -> Self {
+        self.poll = poll;
         self
     }
 }
@@ -327,13 +338,14 @@ impl<S: Storage + 'static> Image<S> {
     pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
         let path = &self.inner.path;
         let depth = options.depth.unwrap_or(128);
-        let ring = QueueRing::new(depth).map_err(|e| {
+        let mut ring = QueueRing::new(depth).map_err(|e| {
             Error::io(
                 path,
                 format!("setting up an io_uring ring of depth {depth}"),
                 e,
             )
         })?;
+        ring.set_poll(options.poll);
         let notifier = match options.eventfd {
             Some(fd) => Notifier::from_fd(fd),
             None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
