@@ -77,6 +77,8 @@
 #   IMG_SIZE      the fully written image, its raw copy and the overlays of c (2G)
 #   BIG_SIZE      the preallocation=metadata image of b (4G; the 25% cache scales with it)
 #   CONVERT_SIZE  the source image of e (1G)
+#   QIMG_POLL     microseconds qimg's queue watches its ring before it sleeps (qimg bench
+#                 --poll; default 0, as qemu-img bench, whose main loop does not poll)
 set -euo pipefail
 export LC_ALL=C
 
@@ -151,7 +153,7 @@ measure() {
     shift
     local -a cmd
     case $kind in
-        qimg) cmd=("$QIMG" bench --output json "$@") ;;
+        qimg) cmd=("$QIMG" bench --output json ${QIMG_POLL:+--poll "$QIMG_POLL"} "$@") ;;
         qemu) cmd=(qemu-img bench "$@") ;;
         fio) cmd=(fio --name=job --output-format=terse --terse-version=3 "$@") ;;
     esac
@@ -459,7 +461,7 @@ echo "* machine: $(nproc) cores, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo 
 fio_version=$( ((have_fio)) && fio --version || echo "fio not installed")
 echo "* tools: $(qemu-img --version | head -1), $fio_version, $("$QIMG" --version) ($QIMG;" \
     "work tree at $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '?'))"
-echo "* settings: REPS=$REPS READ_COUNT=$READ_COUNT DIRECT_COUNT=$DIRECT_COUNT WRITE_COUNT=$WRITE_COUNT" \
+echo "* settings: QIMG_POLL=${QIMG_POLL:-0} REPS=$REPS READ_COUNT=$READ_COUNT DIRECT_COUNT=$DIRECT_COUNT WRITE_COUNT=$WRITE_COUNT" \
     "IMG_SIZE=$IMG_SIZE BIG_SIZE=$BIG_SIZE CONVERT_SIZE=$CONVERT_SIZE ROWS=\"$ROWS\" CACHES=\"$CACHES\"" \
     "DEPTHS=\"$DEPTHS\" AIO=$AIO; ran in $((SECONDS - started)) s"
 echo "* load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
