@@ -54,12 +54,14 @@ fn assert_qemu_sees(mem: &MemStorage, model: &[u8], what: &str) {
     assert_same_as_model(&dir.0, "img.qcow2", model, what);
 }
 
-fn writes(log: &Trace) -> Vec<(u64, usize)> {
+/// `(offset, length)` of each write (`zeroes`: each write-zeroes) in `log`.
+fn writes(log: &Trace, zeroes: bool) -> Vec<(u64, u64)> {
     log.lock()
         .unwrap()
         .iter()
-        .filter_map(|op| match op {
-            TraceOp::Write { offset, data } => Some((*offset, data.len())),
+        .filter_map(|op| match (op, zeroes) {
+            (TraceOp::Write { offset, data }, false) => Some((*offset, data.len() as u64)),
+            (TraceOp::WriteZeroes { offset, len }, true) => Some((*offset, *len)),
             _ => None,
         })
         .collect()
@@ -90,7 +92,7 @@ fn a_flush_writes_back_only_the_blocks_of_a_large_table_that_changed() {
             write(k).await;
         }
         img.flush().await.expect("flush");
-        let written = writes(&log);
+        let written = writes(&log, false);
         // Four 4 KiB data writes into fresh clusters (nothing to copy: no backing file),
         // then the 4 KiB block of the table holding the four new entries and the 4 KiB block
         // of the refcount block holding their refcounts: not the 2 MiB table and block.
@@ -105,7 +107,7 @@ fn a_flush_writes_back_only_the_blocks_of_a_large_table_that_changed() {
                 "a write of {len} bytes at {offset:#x}: {written:x?}"
             );
         }
-        let total: usize = written.iter().map(|w| w.1).sum();
+        let total: u64 = written.iter().map(|w| w.1).sum();
         assert_eq!(total, 6 * 4096);
         img.close().await.expect("close");
         assert_qemu_sees(&mem, &model, "partial write-back");
@@ -230,18 +232,11 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         assert_eq!(&back[4096..], &data[..]);
         // The table was zeroed as a range (`fallocate(FALLOC_FL_ZERO_RANGE)` on a file), not
         // written as 2 MiB of zero bytes.
-        let ops = log.lock().unwrap().clone();
-        let zeroed: Vec<(u64, u64)> = ops
-            .iter()
-            .filter_map(|op| match op {
-                TraceOp::WriteZeroes { offset, len } => Some((*offset, *len)),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(zeroed.len(), 1, "{ops:x?}");
+        let (written, zeroed) = (writes(&log, false), writes(&log, true));
+        assert_eq!(zeroed.len(), 1, "{zeroed:x?}");
         assert_eq!(zeroed[0].1, shape.cluster_size);
-        let largest = writes(&log).iter().map(|w| w.1).max();
-        assert_eq!(largest, Some(4096), "{ops:x?}");
+        let largest = written.iter().map(|w| w.1).max();
+        assert_eq!(largest, Some(4096), "{written:x?}");
         img.close().await.expect("close");
         let mut model = vec![0u8; shape.size as usize];
         model[at as usize..at as usize + 4096].copy_from_slice(&data);

@@ -169,6 +169,22 @@ pub fn entry_bytes(order: u32, index: u64) -> std::ops::Range<usize> {
     usize::try_from(first).unwrap_or(usize::MAX)..usize::try_from(last).unwrap_or(usize::MAX)
 }
 
+/// [`set`] on just the bytes [`entry_bytes`] names (`entry`, cut from a block at
+/// `entry_bytes(order, index)`): the same bits change as `set` on the whole block would.
+/// Fails as `set` does, and for `entry` of another length than those bytes.
+pub fn set_in_entry_bytes(entry: &mut [u8], order: u32, index: u64, value: u64) -> Result<()> {
+    // Entries narrower than a byte share it: the entry's place among them.
+    let within = if order < 3 { index % (8 >> order) } else { 0 };
+    if entry.len() != entry_bytes(order, index).len() {
+        return Err(FormatError::InvalidArgument {
+            what: "refcount entry bytes",
+            value: entry.len() as u64,
+            reason: format!("refcount {index} of order {order} is not held by that many bytes"),
+        });
+    }
+    set(entry, order, within, value)
+}
+
 fn check_value(value: u64, bits: u32) -> Result<()> {
     let max = max_of(bits);
     if value > max {
@@ -444,5 +460,27 @@ mod tests {
                 assert!(a.iter().enumerate().all(|(i, &b)| b == 0 || r.contains(&i)));
             }
         }
+    }
+
+    #[test]
+    fn setting_the_entry_bytes_alone_changes_what_setting_the_block_does() {
+        for order in 0..=6 {
+            let max = if order == 6 {
+                u64::MAX
+            } else {
+                (1u64 << (1 << order)) - 1
+            };
+            for index in 0..40 {
+                let mut whole = vec![0xA5u8; 512];
+                let mut part = whole.clone();
+                set(&mut whole, order, index, max / 3).unwrap();
+                let r = entry_bytes(order, index);
+                set_in_entry_bytes(&mut part[r.clone()], order, index, max / 3).unwrap();
+                assert_eq!(whole, part, "order {order}, index {index}");
+                assert_eq!(get(&part, order, index).unwrap(), max / 3);
+            }
+        }
+        let mut short = [0u8; 1];
+        assert!(set_in_entry_bytes(&mut short, 4, 3, 1).is_err());
     }
 }

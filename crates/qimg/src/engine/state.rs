@@ -230,14 +230,26 @@ impl<S: Storage> Shared<S> {
     /// itself (copy-on-write, new tables, write-back): O_DIRECT storage takes it as it is,
     /// where a `Vec` would be copied into a bounce buffer and written by read-modify-write.
     pub(crate) fn io_buf(&self, len: usize) -> Result<AlignedBuf> {
-        let align = self.file.mem_alignment().max(4096);
-        AlignedBuf::zeroed(len, align).ok_or_else(|| {
-            Error::io(
-                &self.path,
-                "allocating an I/O buffer",
-                std::io::Error::other(format!("{len} bytes aligned to {align} bytes")),
-            )
-        })
+        let align = self.io_align();
+        AlignedBuf::zeroed(len, align).ok_or_else(|| self.io_buf_error(len, align))
+    }
+
+    /// [`io_buf`](Self::io_buf) holding a copy of `data` (not zeroed first).
+    pub(crate) fn io_copy(&self, data: &[u8]) -> Result<AlignedBuf> {
+        let align = self.io_align();
+        AlignedBuf::copy_from(data, align).ok_or_else(|| self.io_buf_error(data.len(), align))
+    }
+
+    fn io_align(&self) -> usize {
+        self.file.mem_alignment().max(4096)
+    }
+
+    fn io_buf_error(&self, len: usize, align: usize) -> Error {
+        Error::io(
+            &self.path,
+            "allocating an I/O buffer",
+            std::io::Error::other(format!("{len} bytes aligned to {align} bytes")),
+        )
     }
 
     /// Bytes reserved at once past the end of the file.

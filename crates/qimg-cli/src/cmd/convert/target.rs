@@ -37,11 +37,11 @@ const WRITE_BEHIND: u64 = 32 << 20;
 /// written, which the copy does not read again. Advisory: errors are ignored, and the final
 /// flush still makes everything durable.
 #[derive(Debug, Default)]
-pub(super) struct WriteBehind {
+struct WriteBehind {
     /// Hull of the offsets written since the last start, and the bytes written.
     since: std::sync::Mutex<(u64, u64, u64)>,
     /// Starts made (for the tests).
-    pub(super) starts: std::sync::atomic::AtomicU64,
+    starts: std::sync::atomic::AtomicU64,
 }
 
 impl OutStorage {

@@ -460,11 +460,8 @@ fn set_cached(
     value: u64,
     now: std::time::Duration,
 ) -> Option<std::result::Result<(), qimg_format::FormatError>> {
-    let bytes = refcount::entry_bytes(order, index);
-    // The entry's place in those bytes: entries narrower than a byte share it.
-    let within = if order < 3 { index % (8 >> order) } else { 0 };
-    let entry = rc.get_mut_range(key, bytes, now)?;
-    Some(refcount::set(entry, order, within, value))
+    let entry = rc.get_mut_range(key, refcount::entry_bytes(order, index), now)?;
+    Some(refcount::set_in_entry_bytes(entry, order, index, value))
 }
 
 #[cfg(test)]

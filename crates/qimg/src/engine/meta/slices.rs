@@ -304,8 +304,7 @@ impl<S: Storage> Shared<S> {
             let span = write_back_span(span, cached.len());
             if !span.is_empty() {
                 // Copied (the write may wait while the cache changes), into aligned memory.
-                let mut data = self.io_buf(span.len())?;
-                data.copy_from_slice(&cached[span.clone()]);
+                let data = self.io_copy(&cached[span.clone()])?;
                 let at = at + span.start as u64;
                 self.guard_write(m, at, data.len() as u64, Self::own(kind, entry.key))
                     .await?;
