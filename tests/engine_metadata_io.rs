@@ -243,3 +243,93 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         assert_qemu_sees(&mem, &model, "fresh table");
     });
 }
+
+/// Reads `(offset, length)` in `log`.
+fn reads(log: &Trace) -> Vec<(u64, u64)> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|op| match op {
+            TraceOp::Read { offset, len } => Some((*offset, *len)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_first_allocation_reads_one_refcount_slice_not_the_block() {
+    runtime().block_on(async {
+        let shape = large_clusters();
+        let images = make_images(&shape).await;
+        let log = Trace::default();
+        let (img, mem) = open_logged(&shape, &images.image, &log, |r| r).await;
+        log.lock().unwrap().clear();
+        let at = 5 * shape.cluster_size + 12 * KIB;
+        let data = pattern(0x5_11CE, at, 4096);
+        img.write(&data, at).await.expect("write");
+        // The refcount of the new cluster comes from the 4 KiB slice holding it: not the
+        // 2 MiB refcount block (QEMU reads the whole block).
+        let read = reads(&log);
+        assert!(!read.is_empty(), "the refcount block was never read");
+        assert!(read.iter().all(|&(_, len)| len <= 4096), "{read:x?}");
+        let stats = img.stats().await;
+        assert_eq!(stats.refcount_cache.misses, 1, "{:?}", stats.refcount_cache);
+        img.close().await.expect("close");
+        let mut model = vec![0u8; shape.size as usize];
+        model[at as usize..at as usize + 4096].copy_from_slice(&data);
+        assert_qemu_sees(&mem, &model, "one refcount slice");
+    });
+}
+
+/// Refcount blocks of several slices, a cache of few of them: 8 KiB clusters with 64-bit
+/// refcounts make each block two 4 KiB slices of 512 refcounts (4 MiB of host clusters each);
+/// a 40 MiB image spans eleven slices of six blocks, the cache holds eight. Writes, frees and rewrites go through
+/// slices evicted and loaded again; qemu-img then finds every refcount right.
+#[test]
+fn refcounts_in_many_slices_stay_right() {
+    runtime().block_on(async {
+        let mut shape = Shape::new("8k-rb64-refcount-slices", 8 * KIB, false, 40 * MIB);
+        shape.refcount_bits = 64;
+        shape.small_cache = true;
+        let images = make_images(&shape).await;
+        let (img, mem) = open_logged(&shape, &images.image, &Trace::default(), |r| r).await;
+        let size = shape.size;
+        let mut model = vec![0u8; size as usize];
+        let chunk = 256 * KIB;
+        // Fill everything (over 5,000 host clusters), in an order that jumps about.
+        let n = size / chunk;
+        for k in 0..n {
+            let at = (k * 7 % n) * chunk;
+            let data = pattern(0xF111 + k, at, chunk as usize);
+            img.write(&data, at).await.expect("write");
+            model[at as usize..(at + chunk) as usize].copy_from_slice(&data);
+        }
+        // Free every third chunk (refcounts back to 0 in many slices), then write half of
+        // those again (clusters reused from the lowest free one up).
+        for k in (0..n).step_by(3) {
+            let at = k * chunk;
+            img.discard(at, chunk).await.expect("discard");
+            model[at as usize..(at + chunk) as usize].fill(0);
+        }
+        img.flush().await.expect("flush");
+        for k in (0..n).step_by(6) {
+            let at = k * chunk + 8 * KIB;
+            let data = pattern(0xA6A1 + k, at, 64 * KIB as usize);
+            img.write(&data, at).await.expect("rewrite");
+            model[at as usize..at as usize + data.len()].copy_from_slice(&data);
+        }
+        let stats = img.stats().await;
+        assert!(
+            stats.refcount_cache.evictions > 0,
+            "the refcount cache never evicted: {:?}",
+            stats.refcount_cache
+        );
+        img.close().await.expect("close");
+        let mut back = vec![0u8; size as usize];
+        let (img, _) = open_logged(&shape, &mem.snapshot(), &Trace::default(), |r| r).await;
+        img.read(&mut back, 0).await.expect("read");
+        assert!(back == model, "guest data differs from the model");
+        img.close().await.expect("close");
+        assert_qemu_sees(&mem, &model, "refcount slices");
+    });
+}

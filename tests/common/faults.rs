@@ -29,7 +29,7 @@ pub const MIB: u64 = 1024 * KIB;
 /// One storage operation as it reached the storage, in order.
 #[derive(Debug, Clone)]
 pub enum TraceOp {
-    Read,
+    Read { offset: u64, len: u64 },
     Write { offset: u64, data: Arc<[u8]> },
     WriteZeroes { offset: u64, len: u64 },
     Discard { offset: u64, len: u64 },
@@ -44,7 +44,7 @@ impl TraceOp {
     }
 
     pub fn modifies(&self) -> bool {
-        !matches!(self, TraceOp::Read | TraceOp::Flush)
+        !matches!(self, TraceOp::Read { .. } | TraceOp::Flush)
     }
 }
 
@@ -75,7 +75,10 @@ impl Recorder {
 impl Storage for Recorder {
     async fn read_at_most(&self, buf: &mut [u8], offset: u64) -> IoResult<usize> {
         let n = self.inner.read_at_most(buf, offset).await?;
-        self.push(TraceOp::Read);
+        self.push(TraceOp::Read {
+            offset,
+            len: buf.len() as u64,
+        });
         Ok(n)
     }
 
@@ -136,7 +139,7 @@ impl Storage for Recorder {
 /// Issues a recorded operation again on `s` (reads are skipped).
 pub async fn replay<S: Storage>(s: &S, op: &TraceOp) -> IoResult<()> {
     match op {
-        TraceOp::Read => Ok(()),
+        TraceOp::Read { .. } => Ok(()),
         TraceOp::Write { offset, data } => s.write_at(data, *offset).await,
         TraceOp::WriteZeroes { offset, len } => s.write_zeroes(*offset, *len).await.map(|_| ()),
         TraceOp::Discard { offset, len } => s.discard(*offset, *len).await.map(|_| ()),

@@ -97,7 +97,7 @@ pub use error::CacheError;
 pub use options::{
     CacheOptions, DEFAULT_CACHE_CLEAN_INTERVAL_SECS, DEFAULT_L2_CACHE_MAX_SIZE, ImageFacts,
     MAX_CACHE_CLEAN_INTERVAL_SECS, MIN_L2_CACHE_ENTRIES, MIN_L2_CACHE_ENTRY_SIZE,
-    MIN_REFCOUNT_CACHE_ENTRIES, ResolvedCache, SMALL_L2_CACHE_ENTRY_SIZE,
+    MIN_REFCOUNT_CACHE_ENTRIES, REFCOUNT_SLICE_SIZE, ResolvedCache, SMALL_L2_CACHE_ENTRY_SIZE,
 };
 pub use slice_cache::{
     CacheStats, CleanReport, Dependencies, DirtyEntry, DirtySlice, MAX_CACHE_BYTES, MAX_SLICE_SIZE,

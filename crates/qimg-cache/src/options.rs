@@ -19,6 +19,9 @@ pub const MAX_CACHE_CLEAN_INTERVAL_SECS: u64 = u32::MAX as u64;
 pub const MIN_L2_CACHE_ENTRY_SIZE: u64 = 512;
 /// Largest slice size used when the L2 cache cannot cover the whole disk.
 pub const SMALL_L2_CACHE_ENTRY_SIZE: u64 = 4096;
+/// Bytes per refcount slice (smaller clusters: the whole block). QEMU caches whole refcount
+/// blocks; with 2 MiB clusters its first allocation reads 2 MiB where 4 KiB serve.
+pub const REFCOUNT_SLICE_SIZE: u64 = 4096;
 
 /// The cache options an image is opened with, named and measured as QEMU's
 /// qcow2 driver options (`None` = not given).
@@ -88,7 +91,8 @@ pub struct ResolvedCache {
     pub l2_slice_size: u64,
     /// Bytes of the refcount cache: a whole number of clusters, at least four.
     pub refcount_cache_bytes: u64,
-    /// Bytes per refcount slice: one cluster (a whole refcount block).
+    /// Bytes per refcount slice: [`REFCOUNT_SLICE_SIZE`], or the cluster (a whole refcount
+    /// block) where clusters are smaller.
     pub refcount_slice_size: u64,
     /// Period of the idle-slice clean pass; `None` when disabled.
     pub clean_interval: Option<Duration>,
@@ -100,7 +104,7 @@ impl ResolvedCache {
         self.l2_cache_bytes / self.l2_slice_size.max(1)
     }
 
-    /// Number of refcount blocks.
+    /// Number of refcount slices.
     pub fn refcount_entries(&self) -> u64 {
         self.refcount_cache_bytes / self.refcount_slice_size.max(1)
     }
@@ -219,13 +223,13 @@ impl CacheOptions {
 
         // At most 2^40 / 512 = 2^31 slices of at most 2^21 bytes: no overflow.
         let l2_entries = (l2 / l2_slice_size).max(MIN_L2_CACHE_ENTRIES);
-        let refcount_entries = (refcount / cluster_size).max(MIN_REFCOUNT_CACHE_ENTRIES);
+        let refcount_clusters = (refcount / cluster_size).max(MIN_REFCOUNT_CACHE_ENTRIES);
 
         Ok(ResolvedCache {
             l2_cache_bytes: l2_entries * l2_slice_size,
             l2_slice_size,
-            refcount_cache_bytes: refcount_entries * cluster_size,
-            refcount_slice_size: cluster_size,
+            refcount_cache_bytes: refcount_clusters * cluster_size,
+            refcount_slice_size: cluster_size.min(REFCOUNT_SLICE_SIZE),
             clean_interval: (interval != 0).then(|| Duration::from_secs(interval)),
         })
     }
@@ -274,7 +278,7 @@ mod tests {
         assert_eq!(r.l2_slice_size, 64 * KIB);
         assert_eq!(r.l2_entries(), 20);
         assert_eq!(r.refcount_cache_bytes, 4 * 64 * KIB);
-        assert_eq!(r.refcount_slice_size, 64 * KIB);
+        assert_eq!(r.refcount_slice_size, 4 * KIB);
         assert_eq!(r.clean_interval, Some(Duration::from_secs(600)));
     }
 
@@ -352,7 +356,7 @@ mod tests {
             ..CacheOptions::default()
         };
         let r = resolve(options, standard(GIB));
-        assert_eq!(r.refcount_entries(), 4);
+        assert_eq!(r.refcount_entries(), 64, "four clusters of 4 KiB slices");
         assert_eq!(r.refcount_cache_bytes, 4 * 64 * KIB);
     }
 
@@ -417,7 +421,7 @@ mod tests {
             ..CacheOptions::default()
         };
         let r = resolve(options, standard(TIB));
-        assert_eq!(r.refcount_entries(), 4);
+        assert_eq!(r.refcount_cache_bytes, 4 * 64 * KIB);
         assert_eq!(r.l2_entries(), 2);
     }
 
@@ -628,7 +632,18 @@ mod tests {
         assert_eq!(l2.slice_size(), 4096);
         assert_eq!(l2.capacity(), 8192);
         let refcount = r.new_refcount_cache().expect("refcount cache");
-        assert_eq!(refcount.slice_size(), 64 * 1024);
-        assert_eq!(refcount.capacity(), 4);
+        assert_eq!(refcount.slice_size(), 4096);
+        assert_eq!(
+            refcount.capacity(),
+            64,
+            "four 64 KiB clusters of 4 KiB slices"
+        );
+        let small = resolve(CacheOptions::default(), image(TIB, 1024, false));
+        let refcount = small.new_refcount_cache().expect("refcount cache");
+        assert_eq!(
+            refcount.slice_size(),
+            1024,
+            "a whole block when clusters are smaller"
+        );
     }
 }

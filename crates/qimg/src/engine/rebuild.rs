@@ -143,10 +143,12 @@ impl<S: Storage> Inner<S> {
         }
         self.install_reftable(m, table, area.table_offset(cs), area.table_clusters)
             .await?;
-        let budget = m.rc.capacity() as u64 * cs;
-        m.rc = SliceCache::new(budget, cs).map_err(|source| Error::Cache {
-            path: self.path.clone(),
-            source,
+        let slice = m.rc.slice_size() as u64;
+        m.rc = SliceCache::new(m.rc.capacity() as u64 * slice, slice).map_err(|source| {
+            Error::Cache {
+                path: self.path.clone(),
+                source,
+            }
         })?;
         m.end_cluster = m.end_cluster.max(end);
         m.free_hint = 0;

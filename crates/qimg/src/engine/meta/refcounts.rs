@@ -22,24 +22,33 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 impl<S: Storage> Shared<S> {
     // ----- refcounts -----
 
-    pub(super) fn refblock_of(&self, m: &Meta, cluster: u64) -> (u64, u64) {
+    /// Where the refcount of host cluster `cluster` is cached: the key of its refcount slice
+    /// and its index in that slice; `None` where no refcount block covers the cluster.
+    /// Refcount slices are [`REFCOUNT_SLICE_SIZE`](qimg_cache::REFCOUNT_SLICE_SIZE) bytes of
+    /// the block (the whole block with smaller clusters).
+    fn refcount_slot(&self, m: &Meta, cluster: u64) -> Option<(SliceKey, u64)> {
         let e = self.rgeo.refblock_entries();
-        let i = cluster / e;
-        let block = m.reftable.get(i as usize).copied().unwrap_or(0);
-        (block, cluster % e)
+        let block = m.reftable.get((cluster / e) as usize).copied().unwrap_or(0);
+        if block == 0 {
+            return None;
+        }
+        // At least 512 B slices of at most 64-bit refcounts: never zero.
+        let per_slice = (m.rc.slice_size() as u64 * 8) >> self.rgeo.refcount_order();
+        let index = cluster % e;
+        // At most 2 MiB / 512 B slices per block: fits.
+        let slice = (index / per_slice) as u32;
+        Some((SliceKey::new(block, slice), index % per_slice))
     }
 
     /// The refcount of host cluster `cluster` (0 where no refcount block exists).
     pub(crate) async fn refcount(&self, m: &mut Meta, cluster: u64) -> Result<u64> {
-        let (block, index) = self.refblock_of(m, cluster);
-        if block == 0 {
+        let Some((key, index)) = self.refcount_slot(m, cluster) else {
             return Ok(0);
-        }
-        let key = SliceKey::new(block, 0);
+        };
         self.load(m, CacheKind::Refcount, key).await?;
         let data =
             m.rc.peek(key)
-                .ok_or_else(|| Error::corrupt(&self.path, "refcount block vanished"))?;
+                .ok_or_else(|| Error::corrupt(&self.path, "refcount slice vanished"))?;
         refcount::get(data, self.rgeo.refcount_order(), index).map_err(|e| self.fmt_err(e))
     }
 
@@ -51,8 +60,7 @@ impl<S: Storage> Shared<S> {
         delta: i64,
     ) -> Result<u64> {
         self.mark_dirty_if_lazy(m).await?;
-        let (mut block, mut index) = self.refblock_of(m, cluster);
-        if block == 0 {
+        if self.refcount_slot(m, cluster).is_none() {
             if delta < 0 {
                 return Err(Error::corrupt(
                     &self.path,
@@ -64,9 +72,10 @@ impl<S: Storage> Shared<S> {
             }
             self.ensure_refblock(m, cluster / self.rgeo.refblock_entries())
                 .await?;
-            (block, index) = self.refblock_of(m, cluster);
         }
-        let key = SliceKey::new(block, 0);
+        let (key, index) = self
+            .refcount_slot(m, cluster)
+            .ok_or_else(|| Error::corrupt(&self.path, "new refcount block vanished"))?;
         self.load(m, CacheKind::Refcount, key).await?;
         let order = self.rgeo.refcount_order();
         let max = self.rgeo.max_refcount();
@@ -74,7 +83,7 @@ impl<S: Storage> Shared<S> {
         let path = &self.path;
         let data =
             m.rc.peek(key)
-                .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?;
+                .ok_or_else(|| Error::corrupt(path, "refcount slice vanished"))?;
         let old = refcount::get(data, order, index).map_err(|e| Error::format(path, e))?;
         let new = if delta >= 0 {
             old.checked_add(delta as u64).filter(|&v| v <= max)
@@ -92,7 +101,7 @@ impl<S: Storage> Shared<S> {
             ));
         };
         set_cached(&mut m.rc, key, order, index, new, now)
-            .ok_or_else(|| Error::corrupt(path, "refcount block vanished"))?
+            .ok_or_else(|| Error::corrupt(path, "refcount slice vanished"))?
             .map_err(|e| Error::format(path, e))?;
         Ok(new)
     }
@@ -146,10 +155,10 @@ impl<S: Storage> Shared<S> {
         }
     }
 
-    /// The refcount of `cluster` if its refcount block exists and is cached.
+    /// The refcount of `cluster` if its refcount block exists and its slice is cached.
     fn refcount_cached(&self, m: &Meta, cluster: u64) -> Option<u64> {
-        let (block, index) = self.refblock_of(m, cluster);
-        let data = m.rc.peek(SliceKey::new(block, 0)).filter(|_| block != 0)?;
+        let (key, index) = self.refcount_slot(m, cluster)?;
+        let data = m.rc.peek(key)?;
         refcount::get(data, self.rgeo.refcount_order(), index).ok()
     }
 
@@ -192,9 +201,9 @@ impl<S: Storage> Shared<S> {
         let order = self.rgeo.refcount_order();
         let now = self.now();
         for &c in &found {
-            let (block, index) = self.refblock_of(m, c);
-            // Cannot fail: the block is cached and 1 fits every refcount width.
-            set_cached(&mut m.rc, SliceKey::new(block, 0), order, index, 1, now)?.ok()?;
+            let (key, index) = self.refcount_slot(m, c)?;
+            // Cannot fail: the slice is cached and 1 fits every refcount width.
+            set_cached(&mut m.rc, key, order, index, 1, now)?.ok()?;
         }
         let last = *found.last()?;
         // Every cluster from the hint to `last` is in use now (or waits for its punch).
@@ -208,10 +217,11 @@ impl<S: Storage> Shared<S> {
     /// then frees it with [`free_clusters`](Self::free_clusters)).
     pub(crate) fn try_unalloc_cached(&self, m: &mut Meta, host: u64) -> bool {
         let c = host / self.geo.cluster_size();
-        let (block, index) = self.refblock_of(m, c);
+        let Some((key, index)) = self.refcount_slot(m, c) else {
+            return false;
+        };
         let now = self.now();
         let order = self.rgeo.refcount_order();
-        let key = SliceKey::new(block, 0);
         let Some(data) = m.rc.peek(key) else {
             return false;
         };
@@ -448,10 +458,9 @@ pub(crate) fn plan_refcount_area(
     }
 }
 
-/// Sets refcount `index` (`2^order`-bit entries) of the cached refcount block `key` to
-/// `value`, marking only the entry's bytes dirty, so that writing the block back writes a
-/// few KiB rather than the whole cluster (2 MiB with 2 MiB clusters). `None` when the block
-/// is not cached.
+/// Sets refcount `index` (`2^order`-bit entries) of the cached refcount slice `key` to
+/// `value`, marking only the entry's bytes dirty, so that writing the slice back writes one
+/// 4 KiB block. `None` when the slice is not cached.
 fn set_cached(
     rc: &mut SliceCache,
     key: SliceKey,

@@ -28,7 +28,7 @@ impl<S: Storage> Shared<S> {
     pub(crate) fn slice_location(&self, m: &Meta, kind: CacheKind, key: SliceKey) -> u64 {
         match kind {
             CacheKind::L2 => key.table + u64::from(key.slice) * m.l2_slice,
-            CacheKind::Refcount => key.table,
+            CacheKind::Refcount => key.table + u64::from(key.slice) * m.rc.slice_size() as u64,
         }
     }
 
@@ -189,7 +189,7 @@ impl<S: Storage> Shared<S> {
                 "{} at {at:#x} cannot be read: {e}",
                 match kind {
                     CacheKind::L2 => "L2 table slice",
-                    CacheKind::Refcount => "refcount block",
+                    CacheKind::Refcount => "refcount block slice",
                 }
             );
             let past_end = self
