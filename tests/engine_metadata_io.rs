@@ -1,9 +1,10 @@
 //! What the engine itself writes and reads for its metadata, counted at the storage: a
 //! write-back writes only the blocks of a table or refcount block that changed (a 2 MiB table
 //! with one new entry costs 4 KiB, not 2 MiB), allocations racing past the end of the file
-//! reserve the space once rather than once each, and a table just created is zeroed as a
-//! range and its slice taken from memory instead of being read back. Each image is then checked by
-//! `qemu-img check` and compared with a model by `qemu-img compare`.
+//! reserve the space once rather than once each, a table just created is zeroed as a range
+//! and its slice taken from memory instead of being read back, and refcounts and L2 entries
+//! are read in slices of 4 KiB and 64 KiB, not whole 2 MiB blocks and tables. Each image is
+//! then checked by `qemu-img check` and compared with a model by `qemu-img compare`.
 
 mod common;
 
@@ -54,14 +55,23 @@ fn assert_qemu_sees(mem: &MemStorage, model: &[u8], what: &str) {
     assert_same_as_model(&dir.0, "img.qcow2", model, what);
 }
 
-/// `(offset, length)` of each write (`zeroes`: each write-zeroes) in `log`.
-fn writes(log: &Trace, zeroes: bool) -> Vec<(u64, u64)> {
+/// The storage operations [`ops`] picks out.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Read,
+    Write,
+    WriteZeroes,
+}
+
+/// `(offset, length)` of each operation of `kind` in `log`.
+fn ops(log: &Trace, kind: Kind) -> Vec<(u64, u64)> {
     log.lock()
         .unwrap()
         .iter()
-        .filter_map(|op| match (op, zeroes) {
-            (TraceOp::Write { offset, data }, false) => Some((*offset, data.len() as u64)),
-            (TraceOp::WriteZeroes { offset, len }, true) => Some((*offset, *len)),
+        .filter_map(|op| match (op, kind) {
+            (TraceOp::Read { offset, len }, Kind::Read) => Some((*offset, *len)),
+            (TraceOp::Write { offset, data }, Kind::Write) => Some((*offset, data.len() as u64)),
+            (TraceOp::WriteZeroes { offset, len }, Kind::WriteZeroes) => Some((*offset, *len)),
             _ => None,
         })
         .collect()
@@ -92,7 +102,7 @@ fn a_flush_writes_back_only_the_blocks_of_a_large_table_that_changed() {
             write(k).await;
         }
         img.flush().await.expect("flush");
-        let written = writes(&log, false);
+        let written = ops(&log, Kind::Write);
         // Four 4 KiB data writes into fresh clusters (nothing to copy: no backing file),
         // then the 4 KiB block of the table holding the four new entries and the 4 KiB block
         // of the refcount block holding their refcounts: not the 2 MiB table and block.
@@ -232,7 +242,7 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         assert_eq!(&back[4096..], &data[..]);
         // The table was zeroed as a range (`fallocate(FALLOC_FL_ZERO_RANGE)` on a file), not
         // written as 2 MiB of zero bytes.
-        let (written, zeroed) = (writes(&log, false), writes(&log, true));
+        let (written, zeroed) = (ops(&log, Kind::Write), ops(&log, Kind::WriteZeroes));
         assert_eq!(zeroed.len(), 1, "{zeroed:x?}");
         assert_eq!(zeroed[0].1, shape.cluster_size);
         let largest = written.iter().map(|w| w.1).max();
@@ -242,18 +252,6 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         model[at as usize..at as usize + 4096].copy_from_slice(&data);
         assert_qemu_sees(&mem, &model, "fresh table");
     });
-}
-
-/// Reads `(offset, length)` in `log`.
-fn reads(log: &Trace) -> Vec<(u64, u64)> {
-    log.lock()
-        .unwrap()
-        .iter()
-        .filter_map(|op| match op {
-            TraceOp::Read { offset, len } => Some((*offset, *len)),
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]
@@ -269,7 +267,7 @@ fn the_first_allocation_reads_one_refcount_slice_not_the_block() {
         img.write(&data, at).await.expect("write");
         // The refcount of the new cluster comes from the 4 KiB slice holding it: not the
         // 2 MiB refcount block (QEMU reads the whole block).
-        let read = reads(&log);
+        let read = ops(&log, Kind::Read);
         assert!(!read.is_empty(), "the refcount block was never read");
         assert!(read.iter().all(|&(_, len)| len <= 4096), "{read:x?}");
         let stats = img.stats().await;
@@ -282,9 +280,10 @@ fn the_first_allocation_reads_one_refcount_slice_not_the_block() {
 }
 
 /// Refcount blocks of several slices, a cache of few of them: 8 KiB clusters with 64-bit
-/// refcounts make each block two 4 KiB slices of 512 refcounts (4 MiB of host clusters each);
-/// a 40 MiB image spans eleven slices of six blocks, the cache holds eight. Writes, frees and rewrites go through
-/// slices evicted and loaded again; qemu-img then finds every refcount right.
+/// refcounts make each block two 4 KiB slices of 512 refcounts (4 MiB of host clusters
+/// each); a 40 MiB image spans eleven slices of six blocks, the cache holds eight. Writes,
+/// frees and rewrites go through slices evicted and loaded again; qemu-img then finds every
+/// refcount right.
 #[test]
 fn refcounts_in_many_slices_stay_right() {
     runtime().block_on(async {
@@ -352,7 +351,7 @@ fn the_first_lookup_in_a_large_table_reads_64_kib_not_the_table() {
         assert!(back == data, "the read differs from what was written");
         // The slice of the 2 MiB table holding the entry (64 KiB), then the data: QEMU reads
         // the whole table first.
-        let read = reads(&log);
+        let read = ops(&log, Kind::Read);
         assert_eq!(read.iter().map(|r| r.1).max(), Some(64 * KIB), "{read:x?}");
         assert_eq!(read.len(), 2, "{read:x?}");
         let stats = img.stats().await;
