@@ -160,11 +160,13 @@ impl World {
     fn opts(&self) -> OpenOptions {
         let mut o = OpenOptions::new().writable(true);
         if self.shape.small_cache {
-            // Two 512-byte L2 slices and four refcount blocks: constant eviction.
+            // Two 512-byte L2 slices and four refcount blocks in 512-byte slices: constant
+            // eviction, and refcount blocks of several slices.
             o = o.cache(CacheOptions {
                 l2_cache_size: Some(1024),
                 l2_cache_entry_size: Some(512),
                 refcount_cache_size: Some(4 * self.shape.cluster_size()),
+                refcount_cache_entry_size: Some(512),
                 ..CacheOptions::default()
             });
         }

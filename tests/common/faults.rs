@@ -208,7 +208,8 @@ pub struct Shape {
     pub backing: BackingKind,
     /// Virtual size (a partial last cluster is fine).
     pub size: u64,
-    /// Two 512-byte L2 slices and the minimum refcount cache: constant eviction.
+    /// Two 512-byte L2 slices and the minimum refcount cache in 512-byte slices: constant
+    /// eviction, and refcount blocks of several slices.
     pub small_cache: bool,
     pub sparse: bool,
 }
@@ -245,6 +246,7 @@ impl Shape {
                 l2_cache_size: Some(1024),
                 l2_cache_entry_size: Some(512),
                 refcount_cache_size: Some(4 * self.cluster_size),
+                refcount_cache_entry_size: Some(512),
                 ..CacheOptions::default()
             });
         }

@@ -54,6 +54,17 @@ pub enum CacheError {
         cluster_size: u64,
     },
 
+    /// `refcount-cache-entry-size` is not a power of two between 512 and the cluster size.
+    #[error(
+        "refcount-cache-entry-size ({value}) must be a power of two between 512 and the cluster size ({cluster_size})"
+    )]
+    InvalidRefcountEntrySize {
+        /// The entry size given.
+        value: u64,
+        /// The image's cluster size.
+        cluster_size: u64,
+    },
+
     /// The image facts name a cluster size qcow2 cannot have.
     #[error("cluster size {cluster_size} is not a power of two between 512 and 2 MiB")]
     InvalidClusterSize {

@@ -38,6 +38,10 @@ pub struct CacheOptions {
     pub l2_cache_entry_size: Option<u64>,
     /// `refcount-cache-size`: most bytes of refcount blocks.
     pub refcount_cache_size: Option<u64>,
+    /// `refcount-cache-entry-size`: bytes per refcount slice, a power of two from 512 to the
+    /// cluster size; [`REFCOUNT_SLICE_SIZE`] (or the cluster, if smaller) when not given.
+    /// qimg's own option: QEMU has none and caches whole refcount blocks.
+    pub refcount_cache_entry_size: Option<u64>,
     /// `cache-size`: most bytes of both caches together.
     pub cache_size: Option<u64>,
     /// `cache-clean-interval`: seconds between passes dropping idle slices; 0 disables.
@@ -147,6 +151,9 @@ impl CacheOptions {
     ///   most [`MAX_COVERING_L2_SLICE_SIZE`], where QEMU takes the whole
     ///   cluster) if the L2 cache covers the whole disk, else
     ///   `min(cluster size, 4096)`; a power of two from 512 to the cluster size.
+    /// * Refcount slices: `refcount-cache-entry-size` if given (qimg's own),
+    ///   else [`REFCOUNT_SLICE_SIZE`] or the cluster size if smaller, where QEMU
+    ///   caches whole blocks; a power of two from 512 to the cluster size.
     /// * Sizes round down to whole slices, then up to at least two L2 slices
     ///   and four refcount clusters.
     /// * `cache-clean-interval` defaults to 600 seconds; 0 disables it.
@@ -165,6 +172,11 @@ impl CacheOptions {
         let entry_size_set = bounded(
             "l2-cache-entry-size",
             self.l2_cache_entry_size,
+            MAX_CACHE_BYTES,
+        )?;
+        let refcount_entry_size_set = bounded(
+            "refcount-cache-entry-size",
+            self.refcount_cache_entry_size,
             MAX_CACHE_BYTES,
         )?;
         let interval = bounded(
@@ -227,6 +239,17 @@ impl CacheOptions {
             });
         }
 
+        let refcount_slice_size =
+            refcount_entry_size_set.unwrap_or(cluster_size.min(REFCOUNT_SLICE_SIZE));
+        if !refcount_slice_size.is_power_of_two()
+            || !(MIN_L2_CACHE_ENTRY_SIZE..=cluster_size).contains(&refcount_slice_size)
+        {
+            return Err(CacheError::InvalidRefcountEntrySize {
+                value: refcount_slice_size,
+                cluster_size,
+            });
+        }
+
         // At most 2^40 / 512 = 2^31 slices of at most 2^21 bytes: no overflow.
         let l2_entries = (l2 / l2_slice_size).max(MIN_L2_CACHE_ENTRIES);
         let refcount_clusters = (refcount / cluster_size).max(MIN_REFCOUNT_CACHE_ENTRIES);
@@ -235,7 +258,7 @@ impl CacheOptions {
             l2_cache_bytes: l2_entries * l2_slice_size,
             l2_slice_size,
             refcount_cache_bytes: refcount_clusters * cluster_size,
-            refcount_slice_size: cluster_size.min(REFCOUNT_SLICE_SIZE),
+            refcount_slice_size,
             clean_interval: (interval != 0).then(|| Duration::from_secs(interval)),
         })
     }
@@ -378,6 +401,37 @@ mod tests {
             2 * MIB,
             "l2-cache-entry-size still gets what it asks"
         );
+    }
+
+    #[test]
+    fn refcount_cache_entry_size_sets_the_refcount_slices() {
+        let asked = |size| CacheOptions {
+            refcount_cache_entry_size: Some(size),
+            ..CacheOptions::default()
+        };
+        let r = resolve(asked(512), standard(GIB));
+        assert_eq!(r.refcount_slice_size, 512);
+        assert_eq!(
+            r.refcount_cache_bytes,
+            4 * 64 * KIB,
+            "the budget does not change"
+        );
+        assert_eq!(r.refcount_entries(), 512);
+        assert_eq!(
+            resolve(asked(64 * KIB), standard(GIB)).refcount_slice_size,
+            64 * KIB
+        );
+        for bad in [0, 256, 3000, 128 * KIB] {
+            let e = asked(bad).resolve(standard(GIB)).unwrap_err();
+            assert_eq!(
+                e,
+                CacheError::InvalidRefcountEntrySize {
+                    value: bad,
+                    cluster_size: 64 * KIB
+                }
+            );
+            assert!(e.to_string().contains("refcount-cache-entry-size"), "{e}");
+        }
     }
 
     #[test]

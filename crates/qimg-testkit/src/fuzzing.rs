@@ -50,13 +50,15 @@ fn block_on<F: Future>(f: F) -> F::Output {
 }
 
 /// Open options with caches small enough to evict all the time: two 512-byte L2 slices and
-/// the smallest refcount cache (four clusters). No clean timer task.
+/// the smallest refcount cache (four clusters) in 512-byte slices, so that a refcount block
+/// of 4 KiB clusters is eight slices. No clean timer task.
 fn small_cache(writable: bool) -> OpenOptions {
     OpenOptions::new()
         .writable(writable)
         .cache(CacheOptions {
             l2_cache_size: Some(1024),
             l2_cache_entry_size: Some(512),
+            refcount_cache_entry_size: Some(512),
             ..CacheOptions::default()
         })
         .clean_timer(false)

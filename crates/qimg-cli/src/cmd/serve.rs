@@ -96,6 +96,9 @@ pub struct ServeArgs {
     /// qcow2 refcount-cache-size.
     #[arg(long = "refcount-cache-size")]
     pub refcount_cache_size: Option<String>,
+    /// Bytes per refcount cache slice (qimg's own option; 4 KiB by default).
+    #[arg(long = "refcount-cache-entry-size")]
+    pub refcount_cache_entry_size: Option<String>,
     /// qcow2 cache-size (L2 and refcount caches together).
     #[arg(long = "cache-size")]
     pub cache_size: Option<String>,
@@ -195,6 +198,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
         ("l2-cache-size", &a.l2_cache_size),
         ("l2-cache-entry-size", &a.l2_cache_entry_size),
         ("refcount-cache-size", &a.refcount_cache_size),
+        ("refcount-cache-entry-size", &a.refcount_cache_entry_size),
         ("cache-size", &a.cache_size),
         ("cache-clean-interval", &a.cache_clean_interval),
     ] {

@@ -86,6 +86,9 @@ pub(super) struct BenchOpts {
     /// qimg: qcow2 refcount-cache-size.
     #[arg(long = "refcount-cache-size")]
     refcount_cache_size: Option<String>,
+    /// qimg: bytes per refcount cache slice (qimg's own; 4 KiB by default).
+    #[arg(long = "refcount-cache-entry-size")]
+    refcount_cache_entry_size: Option<String>,
     /// qimg: qcow2 cache-size (L2 and refcount caches together).
     #[arg(long = "cache-size")]
     cache_size: Option<String>,
@@ -197,6 +200,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         ("l2-cache-size", &args.l2_cache_size),
         ("l2-cache-entry-size", &args.l2_cache_entry_size),
         ("refcount-cache-size", &args.refcount_cache_size),
+        ("refcount-cache-entry-size", &args.refcount_cache_entry_size),
         ("cache-size", &args.cache_size),
         ("cache-clean-interval", &args.cache_clean_interval),
     ] {

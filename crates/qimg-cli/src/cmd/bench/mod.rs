@@ -8,7 +8,8 @@
 //!            [-s BUFFER_SIZE] [-S STEP_SIZE] [-i AIO] [-n] [-q] [-U]
 //!            [-w [--pattern PATTERN] [--flush-interval INTERVAL [--no-drain]]]
 //!            [--random [--seed N]] [--time SECONDS] [--l2-cache-size SIZE]
-//!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE] [--cache-size SIZE]
+//!            [--l2-cache-entry-size SIZE] [--refcount-cache-size SIZE]
+//!            [--refcount-cache-entry-size SIZE] [--cache-size SIZE]
 //!            [--cache-clean-interval SECONDS] [--runtime current|multi]
 //!            [--completions runtime|thread] [--api queue|async]
 //!            [--allocation contiguous|sparse] [--output human|json] FILENAME

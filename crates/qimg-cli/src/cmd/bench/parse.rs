@@ -130,6 +130,10 @@ pub fn cache_option(cache: &mut CacheOptions, key: &str, v: &str) -> Result<bool
         "l2-cache-size" => cache.l2_cache_size = Some(sz("l2-cache-size")?),
         "l2-cache-entry-size" => cache.l2_cache_entry_size = Some(sz("l2-cache-entry-size")?),
         "refcount-cache-size" => cache.refcount_cache_size = Some(sz("refcount-cache-size")?),
+        // qimg's own: QEMU caches whole refcount blocks.
+        "refcount-cache-entry-size" => {
+            cache.refcount_cache_entry_size = Some(sz("refcount-cache-entry-size")?)
+        }
         "cache-size" => cache.cache_size = Some(sz("cache-size")?),
         "cache-clean-interval" => {
             cache.cache_clean_interval = Some(int("cache-clean-interval", v, 0, u64::MAX)?)
@@ -252,7 +256,7 @@ mod tests {
     fn image_opts_take_qemu_keys() {
         let mut c = CacheOptions::default();
         let o = image_opts(
-            "driver=qcow2,file.filename=a,,b.qcow2,l2-cache-size=1M,l2-cache-entry-size=4k,cache.direct=on",
+            "driver=qcow2,file.filename=a,,b.qcow2,l2-cache-size=1M,l2-cache-entry-size=4k,refcount-cache-entry-size=512,cache.direct=on",
             &mut c,
         )
         .unwrap();
@@ -261,6 +265,7 @@ mod tests {
         assert_eq!(o.direct, Some(true));
         assert_eq!(c.l2_cache_size, Some(1 << 20));
         assert_eq!(c.l2_cache_entry_size, Some(4096));
+        assert_eq!(c.refcount_cache_entry_size, Some(512));
         assert!(image_opts("bogus=1", &mut c).is_err());
         assert!(image_opts("driver=vmdk", &mut c).is_err());
     }
