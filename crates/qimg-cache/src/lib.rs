@@ -56,11 +56,9 @@
 //! `qcow2_cache_clean_unused`, which every `cache-clean-interval` drops entries
 //! that are unreferenced, clean and unused since the previous pass. Budgets
 //! come from QEMU's option names and rules ([`CacheOptions::resolve`], after
-//! `read_cache_sizes` in `block/qcow2.c`), with three differences: an L2 share
-//! larger than the whole disk needs is capped at that need; a cache that covers
-//! the disk takes slices of at most [`MAX_COVERING_L2_SLICE_SIZE`] (64 KiB)
-//! where QEMU takes whole clusters of up to 2 MiB; and refcount blocks are
-//! cached in slices of [`REFCOUNT_SLICE_SIZE`] (4 KiB), where QEMU caches
+//! `read_cache_sizes` in `block/qcow2.c`), with two differences: an L2 share
+//! larger than the whole disk needs is capped at that need, and refcount blocks
+//! are cached in slices of [`REFCOUNT_SLICE_SIZE`] (4 KiB), where QEMU caches
 //! them whole.
 //!
 //! # Example
@@ -100,9 +98,8 @@ mod slice_cache;
 pub use error::CacheError;
 pub use options::{
     CacheOptions, DEFAULT_CACHE_CLEAN_INTERVAL_SECS, DEFAULT_L2_CACHE_MAX_SIZE, ImageFacts,
-    MAX_CACHE_CLEAN_INTERVAL_SECS, MAX_COVERING_L2_SLICE_SIZE, MIN_L2_CACHE_ENTRIES,
-    MIN_L2_CACHE_ENTRY_SIZE, MIN_REFCOUNT_CACHE_ENTRIES, REFCOUNT_SLICE_SIZE, ResolvedCache,
-    SMALL_L2_CACHE_ENTRY_SIZE,
+    MAX_CACHE_CLEAN_INTERVAL_SECS, MIN_L2_CACHE_ENTRIES, MIN_L2_CACHE_ENTRY_SIZE,
+    MIN_REFCOUNT_CACHE_ENTRIES, REFCOUNT_SLICE_SIZE, ResolvedCache, SMALL_L2_CACHE_ENTRY_SIZE,
 };
 pub use slice_cache::{
     CacheStats, CleanReport, Dependencies, DirtyEntry, DirtySlice, MAX_CACHE_BYTES, MAX_SLICE_SIZE,

@@ -19,11 +19,6 @@ pub const MAX_CACHE_CLEAN_INTERVAL_SECS: u64 = u32::MAX as u64;
 pub const MIN_L2_CACHE_ENTRY_SIZE: u64 = 512;
 /// Largest slice size used when the L2 cache cannot cover the whole disk.
 pub const SMALL_L2_CACHE_ENTRY_SIZE: u64 = 4096;
-/// Largest slice size chosen when the L2 cache covers the whole disk (smaller clusters: the
-/// whole table). QEMU takes the whole cluster, so that the first lookup in a table of a 2 MiB-
-/// cluster image reads 2 MiB; a 64 KiB slice maps 8 GiB of such an image (4 GiB with standard
-/// entries) and reads in a thirty-second of the time.
-pub const MAX_COVERING_L2_SLICE_SIZE: u64 = 64 * 1024;
 /// Bytes per refcount slice (smaller clusters: the whole block). QEMU caches whole refcount
 /// blocks; with 2 MiB clusters its first allocation reads 2 MiB where 4 KiB serve.
 pub const REFCOUNT_SLICE_SIZE: u64 = 4096;
@@ -147,10 +142,9 @@ impl CacheOptions {
     ///   allocated but unused). With `cache-size` alone: if it is at least
     ///   `needed` plus four clusters, L2 gets `needed` and refcount the rest;
     ///   else refcount gets `min(cache-size, 4 clusters)` and L2 the rest.
-    /// * Slice size: `l2-cache-entry-size` if given, else the cluster size (at
-    ///   most [`MAX_COVERING_L2_SLICE_SIZE`], where QEMU takes the whole
-    ///   cluster) if the L2 cache covers the whole disk, else
-    ///   `min(cluster size, 4096)`; a power of two from 512 to the cluster size.
+    /// * Slice size: `l2-cache-entry-size` if given, else the cluster size if
+    ///   the L2 cache covers the whole disk, else `min(cluster size, 4096)`;
+    ///   a power of two from 512 to the cluster size.
     /// * Refcount slices: `refcount-cache-entry-size` if given (qimg's own),
     ///   else [`REFCOUNT_SLICE_SIZE`] or the cluster size if smaller, where QEMU
     ///   caches whole blocks; a power of two from 512 to the cluster size.
@@ -227,7 +221,7 @@ impl CacheOptions {
 
         let l2_slice_size = match entry_size_set {
             Some(size) => size,
-            None if l2 >= needed => cluster_size.min(MAX_COVERING_L2_SLICE_SIZE),
+            None if l2 >= needed => cluster_size,
             None => cluster_size.min(SMALL_L2_CACHE_ENTRY_SIZE),
         };
         if !l2_slice_size.is_power_of_two()
@@ -376,31 +370,6 @@ mod tests {
 
         let empty = resolve(CacheOptions::default(), standard(0));
         assert_eq!(empty.l2_entries(), 2);
-    }
-
-    #[test]
-    fn covering_slices_of_large_clusters_stop_at_64_kib() {
-        for extended in [false, true] {
-            let r = resolve(CacheOptions::default(), image(10 * GIB, 2 * MIB, extended));
-            assert_eq!(r.l2_slice_size, 64 * KIB, "not the 2 MiB table");
-            assert_eq!(
-                r.l2_cache_bytes,
-                2 * MIB,
-                "the budget still covers the disk"
-            );
-            let small = resolve(CacheOptions::default(), image(10 * GIB, 32 * KIB, extended));
-            assert_eq!(small.l2_slice_size, 32 * KIB, "whole tables below 64 KiB");
-        }
-        let asked = CacheOptions {
-            l2_cache_entry_size: Some(2 * MIB),
-            ..CacheOptions::default()
-        };
-        let r = resolve(asked, image(10 * GIB, 2 * MIB, true));
-        assert_eq!(
-            r.l2_slice_size,
-            2 * MIB,
-            "l2-cache-entry-size still gets what it asks"
-        );
     }
 
     #[test]
