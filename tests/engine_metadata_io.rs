@@ -55,6 +55,13 @@ fn assert_qemu_sees(mem: &MemStorage, model: &[u8], what: &str) {
     assert_same_as_model(&dir.0, "img.qcow2", model, what);
 }
 
+/// The guest data of a disk of `shape` written only with `data` at `at`.
+fn written_once(shape: &Shape, at: u64, data: &[u8]) -> Vec<u8> {
+    let mut model = vec![0u8; shape.size as usize];
+    model[at as usize..at as usize + data.len()].copy_from_slice(data);
+    model
+}
+
 /// The storage operations [`ops`] picks out.
 #[derive(Debug, Clone, Copy)]
 enum Kind {
@@ -248,9 +255,7 @@ fn the_slice_of_a_table_just_created_is_not_read_back() {
         let largest = written.iter().map(|w| w.1).max();
         assert_eq!(largest, Some(4096), "{written:x?}");
         img.close().await.expect("close");
-        let mut model = vec![0u8; shape.size as usize];
-        model[at as usize..at as usize + 4096].copy_from_slice(&data);
-        assert_qemu_sees(&mem, &model, "fresh table");
+        assert_qemu_sees(&mem, &written_once(&shape, at, &data), "fresh table");
     });
 }
 
@@ -273,9 +278,7 @@ fn the_first_allocation_reads_one_refcount_slice_not_the_block() {
         let stats = img.stats().await;
         assert_eq!(stats.refcount_cache.misses, 1, "{:?}", stats.refcount_cache);
         img.close().await.expect("close");
-        let mut model = vec![0u8; shape.size as usize];
-        model[at as usize..at as usize + 4096].copy_from_slice(&data);
-        assert_qemu_sees(&mem, &model, "one refcount slice");
+        assert_qemu_sees(&mem, &written_once(&shape, at, &data), "one refcount slice");
     });
 }
 
