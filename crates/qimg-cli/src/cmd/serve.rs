@@ -236,7 +236,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
         None => None,
     };
     let vhost = match &a.vhost_user_blk {
-        Some(path) => Some(start_vhost(&a, path, &image)?),
+        Some(path) => Some(start_vhost(&a, &mode, path, &image)?),
         None => None,
     };
     if let Some(p) = &a.pidfile {
@@ -327,6 +327,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
 /// threads are its own too); the receiver says how it ended.
 fn start_vhost(
     a: &ServeArgs,
+    mode: &CacheMode,
     path: &Path,
     image: &qimg::Image<qimg::io::AnyStorage>,
 ) -> Result<(
@@ -338,6 +339,8 @@ fn start_vhost(
         read_only: a.readonly,
         serial: a.serial.clone(),
         logical_block_size: a.logical_block_size,
+        writethrough: mode.writethrough,
+        no_flush: mode.no_flush,
         ..Default::default()
     };
     options.check()?;

@@ -27,9 +27,9 @@ use vhost::vhost_user::Listener;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ,
-    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_TOPOLOGY, VIRTIO_BLK_F_WRITE_ZEROES,
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
+    VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_TOPOLOGY,
+    VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -40,6 +40,9 @@ use vmm_sys_util::epoll::EventSet;
 use self::request::{BlkRequest, Desc, Limits, SECTOR, parse};
 
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// Offset of `writeback` in `struct virtio_blk_config`.
+const WRITEBACK_AT: usize = 32;
 
 /// Virtqueue size the backend offers.
 pub const QUEUE_SIZE: u16 = 1024;
@@ -85,6 +88,14 @@ pub struct BlkOptions {
     pub logical_block_size: u32,
     /// Depth of each queue's io_uring ring.
     pub ring_depth: u32,
+    /// Start without a volatile write cache (cache modes `writethrough`, `directsync`): a
+    /// write or write-zeroes completes only once it is durable, as if the guest had flushed
+    /// after it. The guest may change it through the `writeback` config field
+    /// (`VIRTIO_BLK_F_CONFIG_WCE`), as with QEMU; a guest that does not negotiate
+    /// `VIRTIO_BLK_F_FLUSH` always gets write-through.
+    pub writethrough: bool,
+    /// Ignore flushes (cache mode `unsafe`): nothing is made durable before the image closes.
+    pub no_flush: bool,
 }
 
 impl Default for BlkOptions {
@@ -95,6 +106,8 @@ impl Default for BlkOptions {
             serial: String::new(),
             logical_block_size: 512,
             ring_depth: 128,
+            writethrough: false,
+            no_flush: false,
         }
     }
 }
@@ -131,6 +144,11 @@ struct InFlight {
     used: u32,
     /// The connection it came from: completions of an earlier one are dropped.
     generation: u64,
+    /// A write submitted while the device was write-through: its answer waits for a flush.
+    durable: bool,
+    /// For a flush the device added after write-through writes: the answers that wait for
+    /// it, `(head, status address, used length)`.
+    then: Vec<(u16, u64, u32)>,
 }
 
 /// One virtqueue's engine queue and requests in flight.
@@ -148,6 +166,9 @@ struct Device {
     subcluster_size: u64,
     queues: Vec<Mutex<QueueState>>,
     generation: AtomicU64,
+    /// The guest-visible `writeback` config field: false when writes must be durable before
+    /// they complete.
+    write_cache: AtomicBool,
 }
 
 /// The `VhostUserBackend` of one connection.
@@ -169,6 +190,9 @@ impl Device {
             | 1 << VIRTIO_BLK_F_FLUSH
             | 1 << VIRTIO_BLK_F_TOPOLOGY
             | 1 << VIRTIO_BLK_F_MQ;
+        if !self.options.no_flush {
+            f |= 1 << VIRTIO_BLK_F_CONFIG_WCE;
+        }
         if self.options.read_only {
             f |= 1 << VIRTIO_BLK_F_RO;
         } else {
@@ -193,6 +217,7 @@ impl Device {
             28,
             (self.cluster_size / u64::from(bs)).max(1) as u32,
         );
+        c[WRITEBACK_AT] = u8::from(self.write_cache.load(Ordering::Acquire));
         c[34..36].copy_from_slice(&self.options.num_queues.to_le_bytes());
         put32(&mut c, 36, MAX_ZERO_SECTORS);
         put32(&mut c, 40, 1);
@@ -296,6 +321,11 @@ impl Backend {
         };
         let status_at = status?;
         let used = req.device_writes() as u32 + 1;
+        let durable = matches!(
+            req,
+            BlkRequest::Write { .. } | BlkRequest::WriteZeroes { .. }
+        ) && !self.device.write_cache.load(Ordering::Acquire)
+            && !self.device.options.no_flush;
         let engine_req = match req {
             BlkRequest::GetId { data } => {
                 let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -325,6 +355,9 @@ impl Backend {
                     Err(_) => return Some((status, (1, VIRTIO_BLK_S_IOERR as u8))),
                 }
             }
+            BlkRequest::Flush if self.device.options.no_flush => {
+                return Some((status, (1, VIRTIO_BLK_S_OK as u8)));
+            }
             BlkRequest::Flush => Request::Flush,
             BlkRequest::Discard { ranges } => {
                 let (offset, len) = ranges[0];
@@ -344,13 +377,16 @@ impl Backend {
                 status: status_at,
                 used,
                 generation: self.generation,
+                durable,
+                then: Vec::new(),
             },
         );
         batch.push((engine_req, token));
         None
     }
 
-    /// Collects virtqueue `q`'s completions and answers them.
+    /// Collects virtqueue `q`'s completions and answers them. Write-through writes are
+    /// answered after a flush the device submits for all of them at once.
     fn complete(&self, q: usize, vring: &VringRwLock<Mem>) -> io::Result<()> {
         let mem = self.mem.memory();
         let mut state = self.device.queues[q]
@@ -358,6 +394,7 @@ impl Backend {
             .unwrap_or_else(|e| e.into_inner());
         let _ = state.queue.notifier().drain();
         let mut answered = false;
+        let mut waiting = Vec::new();
         while let Some(c) = state.queue.next_completed() {
             let Some(p) = state.pending.remove(&c.user_data) else {
                 continue;
@@ -365,19 +402,48 @@ impl Backend {
             if p.generation != self.generation {
                 continue;
             }
-            let code = if c.result.is_ok() {
-                VIRTIO_BLK_S_OK
-            } else {
-                VIRTIO_BLK_S_IOERR
-            } as u8;
-            let used = if code == VIRTIO_BLK_S_OK as u8 {
-                p.used
-            } else {
-                1
-            };
-            let _ = mem.write_obj(code, GuestAddress(p.status));
-            vring.add_used(p.head, used).map_err(io::Error::other)?;
-            answered = true;
+            let ok = c.result.is_ok();
+            if ok && p.durable {
+                waiting.push((p.head, p.status, p.used));
+                continue;
+            }
+            let answers = std::iter::once((p.head, p.status, p.used)).chain(p.then);
+            for (head, status, used) in answers {
+                let (code, used) = match ok {
+                    true => (VIRTIO_BLK_S_OK, used),
+                    false => (VIRTIO_BLK_S_IOERR, 1),
+                };
+                let _ = mem.write_obj(code as u8, GuestAddress(status));
+                vring.add_used(head, used).map_err(io::Error::other)?;
+                answered = true;
+            }
+        }
+        if !waiting.is_empty() {
+            // One flush makes every write completed before it durable (group commit): it
+            // answers for the first write, the others ride along.
+            state.next += 1;
+            let token = state.next;
+            let rest = waiting.split_off(1);
+            let first = waiting[0];
+            state.pending.insert(
+                token,
+                InFlight {
+                    head: first.0,
+                    status: first.1,
+                    used: first.2,
+                    generation: self.generation,
+                    durable: false,
+                    then: rest,
+                },
+            );
+            if state.queue.submit(Request::Flush, token).is_err() {
+                let p = state.pending.remove(&token).expect("just inserted");
+                for (head, status, _) in std::iter::once(first).chain(p.then) {
+                    let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(status));
+                    vring.add_used(head, 1).map_err(io::Error::other)?;
+                }
+                answered = true;
+            }
         }
         if answered && vring.needs_notification().map_err(io::Error::other)? {
             vring.signal_used_queue()?;
@@ -422,6 +488,26 @@ impl VhostUserBackend for Backend {
         let mut out = c[start..end].to_vec();
         out.resize(size as usize, 0);
         out
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        // Only `writeback` is writable (with VIRTIO_BLK_F_CONFIG_WCE); the rest is ignored,
+        // as QEMU does.
+        let at = (WRITEBACK_AT as u64).checked_sub(u64::from(offset));
+        if let Some(&v) = at.and_then(|at| buf.get(at as usize)) {
+            if !self.device.options.no_flush {
+                self.device.write_cache.store(v != 0, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    fn acked_features(&self, features: u64) {
+        // A driver without flush has no way to make writes durable: the device is then
+        // write-through (virtio 1.2, 5.2.5.1), as QEMU's.
+        if features & 1 << VIRTIO_BLK_F_FLUSH == 0 {
+            self.device.write_cache.store(false, Ordering::Release);
+        }
     }
 
     fn update_memory(&self, _mem: Mem) -> io::Result<()> {
@@ -590,6 +676,7 @@ pub fn serve(
         },
         cluster_size: image.cluster_size(),
         subcluster_size: image.subcluster_size(),
+        write_cache: AtomicBool::new(!options.writethrough),
         options,
         queues,
         generation: AtomicU64::new(0),
@@ -612,6 +699,10 @@ pub fn serve(
 /// One frontend, from connection to disconnect.
 fn serve_one(device: &Arc<Device>, bound: &mut Bound, stop: &Stop) -> Result<(), VhostError> {
     let generation = device.generation.fetch_add(1, Ordering::AcqRel) + 1;
+    // A new frontend starts with the configured cache mode, whatever the last one set.
+    device
+        .write_cache
+        .store(!device.options.writethrough, Ordering::Release);
     let mem: Mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
     let backend = Arc::new(Backend {
         device: device.clone(),
@@ -659,4 +750,76 @@ fn serve_one(device: &Arc<Device>, bound: &mut Bound, stop: &Stop) -> Result<(),
         Err(_) => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(options: BlkOptions) -> Backend {
+        let device = Device {
+            limits: Limits {
+                capacity: 1 << 20,
+                block_size: 512,
+                read_only: false,
+                max_segments: 1,
+                max_bytes: 1 << 20,
+                max_zero_sectors: 1,
+                max_zero_segments: 1,
+            },
+            cluster_size: 65536,
+            subcluster_size: 2048,
+            write_cache: AtomicBool::new(!options.writethrough),
+            options,
+            queues: Vec::new(),
+            generation: AtomicU64::new(0),
+        };
+        Backend {
+            device: Arc::new(device),
+            mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+            event_idx: AtomicBool::new(false),
+            generation: 1,
+        }
+    }
+
+    fn writeback(b: &Backend) -> u8 {
+        b.get_config(WRITEBACK_AT as u32, 1)[0]
+    }
+
+    #[test]
+    fn the_guest_sees_and_switches_the_write_cache() {
+        let b = backend(BlkOptions::default());
+        assert_ne!(b.features() & 1 << VIRTIO_BLK_F_CONFIG_WCE, 0);
+        assert_eq!(writeback(&b), 1);
+        b.set_config(WRITEBACK_AT as u32, &[0]).unwrap();
+        assert_eq!(writeback(&b), 0);
+        // A write of the whole config space changes only `writeback`.
+        let mut c = b.get_config(0, 60);
+        c[WRITEBACK_AT] = 1;
+        c[0] = 0xff;
+        b.set_config(0, &c).unwrap();
+        assert_eq!(writeback(&b), 1);
+        assert_eq!(b.get_config(0, 8), (1u64 << 20 >> 9).to_le_bytes());
+        // Writes past it leave it alone.
+        b.set_config(WRITEBACK_AT as u32 + 1, &[0, 0]).unwrap();
+        assert_eq!(writeback(&b), 1);
+    }
+
+    #[test]
+    fn writethrough_starts_without_a_write_cache_and_a_driver_without_flush_gets_none() {
+        let b = backend(BlkOptions {
+            writethrough: true,
+            ..Default::default()
+        });
+        assert_eq!(writeback(&b), 0);
+        let b = backend(BlkOptions::default());
+        b.acked_features(b.features() & !(1 << VIRTIO_BLK_F_FLUSH));
+        assert_eq!(writeback(&b), 0);
+        // `unsafe` has no cache to switch: the feature is not offered.
+        let b = backend(BlkOptions {
+            no_flush: true,
+            ..Default::default()
+        });
+        assert_eq!(b.features() & 1 << VIRTIO_BLK_F_CONFIG_WCE, 0);
+    }
 }
