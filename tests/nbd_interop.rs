@@ -362,13 +362,33 @@ fn block_status_matches_qemu_nbd_standard_l2() {
 #[test]
 fn nbdinfo_lists_and_nbdcopy_copies_both_ways() {
     let test = "nbdinfo_lists_and_nbdcopy_copies_both_ways";
-    if !have_qemu(test)
-        || !have_tool(test, "nbdinfo", "libnbd-bin")
-        || !have_tool(test, "nbdcopy", "libnbd-bin")
-    {
-        return;
+    if have_nbd_tools(test) {
+        nbdcopy_both_ways(Some("4"), &["--connections=4"]);
     }
-    let s = Scratch::new("nbd-copy");
+}
+
+/// nbdcopy at its defaults against the default export (one client at a time): the export
+/// must not advertise multi-conn (nbdcopy's second connection would wait for the first
+/// forever), as qemu-nbd does not.
+#[test]
+fn nbdcopy_at_its_defaults_copies_both_ways_with_one_client_at_a_time() {
+    let test = "nbdcopy_at_its_defaults_copies_both_ways_with_one_client_at_a_time";
+    if have_nbd_tools(test) {
+        nbdcopy_both_ways(None, &[]);
+    }
+}
+
+fn have_nbd_tools(test: &str) -> bool {
+    have_qemu(test)
+        && have_tool(test, "nbdinfo", "libnbd-bin")
+        && have_tool(test, "nbdcopy", "libnbd-bin")
+}
+
+/// Copies 64 MiB into an export of `qimg serve --nbd` (with `--shared N` if given) and out
+/// again with nbdcopy and `nbdcopy_args`; `can_multi_conn` must be what qemu-nbd says with
+/// the same `-e`.
+fn nbdcopy_both_ways(shared: Option<&str>, nbdcopy_args: &[&str]) {
+    let s = Scratch::new(&format!("nbd-copy-{}", shared.unwrap_or("1")));
     let dir = &s.0;
     create(dir, "a.qcow2", true, None);
     // 64 MiB of input: a pattern with runs of zeros (which nbdcopy may send as zeroing).
@@ -381,36 +401,44 @@ fn nbdinfo_lists_and_nbdcopy_copies_both_ways() {
         }
     }
     std::fs::write(s.path("in.raw"), &data).unwrap();
+    let multi_conn = |server: Server, sock: &Path| {
+        let list = ok(
+            "nbdinfo --list",
+            &run(dir, Path::new("nbdinfo"), &["--list", &uri("", sock)]),
+        );
+        server.stop();
+        let line = list
+            .lines()
+            .find(|l| l.contains("can_multi_conn"))
+            .unwrap_or_else(|| panic!("no can_multi_conn in {list}"))
+            .trim()
+            .to_string();
+        (line, list)
+    };
+    let mut extra = vec!["--export-name", "vol", "--description", "a test volume"];
+    let mut qemu_extra = vec!["-x", "vol"];
+    if let Some(n) = shared {
+        extra.extend(["--shared", n]);
+        qemu_extra.extend(["-e", n]);
+    }
+    let qsock = s.path("q.sock");
+    let (theirs, _) = multi_conn(qemu_nbd(dir, "a.qcow2", &qsock, &qemu_extra), &qsock);
     let sock = s.path("s.sock");
-    let server = qimg_serve(
-        dir,
-        "a.qcow2",
-        &sock,
-        &[
-            "--export-name",
-            "vol",
-            "--description",
-            "a test volume",
-            "--shared",
-            "4",
-        ],
-    );
-    let list = ok(
-        "nbdinfo --list",
-        &run(dir, Path::new("nbdinfo"), &["--list", &uri("", &sock)]),
-    );
+    let (ours, list) = multi_conn(qimg_serve(dir, "a.qcow2", &sock, &extra), &sock);
     assert!(list.contains("export=\"vol\""), "{list}");
     assert!(list.contains("a test volume"), "{list}");
-    assert!(list.contains("can_multi_conn: true"), "{list}");
+    assert_eq!(ours, theirs, "multi-conn differs from qemu-nbd's");
+    let server = qimg_serve(dir, "a.qcow2", &sock, &extra);
     let u = uri("vol", &sock);
-    ok(
-        "nbdcopy in",
-        &run(dir, Path::new("nbdcopy"), &["in.raw", &u]),
-    );
-    ok(
-        "nbdcopy out",
-        &run(dir, Path::new("nbdcopy"), &[&u, "out.raw"]),
-    );
+    // A hang guard, not a time limit: each copy takes about a second when it works.
+    let nbdcopy = |args: &[&str]| {
+        let mut all = vec!["300", "nbdcopy"];
+        all.extend(nbdcopy_args);
+        all.extend(args);
+        run(dir, Path::new("timeout"), &all)
+    };
+    ok("nbdcopy in", &nbdcopy(&["in.raw", &u]));
+    ok("nbdcopy out", &nbdcopy(&[&u, "out.raw"]));
     let map = ok(
         "nbdinfo --map",
         &run(dir, Path::new("nbdinfo"), &["--map", &u]),

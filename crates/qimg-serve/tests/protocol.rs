@@ -21,7 +21,6 @@ async fn structured_reads_send_holes_and_data_and_writes_round_trip() {
         | TF_SEND_TRIM
         | TF_SEND_WRITE_ZEROES
         | TF_SEND_DF
-        | TF_CAN_MULTI_CONN
         | TF_SEND_CACHE
         | TF_SEND_FAST_ZERO;
     assert_eq!(flags, want);

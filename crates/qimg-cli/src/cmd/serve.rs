@@ -229,6 +229,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.no_flush = mode.no_flush;
     export.per_connection_queue = true;
     export.tls = tls;
+    export.multi_conn = a.shared > 1;
     let export = Arc::new(export);
 
     let listener = match &a.nbd {

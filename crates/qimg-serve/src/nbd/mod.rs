@@ -18,8 +18,11 @@
 //!   `FAST_ZERO` succeeds; with `NO_HOLE` zeros are written as data, whose cost grows with
 //!   the length, so `FAST_ZERO | NO_HOLE` fails at once with `ENOTSUP`.
 //! - `NBD_CMD_CACHE` maps the range (loading its L2 slices into the cache) and reads nothing.
-//! - `CAN_MULTI_CONN` is advertised: every connection works on the one shared image, so a
-//!   flush on any of them flushes everything any of them wrote.
+//! - `CAN_MULTI_CONN` is advertised when [`Export::multi_conn`] says several clients are
+//!   served at once (qemu-nbd's `-e N`, N > 1, as qemu-nbd does): every connection works on
+//!   the one shared image, so each sees every other's completed writes and a flush on any of
+//!   them flushes everything any of them wrote. With one client at a time it is not: a client
+//!   that opened a second connection would wait for the first to end.
 //! - The minimum block size is 1: the engine takes requests of any alignment.
 //! - With extended headers a `WRITE` without `NBD_CMD_FLAG_PAYLOAD_LEN` still carries its
 //!   payload (QEMU's client sends it so, and qemu-nbd accepts it).
@@ -145,6 +148,9 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     pub no_flush: bool,
     /// When set, the client must run `NBD_OPT_STARTTLS` before anything else.
     pub tls: Option<Arc<dyn StartTls>>,
+    /// Advertise `NBD_FLAG_CAN_MULTI_CONN`: set it only when the server takes several
+    /// connections at once (a client that opens more waits otherwise).
+    pub multi_conn: bool,
     /// Serve each connection's reads and writes through a [`qimg::Queue`] of its own (Linux,
     /// an image file the queue can reach directly): requests whose metadata is cached go to
     /// the queue's io_uring ring without the engine. Needs a runtime with I/O enabled
@@ -166,6 +172,7 @@ impl<S: Storage + 'static> Export<S> {
             writethrough: false,
             no_flush: false,
             tls: None,
+            multi_conn: false,
             per_connection_queue: false,
         }
     }
@@ -174,7 +181,10 @@ impl<S: Storage + 'static> Export<S> {
     /// which `NBD_FLAG_SEND_DF` needs).
     pub fn transmission_flags(&self, structured: bool) -> u16 {
         use proto::*;
-        let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_CACHE | TF_CAN_MULTI_CONN;
+        let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_CACHE;
+        if self.multi_conn {
+            f |= TF_CAN_MULTI_CONN;
+        }
         if structured {
             f |= TF_SEND_DF;
         }
