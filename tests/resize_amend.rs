@@ -472,3 +472,79 @@ fn amend_matches_qemu_img() {
         assert_eq!(st, Some(1), "{args:?}");
     }
 }
+
+/// Gives the snapshot entries of `file` the extra data lengths in `lens` (older writers left
+/// v2 entries with less than v3 asks for), rewriting the table in place: it only shrinks.
+fn shorten_snapshot_extra(dir: &Path, file: &str, lens: &[usize]) {
+    use qimg::format::snapshot::{decode_table, encode_table};
+    let path = dir.join(file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let nb = u32::from_be_bytes(bytes[60..64].try_into().unwrap());
+    let at = u64::from_be_bytes(bytes[64..72].try_into().unwrap()) as usize;
+    let mut snaps = decode_table(&bytes[at..], at as u64, nb).unwrap();
+    let old_len: usize = snaps.iter().map(|s| s.encoded_len()).sum();
+    for (s, &len) in snaps.iter_mut().zip(lens) {
+        s.extra_data.truncate(len);
+    }
+    let table = encode_table(&snaps);
+    // (The last entry's padding may lie past the end of the file.)
+    let end = (at + old_len).min(bytes.len());
+    bytes[at..end].fill(0);
+    bytes[at..at + table.len()].copy_from_slice(&table);
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// A v2 image whose snapshot entries carry 0 and 8 bytes of extra data: `compat=1.1` must
+/// rewrite the table with v3's extra data (both checkers call such entries incomplete
+/// otherwise), and `compat=1.1,size=...` upgrades, then resizes, as qemu-img does.
+#[test]
+fn amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img() {
+    if !have_qemu("amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("amend-v2-snapshots");
+    let src = s.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let d = &src;
+    qemu_img_create(d, "qcow2", "compat=0.10", &[], "v2.qcow2", "8M");
+    qemu_io(d, "qcow2", "v2.qcow2", &["write -P 8 64k 200k"]);
+    ok(
+        "snapshot",
+        &qemu_img(d, &["snapshot", "-c", "s1", "v2.qcow2"]),
+    );
+    qemu_io(d, "qcow2", "v2.qcow2", &["write -P 9 0 100k"]);
+    ok(
+        "snapshot",
+        &qemu_img(d, &["snapshot", "-c", "s2", "v2.qcow2"]),
+    );
+    shorten_snapshot_extra(d, "v2.qcow2", &[0, 8]);
+    assert_clean(d, "v2.qcow2", "the shortened v2 image");
+    let snapshots = |dir: &Path| info(dir, "v2.qcow2")["snapshots"].clone();
+    for opts in ["compat=1.1", "compat=1.1,size=16M"] {
+        let args = ["amend", "-o", opts, "v2.qcow2"];
+        let (m, st) = same_run(&src, &s.0, opts, &args, "v2.qcow2");
+        assert_eq!(st, Some(0), "{args:?}");
+        let q = s.path("q");
+        assert_eq!(
+            amended_fields(&q, "v2.qcow2"),
+            amended_fields(&m, "v2.qcow2")
+        );
+        assert_eq!(
+            snapshots(&q),
+            snapshots(&m),
+            "{opts}: snapshot lists differ"
+        );
+        // Each snapshot still reads as it was written.
+        ok(
+            "snapshot -a",
+            &qimg(&m, &["snapshot", "-a", "s1", "v2.qcow2"]),
+        );
+        qemu_io(
+            &m,
+            "qcow2",
+            "v2.qcow2",
+            &["read -P 8 64k 200k", "read -P 0 0 64k"],
+        );
+        assert_clean(&m, "v2.qcow2", "after applying s1");
+    }
+}

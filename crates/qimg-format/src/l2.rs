@@ -17,6 +17,7 @@ pub use subcluster::{
     BitmapRuns, ExtendedL2Entry, StateRuns, SubclusterBitmap, SubclusterBits, SubclusterState,
 };
 
+use crate::be::u64_at;
 use crate::compressed::CompressedDescriptor;
 use crate::error::{FormatError, Result};
 use crate::geometry::Geometry;
@@ -367,6 +368,32 @@ pub fn write_entry(slice: &mut [u8], index: usize, entry: &AnyL2Entry) -> Result
     let mut bytes = Vec::with_capacity(size);
     entry.encode_into(&mut bytes);
     target.copy_from_slice(&bytes);
+    Ok(())
+}
+
+/// Sets or clears `QCOW_OFLAG_COPIED` in entry `index` of an encoded slice whose entries are
+/// `entry_size` bytes (8 or 16), leaving every other bit as it is.
+///
+/// Fails (writing nothing) if the entry does not fit inside `slice`.
+pub fn set_copied(slice: &mut [u8], index: usize, entry_size: usize, copied: bool) -> Result<()> {
+    let at = index.checked_mul(entry_size);
+    let Some(word) = at.and_then(|at| slice.get_mut(at..at.checked_add(8)?)) else {
+        return Err(FormatError::InvalidArgument {
+            what: "L2 slice index",
+            value: index as u64,
+            reason: format!(
+                "a slice of {:#x} bytes has no entry of {entry_size} bytes there",
+                slice.len()
+            ),
+        });
+    };
+    let mut w = u64_at(word, 0);
+    if copied {
+        w |= crate::l1::QCOW_OFLAG_COPIED;
+    } else {
+        w &= !crate::l1::QCOW_OFLAG_COPIED;
+    }
+    word.copy_from_slice(&w.to_be_bytes());
     Ok(())
 }
 

@@ -55,6 +55,26 @@ impl Snapshot {
         self.extra_u64(16).filter(|&v| v != u64::MAX)
     }
 
+    /// Whether a v3 image must call this entry incomplete: less than
+    /// [`V3_MIN_EXTRA_DATA`] bytes of extra data (QEMU reads such an entry, `check` reports
+    /// it and `-r all` rewrites it; v2 images may carry none).
+    pub fn is_incomplete(&self, version: u32) -> bool {
+        version >= 3 && self.extra_data.len() < V3_MIN_EXTRA_DATA as usize
+    }
+
+    /// Gives the entry the extra data QEMU writes (VM state size, disk size, icount; 24
+    /// bytes), keeping what it already records and any unknown bytes after them, as QEMU's
+    /// `qcow2_write_snapshots` does: a missing disk size becomes `disk_size` (QEMU takes the
+    /// image's current size), a missing icount -1.
+    pub fn complete_extra(&mut self, disk_size: u64) {
+        if self.extra_data.len() >= KNOWN_EXTRA_DATA as usize {
+            return;
+        }
+        let icount = self.extra_u64(16).unwrap_or(u64::MAX);
+        let disk_size = self.disk_size().unwrap_or(disk_size);
+        self.extra_data = known_extra(self.vm_state_size(), disk_size, icount);
+    }
+
     /// Encoded size including padding.
     pub fn encoded_len(&self) -> usize {
         pad8(40 + self.extra_data.len() + self.id.len() + self.name.len())
@@ -80,17 +100,23 @@ impl Snapshot {
     }
 }
 
+/// The 24 bytes of extra data QEMU knows: 64-bit VM state size, virtual disk size at
+/// snapshot time, and the record/replay instruction count (-1, `u64::MAX`, when disabled).
+pub fn known_extra(vm_state_size: u64, disk_size: u64, icount: u64) -> Vec<u8> {
+    [vm_state_size, disk_size, icount]
+        .iter()
+        .flat_map(|v| v.to_be_bytes())
+        .collect()
+}
+
 /// Decodes `nb` entries of a snapshot table read from file offset `table_offset`.
 ///
-/// `version` selects the v3 rule that every entry carries at least 16 bytes of extra data.
 /// Limits: at most 65536 entries, at most 1024 bytes of extra data per entry; an entry that
-/// runs past `bytes` is reported as truncated with its own offset.
-pub fn decode_table(
-    bytes: &[u8],
-    table_offset: u64,
-    nb: u32,
-    version: u32,
-) -> Result<Vec<Snapshot>> {
+/// runs past `bytes` is reported as truncated with its own offset. A v3 entry with less
+/// extra data than the specification asks for is read as QEMU reads it
+/// ([`Snapshot::is_incomplete`] tells; writers complete it with
+/// [`Snapshot::complete_extra`]).
+pub fn decode_table(bytes: &[u8], table_offset: u64, nb: u32) -> Result<Vec<Snapshot>> {
     if nb > MAX_SNAPSHOTS {
         return Err(FormatError::InvalidField {
             what: "nb_snapshots",
@@ -122,16 +148,6 @@ pub fn decode_table(
                 offset: at + 36,
                 value: u64::from(extra_len),
                 reason: format!("snapshot {i} has more than {MAX_EXTRA_DATA} bytes of extra data"),
-            });
-        }
-        if version >= 3 && extra_len < V3_MIN_EXTRA_DATA {
-            return Err(FormatError::InvalidField {
-                what: "snapshot extra_data_size",
-                offset: at + 36,
-                value: u64::from(extra_len),
-                reason: format!(
-                    "snapshot {i} of a version 3 image needs at least {V3_MIN_EXTRA_DATA} bytes of extra data"
-                ),
             });
         }
         let extra_len = extra_len as usize;
@@ -167,7 +183,7 @@ pub const ENTRY_HEADER_LEN: u64 = 40;
 pub const KNOWN_EXTRA_DATA: u64 = 24;
 
 /// The fixed part of a snapshot table entry, decoded without judging it (for `check`, which
-/// reports and repairs what the strict [`decode_table`] refuses).
+/// reports and repairs what [`decode_table`] refuses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EntryHeader {
     /// Offset of the snapshot's L1 table.
@@ -244,12 +260,12 @@ mod tests {
         fn snapshot_tables_round_trip(snaps in proptest::collection::vec(arb_snapshot(), 0..8)) {
             let bytes = encode_table(&snaps);
             prop_assert_eq!(bytes.len() % 8, 0);
-            prop_assert_eq!(decode_table(&bytes, 0x50000, snaps.len() as u32, 3).unwrap(), snaps);
+            prop_assert_eq!(decode_table(&bytes, 0x50000, snaps.len() as u32).unwrap(), snaps);
         }
 
         #[test]
         fn decoding_arbitrary_tables_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300), nb in 0u32..70000) {
-            let _ = decode_table(&bytes, 0, nb, 3);
+            let _ = decode_table(&bytes, 0, nb);
         }
     }
 
@@ -281,23 +297,43 @@ mod tests {
 
     #[test]
     fn too_many_snapshots_are_refused_naming_the_count() {
-        let err = decode_table(&[], 0, 65537, 3).unwrap_err().to_string();
+        let err = decode_table(&[], 0, 65537).unwrap_err().to_string();
         assert!(err.contains("nb_snapshots 65537"), "{err}");
     }
 
     #[test]
-    fn v3_snapshots_without_the_mandatory_extra_data_are_refused() {
-        let b = one(8).encode();
-        let err = decode_table(&b, 0x20000, 1, 3).unwrap_err().to_string();
-        assert!(err.contains("extra_data_size 8"), "{err}");
-        assert!(err.contains("0x20024"), "{err}");
-        assert!(decode_table(&b, 0x20000, 1, 2).is_ok());
+    fn v3_snapshots_without_the_mandatory_extra_data_are_read_and_completed_as_qemu_does() {
+        let mut s = one(8);
+        s.vm_state_size32 = 5;
+        s.extra_data = 9u64.to_be_bytes().to_vec();
+        let b = s.encode();
+        let got = decode_table(&b, 0x20000, 1).unwrap().remove(0);
+        assert!(got.is_incomplete(3) && !got.is_incomplete(2));
+        assert_eq!(got.vm_state_size(), 9);
+        let mut done = got.clone();
+        done.complete_extra(1 << 30);
+        assert!(!done.is_incomplete(3));
+        assert_eq!(done.extra_data.len(), 24);
+        assert_eq!(
+            (done.vm_state_size(), done.disk_size(), done.icount()),
+            (9, Some(1 << 30), None)
+        );
+        // Nothing recorded: the 32-bit VM state size moves into the extra data.
+        let mut bare = one(0);
+        bare.vm_state_size32 = 5;
+        bare.complete_extra(4096);
+        assert_eq!(bare.extra_data, known_extra(5, 4096, u64::MAX));
+        // Complete entries, and their unknown bytes, are left as they are.
+        let mut long = one(40);
+        let before = long.clone();
+        long.complete_extra(1);
+        assert_eq!(long, before);
     }
 
     #[test]
     fn oversized_extra_data_is_refused() {
         let b = one(1032).encode();
-        let err = decode_table(&b, 0, 1, 3).unwrap_err().to_string();
+        let err = decode_table(&b, 0, 1).unwrap_err().to_string();
         assert!(err.contains("1032"), "{err}");
     }
 
@@ -306,7 +342,7 @@ mod tests {
         let mut b = one(16).encode();
         b.extend_from_slice(&one(16).encode()[..30]);
         let len = one(16).encoded_len() as u64;
-        let err = decode_table(&b, 0x10000, 2, 3).unwrap_err().to_string();
+        let err = decode_table(&b, 0x10000, 2).unwrap_err().to_string();
         assert!(err.contains(&format!("{:#x}", 0x10000 + len)), "{err}");
     }
 

@@ -588,3 +588,22 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn set_copied_flips_only_bit_63_of_the_entry() {
+    let mut slice = vec![0u8; 32];
+    slice[16..24].copy_from_slice(&0x0000_0000_0001_0201u64.to_be_bytes());
+    set_copied(&mut slice, 1, 16, true).unwrap();
+    assert_eq!(
+        u64::from_be_bytes(slice[16..24].try_into().unwrap()),
+        0x8000_0000_0001_0201
+    );
+    set_copied(&mut slice, 1, 16, false).unwrap();
+    assert_eq!(
+        u64::from_be_bytes(slice[16..24].try_into().unwrap()),
+        0x0000_0000_0001_0201
+    );
+    assert!(slice[..16].iter().chain(&slice[24..]).all(|&b| b == 0));
+    assert!(set_copied(&mut slice, 2, 16, true).is_err());
+    assert!(set_copied(&mut slice, 4, 8, true).is_err());
+}

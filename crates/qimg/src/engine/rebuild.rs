@@ -66,14 +66,7 @@ impl<S: Storage> Inner<S> {
             .map_err(|e| self.walk_error(e))?;
         let (snap_offset, nb) = m.snapshots;
         walker
-            .visit_snapshots(
-                snap_offset,
-                nb,
-                self.version,
-                &self.ctx,
-                external,
-                &mut count,
-            )
+            .visit_snapshots(snap_offset, nb, &self.ctx, external, &mut count)
             .await
             .map_err(|e| self.walk_error(e))?;
         Ok(refs)

@@ -29,9 +29,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use qimg_cache::SliceKey;
 use qimg_format::header::{self, SnapshotPointer};
-use qimg_format::l1::{self, L1Entry, QCOW_OFLAG_COPIED};
-use qimg_format::l2::{L2Entry, decode_slice};
-use qimg_format::snapshot::{self as fsnap, MAX_SNAPSHOTS, MAX_TABLE_SIZE, Snapshot};
+use qimg_format::l1::{self, L1Entry};
+use qimg_format::l2::{self, L2Entry, decode_slice};
+use qimg_format::snapshot::{
+    self as fsnap, KNOWN_EXTRA_DATA, MAX_SNAPSHOTS, MAX_TABLE_SIZE, Snapshot,
+};
 use qimg_format::validate::MAX_L1_BYTES;
 use qimg_io::Storage;
 
@@ -233,10 +235,8 @@ impl<S: Storage> Image<S> {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         let size = inner.size();
-        let mut extra = Vec::with_capacity(24);
-        extra.extend_from_slice(&0u64.to_be_bytes()); // vm_state_size_large
-        extra.extend_from_slice(&size.to_be_bytes()); // disk_size
-        extra.extend_from_slice(&0u64.to_be_bytes()); // icount (qemu-img writes 0)
+        // No VM state; icount 0, as qemu-img writes it.
+        let extra = fsnap::known_extra(0, size, 0);
         let entry = Snapshot {
             l1_table_offset: l1_at,
             l1_size: sn_l1.len() as u32,
@@ -449,7 +449,7 @@ impl<S: Storage> Inner<S> {
             .read_at_zero_fill(&mut raw, offset)
             .await
             .map_err(|e| self.storage_error(e))?;
-        fsnap::decode_table(&raw, offset, nb, self.version).map_err(|e| self.fmt_err(e))
+        fsnap::decode_table(&raw, offset, nb).map_err(|e| self.fmt_err(e))
     }
 
     /// A snapshot's L1 table, bounded and strictly decoded.
@@ -593,16 +593,7 @@ impl<S: Storage> Inner<S> {
                     Error::corrupt(&self.path, format!("L2 slice {key} vanished"))
                 })?;
                 for (j, want) in changes {
-                    let at = j * es;
-                    let mut word = [0u8; 8];
-                    word.copy_from_slice(&slice[at..at + 8]);
-                    let mut w = u64::from_be_bytes(word);
-                    if want {
-                        w |= QCOW_OFLAG_COPIED;
-                    } else {
-                        w &= !QCOW_OFLAG_COPIED;
-                    }
-                    slice[at..at + 8].copy_from_slice(&w.to_be_bytes());
+                    l2::set_copied(slice, j, es, want).map_err(|e| self.fmt_err(e))?;
                 }
             }
         }
@@ -627,8 +618,29 @@ impl<S: Storage> Inner<S> {
             .map_err(|e| self.storage_error(e))
     }
 
-    /// Writes `snaps` as the new snapshot table in new clusters, switches the header to it
-    /// in one write and frees `old`'s clusters.
+    /// Rewrites the snapshot table with every entry's extra data complete
+    /// ([`Snapshot::complete_extra`]), as QEMU does when it upgrades an image to v3 or
+    /// repairs incomplete entries; nothing is written when every entry is complete.
+    pub(crate) async fn complete_snapshot_table(&self) -> Result<()> {
+        let _guard = self.locks.lock(0, u64::MAX, true).await;
+        let mut m = self.meta.lock().await;
+        self.ensure_open(&m)?;
+        let snaps = self.read_snapshot_table(&m).await?;
+        if !snaps
+            .iter()
+            .any(|s| s.extra_data.len() < KNOWN_EXTRA_DATA as usize)
+        {
+            return Ok(());
+        }
+        self.free_abandoned(&mut m).await?;
+        self.flush_meta(&mut m).await?;
+        self.install_snapshot_table(&mut m, &snaps, &snaps).await?;
+        self.flush_meta(&mut m).await
+    }
+
+    /// Writes `snaps` as the new snapshot table in new clusters (each entry's extra data
+    /// completed as QEMU writes it), switches the header to it in one write and frees
+    /// `old`'s clusters.
     async fn install_snapshot_table(
         &self,
         m: &mut Meta,
@@ -636,7 +648,16 @@ impl<S: Storage> Inner<S> {
         snaps: &[Snapshot],
     ) -> Result<()> {
         let cs = self.geo.cluster_size();
-        let mut raw = fsnap::encode_table(snaps);
+        let size = self.size();
+        let snaps: Vec<Snapshot> = snaps
+            .iter()
+            .map(|s| {
+                let mut s = s.clone();
+                s.complete_extra(size);
+                s
+            })
+            .collect();
+        let mut raw = fsnap::encode_table(&snaps);
         let len = raw.len() as u64;
         if len > MAX_TABLE_SIZE {
             return Err(Error::Unsupported {

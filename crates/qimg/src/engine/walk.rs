@@ -247,13 +247,12 @@ impl<'a, S: Storage> Walker<'a, S> {
         &self,
         offset: u64,
         nb: u32,
-        version: u32,
     ) -> Result<Vec<Snapshot>, WalkError> {
         let len = self.file.len().await?;
         let want = len.saturating_sub(offset).min(MAX_TABLE_SIZE) as usize;
         let mut raw = vec![0u8; want];
         self.file.read_at_zero_fill(&mut raw, offset).await?;
-        Ok(snapshot::decode_table(&raw, offset, nb, version)?)
+        Ok(snapshot::decode_table(&raw, offset, nb)?)
     }
 
     /// Visits the references of the tree under `l1` (strictly decoded): each L2 table, and
@@ -307,7 +306,6 @@ impl<'a, S: Storage> Walker<'a, S> {
         &self,
         offset: u64,
         nb: u32,
-        version: u32,
         ctx: &L2Context,
         external_data: bool,
         visit: &mut impl FnMut(Reference),
@@ -315,7 +313,7 @@ impl<'a, S: Storage> Walker<'a, S> {
         if nb == 0 {
             return Ok(());
         }
-        let snaps = self.read_snapshot_table(offset, nb, version).await?;
+        let snaps = self.read_snapshot_table(offset, nb).await?;
         let table_len: usize = snaps.iter().map(Snapshot::encoded_len).sum();
         visit(Reference {
             structure: Structure::SnapshotTable,

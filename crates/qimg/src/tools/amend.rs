@@ -115,7 +115,8 @@ pub async fn amend(
             ));
         }
     }
-    if opts.size.is_some() && !v3 && h.nb_snapshots > 0 {
+    // An upgrade in the same call comes first, as in QEMU.
+    if opts.size.is_some() && !new_v3 && h.nb_snapshots > 0 {
         return Err(refuse("Can't resize a v2 image which has snapshots"));
     }
     let steps = 2;
@@ -140,6 +141,14 @@ pub async fn amend(
             c0.sort_like_qemu();
             Ok(())
         })?;
+        // v3 snapshot entries carry at least 16 bytes of extra data: QEMU rewrites the
+        // table of a v2 image whose entries have less.
+        if h.nb_snapshots > 0 {
+            let img = open(path).await?;
+            let r = img.inner.complete_snapshot_table().await;
+            img.close().await?;
+            r?;
+        }
     }
     // Refcount width.
     if let Some(bits) = opts.refcount_bits {

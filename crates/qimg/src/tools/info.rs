@@ -214,7 +214,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         let mut want = 64 << 10;
         let list = loop {
             let raw = read_at_most(&f, path, h.snapshots_offset, want)?;
-            match decode_table(&raw, h.snapshots_offset, h.nb_snapshots, h.version) {
+            match decode_table(&raw, h.snapshots_offset, h.nb_snapshots) {
                 Err(qimg_format::FormatError::Truncated { .. })
                     if want < MAX_TABLE_SIZE && h.snapshots_offset.saturating_add(want) < flen =>
                 {

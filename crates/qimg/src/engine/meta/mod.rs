@@ -145,13 +145,9 @@ impl Meta {
             file.read_at_zero_fill(&mut raw, h.snapshots_offset)
                 .await
                 .map_err(|e| Error::storage(path, e))?;
-            let snaps = qimg_format::snapshot::decode_table(
-                &raw,
-                h.snapshots_offset,
-                h.nb_snapshots,
-                h.version,
-            )
-            .map_err(|e| Error::format(path, e))?;
+            let snaps =
+                qimg_format::snapshot::decode_table(&raw, h.snapshots_offset, h.nb_snapshots)
+                    .map_err(|e| Error::format(path, e))?;
             let table_len: u64 = snaps.iter().map(|s| s.encoded_len() as u64).sum();
             overlap.insert(Region::SnapshotTable, h.snapshots_offset, table_len);
             for s in &snaps {
