@@ -180,3 +180,34 @@ fn info_on_damaged_images_fails_cleanly_naming_the_problem() {
         );
     }
 }
+
+/// Every saved finding (`fuzz/regressions/check/`, `open_read/`): `qimg info` and `qimg
+/// check` print what qemu-img prints, byte for byte, with the same exit status (among them
+/// an encrypted v3 image whose snapshot entries lack their extra data, which QEMU reads and
+/// qimg used to refuse).
+#[test]
+fn info_and_check_on_saved_findings_print_what_qemu_img_prints() {
+    if !have_qemu("info_and_check_on_saved_findings_print_what_qemu_img_prints") {
+        return;
+    }
+    let s = Scratch::new("findings-info");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions");
+    let mut n = 0;
+    for kind in ["check", "open_read"] {
+        let mut files: Vec<_> = std::fs::read_dir(root.join(kind))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        for f in files {
+            std::fs::copy(&f, s.path("f.img")).unwrap();
+            for cmd in ["info", "check"] {
+                let want = text(&qemu_img(&s.0, &[cmd, "f.img"]));
+                let got = text(&qimg(&s.0, &[cmd, "f.img"]));
+                assert_eq!(got, want, "{cmd} {}", f.display());
+            }
+            n += 1;
+        }
+    }
+    assert!(n >= 8, "{n} findings");
+}

@@ -226,8 +226,8 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         Some(
             list.iter()
                 .map(|s| SnapshotInfo {
-                    id: lossy(&s.id),
-                    name: lossy(&s.name),
+                    id: qimg_format::snapshot::decode_text(&s.id),
+                    name: qimg_format::snapshot::decode_text(&s.name),
                     vm_state_size: s.vm_state_size(),
                     date_sec: u64::from(s.date_sec),
                     date_nsec: u64::from(s.date_nsec),
