@@ -863,7 +863,7 @@ fn reused_cluster_shows_other_data_after_a_crash() {
         img.write(&old, 0).await.unwrap();
         img.flush().await.unwrap();
         // Guest cluster 0 becomes a zero cluster: its host cluster is freed (in the caches).
-        img.write_zeroes(0, cs).await.unwrap();
+        img.write_zeroes_unmap(0, cs).await.unwrap();
         // Guest cluster 5 gets the lowest free host cluster, the one just freed. Lose power
         // as soon as its data is written (before the L2 write-back the link then needs).
         ctl.arm(FaultPlan::new(OpFilter::Writes, FaultAction::Crash).after(1));

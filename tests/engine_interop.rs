@@ -551,3 +551,167 @@ async fn zeros_are_not_copied_into_clusters_that_never_held_data() {
     assert_clean(&dir.0, "b.qcow2", "raw backing");
     assert_same_as_model(&dir.0, "b.qcow2", &model, "raw backing");
 }
+
+/// `qemu-img map --output=json` of `file`.
+fn map_json(dir: &Path, file: &str) -> String {
+    String::from_utf8(
+        qemu_img(dir, &["map", "--output=json", file])
+            .stdout
+            .clone(),
+    )
+    .unwrap()
+}
+
+/// Write-zeroes without unmap keeps the host clusters (preallocation survives, as with
+/// qemu-io's `write -z`): the same map as qemu-io leaves, 100 % allocated, and later writes
+/// land in place; with unmap (`write -z -u`) the space goes, as with qemu-io.
+#[tokio::test]
+async fn write_zeroes_without_unmap_keeps_preallocation_as_qemu_does() {
+    if !have_qemu("write_zeroes_without_unmap_keeps_preallocation_as_qemu_does") {
+        return;
+    }
+    let dir = Scratch::new("zero-keep");
+    for opts in [
+        "preallocation=falloc",
+        "preallocation=falloc,extended_l2=on",
+        "preallocation=metadata,cluster_size=4k",
+    ] {
+        for unmap in [false, true] {
+            qemu_create(&dir.0, "q.qcow2", opts, 8 * MIB, None);
+            qemu_create(&dir.0, "m.qcow2", opts, 8 * MIB, None);
+            let z = if unmap { "write -z -u" } else { "write -z" };
+            qemu_io(
+                &dir.0,
+                "q.qcow2",
+                &[&format!("{z} 0 8M"), &format!("{z} 64k 128k")],
+            );
+            let img = OpenOptions::new()
+                .writable(true)
+                .open(dir.path("m.qcow2"))
+                .await
+                .unwrap();
+            for (at, len) in [(0, 8 * MIB), (64 * KIB, 128 * KIB)] {
+                match unmap {
+                    true => img.write_zeroes_unmap(at, len).await.unwrap(),
+                    false => img.write_zeroes(at, len).await.unwrap(),
+                }
+            }
+            img.close().await.unwrap();
+            let what = format!("{opts}, unmap {unmap}");
+            assert_clean(&dir.0, "m.qcow2", &what);
+            assert_eq!(
+                map_json(&dir.0, "m.qcow2"),
+                map_json(&dir.0, "q.qcow2"),
+                "{what}: qemu-img map differs from qemu-io's"
+            );
+            // Writes after it reuse the kept clusters: the file does not grow.
+            let len = std::fs::metadata(dir.path("m.qcow2")).unwrap().len();
+            let img = OpenOptions::new()
+                .writable(true)
+                .open(dir.path("m.qcow2"))
+                .await
+                .unwrap();
+            img.write(&pattern(5, 0, 8 * MIB as usize), 0)
+                .await
+                .unwrap();
+            img.close().await.unwrap();
+            if !unmap {
+                assert_eq!(
+                    std::fs::metadata(dir.path("m.qcow2")).unwrap().len(),
+                    len,
+                    "{what}: writes over kept clusters grew the file"
+                );
+            }
+            assert_clean(&dir.0, "m.qcow2", &what);
+        }
+    }
+}
+
+/// A guest's discard over a backing file reads zeros afterwards (QEMU sets the zero flag),
+/// never the backing file's old data: standard and extended L2, v3 and v2, whole clusters
+/// and single subclusters; `qemu-img compare` with the model.
+#[tokio::test]
+async fn discard_over_a_backing_file_reads_zeros() {
+    if !have_qemu("discard_over_a_backing_file_reads_zeros") {
+        return;
+    }
+    let dir = Scratch::new("discard-backing");
+    qemu_create(&dir.0, "base.qcow2", "compat=1.1", 4 * MIB, None);
+    qemu_io(&dir.0, "base.qcow2", &["write -P 0x77 0 4M"]);
+    for opts in ["compat=1.1", "extended_l2=on", "compat=0.10"] {
+        qemu_create(
+            &dir.0,
+            "top.qcow2",
+            opts,
+            4 * MIB,
+            Some(("base.qcow2", "qcow2")),
+        );
+        let mut model = vec![0x77u8; 4 * MIB as usize];
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("top.qcow2"))
+            .await
+            .unwrap();
+        let data = pattern(9, 0, MIB as usize);
+        img.write(&data, 0).await.unwrap();
+        model[..MIB as usize].copy_from_slice(&data);
+        // Whole clusters, written and not; then a part (a 2 KiB subcluster with extended L2,
+        // nothing of a 64 KiB cluster without).
+        img.discard(0, 512 * KIB).await.unwrap();
+        model[..512 * KIB as usize].fill(0);
+        img.discard(2 * MIB, 256 * KIB).await.unwrap();
+        model[2 * MIB as usize..2 * MIB as usize + 256 * KIB as usize].fill(0);
+        img.discard(600 * KIB, 2 * KIB).await.unwrap();
+        if opts == "extended_l2=on" {
+            model[600 * KIB as usize..602 * KIB as usize].fill(0);
+        }
+        let mut back = vec![0u8; 4 * MIB as usize];
+        img.read(&mut back, 0).await.unwrap();
+        assert_eq!(first_difference(&back, &model), None, "{opts}: read back");
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "top.qcow2", opts);
+        assert_same_as_model(&dir.0, "top.qcow2", &model, opts);
+    }
+}
+
+/// Clusters freed by a discard are reused by the next writes without a flush in between
+/// (the free is made durable first, when reuse would otherwise grow the file): discard and
+/// rewrite the same 4 MiB five times, as qemu-io does, and the file stays put.
+#[tokio::test]
+async fn freed_clusters_are_reused_before_the_next_flush() {
+    if !have_qemu("freed_clusters_are_reused_before_the_next_flush") {
+        return;
+    }
+    let dir = Scratch::new("reuse-freed");
+    qemu_create(&dir.0, "a.qcow2", "compat=1.1", 64 * MIB, None);
+    let img = OpenOptions::new()
+        .writable(true)
+        .open(dir.path("a.qcow2"))
+        .await
+        .unwrap();
+    img.write(&pattern(1, 0, 4 * MIB as usize), 0)
+        .await
+        .unwrap();
+    img.flush().await.unwrap();
+    let len = std::fs::metadata(dir.path("a.qcow2")).unwrap().len();
+    for round in 0..5u64 {
+        img.discard(0, 4 * MIB).await.unwrap();
+        // Elsewhere, so that nothing is overwritten in place.
+        let at = (round % 2 + 1) * 8 * MIB;
+        img.write(&pattern(round + 2, at, 4 * MIB as usize), at)
+            .await
+            .unwrap();
+        img.discard(at, 4 * MIB).await.unwrap();
+        img.write(&pattern(round + 9, 0, 4 * MIB as usize), 0)
+            .await
+            .unwrap();
+    }
+    img.close().await.unwrap();
+    let grown = std::fs::metadata(dir.path("a.qcow2")).unwrap().len();
+    // One L2 table for each of the two other areas is all that may be new.
+    assert!(
+        grown <= len + 2 * 64 * KIB,
+        "the file grew from {len} to {grown} bytes"
+    );
+    assert_clean(&dir.0, "a.qcow2", "reuse");
+}

@@ -7,8 +7,7 @@
 //! * a write leaves its bytes, a write-zeroes leaves zeros;
 //! * a discard drops only whole subclusters of its range (a partial subcluster keeps its
 //!   data); the last subcluster of the disk counts as whole when the range reaches the end of
-//!   the disk. A dropped subcluster reads as the backing file again, zeros without one or
-//!   past its end (the backing file may be shorter than the disk);
+//!   the disk. A dropped subcluster reads as zeros, over a backing file too;
 //! * growing the disk ([`GuestModel::resize`]) shows the backing file in the new area, zeros
 //!   past its end: the engine writes nothing there, so the area is unallocated.
 //!
@@ -280,7 +279,7 @@ impl GuestModel {
             }),
             GuestOp::Discard { at, len } => self.discarded_range(at, len).map(|(s, e)| Effect {
                 start: s,
-                bytes: (s..e).map(|b| self.backing_byte(b)).collect(),
+                bytes: vec![0; (e - s) as usize],
             }),
             _ => None,
         }
@@ -314,13 +313,12 @@ impl GuestModel {
         }
     }
 
-    /// A discard of `[at, at + len)`: see [`GuestModel::discarded_range`].
+    /// A discard of `[at, at + len)`: its whole subclusters ([`GuestModel::discarded_range`])
+    /// read as zeros, over a backing file too (as QEMU's discard sets the zero flag there).
     pub fn discard(&mut self, at: u64, len: u64) {
         if let Some((first, last)) = self.discarded_range(at, len) {
             if let Some((s, e)) = self.clip(first, last) {
-                for i in s..e {
-                    self.data[i] = self.backing_byte(self.base + i as u64);
-                }
+                self.data[s..e].fill(0);
             }
         }
     }

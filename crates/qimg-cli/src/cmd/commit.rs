@@ -193,7 +193,7 @@ async fn copy_to_qcow2(
     let mut buf = vec![0u8; CHUNK as usize];
     for &(start, len, zero) in ranges {
         if zero {
-            base.write_zeroes(start, len)
+            base.write_zeroes_unmap(start, len)
                 .await
                 .map_err(|e| anyhow!("{e}"))?;
             progress.add(len);

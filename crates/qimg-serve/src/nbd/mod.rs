@@ -13,7 +13,7 @@
 //! 64-bit effect lengths for trim, write-zeroes and block status (`BLOCK_STATUS_EXT`).
 //!
 //! Choices the specification leaves open:
-//! - `NBD_CMD_WRITE_ZEROES` without `NO_HOLE` is [`Image::write_zeroes`] (whole subclusters
+//! - `NBD_CMD_WRITE_ZEROES` without `NO_HOLE` is [`Image::write_zeroes_unmap`] (whole subclusters
 //!   change metadata only, partial ones are written: bounded work whatever the length), so
 //!   `FAST_ZERO` succeeds; with `NO_HOLE` zeros are written as data, whose cost grows with
 //!   the length, so `FAST_ZERO | NO_HOLE` fails at once with `ENOTSUP`.

@@ -885,7 +885,8 @@ async fn execute<S: Storage + 'static>(
         CMD_WRITE_ZEROES if req.flags & CMD_FLAG_NO_HOLE != 0 => {
             write_zeros_as_data(img, offset, len).await
         }
-        _ => img.write_zeroes(offset, len).await,
+        // Without NO_HOLE the client allows holes (qemu-nbd: BDRV_REQ_MAY_UNMAP).
+        _ => img.write_zeroes_unmap(offset, len).await,
     };
     let done = match done {
         Ok(()) if fua && req.kind != CMD_FLUSH && req.kind != CMD_CACHE && !export.no_flush => {

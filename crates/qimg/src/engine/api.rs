@@ -98,16 +98,27 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.write_compressed(offset, data).await
     }
 
-    /// Makes `len` bytes at `offset` read as zeros: whole subclusters (clusters without
-    /// extended L2) only change metadata, partial ones are written with zeros.
+    /// Makes `len` bytes at `offset` read as zeros, keeping the space allocated (QEMU's
+    /// write-zeroes without `BDRV_REQ_MAY_UNMAP`): whole subclusters (clusters without
+    /// extended L2) only change metadata and keep their host clusters, so preallocation
+    /// survives and later writes land in place; partial ones are written with zeros.
     pub async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.write_zeroes(offset, len).await
+        self.inner.write_zeroes(offset, len, false).await
+    }
+
+    /// [`write_zeroes`](Self::write_zeroes) that may release space (NBD write-zeroes without
+    /// `NO_HOLE`, virtio-blk's with unmap, `qemu-io write -z -u`): a host cluster left with
+    /// no allocated subcluster is freed and its space punched.
+    pub async fn write_zeroes_unmap(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.write_zeroes(offset, len, true).await
     }
 
     /// Discards `len` bytes at `offset`: every whole subcluster (cluster without extended L2)
-    /// in the range becomes unallocated, reading from the backing file or as zeros; a host
-    /// cluster left with no allocated subcluster is freed and its space punched. Parts of the
-    /// range smaller than a subcluster are left as they are (discard is advisory).
+    /// in the range reads as zeros afterwards, over a backing file too (a zero subcluster
+    /// there, as QEMU sets the zero flag; a v2 image, which has no zero clusters, gets zeros
+    /// written); a host cluster left with no allocated subcluster is freed and its space
+    /// punched. Parts of the range smaller than a subcluster are left as they are (discard
+    /// is advisory).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.inner.discard(offset, len).await
     }

@@ -66,6 +66,12 @@ impl BlockingImage {
         self.rt.block_on(self.image().write_zeroes(offset, len))
     }
 
+    /// See [`Image::write_zeroes_unmap`].
+    pub fn write_zeroes_unmap(&self, offset: u64, len: u64) -> Result<()> {
+        self.rt
+            .block_on(self.image().write_zeroes_unmap(offset, len))
+    }
+
     /// See [`Image::discard`].
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.rt.block_on(self.image().discard(offset, len))

@@ -253,7 +253,7 @@ impl ConvertOutput {
     pub(super) async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         match &self.out {
             OutputImage::Qcow2(img) => img
-                .write_zeroes(offset, len)
+                .write_zeroes_unmap(offset, len)
                 .await
                 .map_err(|e| anyhow!("{e}"))?,
             OutputImage::Raw(f) => {

@@ -524,7 +524,7 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
         .map_err(|e| io_failed("write", e))?;
     let t0 = Instant::now();
     let r = if z {
-        s.write_zeroes(offset, count, fua).await
+        s.write_zeroes(offset, count, o.has('u'), fua).await
     } else {
         let buf = match o.arg('s') {
             Some(file) => pattern_file(file, count)?,
@@ -586,7 +586,7 @@ async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outc
     }
     let t0 = Instant::now();
     let r = if z {
-        s.write_zeroes(offset, total, fua).await
+        s.write_zeroes(offset, total, o.has('u'), fua).await
     } else {
         let bufs: Vec<Vec<u8>> = lens
             .iter()

@@ -445,12 +445,18 @@ impl Session {
     }
 
     /// `write -z`: the range reads as zeros (see the module notes for `-u`).
-    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), i32> {
+    pub async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        fua: bool,
+    ) -> Result<(), i32> {
         self.check_request(offset, len)?;
         if let Some(r) = &self.raw {
             self.raw_zeroes(r, offset, len).await?;
         } else if len > 0 {
-            self.zero_range(offset, len).await?;
+            self.zero_range(offset, len, unmap).await?;
         }
         self.after_write(fua).await
     }
@@ -459,7 +465,7 @@ impl Session {
     /// disk counts as a subcluster end) at once; a partial head or tail becomes its whole
     /// subcluster when that holds no data and the rest of it already reads as zeros, and is
     /// written with zeros otherwise.
-    async fn zero_range(&self, offset: u64, len: u64) -> Result<(), i32> {
+    async fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), i32> {
         let img = self.image();
         let scs = img.subcluster_size();
         let size = img.size();
@@ -478,9 +484,11 @@ impl Session {
             } else {
                 (at, piece_end)
             };
-            img.write_zeroes(from, to - from)
-                .await
-                .map_err(|e| e.errno())?;
+            let done = match unmap {
+                true => img.write_zeroes_unmap(from, to - from).await,
+                false => img.write_zeroes(from, to - from).await,
+            };
+            done.map_err(|e| e.errno())?;
             at = to.max(piece_end);
         }
         Ok(())
@@ -644,7 +652,7 @@ impl Session {
                 run = match run {
                     Some((s, l)) if s + l == at => Some((s, l + n)),
                     Some((s, l)) => {
-                        img.write_zeroes(s, l).await.map_err(|e| e.errno())?;
+                        img.write_zeroes_unmap(s, l).await.map_err(|e| e.errno())?;
                         Some((at, n))
                     }
                     None => Some((at, n)),
@@ -653,7 +661,7 @@ impl Session {
             at += n;
         }
         if let Some((s, l)) = run {
-            img.write_zeroes(s, l).await.map_err(|e| e.errno())?;
+            img.write_zeroes_unmap(s, l).await.map_err(|e| e.errno())?;
         }
         self.after_write(false).await
     }

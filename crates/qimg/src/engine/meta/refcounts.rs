@@ -136,6 +136,14 @@ impl<S: Storage> Shared<S> {
                     "no free host cluster below 64 PiB: the image file is full",
                 ));
             }
+            // Growing the file while clusters freed since the last flush wait below its end:
+            // make those frees durable (a flush) so that they can be reused instead.
+            if start + n > m.end_cluster
+                && m.pending_punch.first().is_some_and(|&p| p < m.end_cluster)
+            {
+                self.flush_meta(m).await?;
+                continue 'search;
+            }
             for i in start / entries..=(start + n - 1) / entries {
                 if m.reftable.get(i as usize).copied().unwrap_or(0) == 0 {
                     self.ensure_refblock(m, i).await?;
@@ -267,6 +275,80 @@ impl<S: Storage> Shared<S> {
         }
         if m.pending_punch.len() > MAX_PENDING_PUNCHES {
             self.flush_meta(m).await?;
+        }
+        Ok(())
+    }
+
+    /// After a shrink, as QEMU's `qcow2_shrink_reftable` and the truncation after it: every
+    /// refcount block that counts nothing but itself leaves the refcount table, and the file
+    /// is cut after its last cluster in use. Everything is flushed first, so no cluster past
+    /// the cut is still referenced on disk.
+    pub(crate) async fn trim_file(&self, m: &mut Meta) -> Result<()> {
+        self.flush_meta(m).await?;
+        let cs = self.geo.cluster_size();
+        let entries = self.rgeo.refblock_entries();
+        for i in 0..m.reftable.len() {
+            let block = m.reftable[i];
+            if block == 0 {
+                continue;
+            }
+            let own = block / cs;
+            let covered = i as u64 * entries..(i as u64 + 1) * entries;
+            let mut used = false;
+            for c in covered.clone() {
+                let r = self.refcount(m, c).await?;
+                if r != 0 && !(c == own && r == 1) {
+                    used = true;
+                    break;
+                }
+            }
+            if used {
+                continue;
+            }
+            let entry_at = refcount::table_entry_offset(m.reftable_offset, i as u64);
+            let table = Writing::Own(Region::RefcountTable, m.reftable_offset);
+            self.guard_write(m, entry_at, refcount::REFTABLE_ENTRY_SIZE as u64, table)
+                .await?;
+            self.file
+                .write_at(&encode_words(&[0]), entry_at)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            m.reftable[i] = 0;
+            let _ = m.rc.remove(block);
+            m.overlap.remove_one(Region::RefcountBlock, block);
+            if covered.contains(&own) {
+                // Its own refcount went with it.
+                m.pending_punch.insert(own);
+                m.free_hint = m.free_hint.min(own);
+            } else {
+                self.free_clusters(m, block, 1).await?;
+            }
+        }
+        self.flush_meta(m).await?;
+        // The last cluster in use; blocks that are not there count nothing.
+        let file_len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let mut c = file_len.div_ceil(cs);
+        let mut end = 0;
+        while c > 0 {
+            c -= 1;
+            if m.reftable.get((c / entries) as usize).copied().unwrap_or(0) == 0 {
+                c -= c % entries;
+                continue;
+            }
+            if self.refcount(m, c).await? != 0 {
+                end = c + 1;
+                break;
+            }
+        }
+        if end * cs < file_len {
+            self.file
+                .set_len(end * cs)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            m.end_cluster = end;
+            m.free_hint = m.free_hint.min(end);
+            m.pending_punch.retain(|&p| p < end);
         }
         Ok(())
     }

@@ -1101,8 +1101,12 @@ async fn run_on_engine<S: Storage + 'static>(
             (r.map(|()| len), Some(buffers))
         }
         Request::Flush => (image.flush().await.map(|()| 0), None),
-        Request::WriteZeroes { offset, len, .. } => {
-            (image.write_zeroes(offset, len).await.map(|()| 0), None)
+        Request::WriteZeroes { offset, len, unmap } => {
+            let done = match unmap {
+                true => image.write_zeroes_unmap(offset, len).await,
+                false => image.write_zeroes(offset, len).await,
+            };
+            (done.map(|()| 0), None)
         }
         Request::Discard { offset, len } => (image.discard(offset, len).await.map(|()| 0), None),
     }

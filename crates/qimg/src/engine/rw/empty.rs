@@ -43,6 +43,6 @@ impl<S: Storage + 'static> Image<S> {
         let cs = self.cluster_size();
         let a = start - start % cs;
         let b = (start + len).next_multiple_of(cs).min(size);
-        self.discard(a, b - a).await
+        self.inner.unallocate(a, b - a).await
     }
 }

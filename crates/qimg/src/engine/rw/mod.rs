@@ -57,11 +57,17 @@ pub(crate) enum Destination {
     New,
 }
 
-/// The two requests that drop data.
+/// The requests that drop data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Unmap {
-    Zero,
+    /// Read as zeros; with `unmap`, host clusters no subcluster uses any more are freed,
+    /// without it they stay allocated (preallocation is kept, as QEMU keeps it).
+    Zero { unmap: bool },
+    /// A guest's discard: whole subclusters read as zeros afterwards (over a backing file
+    /// too, as QEMU's discard sets the zero flag there) and give their space back.
     Discard,
+    /// Whole subclusters become unallocated: the backing file shows through again.
+    Unallocate,
 }
 
 /// A write to one guest cluster between allocation and linking.

@@ -64,7 +64,7 @@ impl<S: Storage> Inner<S> {
         };
         let zero_end = backing_len.min(new_size);
         if zero_end > size {
-            self.write_zeroes(size, zero_end - size).await?;
+            self.write_zeroes(size, zero_end - size, true).await?;
         }
         Ok(())
     }
@@ -104,7 +104,8 @@ impl<S: Storage> Inner<S> {
             let gc = new_size - within;
             let first = within.div_ceil(scs) * scs;
             if first < cs && gc + first < size {
-                self.zero_chunk(gc, first as usize, cs as usize).await?;
+                self.zero_chunk(gc, first as usize, cs as usize, true)
+                    .await?;
             }
         }
         self.write_size(new_size).await?;
@@ -157,7 +158,9 @@ impl<S: Storage> Inner<S> {
                 }
             }
         }
-        self.flush_meta(&mut m).await
+        // The file shrinks too, as with qemu-img: refcount blocks that count nothing leave
+        // the table and the file ends after its last cluster in use.
+        self.trim_file(&mut m).await
     }
 
     /// Clears L1 entry `i` on disk and in memory.

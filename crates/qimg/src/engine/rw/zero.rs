@@ -1,17 +1,23 @@
 //! Write-zeroes and discard: whole subclusters change state by bitmap; partial ones are
-//! written with zeros; host clusters no subcluster uses any more are freed.
+//! written with zeros (write-zeroes) or left alone (discard); host clusters no subcluster
+//! uses any more are freed when the caller allows unmapping.
 
 use qimg_io::Storage;
 
 use super::*;
 
 impl<S: Storage> Inner<S> {
-    pub(crate) async fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.unmap(offset, len, Unmap::Zero).await
+    pub(crate) async fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<()> {
+        self.unmap(offset, len, Unmap::Zero { unmap }).await
     }
 
     pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.unmap(offset, len, Unmap::Discard).await
+    }
+
+    /// Whole subclusters of the range become unallocated (reading from the backing file).
+    pub(crate) async fn unallocate(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, Unmap::Unallocate).await
     }
 
     /// Write-zeroes and discard: cluster by cluster, with the whole range held exclusively.
@@ -25,8 +31,18 @@ impl<S: Storage> Inner<S> {
         let _guard = self.locks.lock(first, end, true).await;
         for (gc, a, n, _) in self.pieces(offset, len) {
             match how {
-                Unmap::Zero => self.zero_chunk(gc, a, a + n).await?,
-                Unmap::Discard => self.discard_chunk(gc, a, a + n).await?,
+                Unmap::Zero { unmap } => self.zero_chunk(gc, a, a + n, unmap).await?,
+                // Over a backing file a discarded subcluster becomes a zero subcluster, so
+                // that the backing file's old data does not show again.
+                Unmap::Discard if self.backing.is_some() => {
+                    let b = self.extend_to_cluster_end_at_eof(gc, a + n);
+                    let (first, end) = self.whole_subclusters(a, b);
+                    let scs = self.geo.subcluster_size() as usize;
+                    if first < end {
+                        self.zero_chunk(gc, first * scs, end * scs, true).await?;
+                    }
+                }
+                Unmap::Discard | Unmap::Unallocate => self.discard_chunk(gc, a, a + n).await?,
             }
         }
         Ok(())
@@ -42,7 +58,10 @@ impl<S: Storage> Inner<S> {
         (first, end.max(first))
     }
 
-    pub(super) async fn zero_chunk(&self, gc: u64, a: usize, b: usize) -> Result<()> {
+    /// Zeros `[a, b)` of guest cluster `gc`; with `unmap`, a host cluster no subcluster uses
+    /// any more is freed, without it the host cluster stays linked (a standard entry becomes
+    /// a preallocated zero cluster, an extended one keeps its offset with zero bits).
+    pub(super) async fn zero_chunk(&self, gc: u64, a: usize, b: usize, unmap: bool) -> Result<()> {
         let scs = self.geo.subcluster_size() as usize;
         let b_eff = self.extend_to_cluster_end_at_eof(gc, b);
         let (first, end) = self.whole_subclusters(a, b_eff);
@@ -61,8 +80,18 @@ impl<S: Storage> Inner<S> {
         let old = self.lookup(&mut m, gc).await?;
         let (new, freed) = match old {
             AnyL2Entry::Standard(e) => {
+                let kept = match e {
+                    L2Entry::Normal { host, copied } if !unmap => Some((host, copied)),
+                    L2Entry::Zero {
+                        preallocated: Some(host),
+                        copied,
+                    } if !unmap => Some((host, copied)),
+                    _ => None,
+                };
                 let new = if self.version == 2 {
-                    if self.backing.is_some() {
+                    if self.backing.is_some() || kept.is_some() {
+                        // v2 has no zero clusters: zeros are written (in place when the
+                        // cluster is allocated and may stay so).
                         drop(m);
                         return self
                             .write_chunk(gc, first * scs, &vec![0u8; (end - first) * scs])
@@ -71,11 +100,15 @@ impl<S: Storage> Inner<S> {
                     L2Entry::Unallocated
                 } else {
                     L2Entry::Zero {
-                        preallocated: None,
-                        copied: false,
+                        preallocated: kept.map(|(host, _)| host),
+                        copied: kept.is_some_and(|(_, copied)| copied),
                     }
                 };
-                (AnyL2Entry::Standard(new), old_reference(&e))
+                let freed = match kept {
+                    Some(_) => None,
+                    None => old_reference(&e),
+                };
+                (AnyL2Entry::Standard(new), freed)
             }
             AnyL2Entry::Extended(x) => {
                 let mask = subcluster_mask(first, end);
@@ -95,6 +128,13 @@ impl<S: Storage> Inner<S> {
                             },
                         }),
                         Some(Freed::Compressed(d)),
+                    ),
+                    entry if !unmap => (
+                        AnyL2Entry::Extended(ExtendedL2Entry {
+                            entry,
+                            bitmap: x.bitmap.with_zero(mask),
+                        }),
+                        None,
                     ),
                     entry => self.unlink_if_empty(entry, x.bitmap.with_zero(mask)),
                 }
