@@ -253,3 +253,65 @@ fn commit_into_raw_and_refusals_match_qemu_img() {
         assert_eq!(same_run(&src, &s.0, "refusal", op), Some(1), "{op:?}");
     }
 }
+
+/// `commit -b NAME` finds NAME as qemu-img does: a relative name from the directory of the
+/// image that names it, not from the working directory (a chain in `sub/`: `-b mid.qcow2`
+/// works, `-b sub/mid.qcow2` is refused with qemu-img's message).
+#[test]
+fn commit_base_names_resolve_along_the_chain_as_qemu_img() {
+    if !have_qemu("commit_base_names_resolve_along_the_chain_as_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("commit-subdir");
+    let src = s.path("src");
+    let sub = src.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    qemu_img_create(&sub, "qcow2", "", &[], "base.qcow2", "4M");
+    qemu_io(&sub, "qcow2", "base.qcow2", &["write -P 1 0 4M"]);
+    let on = |b: &'static str| ["-b", b, "-F", "qcow2"];
+    qemu_img_create(&sub, "qcow2", "", &on("base.qcow2"), "mid.qcow2", "4M");
+    qemu_io(&sub, "qcow2", "mid.qcow2", &["write -P 2 1M 1M"]);
+    qemu_img_create(&sub, "qcow2", "", &on("mid.qcow2"), "top.qcow2", "4M");
+    qemu_io(&sub, "qcow2", "top.qcow2", &["write -P 3 2M 64k"]);
+    for (base, status) in [
+        ("mid.qcow2", Some(0)),
+        ("base.qcow2", Some(0)),
+        ("sub/mid.qcow2", Some(1)),
+    ] {
+        let op = ["commit", "-b", base, "sub/top.qcow2"];
+        assert_eq!(same_run(&src, &s.0, base, &op), status, "{op:?}");
+        let (q, m) = (s.path("q/sub"), s.path("m/sub"));
+        for f in ["base.qcow2", "mid.qcow2", "top.qcow2"] {
+            let o = qemu_img(&q, &["compare", f, m.join(f).to_str().unwrap()]);
+            assert!(o.status.success(), "{op:?}: {f} differs");
+        }
+        assert_clean(&m, "mid.qcow2", base);
+        assert_clean(&m, "base.qcow2", base);
+    }
+}
+
+/// Past the end of a shorter old backing file, where the new one has data, rebase writes
+/// zero clusters, as qemu-img does, not clusters of zero bytes (before it, the old chain's
+/// zeros are written as data, as qemu-img writes them): the same `qemu-img map`.
+#[test]
+fn rebase_writes_zeros_as_zero_clusters_as_qemu_img() {
+    if !have_qemu("rebase_writes_zeros_as_zero_clusters_as_qemu_img") {
+        return;
+    }
+    for opts in ["cluster_size=64k", "extended_l2=on"] {
+        let s = Scratch::new("rebase-zeros");
+        let src = s.path("src");
+        std::fs::create_dir_all(&src).unwrap();
+        qemu_img_create(&src, "qcow2", opts, &[], "old.qcow2", "2M");
+        qemu_io(&src, "qcow2", "old.qcow2", &["write -P 1 1M 512k"]);
+        qemu_img_create(&src, "qcow2", opts, &[], "new.qcow2", "4M");
+        qemu_io(&src, "qcow2", "new.qcow2", &["write -P 2 0 4M"]);
+        let on = ["-b", "old.qcow2", "-F", "qcow2"];
+        qemu_img_create(&src, "qcow2", opts, &on, "top.qcow2", "4M");
+        qemu_io(&src, "qcow2", "top.qcow2", &["write -P 3 1M 64k"]);
+        let op = ["rebase", "-b", "new.qcow2", "-F", "qcow2", "top.qcow2"];
+        assert_eq!(same_run(&src, &s.0, opts, &op), Some(0), "{opts}");
+        let map = |d: &Path| text(&qemu_img(d, &["map", "--output=json", "top.qcow2"])).0;
+        assert_eq!(map(&s.path("m")), map(&s.path("q")), "{opts}: qemu-img map");
+    }
+}

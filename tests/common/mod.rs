@@ -258,14 +258,18 @@ pub fn text(o: &Output) -> (String, String, Option<i32>) {
     )
 }
 
-/// Copies every file of `src` into a fresh directory `dst`.
+/// Copies every file of `src`, and of its folders, into a fresh directory `dst` (not inside
+/// `src`).
 pub fn copy_dir(src: &Path, dst: &Path) {
     let _ = std::fs::remove_dir_all(dst);
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap() {
         let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
+        let kind = e.file_type().unwrap();
+        if kind.is_file() {
             std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        } else if kind.is_dir() {
+            copy_dir(&e.path(), &dst.join(e.file_name()));
         }
     }
 }

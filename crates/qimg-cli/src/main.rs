@@ -61,7 +61,7 @@ enum Command {
     Rebase(cmd::rebase::RebaseArgs),
     /// Write an image's data into its backing file: `qimg commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] FILE`
     Commit(cmd::commit::CommitArgs),
-    /// Export an image over NBD: `qimg serve --nbd unix:PATH|HOST:PORT [-x NAME] [-r] [-e N] [--persistent] FILE`
+    /// Export an image over NBD and/or as a vhost-user-blk device: `qimg serve (--nbd unix:PATH|HOST:PORT [-x NAME] [-e N] [--persistent] | --vhost-user-blk SOCKET [--num-queues N]) [-r] [-t CACHE] FILE`
     Serve(cmd::serve::ServeArgs),
     /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
     Snapshot(cmd::snapshot::SnapshotArgs),

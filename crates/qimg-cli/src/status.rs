@@ -20,8 +20,22 @@ pub fn fail(msg: impl Display, code: u8) -> ExitCode {
 pub fn exit_status(result: Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(format_args!("{e:#}"), 1),
+        Err(e) => fail(one_line(&e), 1),
     }
+}
+
+/// An error and its causes on one line, each cause once: a library error's text often
+/// already ends with its source's (a failed open names the OS error itself).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut s = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+    }
+    s
 }
 
 /// Removes Rust's " (os error N)" suffix from an error text, leaving C's `strerror` words.

@@ -174,12 +174,10 @@ pub(crate) fn decode_extensions(
         }
         let data = &bytes[data_at as usize..(data_at + len) as usize];
         let e = Extension::decode(kind, data, off, cluster_size)?;
-        if !matches!(e, Extension::Unknown { .. }) && out.iter().any(|x| x.kind() == kind) {
-            return Err(FormatError::BadExtension {
-                kind,
-                offset: off,
-                reason: "this extension appears more than once".into(),
-            });
+        // A known extension given twice: the last one counts, as in QEMU (which overwrites
+        // what it read before); a rewrite of cluster 0 keeps only that one.
+        if !matches!(e, Extension::Unknown { .. }) {
+            out.retain(|x| x.kind() != kind);
         }
         out.push(e);
         off = data_at + ((len + 7) & !7);

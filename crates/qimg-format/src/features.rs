@@ -27,6 +27,18 @@ pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
 /// Every autoclear bit this implementation understands.
 pub const AUTOCLEAR_KNOWN: u64 = 0x3;
 
+/// The autoclear bits a writer may leave set when it opens an image for writing: a writer
+/// that does not know a bit cannot keep what it stands for consistent, so the specification
+/// has it clear the unknown ones before its first write (QEMU does at every read-write open).
+/// `maintains_bitmaps` says whether the writer keeps the bitmaps extension up to date.
+pub fn autoclear_for_writer(bits: u64, maintains_bitmaps: bool) -> u64 {
+    let kept = bits & AUTOCLEAR_KNOWN;
+    match maintains_bitmaps {
+        true => kept,
+        false => kept & !AUTOCLEAR_BITMAPS,
+    }
+}
+
 /// Size of one feature name table entry.
 pub const FEATURE_NAME_ENTRY_LEN: usize = 48;
 /// Bytes available for the name in a feature name table entry.

@@ -108,12 +108,26 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
     let base = match &args.base {
         None => 1,
         Some(b) => {
+            // As QEMU's bdrv_find_backing_image: an absolute name is the file itself; a
+            // relative one is taken from the directory of the image that names its backing
+            // file (not the working directory).
             let wanted = Path::new(b);
             layers
                 .iter()
                 .enumerate()
                 .skip(1)
-                .find(|(_, l)| l.files().first().is_some_and(|p| same_file(p, wanted)))
+                .find(|(i, l)| {
+                    let files = l.files();
+                    let Some(p) = files.first() else {
+                        return false;
+                    };
+                    if wanted.is_absolute() {
+                        return same_file(p, wanted);
+                    }
+                    let named_by = layers[i - 1].files();
+                    let dir = named_by.first().and_then(|f| f.parent());
+                    dir.is_some_and(|d| same_file(p, &d.join(wanted)))
+                })
                 .map(|(i, _)| i)
                 .ok_or_else(|| anyhow!("Did not find '{b}' in the backing chain of '{file}'"))?
         }

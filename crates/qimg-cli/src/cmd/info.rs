@@ -10,6 +10,7 @@ use qimg::tools::info::{backing_chain, image_info};
 
 use crate::args::image_format;
 use crate::human;
+use crate::status::{lib_msg, open_msg};
 
 /// `--output` of `info`.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -51,10 +52,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
     let _lock = read_lock(path, args.force_share)
         .map_err(|e| anyhow!("Could not open '{}': {e}", args.filename))?;
+    // A file that cannot be opened is worded as qemu-img words it.
+    let file = &args.filename;
+    let opened = |e: qimg::Error| match e {
+        qimg::Error::Io { .. } => open_msg(
+            anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+            file,
+        ),
+        other => other.into(),
+    };
     let list = if args.backing_chain {
-        backing_chain(path, fmt)?
+        backing_chain(path, fmt).map_err(opened)?
     } else {
-        vec![image_info(path, fmt)?]
+        vec![image_info(path, fmt).map_err(opened)?]
     };
     match args.output {
         Output::Json => {

@@ -176,6 +176,15 @@ impl Reader {
         }
         Ok(())
     }
+
+    /// Bytes of guest data (past them it reads zeros).
+    fn size(&self) -> Result<u64> {
+        Ok(match self {
+            Reader::Qcow2(img) => img.size(),
+            Reader::Raw(f) => f.metadata().map_err(|e| anyhow!("{}", os_msg(&e)))?.len(),
+            Reader::None => 0,
+        })
+    }
 }
 
 /// The old backing chain of `img` as a reader.
@@ -247,6 +256,7 @@ async fn copy_into(
     let mut progress = Progress::start(show, size);
     let mut old_buf = vec![0u8; CHUNK as usize];
     let mut new_buf = vec![0u8; CHUNK as usize];
+    let old_size = old.size()?;
     let extents = img.map(0, size).await.map_err(|e| anyhow!("{e}"))?;
     for e in extents {
         if !matches!(e.kind, ExtentKind::Unallocated { .. }) {
@@ -257,6 +267,10 @@ async fn copy_into(
         let mut at = e.start;
         while at < end {
             let n = (end - at).min(CHUNK - at % unit);
+            // A chunk that starts past the end of the old backing file reads zeros that no
+            // file holds: its differences are written as zeros (zero clusters), as qemu-img
+            // does; other chunks write what the old chain reads as data.
+            let old_is_zero = at >= old_size;
             let (ob, nb) = (&mut old_buf[..n as usize], &mut new_buf[..n as usize]);
             old.read(ob, at).await?;
             new_reader.read(nb, at).await?;
@@ -274,9 +288,11 @@ async fn copy_into(
                         }
                         j = next;
                     }
-                    img.write(&ob[i as usize..j as usize], at + i)
-                        .await
-                        .map_err(|e| anyhow!("Error while writing to COW image: {e}"))?;
+                    let done = match old_is_zero {
+                        true => img.write_zeroes(at + i, j - i).await,
+                        false => img.write(&ob[i as usize..j as usize], at + i).await,
+                    };
+                    done.map_err(|e| anyhow!("Error while writing to COW image: {e}"))?;
                     i = j;
                 } else {
                     i = unit_end;

@@ -264,9 +264,17 @@ pub struct ExtendedL2Entry {
 impl ExtendedL2Entry {
     /// Decodes the two words of an extended entry read at file offset `at`. Bit 0 of the first
     /// word is ignored, as QEMU does. Every combination §4.1 calls invalid is rejected with
-    /// [`FormatError::InvalidSubclusterBitmap`].
+    /// [`FormatError::InvalidSubclusterBitmap`], but for the reserved bitmap of a compressed
+    /// cluster: QEMU reads such a cluster whatever its bitmap holds (`check` reports it), so
+    /// it is read as zero here too.
     pub fn decode(word: u64, bitmap: u64, ctx: &L2Context, at: u64) -> Result<Self> {
         let entry = decode_word(word, ctx, true, at)?;
+        if let L2Entry::Compressed(_) = entry {
+            return Ok(Self {
+                entry,
+                bitmap: SubclusterBitmap::EMPTY,
+            });
+        }
         let decoded = Self {
             entry,
             bitmap: SubclusterBitmap::from_word(bitmap),

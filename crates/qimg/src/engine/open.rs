@@ -11,8 +11,8 @@ use std::time::Duration;
 use qimg_cache::ImageFacts;
 use qimg_format::extensions::Cluster0;
 use qimg_format::features::{
-    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_KNOWN, COMPAT_LAZY_REFCOUNTS,
-    INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_DATA_FILE,
+    INCOMPAT_DIRTY, autoclear_for_writer,
 };
 use qimg_format::geometry::{Geometry, RefcountGeometry};
 use qimg_format::header::{self, CompressionType, Header};
@@ -415,7 +415,8 @@ impl<S: Storage> Inner<S> {
             m.dirty_on_disk = true;
             self.mark_clean(&mut m).await?;
         }
-        let keep = h.autoclear_features & AUTOCLEAR_KNOWN & !AUTOCLEAR_BITMAPS;
+        // The engine does not maintain bitmaps (it refuses writable opens of images with them).
+        let keep = autoclear_for_writer(h.autoclear_features, false);
         if h.version >= 3 && h.autoclear_features != keep {
             self.file
                 .write_at(

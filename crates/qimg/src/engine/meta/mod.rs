@@ -118,10 +118,11 @@ impl Meta {
         file.read_at_zero_fill(&mut raw, h.refcount_table_offset)
             .await
             .map_err(|e| Error::storage(path, e))?;
-        let reftable = refcount::decode_table(&raw, cs, h.refcount_table_offset)
-            .map_err(|e| Error::format(path, e))?
-            .iter()
-            .map(|e| e.block_offset.map_or(0, |o| o.0))
+        // Read as QEMU reads it: a damaged entry (an unaligned block) is only refused when a
+        // refcount in that block is needed, which reads and conversions never do.
+        let reftable = qimg_format::lenient::decode_words(&raw)
+            .into_iter()
+            .map(|w| qimg_format::lenient::RawReftableEntry(w).block_offset())
             .collect();
         let cache_err = |source| Error::Cache {
             path: path.to_path_buf(),

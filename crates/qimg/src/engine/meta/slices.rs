@@ -180,6 +180,16 @@ impl<S: Storage> Shared<S> {
         if m.cache(kind).get(key, now).is_some() {
             return Ok(());
         }
+        let cs = self.geo.cluster_size();
+        if kind == CacheKind::Refcount && key.table % cs != 0 {
+            // QEMU's words; the image is marked corrupt (writable images), as QEMU does.
+            let what = format!(
+                "Refblock offset {:#x} unaligned (reftable index: {:#x})",
+                key.table,
+                m.reftable.iter().position(|&b| b == key.table).unwrap_or(0)
+            );
+            return Err(self.signal_corruption(m, what).await);
+        }
         self.make_room(m, kind).await?;
         let size = m.cache(kind).slice_size();
         let mut buf = vec![0u8; size];
@@ -200,7 +210,12 @@ impl<S: Storage> Shared<S> {
             if past_end && self.writable {
                 return Err(self.signal_corruption(m, what).await);
             }
-            return Err(Error::corrupt(&self.path, what));
+            // Read-only, an L2 table past the end of the file reads as zeros (unallocated), as
+            // QEMU reads it (its check reports the table).
+            let zeros = past_end && kind == CacheKind::L2;
+            if !zeros || self.file.read_at_zero_fill(&mut buf, at).await.is_err() {
+                return Err(Error::corrupt(&self.path, what));
+            }
         }
         if kind == CacheKind::L2 {
             // A read loading the same slice without the lock must not insert its copy.

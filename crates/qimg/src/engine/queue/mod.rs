@@ -39,7 +39,10 @@
 //!
 //! Requests on one queue or several run concurrently; overlapping ones are ordered by the
 //! engine's cluster range locks, which direct requests hold until their completion is
-//! collected. A flush covers every write completed before it was submitted.
+//! collected. Completions arrive in any order, also for overlapping requests in flight
+//! together (as with a disk: a caller that needs one before the other waits for the first
+//! completion before submitting the second). A flush covers every write completed before it
+//! was submitted.
 //!
 //! ## Mapping onto a ring-per-queue VMM disk interface
 //!
@@ -52,7 +55,8 @@
 //! | `write_vectored(offset, iovecs, user_data)` | `submit(Request::Write { .. }, user_data)` |
 //! | `fsync(Some(user_data))` | `submit(Request::Flush, user_data)` |
 //! | `submit_batch_requests(&[BatchRequest])` | [`Queue::submit_batch`] (one `io_uring_enter` for the batch) |
-//! | `write_zeroes` / `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap }` / `Request::Discard` |
+//! | `write_zeroes(offset, len, user_data)` | `Request::WriteZeroes { unmap: false }` (reads zeros, space kept) |
+//! | `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap: true }`: the VMM sends a guest's write-zeroes with unmap there, which must read zeros; [`Request::Discard`] leaves parts smaller than a subcluster unchanged |
 //! | `next_completed_request() -> Option<(u64, i32)>` | `next_completed().map(\|c\| (c.user_data, c.raw_result()))` |
 //!
 //! The example `examples/epoll_queue.rs` runs queues from plain `epoll` loops without any
@@ -104,9 +108,9 @@ pub enum Request {
     /// Makes every write completed before this request was submitted durable, with the
     /// metadata that reaches it.
     Flush,
-    /// Makes `len` bytes at `offset` read as zeros. With `unmap` the space may be released;
-    /// without it the engine still changes only metadata where whole subclusters are zeroed
-    /// (they read as zeros without data I/O), as [`Image::write_zeroes`] does.
+    /// Makes `len` bytes at `offset` read as zeros. With `unmap` the space may be released
+    /// ([`Image::write_zeroes_unmap`]); without it host clusters stay allocated
+    /// ([`Image::write_zeroes`]). Either way whole subclusters change only metadata.
     WriteZeroes {
         /// Guest offset.
         offset: u64,

@@ -80,18 +80,20 @@ impl<S: Storage> Inner<S> {
         let old = self.lookup(&mut m, gc).await?;
         let (new, freed) = match old {
             AnyL2Entry::Standard(e) => {
+                // v3 keeps the host cluster unless unmapping is allowed. (v2 has no zero
+                // clusters: as QEMU, it unallocates without a backing file, whatever `unmap`
+                // says, and writes zeros with one.)
                 let kept = match e {
-                    L2Entry::Normal { host, copied } if !unmap => Some((host, copied)),
+                    _ if unmap || self.version == 2 => None,
+                    L2Entry::Normal { host, copied } => Some((host, copied)),
                     L2Entry::Zero {
                         preallocated: Some(host),
                         copied,
-                    } if !unmap => Some((host, copied)),
+                    } => Some((host, copied)),
                     _ => None,
                 };
                 let new = if self.version == 2 {
-                    if self.backing.is_some() || kept.is_some() {
-                        // v2 has no zero clusters: zeros are written (in place when the
-                        // cluster is allocated and may stay so).
+                    if self.backing.is_some() {
                         drop(m);
                         return self
                             .write_chunk(gc, first * scs, &vec![0u8; (end - first) * scs])

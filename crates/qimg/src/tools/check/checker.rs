@@ -9,10 +9,10 @@ use std::path::Path;
 use qimg_format::cluster0::Cluster0;
 use qimg_format::extensions::Extension;
 use qimg_format::features::{
-    AUTOCLEAR_BITMAPS, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
+    AUTOCLEAR_BITMAPS, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY, autoclear_for_writer,
 };
 use qimg_format::geometry::RefcountGeometry;
-use qimg_format::header::{encode_incompatible, field};
+use qimg_format::header::{Header, encode_autoclear, encode_incompatible, field};
 use qimg_format::lenient::{L2Layout, RawL1Entry, RawReftableEntry, TABLE_WORD};
 use qimg_format::refcount;
 use qimg_format::validate::{MAX_L1_BYTES, MAX_REFTABLE_BYTES};
@@ -350,6 +350,22 @@ impl<'a, S: Storage> Checker<'a, S> {
             self.write_incompatible(self.incompatible & !bits).await?;
         }
         Ok(())
+    }
+
+    /// A repair writes to the image: first the autoclear bits it does not know are cleared,
+    /// as every writer must (QEMU does when it opens the image for the repair).
+    pub(super) async fn drop_unknown_autoclear(
+        &mut self,
+        h: &Header,
+    ) -> std::result::Result<(), Failure> {
+        let keep = autoclear_for_writer(h.autoclear_features, true);
+        if !self.writable || h.version < 3 || keep == h.autoclear_features {
+            return Ok(());
+        }
+        self.write(&encode_autoclear(keep), field::AUTOCLEAR_FEATURES)
+            .await
+            .map_err(|e| io_failure(&e))?;
+        self.sync().await.map_err(|e| io_failure(&e))
     }
 
     pub(super) async fn mark_clean_and_consistent(&mut self) -> std::result::Result<(), Failure> {

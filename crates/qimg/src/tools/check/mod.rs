@@ -243,6 +243,9 @@ pub async fn check_storage<S: Storage>(
         },
     };
     let name = name.display().to_string();
+    if let Err(f) = ck.drop_unknown_autoclear(&c0.header).await {
+        return Ok(failed(name, f));
+    }
     let first = ck.check_pass(fix).await;
     let mut report = match first {
         Err(f) => return Ok(failed(name, f)),
