@@ -1059,3 +1059,104 @@ fn images_qemu_still_reads_are_read_as_qemu_img_reads_them() {
         }
     }
 }
+
+/// Compressed clusters whose size fields were raised so that their data overlaps their own
+/// L2 table and the data cluster that table maps (2 MiB clusters, zlib): `-r all` repairs
+/// the refcounts and the COPIED flags fully, as qemu-img does (it used to leave `cluster 7
+/// refcount=1 reference=2`, which frees a cluster in use as soon as one reference goes).
+#[test]
+fn compressed_data_overlapping_its_own_l2_table_is_repaired_as_qemu_img() {
+    if !have_qemu("compressed_data_overlapping_its_own_l2_table_is_repaired_as_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("check-compressed-overlap");
+    let dir = &s.0;
+    create(
+        dir,
+        "cluster_size=2M,compression_type=zlib",
+        "c.qcow2",
+        "1T",
+    );
+    qemu_io(
+        dir,
+        "c.qcow2",
+        &[
+            "write -c -P 1 0 2M",
+            "write -c -P 2 512G 2M",
+            "write -P 3 514G 2M",
+        ],
+    );
+    let i = Img::open(&dir.join("c.qcow2"));
+    // Both compressed entries claim the most sectors their field holds (4 MiB of data).
+    for guest in [0, 512 << 30] {
+        let at = i.l2_entry(guest);
+        i.w64(at, i.r64(at) | 0x1fff << 49);
+    }
+    compare(dir, "c.qcow2", &[], "raised compressed sizes");
+    let (v, code) = compare_repair(dir, "c.qcow2", &["-r", "all"], "raised compressed sizes");
+    assert_eq!(code, 0, "{v}");
+    compare_on(dir, "q-c.qcow2", "c.qcow2", &[], "after the repair");
+}
+
+/// v3 snapshot entries with less extra data than v3 asks for: `check` reports them as
+/// qemu-img does, and `-r all` completes them ("Repairing snapshot table entry N is
+/// incomplete"), after which both checkers find the image clean and the snapshots intact.
+#[test]
+fn incomplete_snapshot_entries_are_completed_by_a_repair() {
+    if !have_qemu("incomplete_snapshot_entries_are_completed_by_a_repair") {
+        return;
+    }
+    use qimg::format::snapshot::{decode_table, encode_table};
+    let s = Scratch::new("check-incomplete-snapshots");
+    let dir = &s.0;
+    create(dir, "", "s.qcow2", "8M");
+    qemu_io(dir, "s.qcow2", &["write -P 1 0 1M"]);
+    ok(
+        "snapshot",
+        &qemu_img(dir, &["snapshot", "-c", "one", "s.qcow2"]),
+    );
+    qemu_io(dir, "s.qcow2", &["write -P 2 0 64k"]);
+    ok(
+        "snapshot",
+        &qemu_img(dir, &["snapshot", "-c", "two", "s.qcow2"]),
+    );
+    // Entry 0 keeps no extra data, entry 1 eight bytes.
+    let path = dir.join("s.qcow2");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let nb = u32::from_be_bytes(bytes[60..64].try_into().unwrap());
+    let at = u64::from_be_bytes(bytes[64..72].try_into().unwrap()) as usize;
+    let mut snaps = decode_table(&bytes[at..], at as u64, nb).unwrap();
+    let old_len: usize = snaps.iter().map(|s| s.encoded_len()).sum();
+    snaps[0].extra_data.clear();
+    snaps[1].extra_data.truncate(8);
+    let table = encode_table(&snaps);
+    let end = (at + old_len).min(bytes.len());
+    bytes[at..end].fill(0);
+    bytes[at..at + table.len()].copy_from_slice(&table);
+    std::fs::write(&path, bytes).unwrap();
+    compare(dir, "s.qcow2", &[], "incomplete entries");
+    copy(dir, "s.qcow2", "q-s.qcow2");
+    let theirs = qemu_img(dir, &["check", "-r", "all", "q-s.qcow2"]);
+    let ours = qimg(dir, &["check", "-r", "all", "s.qcow2"]);
+    assert_eq!(ours.status.code(), theirs.status.code());
+    assert_eq!(
+        diagnostics(&ours),
+        diagnostics(&theirs),
+        "-r all diagnostics"
+    );
+    for f in ["s.qcow2", "q-s.qcow2"] {
+        common::assert_clean(dir, f, "after -r all");
+    }
+    let list = |f: &str| {
+        let v = common::info(dir, f);
+        v["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["name"].clone(), s["vm-state-size"].clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(list("s.qcow2"), list("q-s.qcow2"));
+    ok("apply", &qimg(dir, &["snapshot", "-a", "one", "s.qcow2"]));
+    qemu_io(dir, "s.qcow2", &["read -P 1 0 1M"]);
+}

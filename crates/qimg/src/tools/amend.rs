@@ -25,6 +25,8 @@ use qimg_format::features::{
 };
 use qimg_format::geometry::RefcountGeometry;
 use qimg_format::header::{self, CompressionType};
+use qimg_format::refcount;
+use qimg_format::units::HostOffset;
 use qimg_format::validate::OpenMode;
 
 use crate::chain::read_cluster0;
@@ -350,11 +352,13 @@ async fn plan_refcounts(img: &Image<crate::io::AnyStorage>, order: u32) -> Resul
         (nblocks, table_clusters) = (nb, tc);
     }
     let end = start + nblocks + table_clusters;
-    let mut table = vec![0u8; (table_clusters * cs) as usize];
+    let mut entries = Vec::new();
     let mut blocks = Vec::new();
     for j in 0..nblocks {
         let at = (start + j) * cs;
-        table[(j * 8) as usize..(j * 8 + 8) as usize].copy_from_slice(&at.to_be_bytes());
+        entries.push(refcount::RefcountTableEntry {
+            block_offset: Some(HostOffset(at)),
+        });
         let own = (start.max(j * per_block)..end.min((j + 1) * per_block)).map(|c| (c, 1));
         let block =
             encode_refblock(&refs, &rg, j, own, false).map_err(|Overflow { cluster, value }| {
@@ -365,6 +369,8 @@ async fn plan_refcounts(img: &Image<crate::io::AnyStorage>, order: u32) -> Resul
             })?;
         blocks.push((at, block));
     }
+    let mut table = refcount::encode_table(&entries);
+    table.resize((table_clusters * cs) as usize, 0);
     let table_at = (start + nblocks) * cs;
     let table_clusters = u32::try_from(table_clusters)
         .map_err(|_| refuse("the new refcount table would be too large"))?;

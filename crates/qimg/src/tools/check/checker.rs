@@ -104,6 +104,8 @@ pub(super) struct Checker<'a, S> {
     pub(super) snapshots_offset: u64,
     pub(super) snapshots_size: u64,
     pub(super) snapshots: Vec<SnapshotEntry>,
+    /// v3 snapshot entries found incomplete, to be completed by a `-r all` repair.
+    pub(super) incomplete_snapshots: u32,
     pub(super) bitmaps: Option<BitmapDirectory>,
     pub(super) crypto: Option<(u64, u64)>,
     pub(super) refs: ReferenceCounts,
@@ -122,6 +124,8 @@ pub(super) struct Checker<'a, S> {
     pub(super) grow_limit: u64,
     /// How often each cluster is used as (part of) an L1 or L2 table in the current walk.
     pub(super) table_uses: HashMap<u64, u64>,
+    /// How often each cluster holds (part of) a compressed cluster's data in the current walk.
+    pub(super) compressed_uses: HashMap<u64, u64>,
     /// With `-r all`: the clusters of tables referenced as nothing else (from a silent walk
     /// before the repairing one). Entries are only rewritten inside those, so that a table
     /// that is also guest data or other metadata is never changed.
@@ -191,6 +195,7 @@ impl<'a, S: Storage> Checker<'a, S> {
             snapshots_offset: h.snapshots_offset,
             snapshots_size: 0,
             snapshots: Vec::new(),
+            incomplete_snapshots: 0,
             bitmaps: None,
             crypto: None,
             refs: ReferenceCounts::default(),
@@ -198,6 +203,7 @@ impl<'a, S: Storage> Checker<'a, S> {
             uncounted: Vec::new(),
             grow_limit: u64::MAX,
             table_uses: HashMap::new(),
+            compressed_uses: HashMap::new(),
             exclusive: None,
             mute: false,
             cache: HashMap::new(),

@@ -34,7 +34,7 @@ impl<S: Storage> Checker<'_, S> {
             if l1_shared {
                 out.insert(l2_offset >> self.cluster_bits);
             }
-            if (l2_offset % cluster_size == 0 && self.only_table(l2_offset, cluster_size))
+            if (l2_offset % cluster_size == 0 && self.copied_may_rewrite(l2_offset, cluster_size))
                 || !seen.insert(l2_offset)
             {
                 continue;
@@ -104,8 +104,9 @@ impl<S: Storage> Checker<'_, S> {
                 }
             };
             let mut dirty = 0i64;
-            let repair =
-                repair && l2_offset % cluster_size == 0 && self.only_table(l2_offset, cluster_size);
+            let repair = repair
+                && l2_offset % cluster_size == 0
+                && self.copied_may_rewrite(l2_offset, cluster_size);
             for (_, slot) in table.iter_mut() {
                 let entry = *slot;
                 if !entry.kind(self.layout).has_host_cluster() {

@@ -38,6 +38,16 @@ impl<S: Storage> Checker<'_, S> {
         }
     }
 
+    /// Counts the clusters a compressed cluster's data `[offset, offset + len)` touches.
+    pub(super) fn note_compressed(&mut self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        for c in offset / self.cluster_size..=(offset + len - 1) / self.cluster_size {
+            *self.compressed_uses.entry(c).or_insert(0) += 1;
+        }
+    }
+
     /// Whether the table entry at `at` may be rewritten by the repairing walk: its cluster is
     /// used only as a table.
     pub(super) fn may_edit(&self, at: u64) -> bool {
@@ -51,9 +61,37 @@ impl<S: Storage> Checker<'_, S> {
     /// After a whole walk: whether the table in `[offset, offset + len)` is referenced as
     /// nothing else.
     pub(super) fn only_table(&self, offset: u64, len: u64) -> bool {
+        self.table_uses_are(offset, len, false)
+    }
+
+    /// After a whole walk: whether the COPIED repair may rewrite the table in `[offset,
+    /// offset + len)`: referenced as nothing but tables and compressed data (whose size field
+    /// may claim more than the stream takes), as QEMU's `check_oflag_copied` rewrites it; never
+    /// a table that is also guest data or other metadata.
+    pub(super) fn copied_may_rewrite(&self, offset: u64, len: u64) -> bool {
+        self.table_uses_are(offset, len, true)
+    }
+
+    /// After a whole walk: whether every cluster of `[offset, offset + len)` is referenced
+    /// once (by the structure that lies there, and nothing else).
+    pub(super) fn referenced_once(&self, offset: u64, len: u64) -> bool {
         len > 0
             && (offset / self.cluster_size..=(offset + len - 1) / self.cluster_size)
-                .all(|c| self.table_uses.get(&c).copied().unwrap_or(0) == self.refs.get(c))
+                .all(|c| self.refs.get(c) == 1)
+    }
+
+    fn table_uses_are(&self, offset: u64, len: u64, with_compressed: bool) -> bool {
+        let uses = |c: u64| {
+            let t = self.table_uses.get(&c).copied().unwrap_or(0);
+            let z = match with_compressed {
+                true => self.compressed_uses.get(&c).copied().unwrap_or(0),
+                false => 0,
+            };
+            t + z
+        };
+        len > 0
+            && (offset / self.cluster_size..=(offset + len - 1) / self.cluster_size)
+                .all(|c| uses(c) == self.refs.get(c))
     }
 
     /// Writes an L1 entry (a repair beyond QEMU's); false when refused or failed.

@@ -223,6 +223,7 @@ impl<S: Storage> Checker<'_, S> {
                             if fix.any() {
                                 let (coffset, csize) = compressed_range(entry, cluster_bits);
                                 self.inc_refcounts(res, coffset, csize);
+                                self.note_compressed(coffset, csize);
                             }
                             continue;
                         }
@@ -240,6 +241,7 @@ impl<S: Storage> Checker<'_, S> {
                         }
                     }
                     self.inc_refcounts(res, coffset, csize);
+                    self.note_compressed(coffset, csize);
                     if frag {
                         res.allocated_clusters += 1;
                         res.compressed_clusters += 1;

@@ -29,8 +29,13 @@ impl<S: Storage> Checker<'_, S> {
         let r = self.check_refcounts(&mut refcount_res, fix).await;
         result.add(&refcount_res, true);
         r?;
-        // QEMU rewrites the snapshot table here when -r all found incomplete entries or
-        // dropped extra data (qcow2_check_fix_snapshot_table); qimg leaves them reported.
+        // QEMU rewrites the snapshot table here (qcow2_check_fix_snapshot_table); qimg does
+        // for incomplete entries (dropped extra data stays reported).
+        if fix.corruptions {
+            self.fix_incomplete_snapshots(&mut snapshot_res).await?;
+        } else {
+            self.incomplete_snapshots = 0;
+        }
         result.add(&snapshot_res, false);
         if fix.any() && result.check_errors == 0 && result.corruptions == 0 {
             self.mark_clean_and_consistent().await?;
@@ -154,6 +159,7 @@ impl<S: Storage> Checker<'_, S> {
         rebuild: &mut bool,
     ) -> std::result::Result<(), Failure> {
         self.table_uses.clear();
+        self.compressed_uses.clear();
         self.inc_refcounts(res, 0, self.cluster_size);
         self.check_refcounts_l1(res, self.l1_offset, self.l1_size, true, fix, true)
             .await?;

@@ -5,6 +5,7 @@
 use qimg_format::header::{SnapshotPointer, field};
 use qimg_format::snapshot::{
     ENTRY_HEADER_LEN, KNOWN_EXTRA_DATA, MAX_EXTRA_DATA, MAX_SNAPSHOTS, MAX_TABLE_SIZE, decode_text,
+    encode_table,
 };
 use qimg_io::Storage;
 
@@ -37,6 +38,7 @@ impl<S: Storage> Checker<'_, S> {
         };
         self.nb_snapshots = pointer.nb_snapshots;
         self.snapshots_offset = pointer.snapshots_offset;
+        self.incomplete_snapshots = 0;
         let mut reduced: u32 = 0;
         let mut dropped: u32 = 0;
         if self.nb_snapshots > MAX_SNAPSHOTS && fix.corruptions {
@@ -112,11 +114,76 @@ impl<S: Storage> Checker<'_, S> {
             for i in 0..self.snapshots.len() {
                 if u64::from(self.snapshots[i].extra_data_size) < 16 {
                     res.corruptions += 1;
-                    // QEMU rewrites the snapshot table here; qimg does not (yet).
-                    self.msg(format!("ERROR snapshot table entry {i} is incomplete"));
+                    self.incomplete_snapshots += 1;
+                    // Rewritten after the refcounts (fix_incomplete_snapshots), as QEMU does.
+                    self.msg(format!(
+                        "{} snapshot table entry {i} is incomplete",
+                        if fix.corruptions {
+                            "Repairing"
+                        } else {
+                            "ERROR"
+                        }
+                    ));
                 }
             }
         }
+        Ok(())
+    }
+
+    /// QEMU's `qcow2_check_fix_snapshot_table` for incomplete entries: every entry gets the
+    /// extra data v3 asks for ([`Snapshot::complete_extra`]). The table is rewritten where it
+    /// is, when it still fits in the clusters it holds (a few bytes more per entry); QEMU
+    /// moves it to new clusters instead, which a check cannot allocate. When it does not fit,
+    /// the entries stay reported.
+    ///
+    /// [`Snapshot::complete_extra`]: qimg_format::snapshot::Snapshot::complete_extra
+    pub(super) async fn fix_incomplete_snapshots(
+        &mut self,
+        res: &mut Counters,
+    ) -> std::result::Result<(), Failure> {
+        let n = i64::from(std::mem::take(&mut self.incomplete_snapshots));
+        if n == 0 {
+            return Ok(());
+        }
+        let Ok(mut snaps) = self
+            .walker()
+            .read_snapshot_table(self.snapshots_offset, self.nb_snapshots)
+            .await
+        else {
+            return Ok(());
+        };
+        for sn in &mut snaps {
+            sn.complete_extra(self.total_sectors * 512);
+        }
+        let table = encode_table(&snaps);
+        let room = self.snapshots_size.next_multiple_of(self.cluster_size);
+        let held = self.referenced_once(self.snapshots_offset, room);
+        if table.len() as u64 > room || !held {
+            self.msg(format!(
+                "ERROR failed to update the snapshot table: the completed table of {} bytes \
+                 does not fit where it is",
+                table.len()
+            ));
+            return Ok(());
+        }
+        let written = match self.write(&table, self.snapshots_offset).await {
+            Ok(()) => self.sync().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            res.check_errors += 1;
+            self.msg(format!(
+                "ERROR failed to update the snapshot table: {}",
+                strerror(&e)
+            ));
+            return Err(io_failure(&e));
+        }
+        self.snapshots_size = table.len() as u64;
+        for e in &mut self.snapshots {
+            e.extra_data_size = e.extra_data_size.max(KNOWN_EXTRA_DATA as u32);
+        }
+        res.corruptions -= n;
+        res.corruptions_fixed += n;
         Ok(())
     }
 
