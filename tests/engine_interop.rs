@@ -715,3 +715,33 @@ async fn freed_clusters_are_reused_before_the_next_flush() {
     );
     assert_clean(&dir.0, "a.qcow2", "reuse");
 }
+
+/// A 3 MiB write to an empty image lands as QEMU puts it: the new L2 table first, then the
+/// data as one host extent (`qemu-img map` equal to qemu-io's, offsets included).
+#[tokio::test]
+async fn a_fresh_write_maps_as_one_extent_after_its_l2_table() {
+    if !have_qemu("a_fresh_write_maps_as_one_extent_after_its_l2_table") {
+        return;
+    }
+    let dir = Scratch::new("l2-first");
+    for opts in ["cluster_size=64k", "cluster_size=64k,extended_l2=on"] {
+        qemu_create(&dir.0, "q.qcow2", opts, 64 * MIB, None);
+        qemu_create(&dir.0, "m.qcow2", opts, 64 * MIB, None);
+        qemu_io(&dir.0, "q.qcow2", &["write -P 1 0 3M"]);
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("m.qcow2"))
+            .await
+            .unwrap();
+        img.write(&vec![1u8; 3 * MIB as usize], 0).await.unwrap();
+        img.close().await.unwrap();
+        assert_clean(&dir.0, "m.qcow2", opts);
+        let map = map_json(&dir.0, "m.qcow2");
+        assert_eq!(map, map_json(&dir.0, "q.qcow2"), "{opts}");
+        assert_eq!(
+            map.lines().filter(|l| l.contains("\"data\": true")).count(),
+            1,
+            "{map}"
+        );
+    }
+}

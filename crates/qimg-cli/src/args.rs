@@ -5,9 +5,16 @@ use anyhow::{Result, bail};
 use qimg::chain::ImageFormat;
 
 /// Parses a size the way qemu-img does: a decimal number, optionally fractional, with an
-/// optional suffix B, K, M, G, T, P or E (case-insensitive, powers of 1024).
+/// optional suffix B, K, M, G, T, P or E (case-insensitive, powers of 1024), or a
+/// hexadecimal integer (`0x10000`; no fraction or suffix, as qemu's `qemu_strtosz`).
 pub fn parse_size(s: &str) -> Option<u64> {
     let s = s.trim();
+    if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        if hex.is_empty() || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+            return None;
+        }
+        return u64::from_str_radix(hex, 16).ok();
+    }
     let (num, mult) = match s.chars().last()? {
         c if c.is_ascii_digit() || c == '.' => (s, 1u64),
         c => {
@@ -113,6 +120,13 @@ mod tests {
         assert_eq!(parse_size("16E"), None);
         assert_eq!(parse_size("10X"), None);
         assert_eq!(parse_size("-5"), None);
+        // Hexadecimal as qemu takes it: integers only, 'b' and 'e' are digits.
+        assert_eq!(parse_size("0x10000"), Some(65536));
+        assert_eq!(parse_size("0X1e"), Some(30));
+        assert_eq!(parse_size("0x1B"), Some(27));
+        assert_eq!(parse_size("0x1k"), None);
+        assert_eq!(parse_size("0x"), None);
+        assert_eq!(parse_size("0x1.5"), None);
         assert_eq!(parse_size(""), None);
         assert_eq!(parse_size("1.5"), None);
     }

@@ -12,6 +12,9 @@ use crate::args::{on_off, parse_size};
 pub struct Given {
     /// (key, value as typed) in the order given; later ones win.
     pub pairs: Vec<(String, String)>,
+    /// A value the format driver refuses (compat, preallocation, compression_type): as
+    /// qemu-img, it is reported after the `Formatting` line, which shows the value as typed.
+    pub refused: Option<String>,
 }
 
 impl Given {
@@ -110,26 +113,18 @@ pub fn apply(
             bail!("Invalid parameter '{k}'");
         }
         match k {
-            "size" => {
-                opts.size = Some(
-                    parse_size(v)
-                        .ok_or_else(|| anyhow::anyhow!("Parameter 'size' expects a size: '{v}'"))?,
-                )
-            }
-            "cluster_size" => {
-                opts.cluster_size = parse_size(v).ok_or_else(|| {
-                    anyhow::anyhow!("Parameter 'cluster_size' expects a size: '{v}'")
-                })?
-            }
-            "compat" => {
-                opts.compat = match v {
-                    "0.10" | "v2" => Compat::V2,
-                    "1.1" | "v3" => Compat::V3,
-                    _ => bail!(
-                        "Parameter 'compat' does not accept value '{v}' (use v2, 0.10, v3 or 1.1)"
-                    ),
-                }
-            }
+            "size" => opts.size = Some(parse_size(v).ok_or_else(|| not_a_size(k, v))?),
+            "cluster_size" => opts.cluster_size = parse_size(v).ok_or_else(|| not_a_size(k, v))?,
+            "compat" => match v {
+                "0.10" | "v2" => opts.compat = Compat::V2,
+                "1.1" | "v3" => opts.compat = Compat::V3,
+                // qemu's qcow2 driver calls the option 'version' in this message.
+                _ => refuse(
+                    given,
+                    format!("Parameter 'version' does not accept value '{v}'"),
+                    "(compat: use v2, 0.10, v3 or 1.1)",
+                ),
+            },
             "extended_l2" => opts.extended_l2 = on_off(k, v).map_err(anyhow::Error::msg)?,
             "lazy_refcounts" => opts.lazy_refcounts = on_off(k, v).map_err(anyhow::Error::msg)?,
             "data_file_raw" => opts.data_file_raw = on_off(k, v).map_err(anyhow::Error::msg)?,
@@ -141,24 +136,37 @@ pub fn apply(
             "backing_file" => opts.backing_file = Some(v.to_string()),
             "backing_fmt" => opts.backing_fmt = Some(v.to_string()),
             "data_file" => opts.data_file = Some(v.to_string()),
-            "compression_type" => {
-                opts.compression_type = match v {
-                    "zlib" => CompressionType::Zlib,
-                    "zstd" => CompressionType::Zstd,
-                    _ => bail!(
-                        "Parameter 'compression_type' does not accept value '{v}' (use zlib or zstd)"
-                    ),
-                }
-            }
-            "preallocation" => {
-                opts.preallocation = match v {
-                    "off" => Preallocation::Off,
-                    "metadata" if fmt != "raw" => Preallocation::Metadata,
-                    "falloc" => Preallocation::Falloc,
-                    "full" => Preallocation::Full,
-                    _ => bail!("Parameter 'preallocation' does not accept value '{v}'"),
-                }
-            }
+            "compression_type" => match v {
+                "zlib" => opts.compression_type = CompressionType::Zlib,
+                "zstd" => opts.compression_type = CompressionType::Zstd,
+                _ => refuse(
+                    given,
+                    format!("Parameter 'compression-type' does not accept value '{v}'"),
+                    "(compression_type: use zlib or zstd)",
+                ),
+            },
+            "preallocation" => match v {
+                "off" => opts.preallocation = Preallocation::Off,
+                "metadata" if fmt != "raw" => opts.preallocation = Preallocation::Metadata,
+                "falloc" => opts.preallocation = Preallocation::Falloc,
+                "full" => opts.preallocation = Preallocation::Full,
+                // qemu's file driver words these two its own way.
+                "metadata" => refuse(
+                    given,
+                    format!("Unsupported preallocation mode: {v}"),
+                    "(preallocation: raw files take off, falloc or full)",
+                ),
+                _ if fmt == "raw" => refuse(
+                    given,
+                    format!("invalid parameter value: {v}"),
+                    "(preallocation: use off, falloc or full)",
+                ),
+                _ => refuse(
+                    given,
+                    format!("Parameter 'preallocation' does not accept value '{v}'"),
+                    "",
+                ),
+            },
             _ => unreachable!("checked against the known list"),
         }
         given.pairs.push((k.to_string(), v.to_string()));
@@ -183,10 +191,10 @@ pub fn formatting_line(
             .unwrap_or_else(|| if value { "on" } else { "off" }.to_string())
     };
     if fmt == "raw" {
+        parts.push(format!("size={size}"));
         if let Some(p) = given.get("preallocation") {
             parts.push(format!("preallocation={p}"));
         }
-        parts.push(format!("size={size}"));
         return format!("Formatting '{file}', {}", parts.join(" "));
     }
     parts.push(format!("cluster_size={}", opts.cluster_size));
@@ -197,7 +205,11 @@ pub fn formatting_line(
     if let Some(p) = given.get("preallocation") {
         parts.push(format!("preallocation={p}"));
     }
-    parts.push(format!("compression_type={}", opts.compression_type.name()));
+    let compression = given.get("compression_type");
+    parts.push(format!(
+        "compression_type={}",
+        compression.unwrap_or(opts.compression_type.name())
+    ));
     parts.push(format!("size={size}"));
     if let Some(v) = given.get("compat") {
         parts.push(format!("compat={v}"));
@@ -220,4 +232,33 @@ pub fn formatting_line(
     ));
     parts.push(format!("refcount_bits={}", opts.refcount_bits));
     format!("Formatting '{file}', {}", parts.join(" "))
+}
+
+/// Records the first value the format driver refuses: qemu's words, and as qimg (not
+/// multi-call) a hint after them.
+fn refuse(given: &mut Given, qemu: String, hint: &str) {
+    if given.refused.is_some() {
+        return;
+    }
+    let hint = match crate::status::program() {
+        "qemu-img" => "",
+        _ => hint,
+    };
+    given.refused = Some(if hint.is_empty() {
+        qemu
+    } else {
+        format!("{qemu} {hint}")
+    });
+}
+
+/// A `-o` size that does not parse: qimg names the value; as qemu-img (multi-call), qemu's
+/// own words.
+fn not_a_size(key: &str, value: &str) -> anyhow::Error {
+    if crate::status::program() == "qemu-img" {
+        return anyhow::anyhow!(
+            "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, \
+             G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."
+        );
+    }
+    anyhow::anyhow!("Parameter '{key}' expects a size: '{value}'")
 }

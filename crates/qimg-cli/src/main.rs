@@ -20,7 +20,7 @@ mod status;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::status::exit_status;
 
@@ -88,9 +88,37 @@ fn quiet_on_closed_stdout() {
     }));
 }
 
+/// The command line as QEMU's tools take it. Installed (or linked) as `qemu-img`, the binary
+/// is `qimg` speaking as qemu-img (messages start `qemu-img:`); as `qemu-io`, it is `qimg
+/// io`. A single-value option given twice keeps the last value, as QEMU's `getopt` loops do.
+fn parse() -> Cli {
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let invoked = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .and_then(|n| n.to_str())
+        .unwrap_or("qimg");
+    let name = match invoked {
+        "qemu-img" => "qemu-img",
+        "qemu-io" => "qemu-io",
+        _ => "qimg",
+    };
+    status::set_program(name);
+    if name == "qemu-io" {
+        args.insert(1, "io".into());
+    }
+    let command = Cli::command()
+        .name(name)
+        .bin_name(name)
+        .args_override_self(true)
+        .mut_subcommands(|c| c.args_override_self(true));
+    let matches = command.get_matches_from(args);
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> ExitCode {
     quiet_on_closed_stdout();
-    match Cli::parse().cmd {
+    match parse().cmd {
         Command::Create(a) => exit_status(cmd::create::run(a)),
         Command::Info(a) => exit_status(cmd::info::run(a)),
         // check has qemu-img check's exit codes (2 corruptions, 3 leaks, 63 no checks).

@@ -9,9 +9,22 @@ use std::process::ExitCode;
 
 use anyhow::{Result, anyhow};
 
-/// Prints `qimg: MESSAGE` on stderr and returns exit status `code`.
+static PROGRAM: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// Sets the name messages start with: `qimg`, or `qemu-img` when the binary runs as
+/// qemu-img (see `main`). Only the first call counts.
+pub fn set_program(name: &'static str) {
+    let _ = PROGRAM.set(name);
+}
+
+/// The name messages start with (`qimg` unless [`set_program`] said otherwise).
+pub fn program() -> &'static str {
+    PROGRAM.get().copied().unwrap_or("qimg")
+}
+
+/// Prints `PROGRAM: MESSAGE` on stderr and returns exit status `code`.
 pub fn fail(msg: impl Display, code: u8) -> ExitCode {
-    eprintln!("qimg: {msg}");
+    eprintln!("{}: {msg}", program());
     ExitCode::from(code)
 }
 

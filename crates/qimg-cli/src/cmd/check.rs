@@ -10,7 +10,7 @@ use qimg::chain::{ImageFormat, probe_format};
 use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
 
 use crate::args::{image_format, json_output};
-use crate::status::fail;
+use crate::status::{fail, lib_msg, open_msg};
 
 /// Arguments of `qimg check`.
 #[derive(clap::Args)]
@@ -124,9 +124,8 @@ pub fn run(args: CheckArgs) -> ExitCode {
     let report = match check(path, &opts, &mut on_event) {
         Ok(r) => r,
         Err(e) => {
-            let e = e.to_string();
-            let e = e.strip_prefix(&format!("{file}: ")).unwrap_or(&e);
-            return fail(format!("Could not open '{file}': {e}"), 1);
+            let msg = anyhow::anyhow!("Could not open '{file}': {}", lib_msg(&e, &file));
+            return fail(open_msg(msg, &file), 1);
         }
     };
     if progress_shown {

@@ -86,7 +86,10 @@ impl Outcome {
 /// Runs `qimg compare`; the exit status is qemu-img compare's.
 pub fn run(args: CompareArgs) -> ExitCode {
     if args.files.len() != 2 {
-        eprintln!("qimg: Expecting two image file names");
+        eprintln!(
+            "{}: Expecting two image file names",
+            crate::status::program()
+        );
         eprintln!("Try 'qimg compare --help' for more info");
         return ExitCode::from(1);
     }
@@ -107,7 +110,7 @@ pub fn run(args: CompareArgs) -> ExitCode {
     if let Some(msg) = &outcome.msg {
         if outcome.error {
             progress.end();
-            eprintln!("qimg: {msg}");
+            eprintln!("{}: {msg}", crate::status::program());
         } else if !quiet {
             println!("{msg}");
         }

@@ -101,18 +101,66 @@ pub fn run(args: CreateArgs) -> Result<()> {
                 create_opts::formatting_line(&file, "raw", &o, &given, shown)
             );
         }
+        if let Some(refused) = &given.refused {
+            bail!("{file}: {refused}");
+        }
         qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress)
             .with_context(|| file.clone())?;
         return Ok(());
     }
-    o.validate().with_context(|| file.clone())?;
-    let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
+    // Before the `Formatting` line, as qemu-img: the backing file must be named with its
+    // format, and must open.
+    if let Some(b) = &o.backing_file {
+        let full = qimg::chain::resolve_backing(path, b);
+        let qemu = crate::status::program() == "qemu-img";
+        if o.backing_fmt.is_none() {
+            match qimg::chain::probe_format(&full) {
+                Ok(f) if qemu => bail!(
+                    "{file}: Backing file specified without backing format\nDetected format of {}.",
+                    f.name()
+                ),
+                _ => bail!("{file}: backing_fmt: Backing file specified without backing format"),
+            }
+        }
+        if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
+            bail!(
+                "{file}: Could not open '{b}': {}\nCould not open backing image.",
+                crate::status::os_msg(&e)
+            );
+        }
+    }
+    let size = match qimg::tools::create::effective_size(path, &o) {
+        Ok(size) => size,
+        Err(e) => bail!("{file}: {}", refusal_words(&e)),
+    };
+    // As qemu-img: the options parsed and the size known, the `Formatting` line comes first;
+    // what the qcow2 driver refuses comes after it.
     if !args.quiet {
         println!(
             "{}",
             create_opts::formatting_line(&file, "qcow2", &o, &given, o.size.unwrap_or(size))
         );
     }
+    if let Some(refused) = &given.refused {
+        bail!("{file}: {refused}");
+    }
+    if let Err(e) = o.validate() {
+        bail!("{file}: {}", refusal_words(&e));
+    }
     create(path, &o, &mut progress).with_context(|| file.clone())?;
     Ok(())
+}
+
+/// A refusal of the create options: qimg names the option and value first
+/// ("cluster_size 3072: ..."); as qemu-img (multi-call) only QEMU's own words follow the
+/// file name.
+fn refusal_words(e: &qimg::Error) -> String {
+    let text = e.to_string();
+    if crate::status::program() != "qemu-img" {
+        return text;
+    }
+    match text.split_once(": ") {
+        Some((_, qemu)) => qemu.to_string(),
+        None => text,
+    }
 }

@@ -56,7 +56,10 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
         QCOW2_OPTIONS
     };
     // qemu-img prints this as a second error line.
-    let invalid = format!("qimg: Invalid options for file format '{fmt}'");
+    let invalid = format!(
+        "{}: Invalid options for file format '{fmt}'",
+        crate::status::program()
+    );
     let mut get = std::collections::HashMap::new();
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));

@@ -54,6 +54,7 @@
 //! | `read_vectored(offset, iovecs, user_data)` | `submit(Request::Read { offset, buffers: unsafe { IoBuffers::from_raw(iovecs) } }, user_data)` |
 //! | `write_vectored(offset, iovecs, user_data)` | `submit(Request::Write { .. }, user_data)` |
 //! | `fsync(Some(user_data))` | `submit(Request::Flush, user_data)` |
+//! | `fsync(None)` (write-through, done on return) | [`Queue::flush_blocking`] |
 //! | `submit_batch_requests(&[BatchRequest])` | [`Queue::submit_batch`] (one `io_uring_enter` for the batch) |
 //! | `write_zeroes(offset, len, user_data)` | `Request::WriteZeroes { unmap: false }` (reads zeros, space kept) |
 //! | `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap: true }`: the VMM sends a guest's write-zeroes with unmap there, which must read zeros; [`Request::Discard`] leaves parts smaller than a subcluster unchanged |
@@ -181,6 +182,14 @@ impl QueueOptions {
     pub fn eventfd(mut self, fd: OwnedFd) -> Self {
         self.eventfd = Some(fd);
         self
+    }
+
+    /// [`eventfd`](Self::eventfd) with a descriptor the caller keeps (a
+    /// `vmm_sys_util::eventfd::EventFd`, say): the queue signals a duplicate of it, so the
+    /// caller's own object stays as it is. Fails only when the descriptor cannot be duplicated.
+    pub fn eventfd_of(self, fd: &impl AsFd) -> io::Result<Self> {
+        let dup = fd.as_fd().try_clone_to_owned()?;
+        Ok(self.eventfd(dup))
     }
 
     /// Have [`Queue::wait`] watch the ring for up to `poll` before it sleeps, when only the
@@ -498,6 +507,30 @@ impl<S: Storage + 'static> Queue<S> {
         // A failed submission leaves the entries queued: `collect` tries again.
         let _ = self.ring.submit();
         refused
+    }
+
+    /// Makes every write whose completion was collected before this call durable (with the
+    /// metadata that reaches it), and returns when it is: a VMM's synchronous flush
+    /// (cloud-hypervisor's write-through `fsync(None)`). The flush runs on the queue's engine
+    /// thread while the caller waits on a channel; completions of other requests are not
+    /// touched and stay for [`next_completed`](Self::next_completed).
+    pub fn flush_blocking(&mut self) -> Result<()> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let image = self.image.clone();
+        let job = Box::pin(async move {
+            let _ = tx.send(image.flush().await);
+        });
+        let gone = || {
+            Error::io(
+                &self.image.inner.path,
+                "flushing",
+                io::Error::other("the queue's engine thread has stopped"),
+            )
+        };
+        if !self.worker.run(job) {
+            return Err(gone());
+        }
+        rx.recv().map_err(|_| gone())?
     }
 
     /// The next completed request, if any (never blocks).
@@ -1039,16 +1072,15 @@ const BATCH_HOLD: usize = 16;
 /// The metadata lock if it comes free within a short spin: the direct path's holders (other
 /// queues' threads) keep it for about a microsecond, while the engine may hold it across
 /// I/O, and then the request goes to the engine rather than wait.
+///
+/// The spin makes no system call (no `sched_yield`): a VMM that filters its queue threads'
+/// system calls with seccomp need not allow one for it.
 fn lock_briefly<T>(m: &tokio::sync::Mutex<T>) -> Option<tokio::sync::MutexGuard<'_, T>> {
-    for i in 0..64 {
+    for _ in 0..128 {
         if let Ok(g) = m.try_lock() {
             return Some(g);
         }
-        if i % 8 == 7 {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
+        std::hint::spin_loop();
     }
     None
 }

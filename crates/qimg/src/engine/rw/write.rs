@@ -69,6 +69,12 @@ impl<S: Storage> Inner<S> {
             Destination::InPlace(h) => (h, false),
             Destination::New if self.data_file.is_some() => (gc, false),
             Destination::New => {
+                // QEMU's order: a missing L2 table is made before the data clusters it maps,
+                // so that a large write to an empty area lands as one host extent after it.
+                let l1i = (gc / self.geo.l2_coverage()) as usize;
+                if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
+                    self.ensure_l2(&mut m, l1i).await?;
+                }
                 // Clusters past everything allocated since open and past the end of the file
                 // at open have never held data: they read as zeros.
                 let unused_from = m.end_cluster * self.geo.cluster_size();
