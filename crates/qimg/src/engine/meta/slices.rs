@@ -98,11 +98,27 @@ impl<S: Storage> Shared<S> {
         guest: u64,
         entry: &AnyL2Entry,
     ) -> Result<()> {
+        let (key, idx) = self.writable_l2_slice(m, guest).await?;
+        let now = self.now();
+        let slot = self.entry_bytes(idx);
+        let bytes =
+            m.l2.get_mut_range(key, slot, now)
+                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
+        write_entry(bytes, 0, entry).map_err(|e| self.fmt_err(e))
+    }
+
+    /// The L2 slice holding the entry of the guest cluster containing `guest`, cached, with
+    /// its table created (or un-shared) first; a table just created has its slice cached as
+    /// the zeros just written, not read back. Returns the slice's key and the entry's index.
+    pub(crate) async fn writable_l2_slice(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+    ) -> Result<(SliceKey, usize)> {
         let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
         let (table, zeros) = self.ensure_l2(m, l1i).await?;
         let (key, idx) = self.l2_position(m, table, guest);
         if zeros && !m.l2.contains(key) {
-            // A new table: its slices are the zeros just written, no need to read them.
             self.make_room(m, CacheKind::L2).await?;
             self.slice_loads.supersede(key);
             let size = m.l2.slice_size();
@@ -111,12 +127,7 @@ impl<S: Storage> Shared<S> {
         } else {
             self.load(m, CacheKind::L2, key).await?;
         }
-        let now = self.now();
-        let slot = self.entry_bytes(idx);
-        let bytes =
-            m.l2.get_mut_range(key, slot, now)
-                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
-        write_entry(bytes, 0, entry).map_err(|e| self.fmt_err(e))
+        Ok((key, idx))
     }
 
     /// The bytes of entry `idx` in an L2 slice: the only ones a change of the entry dirties.

@@ -62,6 +62,20 @@
 //!
 //! The example `examples/epoll_queue.rs` runs queues from plain `epoll` loops without any
 //! async runtime in those threads.
+//!
+//! ## Threads and system calls (for seccomp filters)
+//!
+//! [`Image::queue`] starts one thread, `qimg-queue`, which runs the queue's engine work; it
+//! and the image's own threads (the file backend's I/O threads or io_uring completion
+//! thread, and the clean timer when enabled) are qimg's, created before the call returns.
+//! On the caller's thread, [`Queue::submit`], [`Queue::submit_batch`],
+//! [`Queue::next_completed`], [`Queue::wait`] and [`Queue::flush_blocking`] make only these
+//! system calls: `io_uring_enter` (the queue's ring), `poll`/`ppoll` (waiting),
+//! `read`/`write` (the eventfd), `futex` (handing work to the engine thread and waiting for
+//! it), and memory management (`mmap`, `munmap`, `mremap`, `madvise`, `brk`) when buffers
+//! are allocated; there is no spin that yields to the scheduler. The test
+//! `a_queue_runs_under_a_seccomp_filter_of_the_documented_system_calls` runs direct reads,
+//! writes and a blocking flush under a `seccompiler` filter of exactly that list.
 
 mod cow;
 mod fast;

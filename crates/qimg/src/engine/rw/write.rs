@@ -73,7 +73,7 @@ impl<S: Storage> Inner<S> {
                 // so that a large write to an empty area lands as one host extent after it.
                 let l1i = (gc / self.geo.l2_coverage()) as usize;
                 if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
-                    self.ensure_l2(&mut m, l1i).await?;
+                    self.writable_l2_slice(&mut m, gc).await?;
                 }
                 // Clusters past everything allocated since open and past the end of the file
                 // at open have never held data: they read as zeros.
