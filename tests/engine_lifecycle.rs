@@ -79,3 +79,62 @@ fn close_on_drop_flushes_and_releases_the_image() {
     assert_clean(&dir.0, "a.qcow2", "close on drop");
     assert_same_as_model(&dir.0, "a.qcow2", &model, "close on drop");
 }
+
+/// A VMM that opened the disk itself: `qimg::probe` reads what the image is from its
+/// descriptor (what qemu-img info says), and `OpenOptions::open_file` works on that same
+/// descriptor (no second open by name), resolving the backing file next to `name`.
+#[test]
+fn a_vmm_probes_and_opens_its_own_descriptor() {
+    if !common::have_qemu("a_vmm_probes_and_opens_its_own_descriptor") {
+        return;
+    }
+    let dir = Scratch::new("open-file");
+    common::qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 4 << 20, None);
+    common::qemu_io(&dir.0, "qcow2", "base.qcow2", &["write -P 3 0 1M"]);
+    common::qemu_create(
+        &dir.0,
+        "top.qcow2",
+        "extended_l2=on,cluster_size=128k",
+        4 << 20,
+        Some(("base.qcow2", "qcow2")),
+    );
+    common::qemu_io(&dir.0, "qcow2", "top.qcow2", &["write -P 4 64k 4k"]);
+    std::fs::write(dir.path("raw.img"), vec![0u8; 8192]).unwrap();
+    let raw = std::fs::File::open(dir.path("raw.img")).unwrap();
+    assert_eq!(qimg::probe(&raw).unwrap(), None);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.path("top.qcow2"))
+        .unwrap();
+    let p = qimg::probe(&file).unwrap().expect("a qcow2 image");
+    let info = common::info(&dir.0, "top.qcow2");
+    assert_eq!(p.version, 3);
+    assert!(p.extended_l2);
+    assert_eq!(p.cluster_size, info["cluster-size"].as_u64().unwrap());
+    assert_eq!(p.size, info["virtual-size"].as_u64().unwrap());
+    assert_eq!(p.backing_file.as_deref(), Some("base.qcow2"));
+    assert_eq!(p.backing_format.as_deref(), Some("qcow2"));
+    assert_eq!(p.data_file, None);
+    let img = OpenOptions::new()
+        .writable(true)
+        .open_file_blocking(file, dir.path("top.qcow2"))
+        .unwrap();
+    let mut buf = vec![0u8; 8192];
+    img.read(&mut buf, 60 * 1024).unwrap();
+    assert!(buf[..4096].iter().all(|&b| b == 3), "from the backing file");
+    assert!(buf[4096..].iter().all(|&b| b == 4), "from the image");
+    img.write(&[5u8; 4096], 1 << 20).unwrap();
+    img.close().unwrap();
+    common::assert_clean(&dir.0, "top.qcow2", "open_file");
+    // A descriptor opened read-only cannot give a writable image.
+    let ro = std::fs::File::open(dir.path("top.qcow2")).unwrap();
+    let e = match OpenOptions::new()
+        .writable(true)
+        .open_file_blocking(ro, dir.path("top.qcow2"))
+    {
+        Ok(_) => panic!("a writable image on a read-only descriptor"),
+        Err(e) => e,
+    };
+    assert!(e.to_string().contains("read-only"), "{e}");
+}

@@ -81,6 +81,34 @@ impl AnyStorage {
             Backend::IoUring => Self::open(path, writable, Backend::Threads, direct),
         }
     }
+
+    /// Wraps a file the caller opened (a VMM that opened and probed the image itself) with
+    /// `backend`. Whether it is writable and whether it uses `O_DIRECT` come from its status
+    /// flags: open it with `O_DIRECT` for direct I/O (any request alignment is then accepted,
+    /// as [`open`](Self::open) gives it).
+    pub fn from_file(file: std::fs::File, backend: Backend) -> Result<Self> {
+        match backend {
+            Backend::Threads => {
+                let s = FileStorage::from_file(file, crate::file::BlockingStrategy::default())?;
+                Ok(if s.is_direct() {
+                    Self::FileDirect(BounceStorage::new(s))
+                } else {
+                    Self::File(s)
+                })
+            }
+            #[cfg(target_os = "linux")]
+            Backend::IoUring => {
+                let s = UringOptions::new().from_file(file)?;
+                Ok(if s.is_direct() {
+                    Self::UringDirect(BounceStorage::new(s))
+                } else {
+                    Self::Uring(s)
+                })
+            }
+            #[cfg(not(target_os = "linux"))]
+            Backend::IoUring => Self::from_file(file, Backend::Threads),
+        }
+    }
 }
 
 macro_rules! each {

@@ -92,6 +92,7 @@
 pub mod chain;
 pub mod engine;
 pub mod error;
+mod probe;
 pub mod tools;
 
 pub use engine::lease;
@@ -105,6 +106,7 @@ pub use engine::{
     OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
+pub use probe::{ImageProbe, probe};
 pub use qimg_cache::{CacheOptions, CacheStats};
 /// The on-disk format crate, re-exported.
 pub use qimg_format as format;

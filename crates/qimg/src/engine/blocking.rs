@@ -23,13 +23,21 @@ pub struct BlockingImage {
 impl BlockingImage {
     /// Opens the image at `path` (see [`OpenOptions::open_blocking`]).
     fn open(path: impl AsRef<Path>, opts: &OpenOptions) -> Result<Self> {
+        Self::open_in(path.as_ref(), opts, None)
+    }
+
+    /// Opens `file` (when given) or the image at `path` on a runtime of the image's own.
+    fn open_in(path: &Path, opts: &OpenOptions, file: Option<std::fs::File>) -> Result<Self> {
         let rt = Builder::new_current_thread()
             .enable_time()
             .build()
-            .map_err(|e| Error::io(path.as_ref(), "start the I/O runtime", e))?;
+            .map_err(|e| Error::io(path, "start the I/O runtime", e))?;
         let mut opts = opts.clone();
         opts.timer_thread = true;
-        let image = rt.block_on(opts.open(path.as_ref()))?;
+        let image = match file {
+            Some(file) => rt.block_on(opts.open_file(file, path))?,
+            None => rt.block_on(opts.open(path))?,
+        };
         Ok(Self {
             image: Some(image),
             rt,
@@ -113,5 +121,14 @@ impl OpenOptions {
     /// by a private current-thread runtime. Not for use inside an async task.
     pub fn open_blocking(&self, path: impl AsRef<Path>) -> Result<BlockingImage> {
         BlockingImage::open(path, self)
+    }
+
+    /// [`open_file`](Self::open_file) for programs without a runtime.
+    pub fn open_file_blocking(
+        &self,
+        file: std::fs::File,
+        name: impl AsRef<Path>,
+    ) -> Result<BlockingImage> {
+        BlockingImage::open_in(name.as_ref(), self, Some(file))
     }
 }

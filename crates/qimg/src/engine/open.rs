@@ -440,6 +440,45 @@ impl OpenOptions {
         self.open_with(path.as_ref(), &opener).await
     }
 
+    /// Opens the image held by `file`, a descriptor the caller opened (and perhaps probed with
+    /// [`crate::probe`]): qimg works on that descriptor, not on a second one opened by name,
+    /// so the name cannot come to mean another file in between. `name` is what errors say and
+    /// what relative backing and data file names are resolved against; those are opened by
+    /// name on the [`backend`](Self::backend). Open `file` for writing when
+    /// [`writable`](Self::writable) is set, and with `O_DIRECT` for direct I/O (its status
+    /// flags decide). The QEMU-compatible image lock is taken on `file` as on any image.
+    pub async fn open_file(
+        &self,
+        file: std::fs::File,
+        name: impl AsRef<Path>,
+    ) -> Result<Image<AnyStorage>> {
+        let name = name.as_ref();
+        let (backend, direct) = (self.backend, self.direct);
+        let flags = nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_GETFL)
+            .map_err(|e| Error::io(name, "read the file's status flags", e.into()))?;
+        let read_only = nix::fcntl::OFlag::from_bits_truncate(flags) & nix::fcntl::OFlag::O_ACCMODE
+            == nix::fcntl::OFlag::O_RDONLY;
+        let storage = AnyStorage::from_file(file, backend).map_err(|e| Error::storage(name, e))?;
+        if self.writable && read_only {
+            return Err(Error::InvalidOption(format!(
+                "{}: the file was opened read-only but a writable image was asked for",
+                name.display()
+            )));
+        }
+        let opener = move |p: &Path, writable: bool| AnyStorage::open(p, writable, backend, direct);
+        let mut seen = Vec::new();
+        open_chain(
+            storage,
+            name.to_path_buf(),
+            self,
+            Some(&opener),
+            None,
+            0,
+            &mut seen,
+        )
+        .await
+    }
+
     /// Opens the image at `path` through `opener`, which also opens its backing chain and
     /// external data file ([`backend`](Self::backend) and [`direct`](Self::direct) do not
     /// apply: the opener decides).
