@@ -36,6 +36,18 @@ fn info_json_matches_qemu_img_on_the_whole_matrix() {
             if !diff.is_empty() {
                 failures.push(format!("{} {:?}: {diff:?}", c.name, args));
             }
+            // And the text itself, byte for byte: QEMU's member order and indentation.
+            let (theirs_text, ours_text) =
+                (qemu_img(&s.0, &args).stdout, qimg(&s.0, &ours_args).stdout);
+            if ours_text != theirs_text {
+                failures.push(format!(
+                    "{} {:?}: the JSON text differs:\n{}\nqemu-img:\n{}",
+                    c.name,
+                    args,
+                    String::from_utf8_lossy(&ours_text),
+                    String::from_utf8_lossy(&theirs_text)
+                ));
+            }
             // The comparison must have compared the fields the issue names.
             let top = if ours.is_array() { &ours[0] } else { &ours };
             let theirs_top = if theirs.is_array() {
@@ -210,4 +222,67 @@ fn info_and_check_on_saved_findings_print_what_qemu_img_prints() {
         }
     }
     assert!(n >= 8, "{n} findings");
+}
+
+/// Image names as QEMU takes them: `--image-opts` option strings and `json:` names, on
+/// `info`, `check`, `map` and `compare`, through the binary installed as qemu-img: the same
+/// stdout, stderr and exit status as qemu-img's, refusals included.
+#[test]
+fn image_opts_and_json_names_work_as_with_qemu_img() {
+    if !have_qemu("image_opts_and_json_names_work_as_with_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("image-opts");
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(qimg_bin(), bin.join("qemu-img")).unwrap();
+    ok(
+        "create",
+        &qemu_img(
+            &s.0,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "a.qcow2",
+                "8M",
+            ],
+        ),
+    );
+    qemu_io(&s.0, "qcow2", "a.qcow2", &["write -P 7 0 1M"]);
+    let opts = "driver=qcow2,file.filename=a.qcow2,l2-cache-size=1M";
+    let json = r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"a.qcow2"}}"#;
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["info", "--image-opts", opts],
+        vec!["info", "--output=json", json],
+        vec!["check", "--image-opts", opts],
+        vec!["check", json],
+        vec!["map", "--output=json", json],
+        vec!["compare", json, "a.qcow2"],
+        vec![
+            "info",
+            "--image-opts",
+            "driver=qcow2,file.filename=a.qcow2,bogus=1",
+        ],
+    ];
+    for args in cases {
+        let theirs = qemu_img(&s.0, &args);
+        let ours = run(&s.0, &bin.join("qemu-img"), &args);
+        assert_eq!(
+            (
+                String::from_utf8_lossy(&ours.stdout),
+                String::from_utf8_lossy(&ours.stderr),
+                ours.status.code()
+            ),
+            (
+                String::from_utf8_lossy(&theirs.stdout),
+                String::from_utf8_lossy(&theirs.stderr),
+                theirs.status.code()
+            ),
+            "{args:?}"
+        );
+    }
 }

@@ -15,7 +15,9 @@ mod chain;
 mod cmd;
 mod create_opts;
 mod human;
+mod image_spec;
 mod progress;
+mod qjson;
 mod status;
 
 use std::process::ExitCode;
@@ -106,6 +108,10 @@ fn parse() -> Cli {
     status::set_program(name);
     if name == "qemu-io" {
         args.insert(1, "io".into());
+    }
+    if let Err(e) = image_spec::rewrite(&mut args) {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
     }
     let command = Cli::command()
         .name(name)

@@ -73,7 +73,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             } else {
                 serde_json::to_value(&list[0])?
             };
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            println!("{}", crate::qjson::pretty(&v));
         }
         Output::Human => {
             let texts: Vec<String> = list.iter().map(human::info).collect();

@@ -1,0 +1,224 @@
+//! Image names as QEMU's tools take them besides plain file names: `--image-opts` option
+//! strings (`driver=qcow2,file.filename=disk.qcow2,l2-cache-size=1M`) and `json:{...}` names
+//! (`json:{"driver":"qcow2","file":{"driver":"file","filename":"disk.qcow2"}}`). Both are
+//! turned into the file name before the command line is parsed, for images on files with
+//! the qcow2 or raw driver; runtime options that change how, not what, qemu reads (caches,
+//! overlap checks, locking) are accepted and left to qimg's own defaults. Anything else
+//! (backing or data-file nodes, other protocols) is refused, naming the key.
+
+use serde_json::Value;
+
+use crate::args::split_opts;
+
+/// Runtime options that do not change what a command prints or writes.
+const IGNORED: &[&str] = &[
+    "l2-cache-size",
+    "l2-cache-entry-size",
+    "refcount-cache-size",
+    "cache-size",
+    "cache-clean-interval",
+    "overlap-check",
+    "discard-no-unmap",
+    "lazy-refcounts",
+    "pass-discard-request",
+    "pass-discard-snapshot",
+    "pass-discard-other",
+    "cache.direct",
+    "cache.no-flush",
+    "read-only",
+    "auto-read-only",
+    "force-share",
+    "discard",
+    "detect-zeroes",
+    "node-name",
+    "file.aio",
+    "file.locking",
+    "file.cache.direct",
+    "file.cache.no-flush",
+    "file.node-name",
+];
+
+/// Rewrites `args` (the program name first): with `--image-opts`, every option-string image
+/// name becomes its file name and the flag goes; `json:` names become their file names
+/// everywhere. An unusable name is an error worded as qemu-img's.
+pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
+    let image_opts = args.iter().any(|a| a == "--image-opts");
+    args.retain(|a| a != "--image-opts");
+    for a in args.iter_mut().skip(1) {
+        let Some(s) = a.to_str() else { continue };
+        let pairs = if let Some(json) = s.strip_prefix("json:") {
+            let v: Value = serde_json::from_str(json).map_err(|e| {
+                format!("Could not open '{s}': Could not parse the JSON options: {e}")
+            })?;
+            let mut pairs = Vec::new();
+            flatten(&v, "", &mut pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+            pairs
+        } else if image_opts && is_option_string(s) {
+            split_opts(s)
+                .into_iter()
+                .map(|p| match p.split_once('=') {
+                    Some((k, v)) => (k.to_string(), v.to_string()),
+                    None => (p, String::new()),
+                })
+                .collect()
+        } else {
+            continue;
+        };
+        let name = file_name(&pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+        *a = name.into();
+    }
+    Ok(())
+}
+
+/// Whether `s` is an `--image-opts` option string rather than another argument.
+fn is_option_string(s: &str) -> bool {
+    split_opts(s).iter().any(|p| {
+        let key = p.split_once('=').map_or(p.as_str(), |(k, _)| k);
+        matches!(key, "driver" | "file" | "file.filename" | "filename")
+    })
+}
+
+/// Flattens JSON objects into qemu's dotted keys.
+fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(), String> {
+    let Value::Object(map) = v else {
+        return Err("JSON options must be an object".into());
+    };
+    for (k, v) in map {
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match v {
+            Value::Object(_) => flatten(v, &key, out)?,
+            Value::String(s) => out.push((key, s.clone())),
+            Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+            Value::Number(n) => out.push((key, n.to_string())),
+            _ => return Err(format!("option '{key}': arrays and null are not taken")),
+        }
+    }
+    Ok(())
+}
+
+/// The file name an option set names, for the qcow2 or raw driver on a file (or the file
+/// driver alone).
+fn file_name(pairs: &[(String, String)]) -> Result<String, String> {
+    let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+    let driver = get("driver").map(String::as_str).unwrap_or("");
+    let name = match driver {
+        "qcow2" | "raw" => {
+            match get("file.driver").map(String::as_str) {
+                None | Some("file") => {}
+                Some(other) => return Err(format!("the protocol '{other}' is not supported")),
+            }
+            get("file.filename").or_else(|| get("file"))
+        }
+        "file" => get("filename"),
+        "" => return Err("Parameter 'driver' is required".into()),
+        other => return Err(format!("Unknown driver '{other}'")),
+    };
+    for (k, _) in pairs {
+        let known = matches!(
+            k.as_str(),
+            "driver" | "file" | "file.driver" | "file.filename" | "filename"
+        );
+        if !known && !IGNORED.contains(&k.as_str()) {
+            return Err(format!(
+                "Block format '{driver}' does not support the option '{k}'"
+            ));
+        }
+    }
+    name.cloned()
+        .ok_or_else(|| "A block device must be specified for \"file\"".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &[&str]) -> Result<Vec<String>, String> {
+        let mut a: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+        rewrite(&mut a)?;
+        Ok(a.into_iter().map(|s| s.into_string().unwrap()).collect())
+    }
+
+    #[test]
+    fn option_strings_and_json_become_file_names() {
+        assert_eq!(
+            run(&[
+                "qimg",
+                "info",
+                "--image-opts",
+                "driver=qcow2,file.filename=a,,b.qcow2,l2-cache-size=1M"
+            ])
+            .unwrap(),
+            ["qimg", "info", "a,b.qcow2"]
+        );
+        assert_eq!(
+            run(&[
+                "qimg",
+                "check",
+                r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"x.qcow2"}}"#
+            ])
+            .unwrap(),
+            ["qimg", "check", "x.qcow2"]
+        );
+        assert_eq!(
+            run(&[
+                "qimg",
+                "info",
+                r#"json:{"driver":"file","filename":"r.raw"}"#
+            ])
+            .unwrap(),
+            ["qimg", "info", "r.raw"]
+        );
+        // Without --image-opts an option-like name is a file name.
+        assert_eq!(
+            run(&["qimg", "info", "driver=qcow2,file.filename=a"]).unwrap(),
+            ["qimg", "info", "driver=qcow2,file.filename=a"]
+        );
+        // Other arguments stay.
+        assert_eq!(
+            run(&[
+                "qimg",
+                "convert",
+                "--image-opts",
+                "-O",
+                "raw",
+                "driver=raw,file.filename=a",
+                "b"
+            ])
+            .unwrap(),
+            ["qimg", "convert", "-O", "raw", "a", "b"]
+        );
+    }
+
+    #[test]
+    fn what_is_not_supported_is_refused_naming_it() {
+        let e = run(&[
+            "qimg",
+            "info",
+            "--image-opts",
+            "driver=qcow2,file.filename=a,bogus=1",
+        ])
+        .unwrap_err();
+        assert!(e.contains("does not support the option 'bogus'"), "{e}");
+        let e = run(&[
+            "qimg",
+            "info",
+            r#"json:{"driver":"qcow2","file":{"driver":"nbd","host":"h"}}"#,
+        ])
+        .unwrap_err();
+        assert!(e.contains("nbd"), "{e}");
+        let e = run(&["qimg", "info", "json:{nope"]).unwrap_err();
+        assert!(e.contains("JSON"), "{e}");
+        let e = run(&[
+            "qimg",
+            "info",
+            "--image-opts",
+            "driver=vmdk,file.filename=a",
+        ])
+        .unwrap_err();
+        assert!(e.contains("vmdk"), "{e}");
+    }
+}
