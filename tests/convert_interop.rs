@@ -967,3 +967,113 @@ fn copy_offloading_with_c_like_qemu_img() {
     refused_like_qemu(dir, &["-C", "-S", "8k", "c.qcow2", "x.raw"]);
     refused_like_qemu(dir, &["-C", "-S", "0", "c.qcow2", "x.raw"]);
 }
+
+/// `qimg dd` as `qemu-img dd`, run through the binary linked as qemu-img: on a qcow2 image
+/// over a backing file and on a raw file, with block sizes, counts and skips (a skip past the
+/// end warns and leaves an empty output), raw and qcow2 outputs, and each refusal: the same
+/// stdout, stderr and exit status, the same output bytes (raw) or guest data (qcow2).
+#[test]
+fn dd_matches_qemu_img_dd() {
+    if !have_qemu("dd_matches_qemu_img_dd") {
+        return;
+    }
+    let s = Scratch::new("dd");
+    let d = &s.0;
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    common::qemu_img_create(d, "qcow2", "", &[], "base.qcow2", "3M");
+    qemu_io(d, "qcow2", "base.qcow2", &["write -P 1 0 3M"]);
+    common::qemu_img_create(
+        d,
+        "qcow2",
+        "extended_l2=on",
+        &["-b", "base.qcow2", "-F", "qcow2"],
+        "top.qcow2",
+        "4M",
+    );
+    qemu_io(
+        d,
+        "qcow2",
+        "top.qcow2",
+        &["write -P 2 1M 100k", "write -z 2M 64k"],
+    );
+    std::fs::write(s.path("in.raw"), pattern(3, 0, 300_000)).unwrap();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["dd", "if=top.qcow2", "of=out"],
+        vec!["dd", "if=top.qcow2", "of=out", "bs=64k", "count=20"],
+        vec!["dd", "if=top.qcow2", "of=out", "bs=1.5k", "skip=700"],
+        vec![
+            "dd",
+            "if=top.qcow2",
+            "of=out",
+            "bs=64k",
+            "skip=2",
+            "count=30",
+        ],
+        vec!["dd", "if=top.qcow2", "of=out", "bs=1M", "skip=9"],
+        vec![
+            "dd",
+            "-O",
+            "qcow2",
+            "if=top.qcow2",
+            "of=out",
+            "bs=256k",
+            "skip=3",
+        ],
+        vec![
+            "dd",
+            "-f",
+            "raw",
+            "if=in.raw",
+            "of=out",
+            "bs=4096",
+            "count=7",
+        ],
+        vec!["dd", "if=in.raw", "of=out", "bs=3"],
+        vec!["dd", "if=top.qcow2"],
+        vec!["dd", "if=top.qcow2", "of=out", "bs=0"],
+        vec!["dd", "if=top.qcow2", "of=out", "bs=abc"],
+        vec!["dd", "if=top.qcow2", "of=out", "count=1k"],
+        vec!["dd", "if=top.qcow2", "of=out", "skip=-1"],
+        vec!["dd", "if=top.qcow2", "of=out", "foo=1"],
+        vec!["dd", "if=missing.qcow2", "of=out"],
+    ];
+    for args in cases {
+        let _ = std::fs::remove_file(s.path("out"));
+        let theirs = qemu_img(d, &args);
+        let theirs_out = std::fs::read(s.path("out")).ok();
+        if theirs_out.is_some() {
+            std::fs::rename(s.path("out"), s.path("theirs")).unwrap();
+        }
+        let ours = common::run(d, &bin.join("qemu-img"), &args);
+        let ours_out = std::fs::read(s.path("out")).ok();
+        let text = |o: &std::process::Output| {
+            (
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+                o.status.code(),
+            )
+        };
+        assert_eq!(text(&ours), text(&theirs), "{args:?}");
+        assert_eq!(
+            ours_out.is_some(),
+            theirs_out.is_some(),
+            "{args:?}: output file"
+        );
+        if ours_out.is_none() {
+            continue;
+        }
+        if args.contains(&"qcow2") && args[1] == "-O" {
+            let o = qemu_img(d, &["compare", "out", "theirs"]);
+            assert!(
+                o.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&o.stdout)
+            );
+            assert_clean(d, "out", &format!("{args:?}"));
+        } else {
+            assert!(ours_out == theirs_out, "{args:?}: output bytes differ");
+        }
+    }
+}

@@ -42,6 +42,10 @@ const IGNORED: &[&str] = &[
 /// name becomes its file name and the flag goes; `json:` names become their file names
 /// everywhere. An unusable name is an error worded as qemu-img's.
 pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
+    // `bench` takes `--image-opts` itself and honours the cache options in it.
+    if args.get(1).is_some_and(|a| a == "bench") {
+        return Ok(());
+    }
     let image_opts = args.iter().any(|a| a == "--image-opts");
     args.retain(|a| a != "--image-opts");
     for a in args.iter_mut().skip(1) {
@@ -191,6 +195,17 @@ mod tests {
             .unwrap(),
             ["qimg", "convert", "-O", "raw", "a", "b"]
         );
+    }
+
+    #[test]
+    fn bench_keeps_its_own_image_opts() {
+        let args = [
+            "qimg",
+            "bench",
+            "--image-opts",
+            "driver=qcow2,file.filename=a,l2-cache-size=8k",
+        ];
+        assert_eq!(run(&args).unwrap(), args);
     }
 
     #[test]

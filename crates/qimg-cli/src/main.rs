@@ -67,6 +67,8 @@ enum Command {
     Serve(cmd::serve::ServeArgs),
     /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
     Snapshot(cmd::snapshot::SnapshotArgs),
+    /// Copy blocks of an image into a new one: `qimg dd [-f FMT] [-O FMT] if=INPUT of=OUTPUT [bs=SIZE] [count=N] [skip=N]`
+    Dd(cmd::dd::DdArgs),
     /// Run qemu-io commands on an image: `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... FILE`
     Io(cmd::io::IoArgs),
 }
@@ -141,6 +143,7 @@ fn main() -> ExitCode {
         Command::Commit(a) => exit_status(cmd::commit::run(a)),
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
+        Command::Dd(a) => exit_status(cmd::dd::run(a)),
         // io has qemu-io's exit status and prints its own errors.
         Command::Io(a) => cmd::io::run(a),
     }

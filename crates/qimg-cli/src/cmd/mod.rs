@@ -7,6 +7,7 @@ pub mod commit;
 pub mod compare;
 pub mod convert;
 pub mod create;
+pub mod dd;
 pub mod info;
 pub mod io;
 pub mod map;
