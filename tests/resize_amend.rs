@@ -473,27 +473,6 @@ fn amend_matches_qemu_img() {
     }
 }
 
-/// Gives the snapshot entries of `file` the extra data lengths in `lens` (older writers left
-/// v2 entries with less than v3 asks for), rewriting the table in place: it only shrinks.
-fn shorten_snapshot_extra(dir: &Path, file: &str, lens: &[usize]) {
-    use qimg::format::snapshot::{decode_table, encode_table};
-    let path = dir.join(file);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let nb = u32::from_be_bytes(bytes[60..64].try_into().unwrap());
-    let at = u64::from_be_bytes(bytes[64..72].try_into().unwrap()) as usize;
-    let mut snaps = decode_table(&bytes[at..], at as u64, nb).unwrap();
-    let old_len: usize = snaps.iter().map(|s| s.encoded_len()).sum();
-    for (s, &len) in snaps.iter_mut().zip(lens) {
-        s.extra_data.truncate(len);
-    }
-    let table = encode_table(&snaps);
-    // (The last entry's padding may lie past the end of the file.)
-    let end = (at + old_len).min(bytes.len());
-    bytes[at..end].fill(0);
-    bytes[at..at + table.len()].copy_from_slice(&table);
-    std::fs::write(&path, bytes).unwrap();
-}
-
 /// A v2 image whose snapshot entries carry 0 and 8 bytes of extra data: `compat=1.1` must
 /// rewrite the table with v3's extra data (both checkers call such entries incomplete
 /// otherwise), and `compat=1.1,size=...` upgrades, then resizes, as qemu-img does.
@@ -517,7 +496,7 @@ fn amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img() {
         "snapshot",
         &qemu_img(d, &["snapshot", "-c", "s2", "v2.qcow2"]),
     );
-    shorten_snapshot_extra(d, "v2.qcow2", &[0, 8]);
+    common::shorten_snapshot_extra(&d.join("v2.qcow2"), &[0, 8]);
     assert_clean(d, "v2.qcow2", "the shortened v2 image");
     let snapshots = |dir: &Path| info(dir, "v2.qcow2")["snapshots"].clone();
     for opts in ["compat=1.1", "compat=1.1,size=16M"] {

@@ -273,3 +273,24 @@ pub fn copy_dir(src: &Path, dst: &Path) {
         }
     }
 }
+
+/// Gives the snapshot entries of the image at `path` the extra data lengths in `lens` (older
+/// writers left entries with less than v3 asks for), rewriting the table in place: it only
+/// shrinks.
+pub fn shorten_snapshot_extra(path: &Path, lens: &[usize]) {
+    use qimg::format::snapshot::{decode_table, encode_table};
+    let mut bytes = std::fs::read(path).unwrap();
+    let nb = u32::from_be_bytes(bytes[60..64].try_into().unwrap());
+    let at = u64::from_be_bytes(bytes[64..72].try_into().unwrap()) as usize;
+    let mut snaps = decode_table(&bytes[at..], at as u64, nb).unwrap();
+    let old_len: usize = snaps.iter().map(|s| s.encoded_len()).sum();
+    for (s, &len) in snaps.iter_mut().zip(lens) {
+        s.extra_data.truncate(len);
+    }
+    let table = encode_table(&snaps);
+    // (The last entry's padding may lie past the end of the file.)
+    let end = (at + old_len).min(bytes.len());
+    bytes[at..end].fill(0);
+    bytes[at..at + table.len()].copy_from_slice(&table);
+    std::fs::write(path, bytes).unwrap();
+}

@@ -32,6 +32,22 @@ pub(crate) fn raw_virtual_size(len: u64) -> u64 {
     len.next_multiple_of(SECTOR_SIZE)
 }
 
+/// Reads `buf.len()` bytes of a raw file at `at`, zeros past its end.
+pub(crate) fn read_raw(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    buf.fill(0);
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], at + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// The format of source `file`: the one `-f` names (`named`), or else the probed one; errors
 /// are worded as qemu-img's "Could not open" for a source image.
 pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Result<ImageFormat> {

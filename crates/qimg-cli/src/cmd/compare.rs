@@ -11,7 +11,6 @@
 //! Image size mismatch!"); `-s` refuses different sizes and also requires equal block status.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -161,19 +160,7 @@ impl Side {
                 .read(buf, offset)
                 .await
                 .map_err(|e| lib_msg(&e, &self.name)),
-            Reader::Raw(f) => {
-                buf.fill(0);
-                let mut done = 0;
-                while done < buf.len() {
-                    match f.read_at(&mut buf[done..], offset + done as u64) {
-                        Ok(0) => break,
-                        Ok(n) => done += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(os_msg(&e)),
-                    }
-                }
-                Ok(())
-            }
+            Reader::Raw(f) => crate::chain::read_raw(f, buf, offset).map_err(|e| os_msg(&e)),
         }
     }
 

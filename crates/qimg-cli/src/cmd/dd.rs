@@ -10,10 +10,11 @@ use std::path::Path;
 
 use anyhow::{Result, anyhow, bail};
 use qimg::OpenOptions;
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 use qimg::tools::create::{CreateOptions, create};
 
-use crate::args::{image_format, parse_size};
+use crate::args::parse_size;
+use crate::chain::{raw_virtual_size, source_format};
 use crate::status::{lib_msg, open_msg, os_msg};
 
 /// Arguments of `qimg dd`.
@@ -102,17 +103,7 @@ impl Input {
         match self {
             Input::Qcow2(img) => img.read(buf, at).map_err(|e| anyhow!("{}", errno_text(&e))),
             Input::Raw(f, _) => {
-                buf.fill(0);
-                let mut done = 0;
-                while done < buf.len() {
-                    match f.read_at(&mut buf[done..], at + done as u64) {
-                        Ok(0) => break,
-                        Ok(n) => done += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(anyhow!("{}", os_msg(&e))),
-                    }
-                }
-                Ok(())
+                crate::chain::read_raw(f, buf, at).map_err(|e| anyhow!("{}", os_msg(&e)))
             }
         }
     }
@@ -125,15 +116,7 @@ pub fn run(a: DdArgs) -> Result<()> {
         bail!("Must specify both input and output files");
     };
     let in_path = Path::new(&input);
-    let fmt = match a.fmt.as_deref() {
-        Some(name) => image_format(name).ok_or_else(|| anyhow!("Unknown file format '{name}'"))?,
-        None => probe_format(in_path).map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{input}': {}", lib_msg(&e, &input)),
-                &input,
-            )
-        })?,
-    };
+    let fmt = source_format(in_path, &input, a.fmt.as_deref()).map_err(|e| open_msg(e, &input))?;
     let src = match fmt {
         ImageFormat::Qcow2 => Input::Qcow2(
             OpenOptions::new()
@@ -152,7 +135,7 @@ pub fn run(a: DdArgs) -> Result<()> {
                 open_msg(anyhow!("Could not open '{input}': {}", os_msg(&e)), &input)
             })?;
             let len = f.metadata().map_err(|e| anyhow!("{}", os_msg(&e)))?.len();
-            Input::Raw(f, len.next_multiple_of(512))
+            Input::Raw(f, raw_virtual_size(len))
         }
     };
     let out_fmt = match a.out_fmt.as_deref() {

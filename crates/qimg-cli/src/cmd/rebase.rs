@@ -9,7 +9,6 @@
 //! the header gets the new name and format. `-u` only rewrites the name and format.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -162,15 +161,7 @@ impl Reader {
                 }
             }
             Reader::Raw(f) => {
-                let mut done = 0;
-                while done < buf.len() {
-                    match f.read_at(&mut buf[done..], offset + done as u64) {
-                        Ok(0) => break,
-                        Ok(n) => done += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => bail!("{}", os_msg(&e)),
-                    }
-                }
+                crate::chain::read_raw(f, buf, offset).map_err(|e| anyhow!("{}", os_msg(&e)))?
             }
             Reader::None => {}
         }
