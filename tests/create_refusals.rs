@@ -215,7 +215,19 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
             ));
         }
     }
-    eprintln!("{same} of {} refusals word for word", CASES.len() + 2);
+    // No command, an unknown one.
+    for full in [&[][..], &["bogus", "x"][..]] {
+        let want = raw(&qemu_img(&s.0, full));
+        let got = raw(&ours(full));
+        if got == want {
+            same += 1;
+        } else {
+            differ.push(format!(
+                "{full:?}\n  qemu-img: {want:?}\n  qimg:     {got:?}"
+            ));
+        }
+    }
+    eprintln!("{same} of {} refusals word for word", CASES.len() + 4);
     assert!(differ.is_empty(), "differ:\n{}", differ.join("\n"));
     for args in [
         &["create", "-f", "raw", "-f", "qcow2", "r.qcow2", "1M"][..],

@@ -111,6 +111,19 @@ fn parse() -> Cli {
     if name == "qemu-io" {
         args.insert(1, "io".into());
     }
+    if name == "qemu-img" {
+        // qemu-img's words for a missing or unknown command (clap's are its own).
+        let known = |c: &str| Cli::command().get_subcommands().any(|s| s.get_name() == c);
+        let refusal = match args.get(1).and_then(|a| a.to_str()) {
+            None => Some("Not enough arguments".to_string()),
+            Some(c) if !c.starts_with('-') && !known(c) => Some(format!("Command not found: {c}")),
+            _ => None,
+        };
+        if let Some(r) = refusal {
+            eprintln!("qemu-img: {r}\nTry 'qemu-img --help' for more info");
+            std::process::exit(1);
+        }
+    }
     if let Err(e) = image_spec::rewrite(&mut args) {
         eprintln!("{name}: {e}");
         std::process::exit(1);
