@@ -628,6 +628,22 @@ fn two_queues(
     (stats, written)
 }
 
+/// A vector of `len` bytes `fill` whose memory is not 512-byte aligned (the allocator may
+/// hand out page-aligned memory by chance; such a buffer would go direct on `O_DIRECT`).
+fn misaligned(len: usize, fill: u8) -> Vec<u8> {
+    let mut kept = Vec::new();
+    for _ in 0..64 {
+        // A capacity off the page size classes, so that aligned memory is a rare chance.
+        let mut v = Vec::with_capacity(len + 24);
+        v.resize(len, fill);
+        if v.as_ptr() as usize % 512 != 0 {
+            return v;
+        }
+        kept.push(v);
+    }
+    panic!("the allocator gave 512-byte aligned memory 64 times in a row");
+}
+
 /// Submits one request and waits for its completion (no epoll: `Queue::wait`).
 fn one(queue: &mut Queue<AnyStorage>, request: Request) -> qimg::Completion {
     queue.submit(request, 7).unwrap();
@@ -706,7 +722,7 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
         &mut queue,
         Request::Write {
             offset: 65536,
-            buffers: IoBuffers::from_vec(vec![3u8; 4096]),
+            buffers: IoBuffers::from_vec(misaligned(4096, 3)),
         },
     );
     assert_eq!(c.result.unwrap(), 4096);
