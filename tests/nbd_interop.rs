@@ -69,6 +69,7 @@ impl Server {
             if let Some(status) = s.child.try_wait().unwrap() {
                 panic!("{} exited before serving: {status}", s.what);
             }
+            // A hang guard: servers write their pid file within a fraction of a second.
             assert!(
                 start.elapsed() < Duration::from_secs(20),
                 "{} did not start",
@@ -90,6 +91,7 @@ impl Server {
                 assert!(status.success(), "{} ended with {status}", self.what);
                 return;
             }
+            // A hang guard: a server stops within a fraction of a second of SIGTERM.
             assert!(
                 start.elapsed() < Duration::from_secs(30),
                 "{} did not stop",
