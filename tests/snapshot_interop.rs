@@ -749,3 +749,57 @@ fn snapshots_taken_during_concurrent_writes_hold_whole_writes() {
         }
     }
 }
+
+/// A snapshot whose L1 copy needs more contiguous clusters than one refcount block covers, in
+/// file space no refcount block covers yet (512-byte clusters, 64-bit refcounts: 64 clusters a
+/// block; a 1 GiB disk's L1 table is 512 clusters). The allocator used to place each new
+/// block at the start of its own range, inside the run it was making room for, and chased
+/// the run forever. Now each block goes before the run. Hang guard: the snapshot takes well
+/// under a second; the guard allows 120 s.
+#[test]
+fn a_snapshot_larger_than_a_refcount_block_range_is_allocated_in_fresh_space() {
+    if !have_qemu("a_snapshot_larger_than_a_refcount_block_range_is_allocated_in_fresh_space") {
+        return;
+    }
+    let dir = Scratch::new("bigl1");
+    let opts = "cluster_size=512,refcount_bits=64";
+    qemu_create(&dir.0, "a.qcow2", opts, 1024 * MIB, None);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let img = rt.block_on(async {
+        let img = OpenOptions::new()
+            .writable(true)
+            .open(dir.path("a.qcow2"))
+            .await
+            .unwrap();
+        img.write(&pattern(7, 300 * MIB, 100_000), 300 * MIB)
+            .await
+            .unwrap();
+        img
+    });
+    // On its own task, timed from this thread: the old allocator spun without yielding (and a
+    // runtime with a spinning task cannot be dropped, so it is leaked when the guard fires).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let task = img.clone();
+    rt.spawn(async move {
+        let _ = tx.send(task.create_snapshot("s1").await.map(|_| ()));
+    });
+    let Ok(made) = rx.recv_timeout(Duration::from_secs(120)) else {
+        std::mem::forget(rt);
+        panic!("hang guard: the snapshot did not finish in 120 s");
+    };
+    made.unwrap();
+    rt.block_on(async {
+        // And a write over the snapshot (copy-on-write of the L2 table and the data).
+        img.write(&pattern(8, 300 * MIB, 4096), 300 * MIB)
+            .await
+            .unwrap();
+        img.close().await.unwrap();
+    });
+    assert_clean(&dir.0, "a.qcow2", opts);
+    let list = qemu_ok(&dir.0, &["snapshot", "-l", "a.qcow2"]);
+    assert!(list.contains("s1"), "{list}");
+}

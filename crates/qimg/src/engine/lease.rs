@@ -79,28 +79,27 @@ impl<S: Storage + 'static> Image<S> {
         let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
         lease.lock_id = Some(inner.locks.acquire(first, end, true).await);
         let cs = inner.geo.cluster_size();
+        let mut spans = Vec::new();
         let mut pos = 0u64;
         while pos < len {
             let at = offset + pos;
             let within = at % cs;
             let n = (cs - within).min(len - pos);
-            let p = match inner
-                .prepare_chunk(at - within, within as usize, (within + n) as usize)
-                .await
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    lease.abort().await;
-                    return Err(e);
-                }
-            };
-            let cow = inner.write_cow(&p).await;
-            lease.pieces.push(p);
-            if let Err(e) = cow {
+            spans.push((at - within, within as usize, (within + n) as usize));
+            pos += n;
+        }
+        lease.pieces = match inner.prepare_chunks(&spans).await {
+            Ok(p) => p,
+            Err(e) => {
                 lease.abort().await;
                 return Err(e);
             }
-            pos += n;
+        };
+        for p in &lease.pieces {
+            if let Err(e) = inner.write_cow(p).await {
+                lease.abort().await;
+                return Err(e);
+            }
         }
         lease.extents = merge(lease.pieces.iter().map(PreparedWrite::guest_span));
         Ok(lease)
@@ -144,26 +143,15 @@ impl<S: Storage + 'static> WriteLease<S> {
     /// Links the written range into the image (call only after your data writes completed).
     pub async fn commit(mut self) -> Result<()> {
         let pieces = std::mem::take(&mut self.pieces);
-        let mut result = Ok(());
-        for (i, p) in pieces.iter().enumerate() {
-            if let Err(e) = self.image.inner.link_chunk(p).await {
-                // Later pieces were never linked: give their clusters back.
-                for q in &pieces[i + 1..] {
-                    self.image.inner.abandon_chunk(q).await;
-                }
-                result = Err(e);
-                break;
-            }
-        }
+        let result = self.image.inner.link_chunks(&pieces).await;
         self.unlock();
         result
     }
 
     /// Gives the reserved clusters back without linking them; the range keeps its contents.
     pub async fn abort(mut self) {
-        for p in std::mem::take(&mut self.pieces) {
-            self.image.inner.abandon_chunk(&p).await;
-        }
+        let pieces = std::mem::take(&mut self.pieces);
+        self.image.inner.abandon_chunks(&pieces).await;
         self.unlock();
     }
 

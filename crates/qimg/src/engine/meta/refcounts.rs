@@ -70,7 +70,8 @@ impl<S: Storage> Shared<S> {
                     ),
                 ));
             }
-            self.ensure_refblock(m, cluster / self.rgeo.refblock_entries())
+            let index = cluster / self.rgeo.refblock_entries();
+            self.ensure_refblock(m, index, index * self.rgeo.refblock_entries())
                 .await?;
         }
         let (key, index) = self
@@ -144,12 +145,25 @@ impl<S: Storage> Shared<S> {
                 self.flush_meta(m).await?;
                 continue 'search;
             }
-            for i in start / entries..=(start + n - 1) / entries {
-                if m.reftable.get(i as usize).copied().unwrap_or(0) == 0 {
-                    self.ensure_refblock(m, i).await?;
-                    // The new block may sit inside the run: search again.
+            let missing = |m: &Meta, i: u64| m.reftable.get(i as usize).copied().unwrap_or(0) == 0;
+            if let Some(i) = (start / entries..=(start + n - 1) / entries).find(|&i| missing(m, i))
+            {
+                // A missing block goes to the first cluster of the run (the block covering
+                // that cluster first, which then covers itself), and the search starts again
+                // after it: each round takes one cluster, so a run of any length ends up
+                // after the blocks it needs (placing each block at the start of its own
+                // range instead would split every run longer than one block's range).
+                let last = (start + n - 1) / entries;
+                if last as usize >= m.reftable.len() {
+                    // A larger table first (it moves to the end of the file, with blocks
+                    // that cover itself); the run is searched again around it.
+                    self.grow_reftable(m, last + 1).await?;
                     continue 'search;
                 }
+                let own = start / entries;
+                let index = if missing(m, own) { own } else { i };
+                self.ensure_refblock(m, index, start).await?;
+                continue 'search;
             }
             for k in start..start + n {
                 self.update_refcount(m, k, 1).await?;
@@ -353,8 +367,11 @@ impl<S: Storage> Shared<S> {
         Ok(())
     }
 
-    /// Creates refcount block `index` (self-describing, at the first cluster it covers).
-    pub(super) async fn ensure_refblock(&self, m: &mut Meta, index: u64) -> Result<()> {
+    /// Creates refcount block `index` (if missing) at host cluster `place`, which must be
+    /// free: either in the block's own range (the block then counts itself) or in the range
+    /// of an existing block (whose count for it is written back before the new block is
+    /// linked, so that no crash leaves a linked block with refcount 0).
+    pub(super) async fn ensure_refblock(&self, m: &mut Meta, index: u64, place: u64) -> Result<()> {
         if index as usize >= m.reftable.len() {
             self.grow_reftable(m, index + 1).await?;
         }
@@ -362,15 +379,28 @@ impl<S: Storage> Shared<S> {
             return Ok(());
         }
         let cs = self.geo.cluster_size();
-        let first = index * self.rgeo.refblock_entries();
+        let entries = self.rgeo.refblock_entries();
+        // Where the table grew, `place` may now hold it: the search must start again.
+        if self.refcount(m, place).await? != 0 {
+            return Ok(());
+        }
+        let covers_itself = place / entries == index;
         let mut block = self.io_buf(cs as usize)?;
-        refcount::set(&mut block, self.rgeo.refcount_order(), 0, 1).map_err(|e| self.fmt_err(e))?;
-        let at = first * cs;
+        if covers_itself {
+            refcount::set(&mut block, self.rgeo.refcount_order(), place % entries, 1)
+                .map_err(|e| self.fmt_err(e))?;
+        }
+        let at = place * cs;
         self.guard_write(m, at, cs, Writing::Data).await?;
         let entry_at = refcount::table_entry_offset(m.reftable_offset, index);
         let own = Writing::Own(Region::RefcountTable, m.reftable_offset);
         self.guard_write(m, entry_at, refcount::REFTABLE_ENTRY_SIZE as u64, own)
             .await?;
+        if !covers_itself {
+            // Boxed: counting never creates a block here (the covering one exists).
+            Box::pin(self.update_refcount(m, place, 1)).await?;
+            self.write_back(m, CacheKind::Refcount).await?;
+        }
         self.file
             .write_at(&block, at)
             .await
@@ -384,9 +414,9 @@ impl<S: Storage> Shared<S> {
         // The entry becomes durable with the next flush, which comes before any L2 entry
         // that relies on the block (the L2 cache depends on the refcount cache).
         m.reftable[index as usize] = at;
-        m.end_cluster = m.end_cluster.max(first + 1);
-        if first == m.free_hint {
-            m.free_hint = first + 1;
+        m.end_cluster = m.end_cluster.max(place + 1);
+        if place == m.free_hint {
+            m.free_hint = place + 1;
         }
         Ok(())
     }

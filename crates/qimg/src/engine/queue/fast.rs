@@ -284,7 +284,7 @@ impl<S: Storage> Inner<S> {
         }
         let allocation = self.allocation;
         let reservation = &self.reservation;
-        // As in the engine's `prepare_chunk`: clusters from here on never held data.
+        // As in the engine's `prepare_chunks`: clusters from here on never held data.
         let unused_from = m.end_cluster * cs;
         let accept = |host: u64| {
             reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)

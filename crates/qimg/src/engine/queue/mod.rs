@@ -1007,18 +1007,13 @@ impl<S: Storage + 'static> Queue<S> {
         // unlinked clusters stay as they are; check reports the leak.
         self.post_from_engine(move |image| async move {
             let inner = &image.inner;
-            let mut result = match p.error {
-                Some(e) => Err(e),
-                None => Ok(p.len),
-            };
-            for l in &p.links {
-                if result.is_err() {
-                    inner.abandon_chunk(l).await;
-                } else if let Err(e) = inner.link_chunk(l).await {
-                    // What is left of a failed link stays allocated (a leak), as in the engine.
-                    result = Err(e);
+            let result = match p.error {
+                Some(e) => {
+                    inner.abandon_chunks(&p.links).await;
+                    Err(e)
                 }
-            }
+                None => inner.link_chunks(&p.links).await.map(|()| p.len),
+            };
             inner.locks.release(p.lock);
             Completion {
                 user_data: p.user_data,

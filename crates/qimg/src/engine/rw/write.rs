@@ -6,14 +6,21 @@ use qimg_io::Storage;
 
 use super::*;
 
+/// The most clusters [`Inner::prepare_chunks`] allocates as one run (4096 clusters: 256 MiB
+/// at 64 KiB; requests are rarely larger, and a larger one continues in a second run).
+const MAX_RUN: u64 = 4096;
+
 impl<S: Storage> Inner<S> {
     /// Writes `buf` at guest `offset` (one segment).
     pub(crate) async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.write_vectored(&[IoSlice::new(buf)], offset).await
     }
 
-    /// Writes the segments in turn at consecutive guest offsets from `offset`, straight from
-    /// each segment, with the whole range held exclusively at once (one request).
+    /// Writes the segments in turn at consecutive guest offsets from `offset`, with the whole
+    /// range held exclusively at once (one request). The request's new clusters are allocated
+    /// together, as one host run in guest order (as QEMU does), so that requests in flight
+    /// together do not interleave their clusters on the host; all data is written before
+    /// anything is linked.
     pub(crate) async fn write_vectored(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         self.check_writable()?;
         let len = self.request_len(bufs.iter().map(|b| b.len()), offset)?;
@@ -22,15 +29,25 @@ impl<S: Storage> Inner<S> {
         }
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
-        let mut at = offset;
-        for buf in bufs {
-            let segment_len = buf.len() as u64;
-            for (gc, a, n, pos) in self.pieces(at, segment_len) {
-                self.write_chunk(gc, a, &buf[pos..pos + n]).await?;
+        let spans: Vec<(u64, usize, usize)> = self
+            .pieces(offset, len)
+            .map(|(gc, a, n, _)| (gc, a, a + n))
+            .collect();
+        let prepared = self.prepare_chunks(&spans).await?;
+        let mut data = Gather::new(bufs);
+        for (i, p) in prepared.iter().enumerate() {
+            let bytes = data.take(p.b - p.a);
+            let written = self
+                .write_data(&p.old, p.gc, p.a, &bytes, &p.plan, p.host, p.fresh)
+                .await;
+            if let Err(e) = written {
+                self.abandon_chunks(&prepared[i..]).await;
+                // The pieces before were written but not linked: the range keeps its contents.
+                self.abandon_chunks(&prepared[..i]).await;
+                return Err(e);
             }
-            at += segment_len;
         }
-        Ok(())
+        self.link_chunks(&prepared).await
     }
 
     pub(super) fn linked_entry(&self, host: u64, bitmap: Option<SubclusterBitmap>) -> AnyL2Entry {
@@ -47,70 +64,131 @@ impl<S: Storage> Inner<S> {
     /// Writes `data` at offset `a` of the guest cluster at `gc` (the caller holds the cluster
     /// exclusively).
     pub(super) async fn write_chunk(&self, gc: u64, a: usize, data: &[u8]) -> Result<()> {
-        let p = self.prepare_chunk(gc, a, a + data.len()).await?;
+        let prepared = self.prepare_chunks(&[(gc, a, a + data.len())]).await?;
+        let p = &prepared[0];
         let written = self
             .write_data(&p.old, gc, a, data, &p.plan, p.host, p.fresh)
             .await;
         if let Err(e) = written {
-            self.abandon_chunk(&p).await;
+            self.abandon_chunks(&prepared).await;
             return Err(e);
         }
-        self.link_chunk(&p).await
+        self.link_chunks(&prepared).await
     }
 
-    /// First half of a write to `[a, b)` of guest cluster `gc`: look the entry up, plan the
-    /// write, and allocate (under the metadata lock). Nothing is linked yet.
-    pub(crate) async fn prepare_chunk(&self, gc: u64, a: usize, b: usize) -> Result<PreparedWrite> {
+    /// First half of a write: for each piece `(gc, a, b)` (bytes `[a, b)` of the guest cluster
+    /// at `gc`, at most one piece per cluster, in guest order) look the entry up and plan the
+    /// write, then allocate every new cluster the pieces need at once, as one contiguous host
+    /// run in the pieces' order (a missing L2 table first, as QEMU orders them), all under one
+    /// hold of the metadata lock. Nothing is linked yet; on an error nothing stays allocated.
+    pub(crate) async fn prepare_chunks(
+        &self,
+        pieces: &[(u64, usize, usize)],
+    ) -> Result<Vec<PreparedWrite>> {
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        let old = self.lookup(&mut m, gc).await?;
-        let mut plan = self.plan_write(&old, a, b);
-        let (host, fresh) = match plan.target {
-            Destination::InPlace(h) => (h, false),
-            Destination::New if self.data_file.is_some() => (gc, false),
-            Destination::New => {
-                // QEMU's order: a missing L2 table is made before the data clusters it maps,
-                // so that a large write to an empty area lands as one host extent after it.
-                let l1i = (gc / self.geo.l2_coverage()) as usize;
-                if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
-                    self.writable_l2_slice(&mut m, gc).await?;
-                }
-                // Clusters past everything allocated since open and past the end of the file
-                // at open have never held data: they read as zeros.
-                let unused_from = m.end_cluster * self.geo.cluster_size();
-                let h = self.alloc_clusters(&mut m, 1).await?;
-                self.counters
-                    .clusters_allocated
-                    .fetch_add(1, Ordering::Relaxed);
-                if h >= unused_from && self.cow_reads_zero(&old, gc, &plan, a, b) {
-                    (plan.start, plan.end) = (a, b);
-                }
-                (h, true)
-            }
-        };
-        if self.data_file.is_none() {
-            let span = (plan.end - plan.start) as u64;
-            self.guard_write(&mut m, host + plan.start as u64, span, Writing::Data)
-                .await?;
+        let cs = self.geo.cluster_size();
+        let mut prepared = Vec::with_capacity(pieces.len());
+        for &(gc, a, b) in pieces {
+            let old = self.lookup(&mut m, gc).await?;
+            let plan = self.plan_write(&old, a, b);
+            let (host, fresh) = match plan.target {
+                Destination::InPlace(h) => (h, false),
+                Destination::New if self.data_file.is_some() => (gc, false),
+                Destination::New => (0, true),
+            };
+            prepared.push(PreparedWrite {
+                gc,
+                a,
+                b,
+                old,
+                plan,
+                host,
+                fresh,
+            });
         }
-        Ok(PreparedWrite {
-            gc,
-            a,
-            b,
-            old,
-            plan,
-            host,
-            fresh,
-        })
+        let mut fresh = prepared.iter().filter(|p| p.fresh).count() as u64;
+        if fresh > 0 {
+            // QEMU's order: a missing L2 table is made before the data clusters it maps, so
+            // that a large write to an empty area lands as one host extent after it.
+            let coverage = self.geo.l2_coverage();
+            for p in prepared.iter().filter(|p| p.fresh) {
+                let l1i = (p.gc / coverage) as usize;
+                if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
+                    self.writable_l2_slice(&mut m, p.gc).await?;
+                }
+            }
+            // Clusters past everything allocated since open and past the end of the file at
+            // open have never held data: they read as zeros.
+            let unused_from = m.end_cluster * cs;
+            let most = MAX_RUN;
+            let (mut next, mut left) = (0, 0);
+            for p in prepared.iter_mut().filter(|p| p.fresh) {
+                if left == 0 {
+                    let run = fresh.min(most);
+                    next = match self.alloc_clusters(&mut m, run).await {
+                        Ok(host) => host,
+                        Err(e) => {
+                            self.abandon_allocated(&mut m, &prepared).await;
+                            return Err(e);
+                        }
+                    };
+                    self.counters
+                        .clusters_allocated
+                        .fetch_add(run, Ordering::Relaxed);
+                    left = run;
+                    fresh -= run;
+                }
+                p.host = next;
+                next += cs;
+                left -= 1;
+                if p.host >= unused_from && self.cow_reads_zero(&p.old, p.gc, &p.plan, p.a, p.b) {
+                    (p.plan.start, p.plan.end) = (p.a, p.b);
+                }
+            }
+        }
+        if self.data_file.is_none() {
+            for i in 0..prepared.len() {
+                let p = &prepared[i];
+                let span = (p.plan.end - p.plan.start) as u64;
+                let at = p.host + p.plan.start as u64;
+                if let Err(e) = self.guard_write(&mut m, at, span, Writing::Data).await {
+                    self.abandon_allocated(&mut m, &prepared).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(prepared)
     }
 
-    /// Gives back what [`prepare_chunk`](Self::prepare_chunk) allocated when the data could
-    /// not be written (never linked, so freeing it cannot lose anything).
-    pub(crate) async fn abandon_chunk(&self, p: &PreparedWrite) {
-        if p.fresh {
-            let mut m = self.meta.lock().await;
-            let _ = self.free_clusters(&mut m, p.host, 1).await;
+    /// Frees the clusters given to fresh pieces so far (host 0: none yet), under the lock.
+    async fn abandon_allocated(&self, m: &mut Meta, prepared: &[PreparedWrite]) {
+        for p in prepared.iter().filter(|p| p.fresh && p.host != 0) {
+            let _ = self.free_clusters(m, p.host, 1).await;
         }
+    }
+
+    /// Gives back what [`prepare_chunks`](Self::prepare_chunks) allocated when the data could
+    /// not be written (never linked, so freeing it cannot lose anything).
+    pub(crate) async fn abandon_chunks(&self, prepared: &[PreparedWrite]) {
+        if prepared.iter().any(|p| p.fresh) {
+            let mut m = self.meta.lock().await;
+            for p in prepared.iter().filter(|p| p.fresh) {
+                let _ = self.free_clusters(&mut m, p.host, 1).await;
+            }
+        }
+    }
+
+    /// Links prepared pieces whose data is written, in order; when one fails, the pieces
+    /// after it are given back (never linked) and the error returned.
+    pub(crate) async fn link_chunks(&self, prepared: &[PreparedWrite]) -> Result<()> {
+        for (i, p) in prepared.iter().enumerate() {
+            if let Err(e) = self.link_chunk(p).await {
+                self.abandon_chunks(&prepared[i + 1..]).await;
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Second half: links the written cluster into the L2 table, after the refcounts and the
@@ -222,5 +300,48 @@ impl<S: Storage> Inner<S> {
             .write_at(&buf, host + plan.start as u64)
             .await
             .map_err(|e| Error::storage(path, e))
+    }
+}
+
+/// The bytes of a vectored request, taken in order piece by piece: borrowed when a piece lies
+/// within one segment, gathered into one buffer when it spans several.
+struct Gather<'a> {
+    bufs: &'a [IoSlice<'a>],
+    segment: usize,
+    within: usize,
+}
+
+impl<'a> Gather<'a> {
+    fn new(bufs: &'a [IoSlice<'a>]) -> Self {
+        Gather {
+            bufs,
+            segment: 0,
+            within: 0,
+        }
+    }
+
+    /// The next `n` bytes (the caller never asks past the end: pieces cover the request).
+    fn take(&mut self, n: usize) -> std::borrow::Cow<'a, [u8]> {
+        while self.bufs[self.segment].len() == self.within {
+            (self.segment, self.within) = (self.segment + 1, 0);
+        }
+        let bufs: &'a [IoSlice<'a>] = self.bufs;
+        let first: &'a [u8] = &bufs[self.segment];
+        if first.len() - self.within >= n {
+            let out = &first[self.within..self.within + n];
+            self.within += n;
+            return std::borrow::Cow::Borrowed(out);
+        }
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let seg: &'a [u8] = &bufs[self.segment];
+            let k = (seg.len() - self.within).min(n - out.len());
+            out.extend_from_slice(&seg[self.within..self.within + k]);
+            self.within += k;
+            if self.within == seg.len() && out.len() < n {
+                (self.segment, self.within) = (self.segment + 1, 0);
+            }
+        }
+        std::borrow::Cow::Owned(out)
     }
 }
