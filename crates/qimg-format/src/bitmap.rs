@@ -144,6 +144,121 @@ impl BitmapEntry {
     }
 }
 
+/// Smallest granularity QEMU loads or creates (`granularity_bits` 9: 512 bytes).
+pub const MIN_GRANULARITY_BITS: u8 = 9;
+/// Largest granularity QEMU loads or creates (`granularity_bits` 31: 2 GiB).
+pub const MAX_GRANULARITY_BITS: u8 = 31;
+/// QEMU's limit on a bitmap table's entries.
+pub const MAX_TABLE_ENTRIES: u64 = 0x800_0000;
+/// QEMU's limit on a bitmap's data (512 MiB): what a loaded bitmap may take in memory.
+pub const MAX_DATA_BYTES: u64 = 0x2000_0000;
+/// Bitmap table entry: a cluster of bitmap data whose bits all read as set (offset 0).
+pub const TABLE_ENTRY_ALL_ONES: u64 = 1;
+/// Bitmap table entry: where the data cluster's offset lives.
+pub const TABLE_ENTRY_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// The bitmap type QEMU knows: dirty tracking.
+pub const TYPE_DIRTY_TRACKING: u8 = 1;
+
+/// Bits of a bitmap over a disk of `size` bytes at `granularity_bits` (one bit a granule).
+pub fn bit_count(size: u64, granularity_bits: u8) -> u64 {
+    let g = 1u64 << granularity_bits.min(63);
+    size.div_ceil(g)
+}
+
+/// Bytes of bitmap data on disk for `bits` bits (eight a byte).
+pub fn data_bytes(bits: u64) -> u64 {
+    bits.div_ceil(8)
+}
+
+/// Bitmap table entries (data clusters) for `bits` bits.
+pub fn table_entries(bits: u64, cluster_size: u64) -> u64 {
+    data_bytes(bits).div_ceil(cluster_size)
+}
+
+/// What one bitmap table entry says about its cluster of bitmap data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableEntry {
+    /// No data cluster: every bit is clear.
+    Zeros,
+    /// No data cluster: every bit is set.
+    Ones,
+    /// The bits are in the data cluster at this offset.
+    Data(u64),
+}
+
+impl TableEntry {
+    /// Decodes the entry at index `index` of the table at file offset `table_at`, refusing
+    /// what QEMU refuses: reserved bits, an unaligned data cluster, or one with the all-ones
+    /// flag.
+    pub fn decode(raw: u64, cluster_size: u64, table_at: u64, index: u64) -> Result<Self> {
+        let offset = raw & TABLE_ENTRY_OFFSET_MASK;
+        let bad = raw & TABLE_ENTRY_RESERVED != 0
+            || (offset != 0
+                && (raw & TABLE_ENTRY_ALL_ONES != 0 || offset % cluster_size.max(1) != 0));
+        if bad {
+            return Err(FormatError::InvalidField {
+                what: "bitmap table entry",
+                offset: table_at.saturating_add(index.saturating_mul(8)),
+                value: raw,
+                reason: format!("bitmap table entry {index} is invalid"),
+            });
+        }
+        Ok(match (offset, raw & TABLE_ENTRY_ALL_ONES) {
+            (0, 0) => TableEntry::Zeros,
+            (0, _) => TableEntry::Ones,
+            (o, _) => TableEntry::Data(o),
+        })
+    }
+
+    /// The table word.
+    pub fn encode(self) -> u64 {
+        match self {
+            TableEntry::Zeros => 0,
+            TableEntry::Ones => TABLE_ENTRY_ALL_ONES,
+            TableEntry::Data(o) => o & TABLE_ENTRY_OFFSET_MASK,
+        }
+    }
+}
+
+/// Bitmap data as 64-bit words: bit `n` of the bitmap is bit `n % 64` of word `n / 64`. On
+/// disk the bits run LSB first within each byte, bytes in order: a word's little-endian
+/// bytes. Copies `bytes` (starting at bit `8 * first_byte`, which is a multiple of 64) into
+/// `words`; bytes past the words are ignored.
+pub fn bytes_to_words(bytes: &[u8], first_byte: usize, words: &mut [u64]) {
+    debug_assert_eq!(first_byte % 8, 0);
+    for (i, chunk) in bytes.chunks(8).enumerate() {
+        let Some(w) = words.get_mut(first_byte / 8 + i) else {
+            break;
+        };
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        *w = u64::from_le_bytes(b);
+    }
+}
+
+/// The on-disk bytes of `words` (see [`bytes_to_words`]) from byte `first_byte` (a multiple
+/// of 8), filling `out`; bytes past the words are zero.
+pub fn words_to_bytes(words: &[u64], first_byte: usize, out: &mut [u8]) {
+    debug_assert_eq!(first_byte % 8, 0);
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let w = words.get(first_byte / 8 + i).copied().unwrap_or(0);
+        chunk.copy_from_slice(&w.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+/// Encodes a bitmap table.
+pub fn encode_table(entries: &[TableEntry]) -> Vec<u8> {
+    entries
+        .iter()
+        .flat_map(|e| e.encode().to_be_bytes())
+        .collect()
+}
+
+/// Encodes a whole directory (entries with their padding, in order).
+pub fn encode_directory(entries: &[BitmapEntry]) -> Vec<u8> {
+    entries.iter().flat_map(BitmapEntry::encode).collect()
+}
+
 /// Decodes `ext.nb_bitmaps` directory entries from `dir` (the `directory_size` bytes read at
 /// `ext.directory_offset`). Each entry's errors name its own file offset.
 pub fn decode_directory(dir: &[u8], ext: &BitmapsExtension) -> Result<Vec<BitmapEntry>> {
@@ -326,6 +441,46 @@ mod tests {
         let err = decode_directory(&e.encode(), &ext).unwrap_err().to_string();
         assert!(err.contains("0x10"), "{err}");
         assert!(err.contains("0x40000"), "{err}");
+    }
+
+    #[test]
+    fn bitmap_bits_are_lsb_first_bytes_in_order() {
+        // Bit 0 and bit 9 set: byte 0 = 0x01, byte 1 = 0x02.
+        let words = [1u64 | 1 << 9, 1 << 63];
+        let mut out = [0u8; 16];
+        words_to_bytes(&words, 0, &mut out);
+        assert_eq!(out[..2], [0x01, 0x02]);
+        assert_eq!(out[15], 0x80);
+        let mut back = [0u64; 2];
+        bytes_to_words(&out, 0, &mut back);
+        assert_eq!(back, words);
+        assert_eq!(bit_count(1 << 20, 16), 16);
+        assert_eq!(bit_count((1 << 20) + 1, 16), 17);
+        assert_eq!(table_entries(65536 * 8 + 1, 65536), 2);
+    }
+
+    #[test]
+    fn table_entries_decode_as_qemu_reads_them() {
+        let cs = 65536;
+        assert_eq!(TableEntry::decode(0, cs, 0, 0).unwrap(), TableEntry::Zeros);
+        assert_eq!(TableEntry::decode(1, cs, 0, 0).unwrap(), TableEntry::Ones);
+        assert_eq!(
+            TableEntry::decode(0x5_0000, cs, 0, 0).unwrap(),
+            TableEntry::Data(0x5_0000)
+        );
+        let err = TableEntry::decode(0x5_0001, cs, 0x3_0000, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("0x30010"), "{err}");
+        assert!(TableEntry::decode(0x5_0200, cs, 0, 0).is_err());
+        assert!(TableEntry::decode(1 << 60, cs, 0, 0).is_err());
+        for e in [
+            TableEntry::Zeros,
+            TableEntry::Ones,
+            TableEntry::Data(0x7_0000),
+        ] {
+            assert_eq!(TableEntry::decode(e.encode(), cs, 0, 0).unwrap(), e);
+        }
     }
 
     #[test]

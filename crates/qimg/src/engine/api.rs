@@ -123,6 +123,18 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.discard(offset, len).await
     }
 
+    /// Records `[offset, offset + len)` as changed in every enabled persistent dirty bitmap,
+    /// without changing anything else. Every write, write-zeroes and discard does this
+    /// itself; a caller that answers a request without calling them (QEMU's block layer
+    /// marks a whole discard request even where the format ignores part of it, and
+    /// `qimg io`'s `discard` does the same) records it here.
+    pub fn mark_dirty(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.check_writable()?;
+        self.inner.check_range(offset, len)?;
+        self.inner.bitmaps.mark(offset, len);
+        Ok(())
+    }
+
     /// Writes back every cached metadata change in the safe order and makes everything
     /// written so far durable.
     ///

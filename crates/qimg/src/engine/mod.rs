@@ -19,6 +19,7 @@
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
+mod bitmaps;
 #[cfg(feature = "blocking")]
 pub mod blocking;
 pub(crate) mod compress;

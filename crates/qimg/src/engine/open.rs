@@ -107,15 +107,6 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 ),
             });
         }
-        if opts.writable && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 && c0.bitmaps().is_some()
-        {
-            return Err(Error::Unsupported {
-                path,
-                what: "the image has persistent dirty bitmaps, which qimg cannot keep up to date; \
-                       open it read-only or remove them with qemu-img bitmap --remove"
-                    .into(),
-            });
-        }
         let geo =
             Geometry::new(h.cluster_bits, h.extended_l2()).map_err(|e| Error::format(&path, e))?;
         let rgeo = RefcountGeometry::new(h.cluster_bits, h.refcount_order)
@@ -269,6 +260,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             close_on_drop: opts.close_on_drop && opts.writable,
             reservation,
             slice_loads: Default::default(),
+            bitmaps: Default::default(),
             path,
         };
         let inner = Arc::new(Inner {
@@ -278,7 +270,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             locks: RangeLocks::default(),
         });
         if opts.writable {
-            inner.prepare_for_writing(&c0.header).await?;
+            inner.prepare_for_writing(&c0.header, c0.bitmaps()).await?;
         }
         if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
             match tokio::runtime::Handle::try_current() {
@@ -397,8 +389,13 @@ async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Res
 }
 
 impl<S: Storage> Inner<S> {
-    /// Read-write open: repair a dirty image, drop autoclear bits we do not maintain.
-    async fn prepare_for_writing(&self, h: &Header) -> Result<()> {
+    /// Read-write open: repair a dirty image, load the bitmaps (marking them in use), drop
+    /// autoclear bits we do not maintain.
+    async fn prepare_for_writing(
+        &self,
+        h: &Header,
+        bitmaps: Option<&qimg_format::bitmap::BitmapsExtension>,
+    ) -> Result<()> {
         let mut m = self.meta.lock().await;
         if let Some((a, b)) = m.overlap.first_conflict() {
             let what = format!(
@@ -415,8 +412,16 @@ impl<S: Storage> Inner<S> {
             m.dirty_on_disk = true;
             self.mark_clean(&mut m).await?;
         }
-        // The engine does not maintain bitmaps (it refuses writable opens of images with them).
-        let keep = autoclear_for_writer(h.autoclear_features, false);
+        // Bitmaps are consistent only with autoclear bit 0; without it QEMU ignores them (and
+        // drops the bit's meaning): so does the engine.
+        let loaded = match bitmaps {
+            Some(ext) if h.version >= 3 && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 => {
+                self.load_bitmaps(&mut m, ext).await?;
+                true
+            }
+            _ => false,
+        };
+        let keep = autoclear_for_writer(h.autoclear_features, loaded);
         if h.version >= 3 && h.autoclear_features != keep {
             self.file
                 .write_at(

@@ -338,17 +338,7 @@ impl<S: Storage> Image<S> {
         m.l1 = new;
         m.l1_epoch += 1;
         if size != inner.size() {
-            inner
-                .file
-                .write_at(&header::encode_size(size), header::field::SIZE)
-                .await
-                .map_err(|e| inner.storage_error(e))?;
-            inner
-                .file
-                .flush()
-                .await
-                .map_err(|e| inner.storage_error(e))?;
-            inner.size.store(size, std::sync::atomic::Ordering::Release);
+            inner.write_size(size).await?;
         }
         inner.tree_refcounts(&mut m, &old, -1).await?;
         inner.write_back(&mut m, CacheKind::Refcount).await?;

@@ -626,6 +626,8 @@ impl Session {
             return self.after_write(false).await;
         }
         let img = self.image();
+        // QEMU's block layer marks the bitmaps for the whole request.
+        img.mark_dirty(offset, len).map_err(|e| e.errno())?;
         let cs = img.cluster_size();
         let size = img.size();
         let end = offset + len;

@@ -694,6 +694,10 @@ impl<S: Storage + 'static> Queue<S> {
         if write && (inner.check_writable().is_err() || inner.check_not_halted().is_err()) {
             return Err(buffers);
         }
+        if write {
+            // Before anything changes, whichever way the write goes from here.
+            inner.bitmaps.mark(offset, len);
+        }
         let (data, _) = inner.data();
         let Some(access) = data.direct_access() else {
             return Err(buffers);

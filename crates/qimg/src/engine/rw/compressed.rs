@@ -28,6 +28,7 @@ impl<S: Storage> Inner<S> {
                 self.path.display()
             )));
         }
+        self.bitmaps.mark(offset, len);
         let mut padded;
         let input = if len == cs {
             data

@@ -70,13 +70,14 @@ impl<S: Storage> Inner<S> {
     }
 
     /// Writes the virtual size to the header, flushes, and makes it the size requests see.
-    async fn write_size(&self, new_size: u64) -> Result<()> {
+    pub(crate) async fn write_size(&self, new_size: u64) -> Result<()> {
         self.file
             .write_at(&header::encode_size(new_size), header::field::SIZE)
             .await
             .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         self.size.store(new_size, Ordering::Release);
+        self.bitmaps.resize(new_size);
         Ok(())
     }
 

@@ -27,6 +27,7 @@ impl<S: Storage> Inner<S> {
         if len == 0 {
             return Ok(());
         }
+        self.bitmaps.mark(offset, len);
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
         for (gc, a, n, _) in self.pieces(offset, len) {
