@@ -30,6 +30,9 @@ pub(crate) struct Bitmaps {
     state: std::sync::RwLock<State>,
     /// Whether any bitmap records writes: checked without the lock on every write.
     recording: AtomicBool,
+    /// Whether any bit may have changed since the open (a write was recorded, or a resize):
+    /// without, closing only clears `in_use`.
+    changed: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -84,6 +87,7 @@ impl Bitmaps {
     /// Follows a resize of the disk to `size` bytes: bits past the old end start clear, bits
     /// past the new end are dropped (as QEMU resizes its bitmaps).
     pub(crate) fn resize(&self, size: u64) {
+        self.changed.store(true, Ordering::Release);
         let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
         for b in state.list.iter_mut().filter(|b| !b.inconsistent) {
             let bits = bitmap::bit_count(size, b.entry.granularity_bits);
@@ -99,12 +103,25 @@ impl Bitmaps {
         }
     }
 
+    /// Where the loaded directory is and each bitmap's table `(offset, entries)`, as on disk
+    /// (for counting references when refcounts are rebuilt).
+    pub(crate) fn layout(&self) -> (Option<(u64, u64)>, Vec<(u64, u64)>) {
+        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        let tables = state
+            .list
+            .iter()
+            .map(|b| (b.entry.table_offset, u64::from(b.entry.table_size)))
+            .collect();
+        (state.directory, tables)
+    }
+
     /// Records a write, write-zeroes or discard of `[offset, offset + len)` in every enabled
     /// bitmap. Every path that changes guest data calls this before it changes anything.
     pub(crate) fn mark(&self, offset: u64, len: u64) {
         if len == 0 || !self.recording.load(Ordering::Acquire) {
             return;
         }
+        self.changed.store(true, Ordering::Release);
         let state = self.state.read().unwrap_or_else(|e| e.into_inner());
         for b in state.list.iter().filter(|b| b.enabled()) {
             b.set(offset, len);
@@ -261,9 +278,15 @@ impl<S: Storage> Inner<S> {
             (at, std::mem::take(&mut state.list))
         };
         self.bitmaps.recording.store(false, Ordering::Release);
+        let changed = self.bitmaps.changed.swap(false, Ordering::AcqRel);
         let mut to_free: Vec<(u64, u64)> = Vec::new();
         let mut data = vec![0u8; cs as usize];
         for b in list.iter_mut().filter(|b| !b.inconsistent) {
+            if !changed {
+                // As loaded: only `in_use` goes.
+                b.entry.flags &= !FLAG_IN_USE;
+                continue;
+            }
             let n = bitmap::table_entries(b.bits, cs) as usize;
             let words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
             let mut table = Vec::with_capacity(n);

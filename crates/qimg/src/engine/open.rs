@@ -404,6 +404,16 @@ impl<S: Storage> Inner<S> {
             );
             return Err(self.signal_corruption(&mut m, what).await);
         }
+        // Bitmaps are consistent only with autoclear bit 0; without it QEMU ignores them (and
+        // drops the bit's meaning): so does the engine. Loaded before a dirty image's
+        // refcounts are rebuilt, which must count their clusters.
+        let loaded = match bitmaps {
+            Some(ext) if h.version >= 3 && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 => {
+                self.load_bitmaps(&mut m, ext).await?;
+                true
+            }
+            _ => false,
+        };
         if h.incompatible_features & INCOMPAT_DIRTY != 0 {
             self.rebuild_refcounts(&mut m).await?;
             // A crash inside a snapshot change can leave COPIED flags that disagree with the
@@ -412,15 +422,6 @@ impl<S: Storage> Inner<S> {
             m.dirty_on_disk = true;
             self.mark_clean(&mut m).await?;
         }
-        // Bitmaps are consistent only with autoclear bit 0; without it QEMU ignores them (and
-        // drops the bit's meaning): so does the engine.
-        let loaded = match bitmaps {
-            Some(ext) if h.version >= 3 && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 => {
-                self.load_bitmaps(&mut m, ext).await?;
-                true
-            }
-            _ => false,
-        };
         let keep = autoclear_for_writer(h.autoclear_features, loaded);
         if h.version >= 3 && h.autoclear_features != keep {
             self.file

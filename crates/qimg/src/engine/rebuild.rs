@@ -69,6 +69,26 @@ impl<S: Storage> Inner<S> {
             .visit_snapshots(snap_offset, nb, &self.ctx, external, &mut count)
             .await
             .map_err(|e| self.walk_error(e))?;
+        // The bitmaps the open loaded (consistent or not): directory, tables, data clusters.
+        let (directory, tables) = self.bitmaps.layout();
+        if let Some((at, len)) = directory {
+            let bitmap = |offset, len| super::walk::Reference {
+                structure: super::walk::Structure::Bitmap,
+                offset,
+                len,
+            };
+            count(bitmap(at, len));
+            for (table_at, entries) in tables.into_iter().filter(|&(_, n)| n > 0) {
+                count(bitmap(table_at, entries * TABLE_WORD));
+                let table = walker
+                    .read_bitmap_table(table_at, entries)
+                    .await
+                    .map_err(|e| self.walk_error(e))?;
+                for e in table.into_iter().filter(|e| e.offset() != 0) {
+                    count(bitmap(e.offset(), cs));
+                }
+            }
+        }
         Ok(refs)
     }
 

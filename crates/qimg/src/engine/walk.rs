@@ -88,6 +88,8 @@ pub(crate) enum Structure {
     Compressed,
     /// The snapshot table.
     SnapshotTable,
+    /// The bitmap directory, a bitmap table or a bitmap data cluster.
+    Bitmap,
 }
 
 /// One host range a walk found referenced.
