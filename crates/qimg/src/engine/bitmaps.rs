@@ -24,6 +24,9 @@ use super::meta::Meta;
 use super::overlap::{Region, Writing};
 use crate::error::{Error, Result};
 
+/// A bitmap table on disk: `(offset, entries)`.
+pub(crate) type Table = (u64, u64);
+
 /// The bitmaps of an image opened for writing.
 #[derive(Debug, Default)]
 pub(crate) struct Bitmaps {
@@ -105,7 +108,7 @@ impl Bitmaps {
 
     /// Where the loaded directory is and each bitmap's table `(offset, entries)`, as on disk
     /// (for counting references when refcounts are rebuilt).
-    pub(crate) fn layout(&self) -> (Option<(u64, u64)>, Vec<(u64, u64)>) {
+    pub(crate) fn layout(&self) -> (Option<(u64, u64)>, Vec<Table>) {
         let state = self.state.read().unwrap_or_else(|e| e.into_inner());
         let tables = state
             .list
