@@ -296,6 +296,13 @@ async fn a_writer_that_dies_leaves_its_bitmaps_inconsistent_as_qemu_does() {
                 String::from_utf8_lossy(&clear.stderr).contains("inconsistent"),
                 "{clear:?}"
             );
+            // qimg refuses in the same words (and leaves the bitmaps as they are).
+            let mine = qimg(&d.0, &["bitmap", "--clear", "a.qcow2", "b0"]);
+            assert_eq!(
+                String::from_utf8_lossy(&mine.stderr).replacen("qimg:", "qemu-img:", 1),
+                String::from_utf8_lossy(&clear.stderr)
+            );
+            assert_eq!(mine.status.code(), clear.status.code());
         }
         // qimg opens it, writes, closes: the inconsistent bitmaps stay as they were.
         let img = OpenOptions::new()
@@ -312,5 +319,124 @@ async fn a_writer_that_dies_leaves_its_bitmaps_inconsistent_as_qemu_does() {
             &qemu_img(&d.0, &["bitmap", "--remove", "a.qcow2", "b0"]),
         );
         check_clean(&d.0, "a.qcow2");
+    }
+}
+
+/// `qemu-img bitmap` (issue 35, item 2): installed as `qemu-img`, qimg runs every action and
+/// refusal of a script written for qemu-img 10 with the same stdout, stderr and exit status,
+/// one call at a time on two copies (ours, theirs), with guest writes between; after every
+/// call `qemu-img info`'s bitmap list is equal, and at the end every bitmap's dirty extents
+/// (through `qemu-nbd -B` and `nbdinfo`) and `qemu-img check` too.
+#[test]
+fn qimg_bitmap_matches_qemu_img_bitmap() {
+    if !have_tools("qimg_bitmap_matches_qemu_img_bitmap") {
+        return;
+    }
+    let d = Scratch::new("bitmap-cmd");
+    let bin = d.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    for who in ["ours", "theirs"] {
+        qemu_create(&d.0, &format!("{who}.qcow2"), "cluster_size=64k", "64M");
+        qemu_create(&d.0, &format!("src-{who}.qcow2"), "cluster_size=4k", "64M");
+        add(&d.0, &format!("src-{who}.qcow2"), "sb", &["-g", "4k"]);
+        apply(
+            &d.0,
+            false,
+            &format!("src-{who}.qcow2"),
+            &["write 5M 64k".into(), "write 40M 3k".into()],
+        );
+    }
+    // `@` stands for the image's name (ours or theirs); `W` lines are qemu-io writes.
+    let script: &[&str] = &[
+        "--add @ b0",
+        "--add @ b0",
+        "--add -g 256 @ x",
+        "--add -g 4G @ x",
+        "--add -g 3000 @ x",
+        "--add -g abc @ x",
+        "--remove @ nope",
+        "--clear @ nope",
+        "--enable @ nope",
+        "@ b0",
+        "--add -F qcow2 @ y",
+        "--add -x @ y",
+        "--add=1 @ y",
+        "--bogus @ y",
+        "--add @ x y",
+        "--add",
+        "-g 64k --remove @ b0",
+        "--add -g 0 @ x",
+        "W write 1M 100k",
+        "--add --disable -g 1M @ b1",
+        "W write 3M 512",
+        "--merge b0 @ b1",
+        "--merge sb -b src-@ @ b1",
+        "--merge nope -b src-@ @ b1",
+        "--merge nope @ b1",
+        "--remove @ x --add",
+        "W write 7M 64k",
+        "--add -g 512 @ fine",
+        "W discard 7M 32k",
+        "--clear @ b0",
+        "W write 9M 1k",
+        "--disable @ b0",
+        "W write 11M 1k",
+        "--enable @ b1",
+        "W write 13M 1k",
+        "--add --remove @ tmp",
+        "--remove --add @ tmp2",
+        "--add @ ",
+        "--add -b src-@ @ z",
+    ];
+    let ours = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run(&d.0, &bin.join("qemu-img"), &args)
+    };
+    for line in script {
+        if let Some(cmd) = line.strip_prefix("W ") {
+            for who in ["ours", "theirs"] {
+                apply(&d.0, false, &format!("{who}.qcow2"), &[cmd.to_string()]);
+            }
+            continue;
+        }
+        let args = |who: &str| -> Vec<String> {
+            let mut v = vec!["bitmap".to_string()];
+            v.extend(
+                line.split(' ')
+                    .map(|w| w.replace('@', &format!("{who}.qcow2"))),
+            );
+            v
+        };
+        let mine = ours(&args("ours"));
+        let theirs = qemu_img(
+            &d.0,
+            &args("theirs")
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        let norm = |o: &std::process::Output, who: &str| {
+            let text = |b: &[u8]| String::from_utf8_lossy(b).replace(&format!("{who}.qcow2"), "@");
+            (text(&o.stdout), text(&o.stderr), o.status.code())
+        };
+        assert_eq!(
+            norm(&mine, "ours"),
+            norm(&theirs, "theirs"),
+            "qemu-img bitmap {line}"
+        );
+        assert_eq!(
+            bitmap_list(&d.0, "ours.qcow2"),
+            bitmap_list(&d.0, "theirs.qcow2"),
+            "after qemu-img bitmap {line}"
+        );
+    }
+    check_clean(&d.0, "ours.qcow2");
+    for name in ["b0", "b1", "fine"] {
+        assert_eq!(
+            dirty_map(&d.0, "ours.qcow2", name),
+            dirty_map(&d.0, "theirs.qcow2", name),
+            "bitmap {name}"
+        );
     }
 }

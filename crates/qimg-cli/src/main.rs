@@ -69,6 +69,8 @@ enum Command {
     Snapshot(cmd::snapshot::SnapshotArgs),
     /// Copy blocks of an image into a new one: `qimg dd [-f FMT] [-O FMT] if=INPUT of=OUTPUT [bs=SIZE] [count=N] [skip=N]`
     Dd(cmd::dd::DdArgs),
+    /// Change the persistent dirty bitmaps of a qcow2 image: `qimg bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... [-b SOURCE_FILE [-F SOURCE_FMT]] [-g GRANULARITY] [-f FMT] FILE BITMAP`
+    Bitmap(cmd::bitmap::BitmapArgs),
     /// Run qemu-io commands on an image: `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... FILE`
     Io(cmd::io::IoArgs),
 }
@@ -157,6 +159,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => exit_status(cmd::serve::run(a)),
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
         Command::Dd(a) => exit_status(cmd::dd::run(a)),
+        Command::Bitmap(a) => cmd::bitmap::main(a),
         // io has qemu-io's exit status and prints its own errors.
         Command::Io(a) => cmd::io::run(a),
     }

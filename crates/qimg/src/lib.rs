@@ -102,8 +102,9 @@ pub use engine::BlockingImage;
 #[cfg(target_os = "linux")]
 pub use engine::queue::{self, Completion, Queue, QueueOptions, QueueStats, Request};
 pub use engine::{
-    Allocation, Backing, Extent, ExtentKind, FileOpener, HostExtent, Image, InternalSnapshot,
-    OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust, UntrustedLimits, WriteLease,
+    Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener, HostExtent,
+    Image, InternalSnapshot, OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust,
+    UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use probe::{ImageProbe, probe};

@@ -2,6 +2,7 @@
 
 pub mod amend;
 pub mod bench;
+pub mod bitmap;
 pub mod check;
 pub mod commit;
 pub mod compare;

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 
 use qimg_io::Storage;
 
+use super::bitmaps::{BitmapInfo, DirtyBitmap};
 use super::image::{Backing, Image, Stats};
 use crate::error::Result;
 
@@ -121,6 +122,47 @@ impl<S: Storage + 'static> Image<S> {
     /// is advisory).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.inner.discard(offset, len).await
+    }
+
+    /// The persistent dirty bitmaps, in directory order.
+    pub fn bitmaps(&self) -> Vec<BitmapInfo> {
+        self.inner.bitmap_list()
+    }
+
+    /// Adds an empty persistent bitmap (`qemu-img bitmap --add`): `granularity` (a power of
+    /// two, 512 bytes to 2 GiB) defaults to the cluster size within 4 to 64 KiB, as QEMU's;
+    /// `enabled` records every write from now on. It reaches the file when the image is
+    /// closed. Refused on a version 2 image, as by QEMU, and with QEMU's words.
+    pub fn add_bitmap(&self, name: &str, granularity: Option<u64>, enabled: bool) -> Result<()> {
+        self.inner.add_bitmap(name, granularity, enabled)
+    }
+
+    /// Removes bitmap `name` (an inconsistent one too); its clusters are freed at close.
+    pub fn remove_bitmap(&self, name: &str) -> Result<()> {
+        self.inner.remove_bitmap(name)
+    }
+
+    /// Clears every bit of bitmap `name`: "nothing changed since now".
+    pub fn clear_bitmap(&self, name: &str) -> Result<()> {
+        self.inner.clear_bitmap(name)
+    }
+
+    /// Makes bitmap `name` record writes (`true`) or stop recording them (`false`).
+    pub fn enable_bitmap(&self, name: &str, enabled: bool) -> Result<()> {
+        self.inner.enable_bitmap(name, enabled)
+    }
+
+    /// Sets in bitmap `name` everything `source` has set (from this image or another; see
+    /// [`dirty_bitmap`](Self::dirty_bitmap)).
+    pub fn merge_bitmap(&self, name: &str, source: &DirtyBitmap) -> Result<()> {
+        self.inner.merge_bitmap(name, source)
+    }
+
+    /// The bits of bitmap `name`: what changed since it was added or cleared, while it was
+    /// enabled. [`DirtyBitmap::extents`] lists the changed ranges. An inconsistent bitmap is
+    /// refused (it may have missed writes).
+    pub async fn dirty_bitmap(&self, name: &str) -> Result<DirtyBitmap> {
+        self.inner.dirty_bitmap(name).await
     }
 
     /// Records `[offset, offset + len)` as changed in every enabled persistent dirty bitmap,

@@ -16,7 +16,9 @@ use qimg_format::bitmap::{
     self, BitmapEntry, BitmapsExtension, FLAG_AUTO, FLAG_IN_USE, MAX_DATA_BYTES,
     MAX_GRANULARITY_BITS, MAX_TABLE_ENTRIES, MIN_GRANULARITY_BITS, TYPE_DIRTY_TRACKING, TableEntry,
 };
+use qimg_format::features::AUTOCLEAR_BITMAPS;
 use qimg_format::lenient::decode_words;
+use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
 
 use super::image::Inner;
@@ -43,6 +45,68 @@ struct State {
     /// The directory on disk: `(offset, size)`.
     directory: Option<(u64, u64)>,
     list: Vec<Bitmap>,
+    /// A read-write open of a version 3 image: bitmaps can be added and are stored at close.
+    maintained: bool,
+    /// Bitmaps removed since the open (their clusters are freed when the directory no
+    /// longer names them).
+    removed: Vec<BitmapEntry>,
+    /// Bitmaps were added or removed: the directory is written anew at close.
+    reshaped: bool,
+    /// A read-only open: bits are read from the file when asked for.
+    read_only: bool,
+}
+
+/// One persistent dirty bitmap, as [`Image::bitmaps`](crate::Image::bitmaps) lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BitmapInfo {
+    /// Its name.
+    pub name: String,
+    /// Bytes of guest data one bit covers.
+    pub granularity: u64,
+    /// Whether it records writes (QEMU's `auto` flag).
+    pub enabled: bool,
+    /// Marked in use when the image was opened: its last writer did not store it (it
+    /// crashed), so it may have missed writes. It is kept as it is and can only be removed.
+    pub inconsistent: bool,
+}
+
+/// The bits of one bitmap (see [`Image::dirty_bitmap`](crate::Image::dirty_bitmap)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirtyBitmap {
+    /// Bytes of guest data one bit covers.
+    pub granularity: u64,
+    /// The disk size the bitmap covers.
+    pub size: u64,
+    /// Bit `n` (bit `n % 64` of word `n / 64`) set: guest bytes `[n * granularity, (n + 1) *
+    /// granularity)` changed.
+    pub words: Vec<u64>,
+}
+
+impl DirtyBitmap {
+    /// The dirty ranges `(offset, length)` within `[offset, offset + len)`, merged, clipped
+    /// to the range and to the disk.
+    pub fn extents(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let end = offset.saturating_add(len).min(self.size);
+        let g = self.granularity;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut n = offset / g;
+        while n * g < end {
+            let word = self.words.get((n / 64) as usize).copied().unwrap_or(0);
+            if word == 0 && n % 64 == 0 {
+                n += 64;
+                continue;
+            }
+            if word >> (n % 64) & 1 == 1 {
+                let (a, b) = ((n * g).max(offset), ((n + 1) * g).min(end));
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == a => last.1 += b - a,
+                    _ => out.push((a, b - a)),
+                }
+            }
+            n += 1;
+        }
+        out
+    }
 }
 
 /// One bitmap of the directory.
@@ -61,6 +125,19 @@ struct Bitmap {
 }
 
 impl Bitmap {
+    fn info(&self) -> BitmapInfo {
+        BitmapInfo {
+            name: String::from_utf8_lossy(&self.entry.name).into_owned(),
+            granularity: self.entry.granularity(),
+            enabled: self.entry.flags & FLAG_AUTO != 0,
+            inconsistent: self.inconsistent,
+        }
+    }
+
+    fn named(&self, name: &str) -> bool {
+        self.entry.name == name.as_bytes()
+    }
+
     fn enabled(&self) -> bool {
         !self.inconsistent && self.entry.flags & FLAG_AUTO != 0
     }
@@ -135,9 +212,13 @@ impl Bitmaps {
 impl<S: Storage> Inner<S> {
     /// Loads the bitmaps of an image opened for writing and marks them `in_use` on disk
     /// (read-write open, before any write). Refuses, naming the value and its offset, a
-    /// bitmap QEMU would not load.
-    pub(crate) async fn load_bitmaps(&self, m: &mut Meta, ext: &BitmapsExtension) -> Result<()> {
-        let cs = self.geo.cluster_size();
+    /// bitmap QEMU would not load. A read-only open only lists them (`writable` false).
+    pub(crate) async fn load_bitmaps(
+        &self,
+        m: &mut Meta,
+        ext: &BitmapsExtension,
+        writable: bool,
+    ) -> Result<()> {
         let (dir_at, dir_len) = (ext.directory_offset, ext.directory_size);
         let mut dir = vec![0u8; dir_len as usize];
         self.file
@@ -145,147 +226,187 @@ impl<S: Storage> Inner<S> {
             .await
             .map_err(|e| self.storage_error(e))?;
         let entries = bitmap::decode_directory(&dir, ext).map_err(|e| self.fmt_err(e))?;
-        let size = self.size();
         let mut list = Vec::with_capacity(entries.len());
         for entry in entries {
-            let name = String::from_utf8_lossy(&entry.name).into_owned();
-            if entry.flags & FLAG_IN_USE != 0 {
-                list.push(Bitmap {
-                    entry,
-                    inconsistent: true,
-                    table: Vec::new(),
-                    words: Vec::new(),
-                    bits: 0,
-                });
-                continue;
-            }
-            let refuse = |what: String| Error::Unsupported {
-                path: self.path.clone(),
-                what: format!("bitmap '{name}' (directory at {dir_at:#x}): {what}"),
-            };
-            if entry.kind != TYPE_DIRTY_TRACKING {
-                return Err(refuse(format!("unknown type {}", entry.kind)));
-            }
-            let g = entry.granularity_bits;
-            if !(MIN_GRANULARITY_BITS..=MAX_GRANULARITY_BITS).contains(&g) {
-                return Err(refuse(format!(
-                    "granularity_bits {g} is outside {MIN_GRANULARITY_BITS}..={MAX_GRANULARITY_BITS}"
-                )));
-            }
-            let bits = bitmap::bit_count(size, g);
-            let want = bitmap::table_entries(bits, cs);
-            if u64::from(entry.table_size) != want {
-                return Err(refuse(format!(
-                    "its table has {} entries where a {size}-byte disk needs {want}",
-                    entry.table_size
-                )));
-            }
-            if want > MAX_TABLE_ENTRIES || bitmap::data_bytes(bits) > MAX_DATA_BYTES {
-                return Err(refuse(format!(
-                    "{} bytes of bitmap data exceed QEMU's limit of {MAX_DATA_BYTES}",
-                    bitmap::data_bytes(bits)
-                )));
-            }
-            if entry.table_offset % cs != 0 || (want > 0 && entry.table_offset == 0) {
-                return Err(refuse(format!(
-                    "its table offset {:#x} is not a cluster",
-                    entry.table_offset
-                )));
-            }
-            let mut raw = vec![0u8; (want * 8) as usize];
-            self.file
-                .read_at(&mut raw, entry.table_offset)
-                .await
-                .map_err(|e| self.storage_error(e))?;
-            let table = decode_words(&raw)
-                .into_iter()
-                .enumerate()
-                .map(|(i, w)| TableEntry::decode(w, cs, entry.table_offset, i as u64))
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|e| self.fmt_err(e))?;
-            let mut words = vec![0u64; bits.div_ceil(64) as usize];
-            let mut data = vec![0u8; cs as usize];
-            for (t, e) in table.iter().enumerate() {
-                let first = t * cs as usize;
-                match *e {
-                    TableEntry::Zeros => continue,
-                    TableEntry::Ones => data.fill(0xff),
-                    TableEntry::Data(at) => self
-                        .file
-                        .read_at(&mut data, at)
-                        .await
-                        .map_err(|e| self.storage_error(e))?,
-                }
-                bitmap::bytes_to_words(&data, first, &mut words);
-            }
-            // Bits past the disk's end stay clear.
-            if bits % 64 != 0 {
-                if let Some(last) = words.last_mut() {
-                    *last &= (1u64 << (bits % 64)) - 1;
-                }
-            }
-            list.push(Bitmap {
+            let inconsistent = entry.flags & FLAG_IN_USE != 0;
+            let mut b = Bitmap {
                 entry,
-                inconsistent: false,
-                table,
-                words: words.into_iter().map(AtomicU64::new).collect(),
-                bits,
-            });
+                inconsistent,
+                table: Vec::new(),
+                words: Vec::new(),
+                bits: 0,
+            };
+            if writable && !inconsistent {
+                let (table, words, bits) = self.read_bitmap(&b.entry, dir_at).await?;
+                b.table = table;
+                b.words = words.into_iter().map(AtomicU64::new).collect();
+                b.bits = bits;
+            }
+            list.push(b);
         }
-        m.overlap.insert(Region::BitmapDirectory, dir_at, dir_len);
-        // In use from here on: a crash leaves them inconsistent, as QEMU's writer does.
-        for b in list.iter_mut().filter(|b| !b.inconsistent) {
-            b.entry.flags |= FLAG_IN_USE;
+        if writable {
+            m.overlap.insert(Region::BitmapDirectory, dir_at, dir_len);
+            // In use from here on: a crash leaves them inconsistent, as QEMU's writer does.
+            for b in list.iter_mut().filter(|b| !b.inconsistent) {
+                b.entry.flags |= FLAG_IN_USE;
+            }
+            let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
+            self.write_directory(m, dir_at, &bitmap::encode_directory(&entries))
+                .await?;
+            self.file.flush().await.map_err(|e| self.storage_error(e))?;
         }
-        let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
-        self.write_directory(m, dir_at, &bitmap::encode_directory(&entries))
-            .await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
         let recording = list.iter().any(Bitmap::enabled);
         let mut state = self
             .bitmaps
             .state
             .write()
             .unwrap_or_else(|e| e.into_inner());
-        *state = State {
-            directory: Some((dir_at, dir_len)),
-            list,
-        };
+        state.directory = Some((dir_at, dir_len));
+        state.list = list;
+        state.read_only = !writable;
         self.bitmaps.recording.store(recording, Ordering::Release);
         Ok(())
     }
 
-    async fn write_directory(&self, m: &mut Meta, at: u64, bytes: &[u8]) -> Result<()> {
-        let own = Writing::Own(Region::BitmapDirectory, at);
-        self.guard_write(m, at, bytes.len() as u64, own).await?;
-        self.file
-            .write_at(bytes, at)
-            .await
-            .map_err(|e| self.storage_error(e))
+    /// Lets a read-write open of a version 3 image add bitmaps (QEMU stores none in v2).
+    pub(crate) fn maintain_bitmaps(&self) {
+        let mut state = self
+            .bitmaps
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        state.maintained = true;
     }
 
-    /// Stores the loaded bitmaps (close): each one's data clusters (an all-clear cluster needs
-    /// none) and table, durable, then the directory with `in_use` cleared; then frees what
-    /// the old tables held and the new ones do not. Inconsistent bitmaps are left as they are.
+    /// Reads one bitmap's table and bits, refusing what QEMU would not load (`dir_at`, the
+    /// directory's offset, names where it was found).
+    async fn read_bitmap(
+        &self,
+        entry: &BitmapEntry,
+        dir_at: u64,
+    ) -> Result<(Vec<TableEntry>, Vec<u64>, u64)> {
+        let cs = self.geo.cluster_size();
+        let size = self.size();
+        let name = String::from_utf8_lossy(&entry.name).into_owned();
+        let refuse = |what: String| Error::Unsupported {
+            path: self.path.clone(),
+            what: format!("bitmap '{name}' (directory at {dir_at:#x}): {what}"),
+        };
+        if entry.kind != TYPE_DIRTY_TRACKING {
+            return Err(refuse(format!("unknown type {}", entry.kind)));
+        }
+        let g = entry.granularity_bits;
+        if !(MIN_GRANULARITY_BITS..=MAX_GRANULARITY_BITS).contains(&g) {
+            return Err(refuse(format!(
+                "granularity_bits {g} is outside {MIN_GRANULARITY_BITS}..={MAX_GRANULARITY_BITS}"
+            )));
+        }
+        let bits = bitmap::bit_count(size, g);
+        let want = bitmap::table_entries(bits, cs);
+        if u64::from(entry.table_size) != want {
+            return Err(refuse(format!(
+                "its table has {} entries where a {size}-byte disk needs {want}",
+                entry.table_size
+            )));
+        }
+        if want > MAX_TABLE_ENTRIES || bitmap::data_bytes(bits) > MAX_DATA_BYTES {
+            return Err(refuse(format!(
+                "{} bytes of bitmap data exceed QEMU's limit of {MAX_DATA_BYTES}",
+                bitmap::data_bytes(bits)
+            )));
+        }
+        if entry.table_offset % cs != 0 || (want > 0 && entry.table_offset == 0) {
+            return Err(refuse(format!(
+                "its table offset {:#x} is not a cluster",
+                entry.table_offset
+            )));
+        }
+        let table = self.read_bitmap_table(entry.table_offset, want).await?;
+        let mut words = vec![0u64; bits.div_ceil(64) as usize];
+        let mut data = vec![0u8; cs as usize];
+        for (t, e) in table.iter().enumerate() {
+            match *e {
+                TableEntry::Zeros => continue,
+                TableEntry::Ones => data.fill(0xff),
+                TableEntry::Data(at) => self
+                    .file
+                    .read_at(&mut data, at)
+                    .await
+                    .map_err(|e| self.storage_error(e))?,
+            }
+            bitmap::bytes_to_words(&data, t * cs as usize, &mut words);
+        }
+        // Bits past the disk's end stay clear.
+        if bits % 64 != 0 {
+            if let Some(last) = words.last_mut() {
+                *last &= (1u64 << (bits % 64)) - 1;
+            }
+        }
+        Ok((table, words, bits))
+    }
+
+    /// The `entries` entries of the bitmap table at `at`, decoded (QEMU's checks).
+    async fn read_bitmap_table(&self, at: u64, entries: u64) -> Result<Vec<TableEntry>> {
+        let cs = self.geo.cluster_size();
+        let mut raw = vec![0u8; (entries * 8) as usize];
+        self.file
+            .read_at(&mut raw, at)
+            .await
+            .map_err(|e| self.storage_error(e))?;
+        decode_words(&raw)
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| TableEntry::decode(w, cs, at, i as u64))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| self.fmt_err(e))
+    }
+
+    async fn write_directory(&self, m: &mut Meta, at: u64, bytes: &[u8]) -> Result<()> {
+        let own = Writing::Own(Region::BitmapDirectory, at);
+        self.write_guarded(m, at, bytes, own).await
+    }
+
+    /// Stores the bitmaps (close): each one's data clusters (an all-clear cluster needs none)
+    /// and table, durable, then the directory with `in_use` cleared (in place, or, when
+    /// bitmaps were added or removed, a new directory the header then points at, or no
+    /// extension at all when none is left); then frees what the old tables and directory
+    /// held and the new ones do not. Inconsistent bitmaps are left as they are.
     pub(crate) async fn store_bitmaps(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
-        let (dir_at, mut list) = {
+        let (old_dir, mut list, removed, reshaped) = {
             let mut state = self
                 .bitmaps
                 .state
                 .write()
                 .unwrap_or_else(|e| e.into_inner());
-            let Some((at, _)) = state.directory else {
+            if state.read_only || (state.directory.is_none() && !state.reshaped) {
                 return Ok(());
-            };
-            (at, std::mem::take(&mut state.list))
+            }
+            (
+                state.directory,
+                std::mem::take(&mut state.list),
+                std::mem::take(&mut state.removed),
+                std::mem::replace(&mut state.reshaped, false),
+            )
         };
         self.bitmaps.recording.store(false, Ordering::Release);
         let changed = self.bitmaps.changed.swap(false, Ordering::AcqRel);
         let mut to_free: Vec<(u64, u64)> = Vec::new();
+        for gone in &removed {
+            if gone.table_offset == 0 || gone.table_size == 0 {
+                continue;
+            }
+            let n = u64::from(gone.table_size);
+            for e in self.read_bitmap_table(gone.table_offset, n).await? {
+                if let TableEntry::Data(o) = e {
+                    to_free.push((o, 1));
+                }
+            }
+            to_free.push((gone.table_offset, (n * 8).div_ceil(cs)));
+        }
         let mut data = vec![0u8; cs as usize];
         for b in list.iter_mut().filter(|b| !b.inconsistent) {
-            if !changed {
+            if !changed && b.entry.table_offset != 0 {
                 // As loaded: only `in_use` goes.
                 b.entry.flags &= !FLAG_IN_USE;
                 continue;
@@ -307,11 +428,7 @@ impl<S: Storage> Inner<S> {
                     TableEntry::Data(o) => o,
                     _ => self.alloc_clusters(m, 1).await?,
                 };
-                self.guard_write(m, at, cs, Writing::Data).await?;
-                self.file
-                    .write_at(&data, at)
-                    .await
-                    .map_err(|e| self.storage_error(e))?;
+                self.write_guarded(m, at, &data, Writing::Data).await?;
                 table.push(TableEntry::Data(at));
             }
             for old in b.table.iter().skip(n) {
@@ -320,33 +437,60 @@ impl<S: Storage> Inner<S> {
                 }
             }
             let bytes = bitmap::encode_table(&table);
-            let clusters = (bytes.len() as u64).div_ceil(cs);
-            let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs);
+            let clusters = (bytes.len() as u64).div_ceil(cs).max(1);
+            let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs).max(1);
             let table_at = if b.entry.table_offset != 0 && clusters == old_clusters {
                 b.entry.table_offset
             } else {
-                if b.entry.table_offset != 0 && old_clusters > 0 {
+                if b.entry.table_offset != 0 {
                     to_free.push((b.entry.table_offset, old_clusters));
                 }
-                self.alloc_clusters(m, clusters.max(1)).await?
+                self.alloc_clusters(m, clusters).await?
             };
-            self.guard_write(m, table_at, bytes.len() as u64, Writing::Data)
+            self.write_guarded(m, table_at, &bytes, Writing::Data)
                 .await?;
-            self.file
-                .write_at(&bytes, table_at)
-                .await
-                .map_err(|e| self.storage_error(e))?;
             b.entry.table_offset = table_at;
             b.entry.table_size = n as u32;
             b.entry.flags &= !FLAG_IN_USE;
             b.table = table;
         }
-        // Data, tables and their refcounts durable before the directory names them.
-        self.flush_meta(m).await?;
         let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
-        self.write_directory(m, dir_at, &bitmap::encode_directory(&entries))
-            .await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        let dir = bitmap::encode_directory(&entries);
+        let new_dir = match (old_dir, reshaped) {
+            (Some((at, len)), false) if len == dir.len() as u64 => Some((at, len)),
+            _ if entries.is_empty() => None,
+            _ => {
+                let at = self
+                    .alloc_clusters(m, (dir.len() as u64).div_ceil(cs))
+                    .await?;
+                Some((at, dir.len() as u64))
+            }
+        };
+        // Data, tables, the directory and their refcounts durable before the header (or
+        // the directory in place) names them.
+        if let Some((at, len)) = new_dir {
+            if Some((at, len)) != old_dir {
+                self.write_guarded(m, at, &dir, Writing::Data).await?;
+            }
+        }
+        self.flush_meta(m).await?;
+        match new_dir {
+            Some(d) if Some(d) == old_dir => {
+                self.write_directory(m, d.0, &dir).await?;
+                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            }
+            _ => {
+                self.point_header_at_directory(new_dir, entries.len() as u32)
+                    .await?;
+                if let Some((at, len)) = old_dir {
+                    m.overlap.remove(Region::BitmapDirectory, at);
+                    to_free.push((at, len.div_ceil(cs)));
+                }
+                if let Some((at, len)) = new_dir {
+                    m.overlap.insert(Region::BitmapDirectory, at, len);
+                }
+            }
+        }
         for (at, n) in to_free {
             self.free_clusters(m, at, n).await?;
         }
@@ -356,6 +500,233 @@ impl<S: Storage> Inner<S> {
             .write()
             .unwrap_or_else(|e| e.into_inner());
         state.list = list;
+        state.directory = new_dir;
         Ok(())
+    }
+
+    /// Rewrites the header cluster so that its bitmaps extension names the directory at
+    /// `dir` (`(offset, size)`, `nb` bitmaps) with autoclear bit 0 set, or drops the
+    /// extension and the bit (`None`), and makes it durable.
+    async fn point_header_at_directory(&self, dir: Option<(u64, u64)>, nb: u32) -> Result<()> {
+        let mut c0 =
+            super::open::read_cluster0(&self.file, &self.path, OpenMode::ReadWrite).await?;
+        c0.extensions
+            .retain(|e| !matches!(e, qimg_format::extension::Extension::Bitmaps(_)));
+        match dir {
+            Some((directory_offset, directory_size)) => {
+                c0.extensions
+                    .push(qimg_format::extension::Extension::Bitmaps(
+                        BitmapsExtension {
+                            nb_bitmaps: nb,
+                            directory_size,
+                            directory_offset,
+                        },
+                    ));
+                c0.sort_like_qemu();
+                c0.header.autoclear_features |= AUTOCLEAR_BITMAPS;
+            }
+            None => c0.header.autoclear_features &= !AUTOCLEAR_BITMAPS,
+        }
+        let bytes = c0.encode().map_err(|e| self.fmt_err(e))?;
+        self.switch_header(&bytes, 0, || {
+            "the switch of the header to a new bitmap directory failed".to_string()
+        })
+        .await
+    }
+}
+
+/// QEMU's limit on a bitmap name's length.
+const MAX_NAME: usize = 1023;
+
+/// QEMU's refusal of an inconsistent bitmap, with its hint.
+fn inconsistent(name: &str) -> Error {
+    Error::InvalidOption(format!(
+        "Bitmap '{name}' is inconsistent and cannot be used\n\
+         Try block-dirty-bitmap-remove to delete this bitmap from disk"
+    ))
+}
+
+fn not_found(name: &str) -> Error {
+    Error::InvalidOption(format!("Dirty bitmap '{name}' not found"))
+}
+
+impl<S: Storage> Inner<S> {
+    /// The bitmaps in directory order (as on disk at open, with what this open changed).
+    pub(crate) fn bitmap_list(&self) -> Vec<BitmapInfo> {
+        let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+        state.list.iter().map(Bitmap::info).collect()
+    }
+
+    /// Runs `change` on the consistent bitmap `name` of an image opened for writing.
+    fn change_bitmap<T>(&self, name: &str, change: impl FnOnce(&mut Bitmap) -> T) -> Result<T> {
+        self.check_writable()?;
+        let mut state = self
+            .bitmaps
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let b = state
+            .list
+            .iter_mut()
+            .find(|b| b.named(name))
+            .ok_or_else(|| not_found(name))?;
+        if b.inconsistent {
+            return Err(inconsistent(name));
+        }
+        let out = change(b);
+        let recording = state.list.iter().any(Bitmap::enabled);
+        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.changed.store(true, Ordering::Release);
+        Ok(out)
+    }
+
+    /// Adds an empty bitmap (`qemu-img bitmap --add`): `granularity` defaults to the cluster
+    /// size within 4 KiB..=64 KiB, as QEMU's; `enabled` records writes from now on.
+    pub(crate) fn add_bitmap(
+        &self,
+        name: &str,
+        granularity: Option<u64>,
+        enabled: bool,
+    ) -> Result<()> {
+        self.check_writable()?;
+        let cs = self.geo.cluster_size();
+        let mut state = self
+            .bitmaps
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        if state.list.iter().any(|b| b.named(name)) {
+            return Err(Error::InvalidOption(format!(
+                "Bitmap already exists: {name}"
+            )));
+        }
+        let g = granularity.unwrap_or(cs.clamp(4096, 65536));
+        let max = 1u64 << MAX_GRANULARITY_BITS;
+        if !g.is_power_of_two() || g < 512 || g > max {
+            return Err(Error::InvalidOption(
+                "Granularity must be power of 2 and at least 512".into(),
+            ));
+        }
+        let persistent = |why: &str| {
+            Error::InvalidOption(format!(
+                "Can't make bitmap '{name}' persistent in '{}': {why}",
+                self.path.display()
+            ))
+        };
+        if name.is_empty() {
+            return Err(Error::InvalidOption("Bitmap name cannot be empty".into()));
+        }
+        if !state.maintained {
+            return Err(persistent("Cannot store dirty bitmaps in qcow2 v2 files"));
+        }
+        if name.len() > MAX_NAME {
+            return Err(persistent(&format!(
+                "Name length exceeds maximum ({MAX_NAME} characters)"
+            )));
+        }
+        if state.list.len() >= bitmap::MAX_BITMAPS as usize {
+            return Err(persistent("Too many persistent bitmaps"));
+        }
+        let granularity_bits = g.trailing_zeros() as u8;
+        let bits = bitmap::bit_count(self.size(), granularity_bits);
+        let entries = bitmap::table_entries(bits, cs);
+        state.list.push(Bitmap {
+            entry: BitmapEntry {
+                table_offset: 0,
+                table_size: entries as u32,
+                flags: if enabled { FLAG_AUTO } else { 0 },
+                kind: TYPE_DIRTY_TRACKING,
+                granularity_bits,
+                extra_data: Vec::new(),
+                name: name.as_bytes().to_vec(),
+            },
+            inconsistent: false,
+            table: Vec::new(),
+            words: (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            bits,
+        });
+        state.reshaped = true;
+        let recording = state.list.iter().any(Bitmap::enabled);
+        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.changed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Removes bitmap `name` (inconsistent ones too); its clusters are freed at close.
+    pub(crate) fn remove_bitmap(&self, name: &str) -> Result<()> {
+        self.check_writable()?;
+        let mut state = self
+            .bitmaps
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let at = state
+            .list
+            .iter()
+            .position(|b| b.named(name))
+            .ok_or_else(|| not_found(name))?;
+        let b = state.list.remove(at);
+        state.removed.push(b.entry);
+        state.reshaped = true;
+        let recording = state.list.iter().any(Bitmap::enabled);
+        self.bitmaps.recording.store(recording, Ordering::Release);
+        Ok(())
+    }
+
+    /// Clears every bit of bitmap `name`.
+    pub(crate) fn clear_bitmap(&self, name: &str) -> Result<()> {
+        self.change_bitmap(name, |b| {
+            for w in &b.words {
+                w.store(0, Ordering::Relaxed);
+            }
+        })
+    }
+
+    /// Enables (records writes) or disables bitmap `name`.
+    pub(crate) fn enable_bitmap(&self, name: &str, enabled: bool) -> Result<()> {
+        self.change_bitmap(name, |b| match enabled {
+            true => b.entry.flags |= FLAG_AUTO,
+            false => b.entry.flags &= !FLAG_AUTO,
+        })
+    }
+
+    /// Sets in bitmap `name` every range `source` has set (granularities may differ: a
+    /// coarser target marks whole granules).
+    pub(crate) fn merge_bitmap(&self, name: &str, source: &DirtyBitmap) -> Result<()> {
+        self.change_bitmap(name, |b| {
+            let size = self.size().min(source.size);
+            for (at, len) in source.extents(0, size) {
+                b.set(at, len);
+            }
+        })
+    }
+
+    /// The bits of bitmap `name` (read from the file on a read-only open).
+    pub(crate) async fn dirty_bitmap(&self, name: &str) -> Result<DirtyBitmap> {
+        let (entry, words, read_only, dir_at) = {
+            let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+            let b = state
+                .list
+                .iter()
+                .find(|b| b.named(name))
+                .ok_or_else(|| not_found(name))?;
+            if b.inconsistent {
+                return Err(Error::InvalidOption(format!(
+                    "Bitmap '{name}' is inconsistent and cannot be used"
+                )));
+            }
+            let words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
+            let dir_at = state.directory.map_or(0, |(at, _)| at);
+            (b.entry.clone(), words, state.read_only, dir_at)
+        };
+        let words = match read_only {
+            true => self.read_bitmap(&entry, dir_at).await?.1,
+            false => words,
+        };
+        Ok(DirtyBitmap {
+            granularity: entry.granularity(),
+            size: self.size(),
+            words,
+        })
     }
 }

@@ -41,6 +41,7 @@ mod state;
 pub(crate) mod walk;
 
 #[cfg(feature = "blocking")]
+pub use bitmaps::{BitmapInfo, DirtyBitmap};
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};
 pub use image::{Backing, Image, Stats};

@@ -271,6 +271,13 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
         });
         if opts.writable {
             inner.prepare_for_writing(&c0.header, c0.bitmaps()).await?;
+        } else if let Some(ext) = c0.bitmaps() {
+            // Listed for reading (their bits are read when asked for); a directory QEMU
+            // would refuse leaves the list empty: reading the disk does not need it.
+            if c0.header.autoclear_features & AUTOCLEAR_BITMAPS != 0 {
+                let mut m = inner.meta.lock().await;
+                let _ = inner.load_bitmaps(&mut m, ext, false).await;
+            }
         }
         if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
             match tokio::runtime::Handle::try_current() {
@@ -370,7 +377,11 @@ async fn cleaner<S: Storage + 'static>(weak: Weak<Inner<S>>, interval: Duration)
     }
 }
 
-async fn read_cluster0<S: Storage>(file: &S, path: &Path, mode: OpenMode) -> Result<Cluster0> {
+pub(crate) async fn read_cluster0<S: Storage>(
+    file: &S,
+    path: &Path,
+    mode: OpenMode,
+) -> Result<Cluster0> {
     let len = file.len().await.map_err(|e| Error::storage(path, e))?;
     let want = usize::try_from(len.min(MAX_CLUSTER0 as u64)).unwrap_or(MAX_CLUSTER0);
     let mut bytes = vec![0u8; want.max(512)];
@@ -409,11 +420,14 @@ impl<S: Storage> Inner<S> {
         // refcounts are rebuilt, which must count their clusters.
         let loaded = match bitmaps {
             Some(ext) if h.version >= 3 && h.autoclear_features & AUTOCLEAR_BITMAPS != 0 => {
-                self.load_bitmaps(&mut m, ext).await?;
+                self.load_bitmaps(&mut m, ext, true).await?;
                 true
             }
             _ => false,
         };
+        if h.version >= 3 {
+            self.maintain_bitmaps();
+        }
         if h.incompatible_features & INCOMPAT_DIRTY != 0 {
             self.rebuild_refcounts(&mut m).await?;
             // A crash inside a snapshot change can leave COPIED flags that disagree with the

@@ -664,12 +664,7 @@ impl<S: Storage> Inner<S> {
             let clusters = len.div_ceil(cs);
             let at = self.alloc_clusters(m, clusters).await?;
             raw.resize((clusters * cs) as usize, 0);
-            self.guard_write(m, at, raw.len() as u64, Writing::Data)
-                .await?;
-            self.file
-                .write_at(&raw, at)
-                .await
-                .map_err(|e| self.storage_error(e))?;
+            self.write_guarded(m, at, &raw, Writing::Data).await?;
             at
         };
         self.write_back(m, CacheKind::Refcount).await?;

@@ -252,6 +252,22 @@ impl<S: Storage> Shared<S> {
             .await)
     }
 
+    /// Writes `bytes` at `at` in the image file after [`guard_write`](Self::guard_write)
+    /// allowed it: how a new or moved metadata structure reaches the file.
+    pub(crate) async fn write_guarded(
+        &self,
+        m: &mut Meta,
+        at: u64,
+        bytes: &[u8],
+        writing: Writing,
+    ) -> Result<()> {
+        self.guard_write(m, at, bytes.len() as u64, writing).await?;
+        self.file
+            .write_at(bytes, at)
+            .await
+            .map_err(|e| self.storage_error(e))
+    }
+
     /// Reports corruption found while using the image. A writable image is marked corrupt on
     /// disk (incompatible bit 1) and refuses further writes, as QEMU does; `qimg check -r all`
     /// repairs it and clears the mark.

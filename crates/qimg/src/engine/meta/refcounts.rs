@@ -498,12 +498,8 @@ impl<S: Storage> Shared<S> {
         clusters: u64,
     ) -> Result<()> {
         let bytes = encode_words(&table);
-        self.guard_write(m, table_at, bytes.len() as u64, Writing::Data)
+        self.write_guarded(m, table_at, &bytes, Writing::Data)
             .await?;
-        self.file
-            .write_at(&bytes, table_at)
-            .await
-            .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         let pointer = header::encode_refcount_table_pointer(table_at, clusters as u32);
         self.switch_header(&pointer, header::field::REFCOUNT_TABLE, || {

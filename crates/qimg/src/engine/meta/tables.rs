@@ -130,12 +130,7 @@ impl<S: Storage> Shared<S> {
         l1.resize(entries as usize, L1Entry::UNALLOCATED);
         let mut raw = l1::encode_table(&l1);
         raw.resize((clusters * cs) as usize, 0);
-        self.guard_write(m, at, raw.len() as u64, Writing::Data)
-            .await?;
-        self.file
-            .write_at(&raw, at)
-            .await
-            .map_err(|e| self.storage_error(e))?;
+        self.write_guarded(m, at, &raw, Writing::Data).await?;
         if !self.lazy {
             self.write_back(m, CacheKind::Refcount).await?;
         }
