@@ -711,9 +711,7 @@ impl<S: Storage> Inner<S> {
                 .find(|b| b.named(name))
                 .ok_or_else(|| not_found(name))?;
             if b.inconsistent {
-                return Err(Error::InvalidOption(format!(
-                    "Bitmap '{name}' is inconsistent and cannot be used"
-                )));
+                return Err(inconsistent(name));
             }
             let words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
             let dir_at = state.directory.map_or(0, |(at, _)| at);

@@ -40,8 +40,8 @@ mod snapshot;
 mod state;
 pub(crate) mod walk;
 
-#[cfg(feature = "blocking")]
 pub use bitmaps::{BitmapInfo, DirtyBitmap};
+#[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};
 pub use image::{Backing, Image, Stats};
