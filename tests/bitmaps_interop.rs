@@ -440,3 +440,149 @@ fn qimg_bitmap_matches_qemu_img_bitmap() {
         );
     }
 }
+
+/// A server process stopped with SIGTERM on drop (it closes its image, storing the bitmaps).
+struct Served(Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let pid = self.0.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        // Hang guard: servers stop within milliseconds; 60 s allowed, then SIGKILL.
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(60) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(dir: &Path, prog: &Path, args: &[&str], sock: &Path) -> Served {
+    let _ = std::fs::remove_file(sock);
+    let child = Command::new(prog)
+        .current_dir(dir)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("server");
+    let served = Served(child);
+    // Hang guard: servers listen within milliseconds; 60 s allowed.
+    let start = Instant::now();
+    while !sock.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "hang guard: {} did not listen",
+            prog.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    served
+}
+
+/// `nbdinfo ARGS` with retries while the server starts accepting.
+fn nbdinfo(dir: &Path, args: &[&str]) -> String {
+    for _ in 0..100 {
+        let o = run(dir, Path::new("nbdinfo"), args);
+        if o.status.success() {
+            return String::from_utf8_lossy(&o.stdout).into_owned();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nbdinfo {args:?} failed");
+}
+
+/// `qimg serve --nbd -B NAME` (issue 35, item 4) offers the `qemu:dirty-bitmap:NAME` contexts
+/// qemu-nbd `-B NAME` offers, listed in the same order, with the same block status
+/// (`nbdinfo --map`), read-only and writable, and refuses a bitmap that is not there.
+#[test]
+fn serve_offers_dirty_bitmaps_as_qemu_nbd() {
+    if !have_tools("serve_offers_dirty_bitmaps_as_qemu_nbd") {
+        return;
+    }
+    let d = Scratch::new("bitmap-serve");
+    qemu_create(&d.0, "a.qcow2", "extended_l2=on", "64M");
+    add(&d.0, "a.qcow2", "b0", &[]);
+    add(&d.0, "a.qcow2", "fine", &["-g", "512"]);
+    apply(
+        &d.0,
+        false,
+        "a.qcow2",
+        &[
+            "write 1M 100k".into(),
+            "write -z 9M 3M".into(),
+            "discard 20M 4k".into(),
+            "write 63M 1000".into(),
+        ],
+    );
+    ok(
+        "qemu-img bitmap",
+        &qemu_img(&d.0, &["bitmap", "--disable", "a.qcow2", "fine"]),
+    );
+    let (qs, ns) = (d.path("q.sock"), d.path("n.sock"));
+    for writable in [false, true] {
+        let mut extra = vec!["-B", "b0", "-B", "fine"];
+        if !writable {
+            extra.push("-r");
+        }
+        let (q, n) = (
+            format!("unix:{}", qs.display()),
+            format!("--socket={}", ns.display()),
+        );
+        let mut ours = vec!["serve", "--nbd", &q, "--persistent"];
+        ours.extend(&extra);
+        ours.push("a.qcow2");
+        let mut theirs = vec![n.as_str(), "--format=qcow2", "--persistent"];
+        theirs.extend(&extra);
+        theirs.push("a.qcow2");
+        let uri = |s: &Path| format!("nbd+unix:///?socket={}", s.display());
+        let mut results = Vec::new();
+        for (prog, args, sock) in [
+            (common::qimg_bin(), ours, &qs),
+            (std::path::PathBuf::from("qemu-nbd"), theirs, &ns),
+        ] {
+            let _server = serve(&d.0, &prog, &args, sock);
+            let list = nbdinfo(&d.0, &["--list", &uri(sock)]);
+            let contexts: Vec<String> = list
+                .lines()
+                .skip_while(|l| !l.contains("contexts:"))
+                .skip(1)
+                .take_while(|l| l.starts_with("\t\t"))
+                .map(|l| l.trim().to_string())
+                .collect();
+            let mut maps = Vec::new();
+            for ctx in ["qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:fine"] {
+                maps.push(nbdinfo(&d.0, &[&format!("--map={ctx}"), &uri(sock)]));
+            }
+            results.push((contexts, maps));
+        }
+        assert_eq!(
+            results[0], results[1],
+            "writable {writable}: qimg serve / qemu-nbd"
+        );
+        assert!(results[0].1[0].contains("dirty"), "{:?}", results[0]);
+    }
+    // A bitmap that is not there ends the server before it listens, as with qemu-nbd.
+    let o = qimg(
+        &d.0,
+        &[
+            "serve",
+            "--nbd",
+            "unix:x.sock",
+            "-r",
+            "-B",
+            "nope",
+            "a.qcow2",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("Bitmap 'nope' is not found"),
+        "{o:?}"
+    );
+    check_clean(&d.0, "a.qcow2");
+}

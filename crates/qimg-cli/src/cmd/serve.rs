@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// Offer the qemu:allocation-depth metadata context.
     #[arg(short = 'A', long = "allocation-depth")]
     pub allocation_depth: bool,
+    /// Offer the persistent dirty bitmap NAME as the qemu:dirty-bitmap:NAME metadata context
+    /// (repeatable, as qemu-nbd's -B).
+    #[arg(short = 'B', long = "bitmap", value_name = "NAME", action = clap::ArgAction::Append)]
+    pub bitmaps: Vec<String>,
     /// Write the process id to FILE once the socket accepts connections.
     #[arg(long = "pidfile", visible_alias = "pid-file", value_name = "FILE")]
     pub pidfile: Option<PathBuf>,
@@ -225,6 +229,13 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.description = a.description.clone();
     export.read_only = a.readonly;
     export.allocation_depth = a.allocation_depth;
+    for name in &a.bitmaps {
+        // As qemu-nbd: a bitmap that is not there (or cannot be used) ends the server.
+        if !image.bitmaps().iter().any(|b| &b.name == name) {
+            bail!("Bitmap '{name}' is not found");
+        }
+    }
+    export.bitmaps = a.bitmaps.clone();
     export.writethrough = mode.writethrough;
     export.no_flush = mode.no_flush;
     export.per_connection_queue = true;

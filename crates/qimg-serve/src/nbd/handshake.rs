@@ -26,6 +26,9 @@ pub struct Negotiated {
     pub base_allocation: bool,
     /// `qemu:allocation-depth` was selected.
     pub allocation_depth: bool,
+    /// Bit `i` set: the `qemu:dirty-bitmap:` context of the export's bitmap `i` was
+    /// selected (context id [`CTX_ID_BITMAP`]` + i`).
+    pub bitmaps: u32,
 }
 
 /// The metadata contexts a client selected, and for which export name.
@@ -34,6 +37,7 @@ struct Selected {
     export: String,
     base: bool,
     depth: bool,
+    bitmaps: u32,
 }
 
 /// A reader over option data that reports running out instead of panicking.
@@ -258,6 +262,11 @@ fn negotiated(structured: bool, extended: bool, selected: &Selected, name: &str)
         extended,
         base_allocation: structured && same && selected.base,
         allocation_depth: structured && same && selected.depth,
+        bitmaps: if structured && same {
+            selected.bitmaps
+        } else {
+            0
+        },
     }
 }
 
@@ -354,18 +363,32 @@ async fn meta_context<S: Storage + 'static>(
         let msg = format!("export {:?} not found", String::from_utf8_lossy(name));
         return error(s, option, REP_ERR_UNKNOWN, &msg).await;
     }
-    let (mut base, mut depth) = (false, false);
+    let (mut base, mut depth, mut bitmaps) = (false, false, 0u32);
+    let every_bitmap = (1u32 << export.bitmaps.len().min(32)).wrapping_sub(1);
     if queries.is_empty() && !set {
         base = true;
         depth = export.allocation_depth;
+        bitmaps = every_bitmap;
     }
     for q in queries {
         match q {
             b"base:allocation" => base = true,
             b"base:" if !set => base = true,
             b"qemu:allocation-depth" => depth |= export.allocation_depth,
-            b"qemu:" if !set => depth |= export.allocation_depth,
-            _ => {}
+            b"qemu:" if !set => {
+                depth |= export.allocation_depth;
+                bitmaps = every_bitmap;
+            }
+            b"qemu:dirty-bitmap:" if !set => bitmaps = every_bitmap,
+            q => {
+                let named = q.strip_prefix(CTX_DIRTY_BITMAP_PREFIX.as_bytes());
+                if let Some(i) = named
+                    .and_then(|n| export.bitmaps.iter().position(|b| b.as_bytes() == n))
+                    .filter(|&i| i < 32)
+                {
+                    bitmaps |= 1 << i;
+                }
+            }
         }
     }
     if set {
@@ -373,12 +396,19 @@ async fn meta_context<S: Storage + 'static>(
             export: export.name.clone(),
             base,
             depth,
+            bitmaps,
         };
     }
-    for (on, id, ctx) in [
-        (base, CTX_ID_BASE, CTX_BASE_ALLOCATION),
-        (depth, CTX_ID_DEPTH, CTX_ALLOCATION_DEPTH),
-    ] {
+    let mut offered = vec![
+        (base, CTX_ID_BASE, CTX_BASE_ALLOCATION.to_string()),
+        (depth, CTX_ID_DEPTH, CTX_ALLOCATION_DEPTH.to_string()),
+    ];
+    // Listed last given first, as qemu-nbd lists its -B bitmaps.
+    for (i, name) in export.bitmaps.iter().enumerate().take(32).rev() {
+        let ctx = format!("{CTX_DIRTY_BITMAP_PREFIX}{name}");
+        offered.push((bitmaps & 1 << i != 0, CTX_ID_BITMAP + i as u32, ctx));
+    }
+    for (on, id, ctx) in offered {
         if on {
             let mut m = id.to_be_bytes().to_vec();
             m.extend_from_slice(ctx.as_bytes());

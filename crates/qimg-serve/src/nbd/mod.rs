@@ -142,6 +142,9 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     pub read_only: bool,
     /// Offer the `qemu:allocation-depth` metadata context.
     pub allocation_depth: bool,
+    /// Persistent dirty bitmaps offered as `qemu:dirty-bitmap:NAME` metadata contexts (block
+    /// status flag 1: dirty), as qemu-nbd's `-B NAME` (at most 32).
+    pub bitmaps: Vec<String>,
     /// Flush after every write (cache mode `writethrough`, `directsync`).
     pub writethrough: bool,
     /// Ignore flushes (cache mode `unsafe`).
@@ -169,6 +172,7 @@ impl<S: Storage + 'static> Export<S> {
             description: None,
             read_only,
             allocation_depth: false,
+            bitmaps: Vec::new(),
             writethrough: false,
             no_flush: false,
             tls: None,

@@ -186,3 +186,7 @@ pub const CTX_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 pub const CTX_ID_BASE: u32 = 1;
 /// Context id of `qemu:allocation-depth`.
 pub const CTX_ID_DEPTH: u32 = 2;
+/// What a `qemu:dirty-bitmap:NAME` context name starts with.
+pub const CTX_DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
+/// Context id of the export's first bitmap (the next ones follow).
+pub const CTX_ID_BITMAP: u32 = 3;

@@ -108,3 +108,21 @@ pub(crate) fn descriptors(runs: &[Run], value: impl Fn(&Run) -> u32) -> Vec<(u64
     }
     out
 }
+
+/// Block status descriptors `(length, flags)` of a `qemu:dirty-bitmap:` context over
+/// `[start, end)`: flag 1 over the `dirty` ranges (in order, within the span), 0 between.
+pub(super) fn dirty_descriptors(dirty: &[(u64, u64)], start: u64, end: u64) -> Vec<(u64, u32)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    for &(offset, len) in dirty {
+        if offset > at {
+            out.push((offset - at, 0));
+        }
+        out.push((len, 1));
+        at = offset + len;
+    }
+    if at < end {
+        out.push((end - at, 0));
+    }
+    out
+}

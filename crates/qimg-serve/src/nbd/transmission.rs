@@ -844,7 +844,7 @@ fn check<S: Storage + 'static>(
         return Err((EINVAL, "flush must have offset and length 0".into()));
     }
     if req.kind == CMD_BLOCK_STATUS {
-        if !(neg.base_allocation || neg.allocation_depth) {
+        if !(neg.base_allocation || neg.allocation_depth || neg.bitmaps != 0) {
             return Err((EINVAL, "no metadata context was selected".into()));
         }
         if req.len == 0 {
@@ -875,7 +875,7 @@ async fn execute<S: Storage + 'static>(
     let (offset, len) = (req.offset, req.len);
     let done = match req.kind {
         CMD_READ => return read(img, neg, req).await,
-        CMD_BLOCK_STATUS => return Reply::bytes(block_status(img, neg, req).await),
+        CMD_BLOCK_STATUS => return Reply::bytes(block_status(export, img, neg, req).await),
         CMD_WRITE => img.write(&payload, offset).await,
         CMD_FLUSH if export.no_flush => Ok(()),
         CMD_FLUSH => img.flush().await,
@@ -1064,14 +1064,17 @@ fn tile_holes(offset: u64, len: u64, holes: &[(usize, usize)]) -> Vec<(u64, u64,
 
 /// `NBD_CMD_BLOCK_STATUS`: one chunk per selected context.
 async fn block_status<S: Storage + 'static>(
+    export: &Export<S>,
     img: &Image<S>,
     neg: Negotiated,
     req: Request,
 ) -> Vec<u8> {
     let len = req.len.min(MAX_STATUS_SPAN);
     let mut runs: Vec<Run> = Vec::new();
-    if let Err(e) = status::layer(img, 1, req.offset, len, &mut runs).await {
-        return error_reply(neg, req, errno(&e), &e.to_string());
+    if neg.base_allocation || neg.allocation_depth {
+        if let Err(e) = status::layer(img, 1, req.offset, len, &mut runs).await {
+            return error_reply(neg, req, errno(&e), &e.to_string());
+        }
     }
     let one = req.flags & CMD_FLAG_REQ_ONE != 0;
     let mut contexts: Vec<(u32, Vec<(u64, u32)>)> = Vec::new();
@@ -1080,6 +1083,19 @@ async fn block_status<S: Storage + 'static>(
     }
     if neg.allocation_depth {
         contexts.push((CTX_ID_DEPTH, status::descriptors(&runs, |r| r.depth)));
+    }
+    let end = (req.offset + len).min(img.size());
+    for (i, name) in export.bitmaps.iter().enumerate().take(32) {
+        if neg.bitmaps & 1 << i == 0 {
+            continue;
+        }
+        match img.bitmap_extents(name, req.offset, len).await {
+            Ok(dirty) => contexts.push((
+                CTX_ID_BITMAP + i as u32,
+                status::dirty_descriptors(&dirty, req.offset, end),
+            )),
+            Err(e) => return error_reply(neg, req, errno(&e), &e.to_string()),
+        }
     }
     let mut m = Vec::new();
     let last = contexts.len() - 1;

@@ -165,6 +165,18 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.dirty_bitmap(name).await
     }
 
+    /// The changed ranges `(offset, length)` of bitmap `name` within `[offset, offset +
+    /// len)`, merged and clipped to the range: [`dirty_bitmap`](Self::dirty_bitmap)'s
+    /// extents without copying the bitmap (an NBD export's `qemu:dirty-bitmap:` context).
+    pub async fn bitmap_extents(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, u64)>> {
+        self.inner.bitmap_extents(name, offset, len).await
+    }
+
     /// Records `[offset, offset + len)` as changed in every enabled persistent dirty bitmap,
     /// without changing anything else. Every write, write-zeroes and discard does this
     /// itself; a caller that answers a request without calling them (QEMU's block layer

@@ -269,14 +269,13 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             meta: tokio::sync::Mutex::new(meta),
             locks: RangeLocks::default(),
         });
+        // Boxed: this function recurses down the backing chain, and every level's frame
+        // counts.
         if opts.writable {
-            inner.prepare_for_writing(&c0.header, c0.bitmaps()).await?;
+            Box::pin(inner.prepare_for_writing(&c0.header, c0.bitmaps())).await?;
         } else if let Some(ext) = c0.bitmaps() {
-            // Listed for reading (their bits are read when asked for); a directory QEMU
-            // would refuse leaves the list empty: reading the disk does not need it.
             if c0.header.autoclear_features & AUTOCLEAR_BITMAPS != 0 {
-                let mut m = inner.meta.lock().await;
-                let _ = inner.load_bitmaps(&mut m, ext, false).await;
+                Box::pin(inner.list_bitmaps(ext)).await;
             }
         }
         if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
@@ -400,6 +399,13 @@ pub(crate) async fn read_cluster0<S: Storage>(
 }
 
 impl<S: Storage> Inner<S> {
+    /// Read-only open: the bitmaps are listed (their bits are read when asked for); a
+    /// directory QEMU would refuse leaves the list empty: reading the disk does not need it.
+    async fn list_bitmaps(&self, ext: &qimg_format::bitmap::BitmapsExtension) {
+        let mut m = self.meta.lock().await;
+        let _ = self.load_bitmaps(&mut m, ext, false).await;
+    }
+
     /// Read-write open: repair a dirty image, load the bitmaps (marking them in use), drop
     /// autoclear bits we do not maintain.
     async fn prepare_for_writing(

@@ -78,27 +78,39 @@ impl DirtyBitmap {
     /// The dirty ranges `(offset, length)` within `[offset, offset + len)`, merged, clipped
     /// to the range and to the disk.
     pub fn extents(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
-        let end = offset.saturating_add(len).min(self.size);
-        let g = self.granularity;
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        let mut n = offset / g;
-        while n * g < end {
-            let word = self.words.get((n / 64) as usize).copied().unwrap_or(0);
-            if word == 0 && n % 64 == 0 {
-                n += 64;
-                continue;
-            }
-            if word >> (n % 64) & 1 == 1 {
-                let (a, b) = ((n * g).max(offset), ((n + 1) * g).min(end));
-                match out.last_mut() {
-                    Some(last) if last.0 + last.1 == a => last.1 += b - a,
-                    _ => out.push((a, b - a)),
-                }
-            }
-            n += 1;
-        }
-        out
+        let word = |i: usize| self.words.get(i).copied().unwrap_or(0);
+        extents(word, self.granularity, self.size, offset, len)
     }
+}
+
+/// The dirty ranges within `[offset, offset + len)` of a bitmap whose word `i` is `word(i)`.
+fn extents(
+    word: impl Fn(usize) -> u64,
+    granularity: u64,
+    size: u64,
+    offset: u64,
+    len: u64,
+) -> Vec<(u64, u64)> {
+    let end = offset.saturating_add(len).min(size);
+    let g = granularity;
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut n = offset / g;
+    while n * g < end {
+        let word = word((n / 64) as usize);
+        if word == 0 && n % 64 == 0 {
+            n += 64;
+            continue;
+        }
+        if word >> (n % 64) & 1 == 1 {
+            let (a, b) = ((n * g).max(offset), ((n + 1) * g).min(end));
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == a => last.1 += b - a,
+                _ => out.push((a, b - a)),
+            }
+        }
+        n += 1;
+    }
+    out
 }
 
 /// One bitmap of the directory.

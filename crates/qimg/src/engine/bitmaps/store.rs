@@ -493,9 +493,10 @@ impl<S: Storage> Inner<S> {
         })
     }
 
-    /// The bits of bitmap `name` (read from the file on a read-only open).
-    pub(crate) async fn dirty_bitmap(&self, name: &str) -> Result<DirtyBitmap> {
-        let (entry, words, read_only, dir_at) = {
+    /// Runs `f` on the consistent bitmap `name`, its bits in memory (a read-only open reads
+    /// them from the file at the first use and keeps them: nothing changes them).
+    async fn with_bits<T>(&self, name: &str, f: impl FnOnce(&Bitmap) -> T) -> Result<T> {
+        let load = {
             let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
             let b = state
                 .list
@@ -505,18 +506,55 @@ impl<S: Storage> Inner<S> {
             if b.inconsistent {
                 return Err(inconsistent(name));
             }
-            let words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
             let dir_at = state.directory.map_or(0, |(at, _)| at);
-            (b.entry.clone(), words, state.read_only, dir_at)
+            (state.read_only && b.words.is_empty()).then(|| (b.entry.clone(), dir_at))
         };
-        let words = match read_only {
-            true => self.read_bitmap(&entry, dir_at).await?.1,
-            false => words,
-        };
-        Ok(DirtyBitmap {
-            granularity: entry.granularity(),
-            size: self.size(),
-            words,
+        if let Some((entry, dir_at)) = load {
+            let (table, words, bits) = self.read_bitmap(&entry, dir_at).await?;
+            let mut state = self
+                .bitmaps
+                .state
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(b) = state.list.iter_mut().find(|b| b.named(name)) {
+                b.table = table;
+                b.words = words.into_iter().map(AtomicU64::new).collect();
+                b.bits = bits;
+            }
+        }
+        let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+        let b = state
+            .list
+            .iter()
+            .find(|b| b.named(name))
+            .ok_or_else(|| not_found(name))?;
+        Ok(f(b))
+    }
+
+    /// The bits of bitmap `name`.
+    pub(crate) async fn dirty_bitmap(&self, name: &str) -> Result<DirtyBitmap> {
+        let size = self.size();
+        self.with_bits(name, |b| DirtyBitmap {
+            granularity: b.entry.granularity(),
+            size,
+            words: b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect(),
         })
+        .await
+    }
+
+    /// The dirty ranges of bitmap `name` within `[offset, offset + len)`, without copying
+    /// the bitmap (what an NBD block status asks for).
+    pub(crate) async fn bitmap_extents(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, u64)>> {
+        let size = self.size();
+        self.with_bits(name, |b| {
+            let word = |i: usize| b.words.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
+            super::extents(word, b.entry.granularity(), size, offset, len)
+        })
+        .await
     }
 }
