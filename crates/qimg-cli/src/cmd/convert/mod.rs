@@ -35,7 +35,7 @@ use qimg::tools::create::{create, create_raw};
 use self::copy::{Progress, copy};
 use self::options::Settings;
 use self::plan::{Plan, data_bytes};
-use self::source::open_sources;
+use self::source::{SourceImage, open_sources};
 use self::target::{OutputImage, backing_len, open_target};
 use crate::chain::Layer;
 use crate::status::lib_msg;
@@ -98,6 +98,12 @@ pub struct ConvertArgs {
     /// writethrough or unsafe (the same as writeback for reading).
     #[arg(short = 'T', long = "source-cache")]
     src_cache: Option<String>,
+    /// Copy the source's persistent dirty bitmaps into the (qcow2) output.
+    #[arg(long = "bitmaps")]
+    bitmaps: bool,
+    /// With --bitmaps: leave inconsistent bitmaps out (with a warning) instead of failing.
+    #[arg(long = "skip-broken-bitmaps")]
+    skip_broken_bitmaps: bool,
     /// One or more sources (their guest contents are concatenated), then the destination.
     #[arg(allow_hyphen_values = false)]
     files: Vec<String>,
@@ -135,8 +141,27 @@ fn execute(settings: Settings) -> Result<()> {
             settings.force_share,
         )
         .await?;
+        let bitmaps = match &source.0.first() {
+            Some((_, _, SourceImage::Qcow2(img))) if settings.bitmaps => img.bitmaps(),
+            _ => Vec::new(),
+        };
+        // QEMU walks its bitmaps last first: the last inconsistent one is named.
+        if let Some(b) = bitmaps
+            .iter()
+            .rev()
+            .find(|b| b.inconsistent && !settings.skip_broken_bitmaps)
+        {
+            bail!(
+                "Cannot copy inconsistent bitmap '{}'\nTry --skip-broken-bitmaps, or use \
+                 'qemu-img bitmap --remove' to delete it",
+                b.name
+            );
+        }
         if !no_create {
             create_output(&settings, dst_path, size)?;
+        }
+        if settings.bitmaps && settings.out_fmt != ImageFormat::Qcow2 {
+            bail!("Format driver 'raw' does not support bitmaps");
         }
         let target =
             open_target(dst_path, dst_file, settings.out_fmt, size, settings.cache).await?;
@@ -174,7 +199,12 @@ fn execute(settings: Settings) -> Result<()> {
             progress.total = data_bytes(&srcs, plan).await?;
         }
         progress.start();
-        copy(&srcs, source, target.clone(), plan, &mut progress).await?;
+        copy(&srcs, source.clone(), target.clone(), plan, &mut progress).await?;
+        if let (Some((_, _, SourceImage::Qcow2(src))), OutputImage::Qcow2(dst)) =
+            (source.0.first(), &target.out)
+        {
+            copy_bitmaps(src, dst, &bitmaps).await?;
+        }
         target
             .finish()
             .await
@@ -182,6 +212,33 @@ fn execute(settings: Settings) -> Result<()> {
         progress.end();
         Ok(())
     })
+}
+
+/// `--bitmaps`: each bitmap of the source, with its granularity, enabled state and bits, into
+/// the output (inconsistent ones, which `--skip-broken-bitmaps` lets through, are skipped
+/// with qemu-img's warning). They reach the output's file when it is closed.
+async fn copy_bitmaps(
+    src: &qimg::Image<qimg::io::AnyStorage>,
+    dst: &qimg::Image<target::OutStorage>,
+    bitmaps: &[qimg::BitmapInfo],
+) -> Result<()> {
+    // Warned about last first, as QEMU walks its bitmaps; added in directory order (which
+    // is where QEMU's output has them).
+    for b in bitmaps.iter().rev().filter(|b| b.inconsistent) {
+        eprintln!(
+            "{}: warning: Skipping inconsistent bitmap '{}'",
+            crate::status::program(),
+            b.name
+        );
+    }
+    for b in bitmaps.iter().filter(|b| !b.inconsistent) {
+        let failed = |e: qimg::Error| anyhow!("Failed to populate bitmap {}: {e}", b.name);
+        dst.add_bitmap(&b.name, Some(b.granularity), b.enabled)
+            .map_err(failed)?;
+        let bits = src.dirty_bitmap(&b.name).await.map_err(failed)?;
+        dst.merge_bitmap(&b.name, &bits).map_err(failed)?;
+    }
+    Ok(())
 }
 
 /// Creates the output, as large as the sources together, with the `-o` options.

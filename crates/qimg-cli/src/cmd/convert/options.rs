@@ -45,6 +45,9 @@ pub(super) struct Settings {
     pub(super) src_cache: CacheMode,
     /// `-U`: read the sources without keeping others from writing them.
     pub(super) force_share: bool,
+    /// `--bitmaps`, `--skip-broken-bitmaps`.
+    pub(super) bitmaps: bool,
+    pub(super) skip_broken_bitmaps: bool,
 }
 
 /// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
@@ -57,6 +60,9 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if pairs.iter().any(|p| p == "help" || p == "?") {
         print!("{}", create_opts::help_text(&out_name));
         return Ok(None);
+    }
+    if args.skip_broken_bitmaps && !args.bitmaps {
+        bail!("Use of --skip-broken-bitmaps requires --bitmaps");
     }
     let cache = CacheMode::parse_option(args.cache.as_deref(), "cache")?;
     let src_cache = CacheMode::parse_option(args.src_cache.as_deref(), "source cache")?;
@@ -114,6 +120,9 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if let Some(f) = &args.backing_fmt {
         create_options.backing_fmt = Some(f.clone());
     }
+    if args.bitmaps && src_files.len() > 1 {
+        bail!("Copying bitmaps only possible with single source");
+    }
     let has_backing = create_options.backing_file.is_some();
     if has_backing && src_files.len() > 1 {
         bail!(
@@ -156,5 +165,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         cache,
         src_cache,
         force_share: args.force_share,
+        bitmaps: args.bitmaps,
+        skip_broken_bitmaps: args.skip_broken_bitmaps,
     }))
 }
