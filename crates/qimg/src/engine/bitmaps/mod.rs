@@ -168,11 +168,26 @@ impl Bitmap {
 }
 
 impl Bitmaps {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes whether any bitmap of `state` records writes (what [`mark`](Self::mark) checks
+    /// before taking the lock).
+    fn note_recording(&self, state: &State) {
+        let on = state.list.iter().any(Bitmap::enabled);
+        self.recording.store(on, Ordering::Release);
+    }
+
     /// Follows a resize of the disk to `size` bytes: bits past the old end start clear, bits
     /// past the new end are dropped (as QEMU resizes its bitmaps).
     pub(crate) fn resize(&self, size: u64) {
         self.changed.store(true, Ordering::Release);
-        let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.write();
         for b in state.list.iter_mut().filter(|b| !b.inconsistent) {
             let bits = bitmap::bit_count(size, b.entry.granularity_bits);
             let mut words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
@@ -190,7 +205,7 @@ impl Bitmaps {
     /// Where the loaded directory is and each bitmap's table `(offset, entries)`, as on disk
     /// (for counting references when refcounts are rebuilt).
     pub(crate) fn layout(&self) -> (Option<(u64, u64)>, Vec<Table>) {
-        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        let state = self.read();
         let tables = state
             .list
             .iter()
@@ -206,7 +221,7 @@ impl Bitmaps {
             return;
         }
         self.changed.store(true, Ordering::Release);
-        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        let state = self.read();
         for b in state.list.iter().filter(|b| b.enabled()) {
             b.set(offset, len);
         }

@@ -63,26 +63,17 @@ impl<S: Storage> Inner<S> {
                 .await?;
             self.file.flush().await.map_err(|e| self.storage_error(e))?;
         }
-        let recording = list.iter().any(Bitmap::enabled);
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         state.directory = Some((dir_at, dir_len));
         state.list = list;
         state.read_only = !writable;
-        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.note_recording(&state);
         Ok(())
     }
 
     /// Lets a read-write open of a version 3 image add bitmaps (QEMU stores none in v2).
     pub(crate) fn maintain_bitmaps(&self) {
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         state.maintained = true;
     }
 
@@ -182,11 +173,7 @@ impl<S: Storage> Inner<S> {
     pub(crate) async fn store_bitmaps(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
         let (old_dir, mut list, removed, reshaped) = {
-            let mut state = self
-                .bitmaps
-                .state
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut state = self.bitmaps.write();
             if state.read_only || (state.directory.is_none() && !state.reshaped) {
                 return Ok(());
             }
@@ -302,11 +289,7 @@ impl<S: Storage> Inner<S> {
         for (at, n) in to_free {
             self.free_clusters(m, at, n).await?;
         }
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         state.list = list;
         state.directory = new_dir;
         Ok(())
@@ -345,18 +328,14 @@ impl<S: Storage> Inner<S> {
 impl<S: Storage> Inner<S> {
     /// The bitmaps in directory order (as on disk at open, with what this open changed).
     pub(crate) fn bitmap_list(&self) -> Vec<BitmapInfo> {
-        let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+        let state = self.bitmaps.read();
         state.list.iter().map(Bitmap::info).collect()
     }
 
     /// Runs `change` on the consistent bitmap `name` of an image opened for writing.
     fn change_bitmap<T>(&self, name: &str, change: impl FnOnce(&mut Bitmap) -> T) -> Result<T> {
         self.check_writable()?;
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         let b = state
             .list
             .iter_mut()
@@ -366,8 +345,7 @@ impl<S: Storage> Inner<S> {
             return Err(inconsistent(name));
         }
         let out = change(b);
-        let recording = state.list.iter().any(Bitmap::enabled);
-        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.note_recording(&state);
         self.bitmaps.changed.store(true, Ordering::Release);
         Ok(out)
     }
@@ -382,11 +360,7 @@ impl<S: Storage> Inner<S> {
     ) -> Result<()> {
         self.check_writable()?;
         let cs = self.geo.cluster_size();
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         if state.list.iter().any(|b| b.named(name)) {
             return Err(Error::InvalidOption(format!(
                 "Bitmap already exists: {name}"
@@ -438,8 +412,7 @@ impl<S: Storage> Inner<S> {
             bits,
         });
         state.reshaped = true;
-        let recording = state.list.iter().any(Bitmap::enabled);
-        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.note_recording(&state);
         self.bitmaps.changed.store(true, Ordering::Release);
         Ok(())
     }
@@ -447,11 +420,7 @@ impl<S: Storage> Inner<S> {
     /// Removes bitmap `name` (inconsistent ones too); its clusters are freed at close.
     pub(crate) fn remove_bitmap(&self, name: &str) -> Result<()> {
         self.check_writable()?;
-        let mut state = self
-            .bitmaps
-            .state
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut state = self.bitmaps.write();
         let at = state
             .list
             .iter()
@@ -460,8 +429,7 @@ impl<S: Storage> Inner<S> {
         let b = state.list.remove(at);
         state.removed.push(b.entry);
         state.reshaped = true;
-        let recording = state.list.iter().any(Bitmap::enabled);
-        self.bitmaps.recording.store(recording, Ordering::Release);
+        self.bitmaps.note_recording(&state);
         Ok(())
     }
 
@@ -497,7 +465,7 @@ impl<S: Storage> Inner<S> {
     /// them from the file at the first use and keeps them: nothing changes them).
     async fn with_bits<T>(&self, name: &str, f: impl FnOnce(&Bitmap) -> T) -> Result<T> {
         let load = {
-            let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+            let state = self.bitmaps.read();
             let b = state
                 .list
                 .iter()
@@ -511,18 +479,14 @@ impl<S: Storage> Inner<S> {
         };
         if let Some((entry, dir_at)) = load {
             let (table, words, bits) = self.read_bitmap(&entry, dir_at).await?;
-            let mut state = self
-                .bitmaps
-                .state
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut state = self.bitmaps.write();
             if let Some(b) = state.list.iter_mut().find(|b| b.named(name)) {
                 b.table = table;
                 b.words = words.into_iter().map(AtomicU64::new).collect();
                 b.bits = bits;
             }
         }
-        let state = self.bitmaps.state.read().unwrap_or_else(|e| e.into_inner());
+        let state = self.bitmaps.read();
         let b = state
             .list
             .iter()
