@@ -74,6 +74,43 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Changed-block tracking: persistent dirty bitmaps
+//!
+//! A bitmap records which parts of the disk changed (one bit per `granularity` bytes) and is
+//! stored in the image, as QEMU stores it: QEMU's tools read what qimg records and the other
+//! way round. An image opened for writing keeps its bitmaps up to date on every write path;
+//! a backup tool asks what changed since it last cleared one.
+//!
+//! ```
+//! use qimg::OpenOptions;
+//! # use qimg::tools::create::{CreateOptions, create};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("disk.qcow2");
+//! # let opts = CreateOptions { size: Some(1 << 30), extended_l2: true, cluster_size: 128 << 10, ..Default::default() };
+//! # create(&path, &opts, &mut |_, _| {})?;
+//! let rt = tokio::runtime::Runtime::new()?;
+//! rt.block_on(async {
+//!     let img = OpenOptions::new().writable(true).open(&path).await?;
+//!     // Track changes from now on, 64 KiB a bit (`qemu-img bitmap --add -g 64k`).
+//!     img.add_bitmap("backup", Some(64 << 10), true)?;
+//!     img.write(&[1; 4096], 10 << 20).await?;
+//!     img.discard(20 << 20, 1 << 20).await?;
+//!     // What changed since the bitmap was added (or last cleared).
+//!     let changed = img.bitmap_extents("backup", 0, img.size()).await?;
+//!     assert_eq!(changed, vec![(10 << 20, 64 << 10), (20 << 20, 1 << 20)]);
+//!     // After copying those ranges away, start the next increment.
+//!     img.clear_bitmap("backup")?;
+//!     img.close().await?; // stores the bitmap (`qemu-img info` lists it)
+//!     Ok::<_, Box<dyn std::error::Error>>(())
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! A writer that stops without closing leaves its bitmaps marked in use: QEMU and qimg then
+//! call them inconsistent ([`BitmapInfo::inconsistent`]), as QEMU's own writer leaves them.
+//!
 //! ## Layout
 //!
 //! | module | what |
