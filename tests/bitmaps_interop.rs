@@ -721,3 +721,52 @@ fn convert_copies_bitmaps_as_qemu_img() {
         }
     }
 }
+
+/// Applying an internal snapshot would leave every bitmap wrong: with any bitmap (even a
+/// disabled one) qemu-img refuses, and so does qimg, in the same words; creating and deleting
+/// snapshots keep the bitmaps.
+#[test]
+fn snapshot_apply_is_refused_with_bitmaps_as_qemu_img() {
+    if !have_tools("snapshot_apply_is_refused_with_bitmaps_as_qemu_img") {
+        return;
+    }
+    let d = Scratch::new("bitmap-snapshot");
+    let bin = d.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    for who in ["ours", "theirs"] {
+        let file = format!("{who}.qcow2");
+        qemu_create(&d.0, &file, "cluster_size=64k", "64M");
+        add(&d.0, &file, "off", &["--disable"]);
+        apply(&d.0, false, &file, &["write 0 64k".into()]);
+    }
+    let norm = |o: &std::process::Output, who: &str| {
+        let t = |b: &[u8]| String::from_utf8_lossy(b).replace(&format!("{who}.qcow2"), "@");
+        (t(&o.stdout), t(&o.stderr), o.status.code())
+    };
+    for args in [
+        &["snapshot", "-c", "s1", "@"][..],
+        &["snapshot", "-a", "s1", "@"][..],
+        &["snapshot", "-d", "s1", "@"][..],
+    ] {
+        let with = |who: &str| -> Vec<String> {
+            args.iter()
+                .map(|a| a.replace('@', &format!("{who}.qcow2")))
+                .collect()
+        };
+        let a = with("ours");
+        let mine = run(
+            &d.0,
+            &bin.join("qemu-img"),
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let b = with("theirs");
+        let theirs = qemu_img(&d.0, &b.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(norm(&mine, "ours"), norm(&theirs, "theirs"), "{args:?}");
+    }
+    check_clean(&d.0, "ours.qcow2");
+    assert_eq!(
+        bitmap_list(&d.0, "ours.qcow2"),
+        bitmap_list(&d.0, "theirs.qcow2")
+    );
+}

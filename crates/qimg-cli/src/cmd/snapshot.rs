@@ -166,6 +166,10 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
                 )
             }),
             Action::Apply(name) => img.apply_snapshot(&name).await.map_err(|e| {
+                // Refused before the driver is asked (bitmaps): no "Failed to load".
+                if let qimg::Error::InvalidOption(why) = &e {
+                    return anyhow!("Could not apply snapshot '{name}': {why}");
+                }
                 let why = match &e {
                     qimg::Error::SnapshotNotFound { .. } => "No such file or directory".into(),
                     other => reason(other, &file, "Operation not supported"),

@@ -262,10 +262,17 @@ impl<S: Storage> Image<S> {
 
     /// Reverts the disk to snapshot `name_or_id` (an ID, else the first snapshot with that
     /// name), as `qemu-img snapshot -a` does: the snapshot's L1 table becomes the active one
-    /// and the virtual size becomes the snapshot's. The snapshot stays.
+    /// and the virtual size becomes the snapshot's. The snapshot stays. Refused, as by QEMU,
+    /// while the image has persistent dirty bitmaps (reverting would leave them wrong).
     pub async fn apply_snapshot(&self, name_or_id: &str) -> Result<()> {
         let inner = &*self.inner;
         inner.check_snapshots_possible()?;
+        // As QEMU: reverting the disk would leave every bitmap wrong (enabled or not).
+        if !inner.bitmap_list().is_empty() {
+            return Err(Error::InvalidOption(
+                "Device has active dirty bitmaps".into(),
+            ));
+        }
         let _guard = inner.locks.lock(0, u64::MAX, true).await;
         let mut m = inner.meta.lock().await;
         inner.ensure_open(&m)?;
