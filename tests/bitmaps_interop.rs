@@ -61,6 +61,36 @@ fn apply(dir: &Path, ours: bool, file: &str, cmds: &[String]) {
     assert!(!out.contains("failed"), "{args:?}: {out}");
 }
 
+/// The qimg binary linked as `qemu-img` in `d`'s `bin` directory (the multi-call binary then
+/// speaks as qemu-img).
+fn installed_as_qemu_img(d: &Scratch) -> std::path::PathBuf {
+    let bin = d.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let link = bin.join("qemu-img");
+    std::os::unix::fs::symlink(common::qimg_bin(), &link).unwrap();
+    link
+}
+
+/// Runs `args` through qimg installed as qemu-img with `@` standing for `ours`, and through
+/// qemu-img with `@` standing for `theirs`; stdout, stderr (the names read back as `@`) and
+/// the exit status must be equal. Returns whether qemu-img succeeded.
+fn side_by_side(d: &Scratch, ours_bin: &Path, args: &[&str], ours: &str, theirs: &str) -> bool {
+    let with = |name: &str| -> Vec<String> { args.iter().map(|a| a.replace('@', name)).collect() };
+    let (a, b) = (with(ours), with(theirs));
+    let mine = run(
+        &d.0,
+        ours_bin,
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let q = qemu_img(&d.0, &b.iter().map(String::as_str).collect::<Vec<_>>());
+    let words = |o: &std::process::Output, name: &str| {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).replace(name, "@");
+        (text(&o.stdout), text(&o.stderr), o.status.code())
+    };
+    assert_eq!(words(&mine, ours), words(&q, theirs), "qemu-img {args:?}");
+    q.status.success()
+}
+
 /// qemu-nbd serving `file` read-only with bitmap `name`; killed on drop.
 struct Nbd(Child);
 
@@ -333,9 +363,7 @@ fn qimg_bitmap_matches_qemu_img_bitmap() {
         return;
     }
     let d = Scratch::new("bitmap-cmd");
-    let bin = d.path("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    let qemu_img_ours = installed_as_qemu_img(&d);
     for who in ["ours", "theirs"] {
         qemu_create(&d.0, &format!("{who}.qcow2"), "cluster_size=64k", "64M");
         qemu_create(&d.0, &format!("src-{who}.qcow2"), "cluster_size=4k", "64M");
@@ -389,10 +417,6 @@ fn qimg_bitmap_matches_qemu_img_bitmap() {
         "--add @ ",
         "--add -b src-@ @ z",
     ];
-    let ours = |args: &[String]| {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run(&d.0, &bin.join("qemu-img"), &args)
-    };
     for line in script {
         if let Some(cmd) = line.strip_prefix("W ") {
             for who in ["ours", "theirs"] {
@@ -400,31 +424,9 @@ fn qimg_bitmap_matches_qemu_img_bitmap() {
             }
             continue;
         }
-        let args = |who: &str| -> Vec<String> {
-            let mut v = vec!["bitmap".to_string()];
-            v.extend(
-                line.split(' ')
-                    .map(|w| w.replace('@', &format!("{who}.qcow2"))),
-            );
-            v
-        };
-        let mine = ours(&args("ours"));
-        let theirs = qemu_img(
-            &d.0,
-            &args("theirs")
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>(),
-        );
-        let norm = |o: &std::process::Output, who: &str| {
-            let text = |b: &[u8]| String::from_utf8_lossy(b).replace(&format!("{who}.qcow2"), "@");
-            (text(&o.stdout), text(&o.stderr), o.status.code())
-        };
-        assert_eq!(
-            norm(&mine, "ours"),
-            norm(&theirs, "theirs"),
-            "qemu-img bitmap {line}"
-        );
+        let mut args = vec!["bitmap"];
+        args.extend(line.split(' '));
+        side_by_side(&d, &qemu_img_ours, &args, "ours.qcow2", "theirs.qcow2");
         assert_eq!(
             bitmap_list(&d.0, "ours.qcow2"),
             bitmap_list(&d.0, "theirs.qcow2"),
@@ -597,9 +599,7 @@ fn convert_copies_bitmaps_as_qemu_img() {
         return;
     }
     let d = Scratch::new("bitmap-convert");
-    let bin = d.path("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    let qemu_img_ours = installed_as_qemu_img(&d);
     qemu_create(&d.0, "src.qcow2", "extended_l2=on", "64M");
     add(&d.0, "src.qcow2", "b0", &[]);
     add(&d.0, "src.qcow2", "fine", &["-g", "512", "--disable"]);
@@ -626,16 +626,9 @@ fn convert_copies_bitmaps_as_qemu_img() {
             .unwrap();
         std::mem::forget(img);
     });
-    let norm = |o: &std::process::Output| {
-        (
-            String::from_utf8_lossy(&o.stdout).into_owned(),
-            String::from_utf8_lossy(&o.stderr).into_owned(),
-            o.status.code(),
-        )
-    };
     let cases: &[&[&str]] = &[
-        &["convert", "--bitmaps", "-O", "qcow2", "src.qcow2", "OUT"],
-        &["convert", "--bitmaps", "-O", "raw", "src.qcow2", "OUT"],
+        &["convert", "--bitmaps", "-O", "qcow2", "src.qcow2", "@"],
+        &["convert", "--bitmaps", "-O", "raw", "src.qcow2", "@"],
         &[
             "convert",
             "--bitmaps",
@@ -643,7 +636,7 @@ fn convert_copies_bitmaps_as_qemu_img() {
             "qcow2",
             "src.qcow2",
             "src.qcow2",
-            "OUT",
+            "@",
         ],
         &[
             "convert",
@@ -651,9 +644,9 @@ fn convert_copies_bitmaps_as_qemu_img() {
             "-O",
             "qcow2",
             "src.qcow2",
-            "OUT",
+            "@",
         ],
-        &["convert", "--bitmaps", "-O", "qcow2", "broken.qcow2", "OUT"],
+        &["convert", "--bitmaps", "-O", "qcow2", "broken.qcow2", "@"],
         &[
             "convert",
             "--bitmaps",
@@ -661,43 +654,18 @@ fn convert_copies_bitmaps_as_qemu_img() {
             "-O",
             "qcow2",
             "broken.qcow2",
-            "OUT",
+            "@",
         ],
     ];
     for (i, case) in cases.iter().enumerate() {
         let (mine, theirs) = (format!("m{i}.img"), format!("q{i}.img"));
-        let args = |out: &str| -> Vec<String> {
-            case.iter()
-                .map(|a| {
-                    if *a == "OUT" {
-                        out.to_string()
-                    } else {
-                        a.to_string()
-                    }
-                })
-                .collect()
-        };
-        let a: Vec<String> = args(&mine);
-        let m = run(
-            &d.0,
-            &bin.join("qemu-img"),
-            &a.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
-        let b: Vec<String> = args(&theirs);
-        let q = qemu_img(&d.0, &b.iter().map(String::as_str).collect::<Vec<_>>());
-        let (mo, me, ms) = norm(&m);
-        let (qo, qe, qs) = norm(&q);
-        assert_eq!(
-            (mo, me.replace(&mine, "OUT"), ms),
-            (qo, qe.replace(&theirs, "OUT"), qs),
-            "{case:?}"
-        );
+        let succeeded = side_by_side(&d, &qemu_img_ours, case, &mine, &theirs);
         assert_eq!(
             d.path(&mine).exists(),
             d.path(&theirs).exists(),
             "{case:?}: output created"
         );
-        if q.status.success() {
+        if succeeded {
             check_clean(&d.0, &mine);
             assert_eq!(
                 bitmap_list(&d.0, &mine),
@@ -731,38 +699,19 @@ fn snapshot_apply_is_refused_with_bitmaps_as_qemu_img() {
         return;
     }
     let d = Scratch::new("bitmap-snapshot");
-    let bin = d.path("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(common::qimg_bin(), bin.join("qemu-img")).unwrap();
+    let qemu_img_ours = installed_as_qemu_img(&d);
     for who in ["ours", "theirs"] {
         let file = format!("{who}.qcow2");
         qemu_create(&d.0, &file, "cluster_size=64k", "64M");
         add(&d.0, &file, "off", &["--disable"]);
         apply(&d.0, false, &file, &["write 0 64k".into()]);
     }
-    let norm = |o: &std::process::Output, who: &str| {
-        let t = |b: &[u8]| String::from_utf8_lossy(b).replace(&format!("{who}.qcow2"), "@");
-        (t(&o.stdout), t(&o.stderr), o.status.code())
-    };
     for args in [
         &["snapshot", "-c", "s1", "@"][..],
         &["snapshot", "-a", "s1", "@"][..],
         &["snapshot", "-d", "s1", "@"][..],
     ] {
-        let with = |who: &str| -> Vec<String> {
-            args.iter()
-                .map(|a| a.replace('@', &format!("{who}.qcow2")))
-                .collect()
-        };
-        let a = with("ours");
-        let mine = run(
-            &d.0,
-            &bin.join("qemu-img"),
-            &a.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
-        let b = with("theirs");
-        let theirs = qemu_img(&d.0, &b.iter().map(String::as_str).collect::<Vec<_>>());
-        assert_eq!(norm(&mine, "ours"), norm(&theirs, "theirs"), "{args:?}");
+        side_by_side(&d, &qemu_img_ours, args, "ours.qcow2", "theirs.qcow2");
     }
     check_clean(&d.0, "ours.qcow2");
     assert_eq!(

@@ -48,6 +48,16 @@ struct State {
     read_only: bool,
 }
 
+impl State {
+    /// Where bitmap `name` is in the list, or QEMU's "not found" refusal.
+    fn index(&self, name: &str) -> crate::error::Result<usize> {
+        self.list
+            .iter()
+            .position(|b| b.named(name))
+            .ok_or_else(|| not_found(name))
+    }
+}
+
 /// One persistent dirty bitmap, as [`Image::bitmaps`](crate::Image::bitmaps) lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BitmapInfo {

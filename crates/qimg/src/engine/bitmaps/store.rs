@@ -11,7 +11,7 @@ use qimg_format::lenient::decode_words;
 use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
 
-use super::{Bitmap, BitmapInfo, DirtyBitmap, MAX_NAME, inconsistent, not_found};
+use super::{Bitmap, BitmapInfo, DirtyBitmap, MAX_NAME, inconsistent};
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::{Region, Writing};
@@ -336,11 +336,8 @@ impl<S: Storage> Inner<S> {
     fn change_bitmap<T>(&self, name: &str, change: impl FnOnce(&mut Bitmap) -> T) -> Result<T> {
         self.check_writable()?;
         let mut state = self.bitmaps.write();
-        let b = state
-            .list
-            .iter_mut()
-            .find(|b| b.named(name))
-            .ok_or_else(|| not_found(name))?;
+        let at = state.index(name)?;
+        let b = &mut state.list[at];
         if b.inconsistent {
             return Err(inconsistent(name));
         }
@@ -421,11 +418,7 @@ impl<S: Storage> Inner<S> {
     pub(crate) fn remove_bitmap(&self, name: &str) -> Result<()> {
         self.check_writable()?;
         let mut state = self.bitmaps.write();
-        let at = state
-            .list
-            .iter()
-            .position(|b| b.named(name))
-            .ok_or_else(|| not_found(name))?;
+        let at = state.index(name)?;
         let b = state.list.remove(at);
         state.removed.push(b.entry);
         state.reshaped = true;
@@ -466,11 +459,7 @@ impl<S: Storage> Inner<S> {
     async fn with_bits<T>(&self, name: &str, f: impl FnOnce(&Bitmap) -> T) -> Result<T> {
         let load = {
             let state = self.bitmaps.read();
-            let b = state
-                .list
-                .iter()
-                .find(|b| b.named(name))
-                .ok_or_else(|| not_found(name))?;
+            let b = &state.list[state.index(name)?];
             if b.inconsistent {
                 return Err(inconsistent(name));
             }
@@ -480,18 +469,15 @@ impl<S: Storage> Inner<S> {
         if let Some((entry, dir_at)) = load {
             let (table, words, bits) = self.read_bitmap(&entry, dir_at).await?;
             let mut state = self.bitmaps.write();
-            if let Some(b) = state.list.iter_mut().find(|b| b.named(name)) {
+            if let Ok(at) = state.index(name) {
+                let b = &mut state.list[at];
                 b.table = table;
                 b.words = words.into_iter().map(AtomicU64::new).collect();
                 b.bits = bits;
             }
         }
         let state = self.bitmaps.read();
-        let b = state
-            .list
-            .iter()
-            .find(|b| b.named(name))
-            .ok_or_else(|| not_found(name))?;
+        let b = &state.list[state.index(name)?];
         Ok(f(b))
     }
 
