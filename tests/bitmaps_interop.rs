@@ -719,3 +719,135 @@ fn snapshot_apply_is_refused_with_bitmaps_as_qemu_img() {
         bitmap_list(&d.0, "theirs.qcow2")
     );
 }
+
+/// A corruption of the first bitmap's directory entry, table or data (see
+/// [`bitmaps_qemu_cannot_load_are_reported_and_dropped_by_repair`]).
+#[derive(Debug, Clone, Copy)]
+enum Damage {
+    TableEntryReserved,
+    TableOffsetUnaligned,
+    TableSizeWrong,
+    ReservedFlag,
+    GranularityTooFine,
+    UnknownType,
+    DuplicateName,
+    EmptyName,
+    TablePastEof,
+    DataPastEof,
+}
+
+/// Applies `damage` to `file`, whose bitmaps are `b0` then `b1` (names of equal length).
+fn damage(path: &Path, damage: Damage) {
+    use qimg::format::bitmap::decode_directory;
+    use qimg::format::cluster0::Cluster0;
+    let mut f = std::fs::read(path).unwrap();
+    let c0 = Cluster0::decode(&f).unwrap();
+    let ext = *c0.bitmaps().expect("a bitmaps extension");
+    let at = ext.directory_offset as usize;
+    let dir = decode_directory(&f[at..at + ext.directory_size as usize], &ext).unwrap();
+    let (e0, second) = (&dir[0], at + dir[0].encoded_len());
+    let table = e0.table_offset as usize;
+    let put64 =
+        |f: &mut Vec<u8>, at: usize, v: u64| f[at..at + 8].copy_from_slice(&v.to_be_bytes());
+    let word = u64::from_be_bytes(f[table..table + 8].try_into().unwrap());
+    match damage {
+        Damage::TableEntryReserved => put64(&mut f, table, word | 2),
+        Damage::TableOffsetUnaligned => put64(&mut f, at, e0.table_offset + 512),
+        Damage::TableSizeWrong => f[at + 8..at + 12].copy_from_slice(&7u32.to_be_bytes()),
+        Damage::ReservedFlag => f[at + 15] |= 4,
+        Damage::GranularityTooFine => f[at + 17] = 8,
+        Damage::UnknownType => f[at + 16] = 2,
+        Damage::DuplicateName => {
+            let name = e0.name.clone();
+            f[second + 24..second + 24 + name.len()].copy_from_slice(&name);
+        }
+        Damage::EmptyName => f[at + 18..at + 20].copy_from_slice(&[0, 0]),
+        Damage::TablePastEof => put64(&mut f, at, 1 << 40),
+        Damage::DataPastEof => put64(&mut f, table, 1 << 40),
+    }
+    std::fs::write(path, f).unwrap();
+}
+
+/// Bitmaps QEMU's loader refuses make QEMU refuse the whole image (info, check, every open):
+/// nothing QEMU has can remove them. qimg refuses a read-write open the same way, naming the
+/// directory entry's offset and the fix; `qimg check` reports a corruption (exit 2) and
+/// `-r all` drops the bitmap (its clusters are freed as leaks), keeping the other one and its
+/// bits; `qemu-img check` then finds nothing and QEMU opens the image again. A bitmap whose
+/// table or data lies past the end of the file (QEMU opens those, reading zeros, and its
+/// repair keeps the bitmap with those bits clear) is dropped, or its lost bits read as set.
+/// Before the fix, qimg's check counted the refused bitmap's clusters as leaks and `-r leaks`
+/// freed clusters its table still pointed at.
+#[test]
+fn bitmaps_qemu_cannot_load_are_reported_and_dropped_by_repair() {
+    if !have_tools("bitmaps_qemu_cannot_load_are_reported_and_dropped_by_repair") {
+        return;
+    }
+    use Damage::*;
+    for kind in [
+        TableEntryReserved,
+        TableOffsetUnaligned,
+        TableSizeWrong,
+        ReservedFlag,
+        GranularityTooFine,
+        UnknownType,
+        DuplicateName,
+        EmptyName,
+        TablePastEof,
+        DataPastEof,
+    ] {
+        let d = Scratch::new("bitmaps-hostile");
+        qemu_create(&d.0, "img.qcow2", "cluster_size=64k", "64M");
+        add(&d.0, "img.qcow2", "b0", &[]);
+        add(&d.0, "img.qcow2", "b1", &["-g", "4k"]);
+        let writes = ["write -P 1 0 1M".to_string(), "write -P 2 10M 64k".into()];
+        apply(&d.0, false, "img.qcow2", &writes);
+        let b1_before = dirty_map(&d.0, "img.qcow2", "b1");
+        damage(&d.path("img.qcow2"), kind);
+        let what = format!("{kind:?}");
+        let qemu_opens = matches!(kind, TablePastEof | DataPastEof);
+        let info = qemu_img(&d.0, &["info", "img.qcow2"]);
+        assert_eq!(info.status.success(), qemu_opens, "{what}: qemu-img info");
+        if !qemu_opens {
+            // The engine refuses to write where QEMU refuses to open, and says where.
+            let w = qimg(&d.0, &["io", "-c", "write 0 4k", "img.qcow2"]);
+            let err = String::from_utf8_lossy(&w.stderr).to_string();
+            assert!(!w.status.success(), "{what}: qimg io wrote: {err}");
+            let said = err.contains("directory entry at 0x") || err.contains("(at offset 0x");
+            assert!(said && err.contains("qimg check -r all"), "{what}: {err}");
+        }
+        let c = qimg(&d.0, &["check", "img.qcow2"]);
+        assert_eq!(c.status.code(), Some(2), "{what}: qimg check: {c:?}");
+        let r = qimg(&d.0, &["check", "-r", "all", "img.qcow2"]);
+        let out = String::from_utf8_lossy(&r.stdout).to_string();
+        assert_eq!(r.status.code(), Some(0), "{what}: qimg check -r all: {r:?}");
+        assert!(out.contains("No errors were found"), "{what}: {out}");
+        check_clean(&d.0, "img.qcow2");
+        let list = bitmap_list(&d.0, "img.qcow2");
+        let b1_kept = !matches!(kind, DuplicateName | EmptyName);
+        assert_eq!(list.contains("\"b1\""), b1_kept, "{what}: {list}");
+        match kind {
+            DataPastEof => {
+                // Kept; the granules its lost data cluster held read as changed.
+                assert!(list.contains("\"b0\""), "{what}: {list}");
+                let b0 = dirty_map(&d.0, "img.qcow2", "b0");
+                assert!(
+                    b0.trim().starts_with("0  67108864    1  dirty")
+                        || b0.contains("67108864    1  dirty"),
+                    "{what}: b0 after the repair: {b0}"
+                );
+            }
+            // Both entries named b0: the second one (b1's bits) went, the first stays.
+            DuplicateName => assert!(list.contains("\"b0\""), "{what}: {list}"),
+            // The directory did not decode: every bitmap went.
+            EmptyName => {}
+            _ => assert!(!list.contains("\"b0\""), "{what}: b0 kept: {list}"),
+        }
+        if b1_kept {
+            assert_eq!(
+                dirty_map(&d.0, "img.qcow2", "b1"),
+                b1_before,
+                "{what}: b1's bits"
+            );
+        }
+    }
+}

@@ -144,6 +144,76 @@ impl BitmapEntry {
     }
 }
 
+impl BitmapEntry {
+    /// Why QEMU would not load this entry of an image whose virtual disk has `disk_size`
+    /// bytes (its `bitmap_list_load` and `check_dir_entry` rules), in QEMU's words followed
+    /// by the value that breaks the rule; `None` when QEMU loads it. A consistent bitmap's
+    /// table must also have exactly [`table_entries`] entries (see [`table_size_refusal`]).
+    pub fn refusal(&self, cluster_size: u64, disk_size: u64) -> Option<String> {
+        let name = String::from_utf8_lossy(&self.name);
+        if !self.extra_data.is_empty() {
+            return Some(format!(
+                "Bitmap extra data is not supported (bitmap '{name}' has {} bytes of it)",
+                self.extra_data.len()
+            ));
+        }
+        let cs = cluster_size.max(1);
+        let size = u64::from(self.table_size);
+        let g = self.granularity_bits;
+        let why = if size == 0 {
+            "its table size is 0".to_string()
+        } else if self.table_offset == 0 || self.table_offset % cs != 0 {
+            format!(
+                "its table offset {:#x} is not a cluster of the file",
+                self.table_offset
+            )
+        } else if size > MAX_TABLE_ENTRIES {
+            format!("its table size {size} exceeds {MAX_TABLE_ENTRIES}")
+        } else if !(MIN_GRANULARITY_BITS..=MAX_GRANULARITY_BITS).contains(&g) {
+            format!(
+                "its granularity_bits {g} is outside {MIN_GRANULARITY_BITS}..={MAX_GRANULARITY_BITS}"
+            )
+        } else if self.flags & !(FLAG_IN_USE | FLAG_AUTO) != 0 {
+            format!(
+                "its flags {:#x} have reserved bits {:#x} set",
+                self.flags,
+                self.flags & !(FLAG_IN_USE | FLAG_AUTO)
+            )
+        } else if self.name.len() > MAX_NAME_BYTES {
+            format!("its name is {} bytes long", self.name.len())
+        } else if self.kind != TYPE_DIRTY_TRACKING {
+            format!("its type is {}, not 1 (dirty tracking)", self.kind)
+        } else if size.saturating_mul(cs) > MAX_DATA_BYTES {
+            format!("its table of {size} clusters exceeds QEMU's limit of {MAX_DATA_BYTES} bytes")
+        } else if self.flags & FLAG_IN_USE == 0
+            && disk_size > (size.saturating_mul(cs).saturating_mul(8)).saturating_mul(1 << g)
+        {
+            format!("its table of {size} clusters cannot cover a {disk_size}-byte disk")
+        } else {
+            return None;
+        };
+        Some(format!(
+            "Bitmap '{name}' doesn't satisfy the constraints: {why}"
+        ))
+    }
+
+    /// Why QEMU would not read a consistent bitmap's data (`load_bitmap_data`): its table
+    /// must have exactly the entries its bits need on a `disk_size`-byte disk.
+    pub fn table_size_refusal(&self, cluster_size: u64, disk_size: u64) -> Option<String> {
+        let want = table_entries(bit_count(disk_size, self.granularity_bits), cluster_size);
+        (u64::from(self.table_size) != want).then(|| {
+            format!(
+                "Could not read bitmap '{}' from image: its table has {} entries where a \
+                 {disk_size}-byte disk needs {want}",
+                String::from_utf8_lossy(&self.name),
+                self.table_size
+            )
+        })
+    }
+}
+
+/// QEMU's limit on a bitmap name's length.
+pub const MAX_NAME_BYTES: usize = 1023;
 /// Smallest granularity QEMU loads or creates (`granularity_bits` 9: 512 bytes).
 pub const MIN_GRANULARITY_BITS: u8 = 9;
 /// Largest granularity QEMU loads or creates (`granularity_bits` 31: 2 GiB).
@@ -333,6 +403,17 @@ pub fn decode_directory(dir: &[u8], ext: &BitmapsExtension) -> Result<Vec<Bitmap
             name: e[24 + extra_size..body_end].to_vec(),
         });
         pos = (pos + len).min(dir.len());
+    }
+    if pos != dir.len() {
+        return Err(FormatError::InvalidField {
+            what: "bitmap directory size",
+            offset: ext.directory_offset,
+            value: dir.len() as u64,
+            reason: format!(
+                "Broken bitmap directory: its {} entries end at byte {pos}",
+                ext.nb_bitmaps
+            ),
+        });
     }
     Ok(out)
 }

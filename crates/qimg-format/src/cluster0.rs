@@ -80,6 +80,21 @@ impl Cluster0 {
         })
     }
 
+    /// Points the header at a bitmap directory (the extension, in QEMU's order, and
+    /// autoclear bit 0 set), or at none (`None`: no extension, the bit clear).
+    pub fn set_bitmaps(&mut self, ext: Option<BitmapsExtension>) {
+        self.extensions
+            .retain(|e| !matches!(e, Extension::Bitmaps(_)));
+        match ext {
+            Some(b) => {
+                self.extensions.push(Extension::Bitmaps(b));
+                self.sort_like_qemu();
+                self.header.autoclear_features |= crate::features::AUTOCLEAR_BITMAPS;
+            }
+            None => self.header.autoclear_features &= !crate::features::AUTOCLEAR_BITMAPS,
+        }
+    }
+
     /// Sorts the extensions into the order QEMU writes them (stable among unknown ones).
     pub fn sort_like_qemu(&mut self) {
         self.extensions.sort_by_key(Extension::qemu_rank);

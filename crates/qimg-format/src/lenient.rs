@@ -7,7 +7,6 @@
 //! them the way QEMU does (`qcow2_get_cluster_type`, `qcow2_parse_compressed_l2_entry`),
 //! never failing: every bit pattern has an answer.
 
-use crate::bitmap::TABLE_ENTRY_RESERVED;
 use crate::l1::{L1E_OFFSET_MASK, L1E_RESERVED_MASK, QCOW_OFLAG_COPIED};
 use crate::l2::{L2E_OFFSET_MASK, L2E_STD_RESERVED_MASK, QCOW_OFLAG_COMPRESSED, QCOW_OFLAG_ZERO};
 use crate::refcount::{REFT_OFFSET_MASK, REFT_RESERVED_MASK};
@@ -297,11 +296,6 @@ impl RawReftableEntry {
     }
 }
 
-/// Offset bits of a bitmap table entry.
-const BITMAP_ENTRY_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
-/// Bit 0 of a bitmap table entry: with no offset, the range reads as all ones.
-const BITMAP_ENTRY_ALL_ONES: u64 = 1;
-
 /// A bitmap table entry as stored (qcow2-format.md, bitmaps).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RawBitmapTableEntry(pub u64);
@@ -309,18 +303,14 @@ pub struct RawBitmapTableEntry(pub u64);
 impl RawBitmapTableEntry {
     /// The data cluster offset (0: no cluster).
     pub fn offset(self) -> u64 {
-        self.0 & BITMAP_ENTRY_OFFSET_MASK
+        self.0 & crate::bitmap::TABLE_ENTRY_OFFSET_MASK
     }
 
     /// Whether QEMU's check calls the entry corrupt: reserved bits set, or a data cluster that
     /// is unaligned or combined with the all-ones flag.
     pub fn is_invalid(self, cluster_size: u64) -> bool {
-        let offset = self.offset();
-        self.0 & TABLE_ENTRY_RESERVED != 0
-            || (offset != 0
-                && (self.0 & BITMAP_ENTRY_ALL_ONES != 0
-                    || cluster_size == 0
-                    || offset % cluster_size != 0))
+        (cluster_size == 0 && self.offset() != 0)
+            || crate::bitmap::TableEntry::decode(self.0, cluster_size, 0, 0).is_err()
     }
 }
 

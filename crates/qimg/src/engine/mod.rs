@@ -19,7 +19,7 @@
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
-mod bitmaps;
+pub(crate) mod bitmaps;
 #[cfg(feature = "blocking")]
 pub mod blocking;
 pub(crate) mod compress;

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 impl<S: Storage> Inner<S> {
     /// The walker over the image file, reading strictly (a table past the end of the file
     /// is an error, as everywhere in the engine).
-    fn walker(&self) -> Walker<'_, S> {
+    pub(crate) fn walker(&self) -> Walker<'_, S> {
         let layout = L2Layout {
             cluster_bits: self.geo.cluster_bits(),
             extended: self.geo.extended_l2(),
@@ -28,7 +28,7 @@ impl<S: Storage> Inner<S> {
         Walker::new(&self.file, layout)
     }
 
-    fn walk_error(&self, e: WalkError) -> Error {
+    pub(crate) fn walk_error(&self, e: WalkError) -> Error {
         match e {
             WalkError::Storage(e) => self.storage_error(e),
             WalkError::Format(e) => Error::format(&self.path, e),

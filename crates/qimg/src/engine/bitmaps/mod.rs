@@ -18,6 +18,8 @@ use crate::error::Error;
 
 mod store;
 
+pub(crate) use store::{Judged, entry_offsets, judge_bitmaps};
+
 /// A bitmap table on disk: `(offset, entries)`.
 pub(crate) type Table = (u64, u64);
 
@@ -238,8 +240,8 @@ impl Bitmaps {
     }
 }
 
-/// QEMU's limit on a bitmap name's length.
-const MAX_NAME: usize = 1023;
+// QEMU's limit on a bitmap name's length.
+use qimg_format::bitmap::MAX_NAME_BYTES as MAX_NAME;
 
 /// QEMU's refusal of an inconsistent bitmap, with its hint.
 fn inconsistent(name: &str) -> Error {

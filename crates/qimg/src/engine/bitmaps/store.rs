@@ -3,10 +3,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use qimg_format::bitmap::{
-    self, BitmapEntry, BitmapsExtension, FLAG_AUTO, FLAG_IN_USE, MAX_DATA_BYTES,
-    MAX_GRANULARITY_BITS, MAX_TABLE_ENTRIES, MIN_GRANULARITY_BITS, TYPE_DIRTY_TRACKING, TableEntry,
+    self, BitmapEntry, BitmapsExtension, FLAG_AUTO, FLAG_IN_USE, MAX_GRANULARITY_BITS,
+    TYPE_DIRTY_TRACKING, TableEntry,
 };
-use qimg_format::features::AUTOCLEAR_BITMAPS;
 use qimg_format::lenient::decode_words;
 use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
@@ -15,12 +14,86 @@ use super::{Bitmap, BitmapInfo, DirtyBitmap, MAX_NAME, inconsistent};
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::{Region, Writing};
+use crate::engine::walk::{WalkError, Walker};
 use crate::error::{Error, Result};
+
+/// How QEMU's loader takes one entry of a bitmap directory ([`judge_bitmaps`]).
+#[derive(Debug)]
+pub(crate) enum Judged {
+    /// Consistent and loadable: its table, every entry valid.
+    Loads(Vec<TableEntry>),
+    /// Marked in use (a writer did not store it): kept as it is; QEMU does not read its
+    /// table.
+    InUse,
+    /// QEMU refuses to open the image because of it: why, in QEMU's words, then the value.
+    Refused(String),
+}
+
+/// Judges every entry of a bitmap directory as QEMU's `qcow2_load_dirty_bitmaps` does when
+/// it opens an image (read-only too): the entry's constraints, a name used twice, the table
+/// size of a consistent bitmap and every entry of its table (read through `walker`; bytes
+/// past the end of the file read as zeros, as QEMU's block layer returns them). The one
+/// place these rules live: the engine's open and the check both call it.
+pub(crate) async fn judge_bitmaps<S: Storage>(
+    walker: &Walker<'_, S>,
+    entries: &[BitmapEntry],
+    cluster_size: u64,
+    disk_size: u64,
+) -> std::result::Result<Vec<Judged>, WalkError> {
+    let mut out = Vec::with_capacity(entries.len());
+    let mut names = std::collections::HashSet::new();
+    for e in entries {
+        let judged = if !names.insert(e.name.as_slice()) {
+            Judged::Refused(format!(
+                "Bitmap already exists: {}",
+                String::from_utf8_lossy(&e.name)
+            ))
+        } else if let Some(why) = e.refusal(cluster_size, disk_size) {
+            Judged::Refused(why)
+        } else if e.flags & FLAG_IN_USE != 0 {
+            Judged::InUse
+        } else if let Some(why) = e.table_size_refusal(cluster_size, disk_size) {
+            Judged::Refused(why)
+        } else {
+            let raw = walker
+                .read_bitmap_table(e.table_offset, u64::from(e.table_size))
+                .await?;
+            let table: std::result::Result<Vec<TableEntry>, _> = raw
+                .iter()
+                .enumerate()
+                .map(|(i, w)| TableEntry::decode(w.0, cluster_size, e.table_offset, i as u64))
+                .collect();
+            match table {
+                Ok(t) => Judged::Loads(t),
+                Err(err) => Judged::Refused(format!(
+                    "Could not read bitmap_table table from image for bitmap '{}': {err}",
+                    String::from_utf8_lossy(&e.name)
+                )),
+            }
+        };
+        out.push(judged);
+    }
+    Ok(out)
+}
+
+/// The file offset of each entry of a directory read at `dir_at`.
+pub(crate) fn entry_offsets(entries: &[BitmapEntry], dir_at: u64) -> Vec<u64> {
+    let mut at = dir_at;
+    entries
+        .iter()
+        .map(|e| {
+            let here = at;
+            at += e.encoded_len() as u64;
+            here
+        })
+        .collect()
+}
 
 impl<S: Storage> Inner<S> {
     /// Loads the bitmaps of an image opened for writing and marks them `in_use` on disk
     /// (read-write open, before any write). Refuses, naming the value and its offset, a
-    /// bitmap QEMU would not load. A read-only open only lists them (`writable` false).
+    /// bitmap QEMU would not load ([`judge_bitmaps`]). A read-only open judges them the same
+    /// way and only lists them (`writable` false; their bits are read when asked for).
     pub(crate) async fn load_bitmaps(
         &self,
         m: &mut Meta,
@@ -33,22 +106,44 @@ impl<S: Storage> Inner<S> {
             .read_at(&mut dir, dir_at)
             .await
             .map_err(|e| self.storage_error(e))?;
-        let entries = bitmap::decode_directory(&dir, ext).map_err(|e| self.fmt_err(e))?;
+        let entries = bitmap::decode_directory(&dir, ext).map_err(|e| Error::Unsupported {
+            path: self.path.clone(),
+            what: format!("{e}; `qimg check -r all` drops the bitmaps"),
+        })?;
+        let cs = self.geo.cluster_size();
+        let walker = self.walker().zero_fill(true);
+        let judged = judge_bitmaps(&walker, &entries, cs, self.size())
+            .await
+            .map_err(|e| self.walk_error(e))?;
+        let offsets = entry_offsets(&entries, dir_at);
         let mut list = Vec::with_capacity(entries.len());
-        for entry in entries {
-            let inconsistent = entry.flags & FLAG_IN_USE != 0;
+        for ((entry, judged), at) in entries.into_iter().zip(judged).zip(offsets) {
             let mut b = Bitmap {
                 entry,
-                inconsistent,
+                inconsistent: false,
                 table: Vec::new(),
                 words: Vec::new(),
                 bits: 0,
             };
-            if writable && !inconsistent {
-                let (table, words, bits) = self.read_bitmap(&b.entry, dir_at).await?;
-                b.table = table;
-                b.words = words.into_iter().map(AtomicU64::new).collect();
-                b.bits = bits;
+            match judged {
+                Judged::Refused(why) => {
+                    return Err(Error::Unsupported {
+                        path: self.path.clone(),
+                        what: format!(
+                            "{why} (bitmap directory entry at {at:#x}); `qimg check -r all` \
+                             drops the bitmap"
+                        ),
+                    });
+                }
+                Judged::InUse => b.inconsistent = true,
+                Judged::Loads(table) => {
+                    if writable {
+                        let (words, bits) = self.read_bitmap(&b.entry, &table).await?;
+                        b.words = words.into_iter().map(AtomicU64::new).collect();
+                        b.bits = bits;
+                    }
+                    b.table = table;
+                }
             }
             list.push(b);
         }
@@ -77,50 +172,14 @@ impl<S: Storage> Inner<S> {
         state.maintained = true;
     }
 
-    /// Reads one bitmap's table and bits, refusing what QEMU would not load (`dir_at`, the
-    /// directory's offset, names where it was found).
+    /// Reads the bits of a bitmap [`judge_bitmaps`] found loadable, from its `table`.
     async fn read_bitmap(
         &self,
         entry: &BitmapEntry,
-        dir_at: u64,
-    ) -> Result<(Vec<TableEntry>, Vec<u64>, u64)> {
+        table: &[TableEntry],
+    ) -> Result<(Vec<u64>, u64)> {
         let cs = self.geo.cluster_size();
-        let size = self.size();
-        let name = String::from_utf8_lossy(&entry.name).into_owned();
-        let refuse = |what: String| Error::Unsupported {
-            path: self.path.clone(),
-            what: format!("bitmap '{name}' (directory at {dir_at:#x}): {what}"),
-        };
-        if entry.kind != TYPE_DIRTY_TRACKING {
-            return Err(refuse(format!("unknown type {}", entry.kind)));
-        }
-        let g = entry.granularity_bits;
-        if !(MIN_GRANULARITY_BITS..=MAX_GRANULARITY_BITS).contains(&g) {
-            return Err(refuse(format!(
-                "granularity_bits {g} is outside {MIN_GRANULARITY_BITS}..={MAX_GRANULARITY_BITS}"
-            )));
-        }
-        let bits = bitmap::bit_count(size, g);
-        let want = bitmap::table_entries(bits, cs);
-        if u64::from(entry.table_size) != want {
-            return Err(refuse(format!(
-                "its table has {} entries where a {size}-byte disk needs {want}",
-                entry.table_size
-            )));
-        }
-        if want > MAX_TABLE_ENTRIES || bitmap::data_bytes(bits) > MAX_DATA_BYTES {
-            return Err(refuse(format!(
-                "{} bytes of bitmap data exceed QEMU's limit of {MAX_DATA_BYTES}",
-                bitmap::data_bytes(bits)
-            )));
-        }
-        if entry.table_offset % cs != 0 || (want > 0 && entry.table_offset == 0) {
-            return Err(refuse(format!(
-                "its table offset {:#x} is not a cluster",
-                entry.table_offset
-            )));
-        }
-        let table = self.read_bitmap_table(entry.table_offset, want).await?;
+        let bits = bitmap::bit_count(self.size(), entry.granularity_bits);
         let mut words = vec![0u64; bits.div_ceil(64) as usize];
         let mut data = vec![0u8; cs as usize];
         for (t, e) in table.iter().enumerate() {
@@ -141,7 +200,7 @@ impl<S: Storage> Inner<S> {
                 *last &= (1u64 << (bits % 64)) - 1;
             }
         }
-        Ok((table, words, bits))
+        Ok((words, bits))
     }
 
     /// The `entries` entries of the bitmap table at `at`, decoded (QEMU's checks).
@@ -301,23 +360,13 @@ impl<S: Storage> Inner<S> {
     async fn point_header_at_directory(&self, dir: Option<(u64, u64)>, nb: u32) -> Result<()> {
         let mut c0 =
             crate::engine::open::read_cluster0(&self.file, &self.path, OpenMode::ReadWrite).await?;
-        c0.extensions
-            .retain(|e| !matches!(e, qimg_format::extension::Extension::Bitmaps(_)));
-        match dir {
-            Some((directory_offset, directory_size)) => {
-                c0.extensions
-                    .push(qimg_format::extension::Extension::Bitmaps(
-                        BitmapsExtension {
-                            nb_bitmaps: nb,
-                            directory_size,
-                            directory_offset,
-                        },
-                    ));
-                c0.sort_like_qemu();
-                c0.header.autoclear_features |= AUTOCLEAR_BITMAPS;
-            }
-            None => c0.header.autoclear_features &= !AUTOCLEAR_BITMAPS,
-        }
+        c0.set_bitmaps(
+            dir.map(|(directory_offset, directory_size)| BitmapsExtension {
+                nb_bitmaps: nb,
+                directory_size,
+                directory_offset,
+            }),
+        );
         let bytes = c0.encode().map_err(|e| self.fmt_err(e))?;
         self.switch_header(&bytes, 0, || {
             "the switch of the header to a new bitmap directory failed".to_string()
@@ -463,15 +512,13 @@ impl<S: Storage> Inner<S> {
             if b.inconsistent {
                 return Err(inconsistent(name));
             }
-            let dir_at = state.directory.map_or(0, |(at, _)| at);
-            (state.read_only && b.words.is_empty()).then(|| (b.entry.clone(), dir_at))
+            (state.read_only && b.words.is_empty()).then(|| (b.entry.clone(), b.table.clone()))
         };
-        if let Some((entry, dir_at)) = load {
-            let (table, words, bits) = self.read_bitmap(&entry, dir_at).await?;
+        if let Some((entry, table)) = load {
+            let (words, bits) = self.read_bitmap(&entry, &table).await?;
             let mut state = self.bitmaps.write();
             if let Ok(at) = state.index(name) {
                 let b = &mut state.list[at];
-                b.table = table;
                 b.words = words.into_iter().map(AtomicU64::new).collect();
                 b.bits = bits;
             }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
+use qimg_format::bitmap::{BitmapEntry, BitmapsExtension, encode_directory};
 use qimg_format::cluster0::Cluster0;
 use qimg_format::extensions::Extension;
 use qimg_format::features::{
@@ -372,6 +373,51 @@ impl<'a, S: Storage> Checker<'a, S> {
             .await
             .map_err(|e| io_failure(&e))?;
         self.sync().await.map_err(|e| io_failure(&e))
+    }
+
+    /// Leaves only `keep` in the bitmap directory at `dir_offset` (written in place: it
+    /// shrinks), or no bitmaps at all. Crash-safe: the autoclear bit goes first, so that
+    /// until the header points at the new directory every reader ignores the bitmaps (QEMU
+    /// calls them inconsistent); their clusters leak at worst. In the silent walk only the
+    /// state changes.
+    pub(super) async fn drop_bitmaps(
+        &mut self,
+        dir_offset: u64,
+        keep: &[BitmapEntry],
+    ) -> std::result::Result<(), Failure> {
+        let ext = (!keep.is_empty()).then(|| BitmapsExtension {
+            nb_bitmaps: keep.len() as u32,
+            directory_size: encode_directory(keep).len() as u64,
+            directory_offset: dir_offset,
+        });
+        if !self.mute {
+            let fail = |e: std::io::Error| io_failure(&e);
+            let mut c0 = self.read_bytes(0, self.cluster_size).await.map_err(fail)?;
+            let mut cluster0 = Cluster0::decode(&c0).map_err(|e| Failure(e.to_string()))?;
+            let ac = cluster0.header.autoclear_features & !AUTOCLEAR_BITMAPS;
+            self.write(&encode_autoclear(ac), field::AUTOCLEAR_FEATURES)
+                .await
+                .map_err(fail)?;
+            self.sync().await.map_err(fail)?;
+            if ext.is_some() {
+                self.write(&encode_directory(keep), dir_offset)
+                    .await
+                    .map_err(fail)?;
+                self.sync().await.map_err(fail)?;
+            }
+            cluster0.set_bitmaps(ext);
+            c0 = cluster0.encode().map_err(|e| Failure(e.to_string()))?;
+            self.write(&c0, 0).await.map_err(fail)?;
+            self.sync().await.map_err(fail)?;
+        }
+        if !self.mute {
+            self.bitmaps = ext.map(|e| BitmapDirectory {
+                offset: e.directory_offset,
+                size: e.directory_size,
+                count: e.nb_bitmaps,
+            });
+        }
+        Ok(())
     }
 
     pub(super) async fn mark_clean_and_consistent(&mut self) -> std::result::Result<(), Failure> {

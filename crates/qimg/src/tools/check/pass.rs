@@ -3,15 +3,17 @@
 //! walks, the snapshot, refcount and bitmap structures), compared with the refcounts on disk,
 //! a rebuild of the refcount structure where needed, and the COPIED flags.
 
-use qimg_format::bitmap::{BitmapsExtension, decode_directory};
+use qimg_format::bitmap::{
+    BitmapEntry, BitmapsExtension, TableEntry, decode_directory, encode_directory,
+};
 use qimg_format::lenient::TABLE_WORD;
 use qimg_format::validate::MAX_L1_BYTES;
 use qimg_io::Storage;
 
+use crate::engine::bitmaps::{Judged, entry_offsets, judge_bitmaps};
+
 use super::checker::{BEYOND_EOF_WINDOW, BitmapDirectory, Checker, c_hex, walk_io_error};
-use super::{
-    CheckEvent, CheckReport, Counters, EFBIG, EINVAL, EIO, Failure, RepairScope, io_failure,
-};
+use super::{CheckEvent, CheckReport, Counters, EFBIG, EIO, Failure, RepairScope, io_failure};
 
 impl<S: Storage> Checker<'_, S> {
     // ----- the pass -----
@@ -206,7 +208,7 @@ impl<S: Storage> Checker<'_, S> {
         if let Some((off, len)) = self.crypto {
             self.inc_refcounts(res, off, len);
         }
-        self.check_bitmaps_refcounts(res).await?;
+        self.check_bitmaps_refcounts(res, fix).await?;
         self.check_refblocks(res, fix, rebuild)
     }
 
@@ -276,10 +278,14 @@ impl<S: Storage> Checker<'_, S> {
         }
         (self.events)(CheckEvent::Progress { done, total });
     }
-    /// `qcow2_check_bitmaps_refcounts`.
+    /// `qcow2_check_bitmaps_refcounts`, and beyond QEMU: a bitmap QEMU's loader refuses
+    /// ([`judge_bitmaps`]) makes QEMU refuse to open the image at all, so nothing QEMU has can
+    /// remove it. Here it is a corruption, and `-r all` drops it from the directory (its
+    /// clusters are then leaks, which the same pass frees).
     pub(super) async fn check_bitmaps_refcounts(
         &mut self,
         res: &mut Counters,
+        fix: RepairScope,
     ) -> std::result::Result<(), Failure> {
         let Some(BitmapDirectory {
             offset: dir_offset,
@@ -289,7 +295,6 @@ impl<S: Storage> Checker<'_, S> {
         else {
             return Ok(());
         };
-        self.inc_refcounts(res, dir_offset, dir_size);
         // The extension was validated at open: the directory is at most 64 MiB.
         let list = self
             .read_bytes(dir_offset, dir_size)
@@ -303,10 +308,80 @@ impl<S: Storage> Checker<'_, S> {
                 };
                 decode_directory(&dir, &ext).map_err(|e| e.to_string())
             });
-        let Ok(list) = list else {
-            res.corruptions += 1;
-            return Err(Failure(EINVAL.into()));
+        // A directory that does not decode (QEMU: "Broken bitmap directory" and the like, and
+        // no open) is a corruption; `-r all` drops the extension, and every cluster only
+        // the bitmaps held is then a leak the same pass frees.
+        let mut list = match list {
+            Ok(list) => list,
+            Err(why) => {
+                let verb = if fix.corruptions {
+                    "Repairing"
+                } else {
+                    "ERROR"
+                };
+                self.msg(format!("{verb} bitmap directory at {dir_offset:#x}: {why}"));
+                res.corruptions += 1;
+                if fix.corruptions {
+                    self.drop_bitmaps(dir_offset, &[]).await?;
+                    res.corruptions_fixed += 1;
+                } else {
+                    self.inc_refcounts(res, dir_offset, dir_size);
+                }
+                return Ok(());
+            }
         };
+        let disk_size = self.total_sectors * 512;
+        let judged = judge_bitmaps(&self.walker(), &list, self.cluster_size, disk_size).await;
+        let judged = match judged {
+            Ok(j) => j,
+            Err(e) => {
+                res.corruptions += 1;
+                return Err(io_failure(&walk_io_error(e)));
+            }
+        };
+        let offsets = entry_offsets(&list, dir_offset);
+        let mut refused = Vec::new();
+        for (i, mut j) in judged.into_iter().enumerate() {
+            // A table past the end of the file reads as zeros (QEMU then keeps the bitmap
+            // with every bit clear: what it tracked is lost without a trace). A repair drops
+            // the bitmap; a check reports it below as QEMU does.
+            let table_len = u64::from(list[i].table_size) * TABLE_WORD;
+            if fix.corruptions && self.past_eof(list[i].table_offset, table_len) {
+                j = Judged::Refused(format!(
+                    "the table of bitmap '{}' at {:#x} lies past the end of the file",
+                    String::from_utf8_lossy(&list[i].name),
+                    list[i].table_offset
+                ));
+            }
+            if let Judged::Refused(why) = j {
+                let verb = if fix.corruptions {
+                    "Repairing"
+                } else {
+                    "ERROR"
+                };
+                self.msg(format!(
+                    "{verb} bitmap directory entry at {:#x}: {why}",
+                    offsets[i]
+                ));
+                res.corruptions += 1;
+                refused.push(i);
+            }
+        }
+        let mut dir_size = dir_size;
+        if fix.corruptions && !refused.is_empty() {
+            let keep: Vec<BitmapEntry> = (0..list.len())
+                .filter(|i| !refused.contains(i))
+                .map(|i| list[i].clone())
+                .collect();
+            self.drop_bitmaps(dir_offset, &keep).await?;
+            res.corruptions_fixed += refused.len() as i64;
+            dir_size = encode_directory(&keep).len() as u64;
+            list = keep;
+            if list.is_empty() {
+                return Ok(());
+            }
+        }
+        self.inc_refcounts(res, dir_offset, dir_size);
         const PIECE: u64 = 65536;
         for bm in list {
             let size = u64::from(bm.table_size);
@@ -333,14 +408,28 @@ impl<S: Storage> Checker<'_, S> {
                         return Err(io_failure(&e));
                     }
                 };
-                for entry in words {
+                for (i, entry) in words.into_iter().enumerate() {
                     let offset = entry.offset();
                     if entry.is_invalid(self.cluster_size) {
                         res.corruptions += 1;
                         continue;
                     }
-                    if offset != 0 {
-                        self.inc_refcounts(res, offset, self.cluster_size);
+                    if offset != 0
+                        && !self.inc_refcounts(res, offset, self.cluster_size)
+                        && fix.corruptions
+                    {
+                        // Beyond QEMU (whose repair keeps the bitmap with those bits clear,
+                        // so a backup would skip what they tracked): the bits are lost, so
+                        // they all read as changed.
+                        let at = at.unwrap_or(0) + i as u64 * TABLE_WORD;
+                        let ones = TableEntry::Ones.encode().to_be_bytes();
+                        self.write(&ones, at).await.map_err(|e| io_failure(&e))?;
+                        self.msg(format!(
+                            "Repairing bitmap table entry at {at:#x}: its data cluster \
+                             {offset:#x} lies past the end of the file; every bit it held \
+                             now reads as set"
+                        ));
+                        res.corruptions_fixed += 1;
                     }
                 }
                 done += n;
