@@ -4,6 +4,10 @@
 //! backing file / raw / qcow2 backing shorter than the overlay, caches small enough to evict).
 //! Every read must equal the model; after each sequence `qemu-img check` must find no
 //! corruption and no leak, and `qemu-img compare` must find the image equal to the model.
+//! Half the version 3 shapes carry two enabled persistent dirty bitmaps and a disabled one:
+//! after the sequence (stored at every reopen and at the close) each enabled one holds
+//! exactly the granules the writes, write-zeroes and discards touched, the disabled one
+//! nothing, and `qemu-img info` lists them consistent.
 
 mod common;
 
@@ -30,6 +34,10 @@ struct Shape {
     small_cache: bool,
     sparse: bool,
     lazy: bool,
+    /// Two enabled persistent bitmaps (512 B and the default granularity) and a disabled
+    /// one, added at the first open: every write, write-zeroes and discard must be in the
+    /// enabled ones, nothing else, across reopens.
+    bitmaps: bool,
 }
 
 impl Shape {
@@ -88,6 +96,7 @@ fn shape() -> impl Strategy<Value = Shape> {
                 let extended = ext && cluster_bits >= 14;
                 let v2 = flavour % 5 == 0 && !extended;
                 let lazy = flavour % 3 == 0 && !v2;
+                let bitmaps = flavour % 4 < 2 && !v2;
                 Shape {
                     cluster_bits,
                     extended,
@@ -97,6 +106,7 @@ fn shape() -> impl Strategy<Value = Shape> {
                     small_cache,
                     sparse,
                     lazy,
+                    bitmaps,
                 }
             },
         )
@@ -183,8 +193,18 @@ async fn run(shape: Shape, codes: Vec<OpCode>) -> Result<(), TestCaseError> {
     let what = format!("{:?}", w.shape);
     let mut img = w.opts().open(&path).await.map_err(fail)?;
     let geometry = w.shape.geometry();
+    // Every range a write, write-zeroes or discard touched (what the bitmaps must hold).
+    let mut touched: Vec<(u64, u64)> = Vec::new();
+    if w.shape.bitmaps {
+        for (name, g, on) in BITMAPS {
+            img.add_bitmap(name, g, on).map_err(fail)?;
+        }
+    }
     for code in &codes {
         let op = GuestOp::decode(code, &geometry);
+        if let Some(r) = op.range().filter(|_| !matches!(op, GuestOp::Read { .. })) {
+            touched.push(r);
+        }
         match op {
             GuestOp::Write { at, len, seed } => {
                 let data = pattern(seed, at, len as usize);
@@ -226,8 +246,72 @@ async fn run(shape: Shape, codes: Vec<OpCode>) -> Result<(), TestCaseError> {
     }
     img.close().await.map_err(fail)?;
     drop(img);
+    if w.shape.bitmaps {
+        check_bitmaps(&path, w.model.data.len() as u64, &touched, &what).await?;
+    }
     assert_clean(&w.dir.0, "img.qcow2", &what);
     assert_same_as_model(&w.dir.0, "img.qcow2", &w.model.data, &what);
+    Ok(())
+}
+
+/// The bitmaps of a shape with bitmaps: (name, granularity, enabled).
+const BITMAPS: [(&str, Option<u64>, bool); 3] = [
+    ("fine", Some(512), true),
+    ("default", None, true),
+    ("off", Some(65536), false),
+];
+
+/// The granules of `g` bytes that `ranges` touch on a `size`-byte disk, as merged extents.
+fn granules(ranges: &[(u64, u64)], g: u64, size: u64) -> Vec<(u64, u64)> {
+    let mut dirty = vec![false; size.div_ceil(g) as usize];
+    for &(a, b) in ranges.iter().filter(|(a, b)| a < b) {
+        for i in a / g..b.div_ceil(g) {
+            dirty[i as usize] = true;
+        }
+    }
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (i, d) in dirty.iter().enumerate().filter(|(_, d)| **d) {
+        let (at, end) = (i as u64 * g, ((i as u64 + 1) * g).min(size));
+        match out.last_mut() {
+            Some((s, l)) if *s + *l == at => *l = end - *s,
+            _ => out.push((at, end - at)),
+        }
+    }
+    out
+}
+
+/// After the close: the bitmaps were stored consistent (qimg's read-only open and
+/// `qemu-img info` agree), each enabled one holds exactly the touched granules, the disabled
+/// one none.
+async fn check_bitmaps(
+    path: &std::path::Path,
+    size: u64,
+    touched: &[(u64, u64)],
+    what: &str,
+) -> Result<(), TestCaseError> {
+    let img = OpenOptions::new().open(path).await.map_err(fail)?;
+    let listed = img.bitmaps();
+    prop_assert_eq!(listed.len(), BITMAPS.len(), "{}: {:?}", what, listed);
+    for ((name, _, on), info) in BITMAPS.iter().zip(&listed) {
+        prop_assert!(
+            info.name == *name && info.enabled == *on && !info.inconsistent,
+            "{}: {:?}",
+            what,
+            info
+        );
+        let bits = img.dirty_bitmap(name).await.map_err(fail)?;
+        let want = if *on {
+            granules(touched, bits.granularity, size)
+        } else {
+            Vec::new()
+        };
+        prop_assert_eq!(bits.extents(0, size), want, "{}: bitmap {}", what, name);
+    }
+    let dir = path.parent().unwrap();
+    let info = qemu_img(dir, &["info", "--output=json", "img.qcow2"]);
+    let json = String::from_utf8_lossy(&info.stdout).to_string();
+    prop_assert!(info.status.success() && json.contains("\"fine\""), "{}: {}", what, json);
+    prop_assert!(!json.contains("in-use"), "{}: stored in use: {}", what, json);
     Ok(())
 }
 
