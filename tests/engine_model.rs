@@ -270,7 +270,7 @@ fn granules(ranges: &[(u64, u64)], g: u64, size: u64) -> Vec<(u64, u64)> {
         }
     }
     let mut out: Vec<(u64, u64)> = Vec::new();
-    for (i, d) in dirty.iter().enumerate().filter(|(_, d)| **d) {
+    for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
         let (at, end) = (i as u64 * g, ((i as u64 + 1) * g).min(size));
         match out.last_mut() {
             Some((s, l)) if *s + *l == at => *l = end - *s,
@@ -310,8 +310,18 @@ async fn check_bitmaps(
     let dir = path.parent().unwrap();
     let info = qemu_img(dir, &["info", "--output=json", "img.qcow2"]);
     let json = String::from_utf8_lossy(&info.stdout).to_string();
-    prop_assert!(info.status.success() && json.contains("\"fine\""), "{}: {}", what, json);
-    prop_assert!(!json.contains("in-use"), "{}: stored in use: {}", what, json);
+    prop_assert!(
+        info.status.success() && json.contains("\"fine\""),
+        "{}: {}",
+        what,
+        json
+    );
+    prop_assert!(
+        !json.contains("in-use"),
+        "{}: stored in use: {}",
+        what,
+        json
+    );
     Ok(())
 }
 

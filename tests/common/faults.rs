@@ -14,7 +14,7 @@ use qimg::io::{
 };
 use qimg::tools::check::{CheckOptions, CheckReport, Repair, check};
 use qimg::tools::create::{Compat, CreateOptions, create};
-use qimg::{Allocation, Backing, CacheOptions, Image, OpenOptions};
+use qimg::{Allocation, Backing, BitmapInfo, CacheOptions, DirtyBitmap, Image, OpenOptions};
 
 use qimg_testkit::model::{GuestModel, GuestOp};
 use qimg_testkit::pattern::{cached_pattern, pattern};
@@ -212,7 +212,12 @@ pub struct Shape {
     /// eviction, and refcount blocks of several slices.
     pub small_cache: bool,
     pub sparse: bool,
+    /// Two enabled persistent dirty bitmaps ([`BITMAPS`]) in the image before the workload.
+    pub bitmaps: bool,
 }
+
+/// The bitmaps of a shape with `bitmaps`: (name, granularity).
+pub const BITMAPS: [(&str, Option<u64>); 2] = [("fine", Some(512)), ("default", None)];
 
 impl Shape {
     pub fn new(name: &'static str, cluster_size: u64, extended: bool, size: u64) -> Self {
@@ -227,6 +232,7 @@ impl Shape {
             size,
             small_cache: false,
             sparse: false,
+            bitmaps: false,
         }
     }
 
@@ -337,12 +343,22 @@ pub async fn make_images(shape: &Shape) -> Images {
         }
     }
     let image = create_bytes(&dir.0, "img.qcow2", &opts);
-    Images {
+    let mut images = Images {
         shape: shape.clone(),
         image,
         backing_file,
         backing_guest,
+    };
+    if shape.bitmaps {
+        let (img, mem) = images.open_mem(&images.image).await;
+        let img = img.expect("open to add bitmaps");
+        for (name, g) in BITMAPS {
+            img.add_bitmap(name, g, true).unwrap();
+        }
+        img.close().await.unwrap();
+        images.image = mem.snapshot();
     }
+    images
 }
 
 impl Images {
@@ -401,6 +417,29 @@ impl Images {
             .open_storage(mem.clone(), "img.qcow2", backing, None)
             .await;
         (img, mem)
+    }
+
+    /// The bitmaps of `image` as a read-only open finds them, each with its bits when it is
+    /// consistent.
+    pub async fn bitmaps_of(&self, image: &[u8]) -> Vec<(BitmapInfo, Option<DirtyBitmap>)> {
+        let backing = self.backing(MemStorage::from_bytes).await;
+        let img = self
+            .shape
+            .open_options()
+            .writable(false)
+            .open_storage(MemStorage::from_bytes(image), "img.qcow2", backing, None)
+            .await
+            .expect("a read-only open for the bitmaps");
+        let mut out = Vec::new();
+        for info in img.bitmaps() {
+            let bits = if info.inconsistent {
+                None
+            } else {
+                Some(img.dirty_bitmap(&info.name).await.unwrap())
+            };
+            out.push((info, bits));
+        }
+        out
     }
 
     /// Opens `image` read-write over a [`Disk`] with `plan` armed before the open, recording

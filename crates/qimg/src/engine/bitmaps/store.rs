@@ -259,6 +259,7 @@ impl<S: Storage> Inner<S> {
             to_free.push((gone.table_offset, (n * 8).div_ceil(cs)));
         }
         let mut data = vec![0u8; cs as usize];
+        let mut in_place: Vec<(u64, Vec<u8>)> = Vec::new();
         for b in list.iter_mut().filter(|b| !b.inconsistent) {
             if !changed && b.entry.table_offset != 0 {
                 // As loaded: only `in_use` goes.
@@ -294,15 +295,18 @@ impl<S: Storage> Inner<S> {
             let clusters = (bytes.len() as u64).div_ceil(cs).max(1);
             let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs).max(1);
             let table_at = if b.entry.table_offset != 0 && clusters == old_clusters {
+                // The directory on disk names this table: rewritten only once the
+                // refcounts of the data clusters it now names are durable.
+                in_place.push((b.entry.table_offset, bytes));
                 b.entry.table_offset
             } else {
                 if b.entry.table_offset != 0 {
                     to_free.push((b.entry.table_offset, old_clusters));
                 }
-                self.alloc_clusters(m, clusters).await?
+                let at = self.alloc_clusters(m, clusters).await?;
+                self.write_guarded(m, at, &bytes, Writing::Data).await?;
+                at
             };
-            self.write_guarded(m, table_at, &bytes, Writing::Data)
-                .await?;
             b.entry.table_offset = table_at;
             b.entry.table_size = n as u32;
             b.entry.flags &= !FLAG_IN_USE;
@@ -320,14 +324,21 @@ impl<S: Storage> Inner<S> {
                 Some((at, dir.len() as u64))
             }
         };
-        // Data, tables, the directory and their refcounts durable before the header (or
-        // the directory in place) names them.
+        // Data, new tables, a new directory and their refcounts durable before anything on
+        // disk names them: tables rewritten in place, then (durable too) the directory in
+        // place or the header. A crash in between leaves the bitmaps in use.
         if let Some((at, len)) = new_dir {
             if Some((at, len)) != old_dir {
                 self.write_guarded(m, at, &dir, Writing::Data).await?;
             }
         }
         self.flush_meta(m).await?;
+        if !in_place.is_empty() {
+            for (at, bytes) in &in_place {
+                self.write_guarded(m, *at, bytes, Writing::Data).await?;
+            }
+            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        }
         match new_dir {
             Some(d) if Some(d) == old_dir => {
                 self.write_directory(m, d.0, &dir).await?;
