@@ -851,3 +851,76 @@ fn bitmaps_qemu_cannot_load_are_reported_and_dropped_by_repair() {
         }
     }
 }
+
+/// `commit` writes the overlay's data into the backing file, whose enabled bitmaps record
+/// it (the disabled one does not; the overlay's own bitmaps keep what they had), and a safe
+/// `rebase` writes into the overlay, whose bitmaps record that: qimg as qemu-img leaves every
+/// bitmap of both files with the dirty extents qemu-img leaves, the same `info` lists, and
+/// both files clean.
+#[test]
+fn commit_and_rebase_keep_bitmaps_as_qemu_img() {
+    if !have_tools("commit_and_rebase_keep_bitmaps_as_qemu_img") {
+        return;
+    }
+    let d = Scratch::new("bitmaps-commit");
+    let ours = installed_as_qemu_img(&d);
+    let cmds: Vec<String> = [
+        "write -P 1 1M 64k",
+        "write -P 2 3000000 70000",
+        "write -z 4M 64k",
+        "discard 8M 64k",
+        "write -P 3 12M 4k",
+    ]
+    .map(String::from)
+    .to_vec();
+    // Two identical chains: base (bitmaps b, fine, and disabled d, with data of its own)
+    // under top (bitmap o, dirtied by `cmds`).
+    for side in ["ours", "theirs"] {
+        let (base, top) = (format!("{side}-base.qcow2"), format!("{side}-top.qcow2"));
+        qemu_create(&d.0, &base, "cluster_size=64k", "16M");
+        apply(&d.0, false, &base, &["write -P 9 0 6M".into()]);
+        add(&d.0, &base, "b", &[]);
+        add(&d.0, &base, "fine", &["-g", "4k"]);
+        add(&d.0, &base, "d", &["--disable"]);
+        let b = format!("backing_file={base},backing_fmt=qcow2,cluster_size=64k");
+        qemu_create(&d.0, &top, &b, "16M");
+        add(&d.0, &top, "o", &[]);
+        apply(&d.0, false, &top, &cmds);
+    }
+    let compare = |what: &str| {
+        for (file, names) in [("base", ["b", "fine", "d"].as_slice()), ("top", &["o"])] {
+            let (mine, theirs) = (format!("ours-{file}.qcow2"), format!("theirs-{file}.qcow2"));
+            check_clean(&d.0, &mine);
+            let list = |f: &str| bitmap_list(&d.0, f);
+            assert_eq!(list(&mine), list(&theirs), "{what}: {file}'s bitmaps");
+            for name in names {
+                assert_eq!(
+                    dirty_map(&d.0, &mine, name),
+                    dirty_map(&d.0, &theirs, name),
+                    "{what}: {file}'s bitmap {name}"
+                );
+            }
+        }
+    };
+    // A safe rebase onto nothing copies the backing data into top (top's `o` records it).
+    let mine = run(&d.0, &ours, &["rebase", "-f", "qcow2", "-b", "", "ours-top.qcow2"]);
+    ok("qimg rebase", &mine);
+    let q = qemu_img(&d.0, &["rebase", "-f", "qcow2", "-b", "", "theirs-top.qcow2"]);
+    ok("qemu-img rebase", &q);
+    compare("rebase");
+    // Back onto the base (unsafe: nothing written), then commit into it.
+    for side in ["ours", "theirs"] {
+        let base = format!("{side}-base.qcow2");
+        let top = format!("{side}-top.qcow2");
+        let args = ["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", &base, &top];
+        ok("qemu-img rebase -u", &qemu_img(&d.0, &args));
+        apply(&d.0, false, &top, &["write -P 7 2M 128k".into()]);
+    }
+    ok("qimg commit", &run(&d.0, &ours, &["commit", "ours-top.qcow2"]));
+    ok("qemu-img commit", &qemu_img(&d.0, &["commit", "theirs-top.qcow2"]));
+    compare("commit");
+    let base_b = dirty_map(&d.0, "ours-base.qcow2", "b");
+    assert!(base_b.contains("dirty"), "the commit dirtied nothing: {base_b}");
+    let cmp = qemu_img(&d.0, &["compare", "ours-base.qcow2", "theirs-base.qcow2"]);
+    ok("qemu-img compare", &cmp);
+}
