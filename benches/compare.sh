@@ -77,6 +77,9 @@
 #   IMG_SIZE      the fully written image, its raw copy and the overlays of c (2G)
 #   BIG_SIZE      the preallocation=metadata image of b (4G; the 25% cache scales with it)
 #   CONVERT_SIZE  the source image of e (1G)
+#   BITMAP        1: the images of rows a, c and d carry one enabled persistent dirty bitmap
+#                 (qemu-img bitmap --add, 64 KiB granularity), which every write of c marks
+#                 (the cost of changed-block tracking); 0 (default): none
 #   QIMG_POLL     microseconds qimg's queue watches its ring before it sleeps (qimg bench
 #                 --poll; default 0, as qemu-img bench, whose main loop does not poll)
 set -euo pipefail
@@ -94,6 +97,7 @@ WRITE_COUNT=${WRITE_COUNT:-8000}
 IMG_SIZE=${IMG_SIZE:-2G}
 BIG_SIZE=${BIG_SIZE:-4G}
 CONVERT_SIZE=${CONVERT_SIZE:-1G}
+BITMAP=${BITMAP:-0}
 
 STRIDE=$((7 * 1048576 + 4096))      # walks every 4 KiB block (gcd with 2^n sizes: 4 KiB)
 MISS_STRIDE=$((33 * 1048576 + 4096)) # more than one 4 KiB slice (512 entries: 32 MiB) apart
@@ -270,17 +274,20 @@ warm() {
 clear_row() { A_QIMG=() A_QEMU=() A_QIMGRAW=() A_QEMURAW=() A_FIO=() PREP=(:) PREP_RAW=(:); }
 
 # --- images --------------------------------------------------------------------------------
+with_bitmap=""
+if [[ $BITMAP == 1 ]]; then with_bitmap=", one enabled bitmap"; fi
 log "images in $dir"
 if want a || want c || want d; then
     qemu-img create -q -f qcow2 -o cluster_size=64k full.qcow2 "$img_bytes"
     qemu-img bench -w -c $((img_bytes / 65536)) -s 64k -d 16 --pattern 0x5a full.qcow2 >/dev/null
     qemu-img convert -f qcow2 -O raw full.qcow2 full.raw
+    if [[ $BITMAP == 1 ]]; then qemu-img bitmap --add full.qcow2 b0; fi
     sync
 fi
 
 # --- a: strided reads, whole L2 cached -----------------------------------------------------
 if want a; then
-    label="a: reads, stride $(stride "$STRIDE"), $(human "$img_bytes") written image"
+    label="a: reads, stride $(stride "$STRIDE"), $(human "$img_bytes") written image$with_bitmap"
     log "$label"
     for qd in $DEPTHS; do
         for cache in $CACHES; do
@@ -331,6 +338,7 @@ fi
 new_overlay() {
     rm -f ov.qcow2
     qemu-img create -q -f qcow2 -b full.raw -F raw -o "cluster_size=$1,extended_l2=$2" ov.qcow2
+    if [[ $BITMAP == 1 ]]; then qemu-img bitmap --add ov.qcow2 b0; fi
     sync
 }
 new_raw() { rm -f ov.raw; truncate -s "$img_bytes" ov.raw; sync; }
@@ -339,7 +347,7 @@ if want c; then
         IFS=: read -r cs ext <<<"$cfg"
         csb=$(bytes "$cs")
         n=$((WRITE_COUNT < img_bytes / csb ? WRITE_COUNT : img_bytes / csb))
-        label="c: allocating writes, one per $(human "$csb") cluster, extended_l2=$ext, over raw"
+        label="c: allocating writes, one per $(human "$csb") cluster, extended_l2=$ext, over raw$with_bitmap"
         log "$label"
         for qd in $DEPTHS; do
             for cache in $CACHES; do
@@ -462,6 +470,6 @@ fio_version=$( ((have_fio)) && fio --version || echo "fio not installed")
 echo "* tools: $(qemu-img --version | head -1), $fio_version, $("$QIMG" --version) ($QIMG;" \
     "work tree at $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '?'))"
 echo "* settings: QIMG_POLL=${QIMG_POLL:-0} REPS=$REPS READ_COUNT=$READ_COUNT DIRECT_COUNT=$DIRECT_COUNT WRITE_COUNT=$WRITE_COUNT" \
-    "IMG_SIZE=$IMG_SIZE BIG_SIZE=$BIG_SIZE CONVERT_SIZE=$CONVERT_SIZE ROWS=\"$ROWS\" CACHES=\"$CACHES\"" \
+    "IMG_SIZE=$IMG_SIZE BIG_SIZE=$BIG_SIZE CONVERT_SIZE=$CONVERT_SIZE BITMAP=$BITMAP ROWS=\"$ROWS\" CACHES=\"$CACHES\"" \
     "DEPTHS=\"$DEPTHS\" AIO=$AIO; ran in $((SECONDS - started)) s"
 echo "* load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -291,9 +291,10 @@ fn bitmaps_dirtied_by_qimg_read_as_qemu_dirtied_them() {
     }
 }
 
-/// A writer killed before it stored its bitmaps leaves them `in_use`: QEMU then calls them
-/// inconsistent, as after a crash of its own writer; qimg opens the image again, keeps them
-/// untouched, and `qemu-img bitmap --remove` drops them cleanly.
+/// A writer that keeps its bitmaps as QEMU does (`crash_consistent_bitmaps(false)`) and is
+/// killed before it stored them leaves them `in_use`: QEMU then calls them inconsistent, as
+/// after a crash of its own writer; qimg opens the image again, keeps them untouched, and
+/// `qemu-img bitmap --remove` drops them cleanly.
 #[tokio::test]
 async fn a_writer_that_dies_leaves_its_bitmaps_inconsistent_as_qemu_does() {
     if !have_tools("a_writer_that_dies_leaves_its_bitmaps_inconsistent_as_qemu_does") {
@@ -310,6 +311,7 @@ async fn a_writer_that_dies_leaves_its_bitmaps_inconsistent_as_qemu_does() {
         let img = OpenOptions::new()
             .writable(true)
             .locking(false)
+            .crash_consistent_bitmaps(false)
             .open(d.path("a.qcow2"))
             .await
             .unwrap();
@@ -903,24 +905,42 @@ fn commit_and_rebase_keep_bitmaps_as_qemu_img() {
         }
     };
     // A safe rebase onto nothing copies the backing data into top (top's `o` records it).
-    let mine = run(&d.0, &ours, &["rebase", "-f", "qcow2", "-b", "", "ours-top.qcow2"]);
+    let mine = run(
+        &d.0,
+        &ours,
+        &["rebase", "-f", "qcow2", "-b", "", "ours-top.qcow2"],
+    );
     ok("qimg rebase", &mine);
-    let q = qemu_img(&d.0, &["rebase", "-f", "qcow2", "-b", "", "theirs-top.qcow2"]);
+    let q = qemu_img(
+        &d.0,
+        &["rebase", "-f", "qcow2", "-b", "", "theirs-top.qcow2"],
+    );
     ok("qemu-img rebase", &q);
     compare("rebase");
     // Back onto the base (unsafe: nothing written), then commit into it.
     for side in ["ours", "theirs"] {
         let base = format!("{side}-base.qcow2");
         let top = format!("{side}-top.qcow2");
-        let args = ["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", &base, &top];
+        let args = [
+            "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", &base, &top,
+        ];
         ok("qemu-img rebase -u", &qemu_img(&d.0, &args));
         apply(&d.0, false, &top, &["write -P 7 2M 128k".into()]);
     }
-    ok("qimg commit", &run(&d.0, &ours, &["commit", "ours-top.qcow2"]));
-    ok("qemu-img commit", &qemu_img(&d.0, &["commit", "theirs-top.qcow2"]));
+    ok(
+        "qimg commit",
+        &run(&d.0, &ours, &["commit", "ours-top.qcow2"]),
+    );
+    ok(
+        "qemu-img commit",
+        &qemu_img(&d.0, &["commit", "theirs-top.qcow2"]),
+    );
     compare("commit");
     let base_b = dirty_map(&d.0, "ours-base.qcow2", "b");
-    assert!(base_b.contains("dirty"), "the commit dirtied nothing: {base_b}");
+    assert!(
+        base_b.contains("dirty"),
+        "the commit dirtied nothing: {base_b}"
+    );
     let cmp = qemu_img(&d.0, &["compare", "ours-base.qcow2", "theirs-base.qcow2"]);
     ok("qemu-img compare", &cmp);
 }

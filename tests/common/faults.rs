@@ -214,6 +214,8 @@ pub struct Shape {
     pub sparse: bool,
     /// Two enabled persistent dirty bitmaps ([`BITMAPS`]) in the image before the workload.
     pub bitmaps: bool,
+    /// Keep them as QEMU does (in use while open) instead of crash-consistent.
+    pub qemu_bitmaps: bool,
 }
 
 /// The bitmaps of a shape with `bitmaps`: (name, granularity).
@@ -233,6 +235,7 @@ impl Shape {
             small_cache: false,
             sparse: false,
             bitmaps: false,
+            qemu_bitmaps: false,
         }
     }
 
@@ -246,7 +249,9 @@ impl Shape {
 
     pub fn open_options(&self) -> OpenOptions {
         let mut o = OpenOptions::new().writable(true);
-        o = o.clean_timer(false);
+        o = o
+            .clean_timer(false)
+            .crash_consistent_bitmaps(!self.qemu_bitmaps);
         if self.small_cache {
             o = o.cache(CacheOptions {
                 l2_cache_size: Some(1024),

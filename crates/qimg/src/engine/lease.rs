@@ -75,7 +75,7 @@ impl<S: Storage + 'static> Image<S> {
         if len == 0 {
             return Ok(lease);
         }
-        inner.bitmaps.mark(offset, len);
+        inner.record_change(offset, len).await?;
         let bits = inner.geo.cluster_bits();
         let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
         lease.lock_id = Some(inner.locks.acquire(first, end, true).await);

@@ -271,6 +271,9 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
         });
         // Boxed: this function recurses down the backing chain, and every level's frame
         // counts.
+        inner
+            .bitmaps
+            .set_crash_consistent(opts.crash_consistent_bitmaps);
         if opts.writable {
             Box::pin(inner.prepare_for_writing(&c0.header, c0.bitmaps())).await?;
         } else if let Some(ext) = c0.bitmaps() {

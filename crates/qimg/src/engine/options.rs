@@ -118,6 +118,7 @@ pub struct OpenOptions {
     pub(super) force_share: bool,
     pub(super) locking: bool,
     pub(super) close_on_drop: bool,
+    pub(super) crash_consistent_bitmaps: bool,
     /// Run the clean timer on a thread of its own even when a runtime is current (set by
     /// `open_blocking`, whose runtime runs only inside its calls).
     pub(super) timer_thread: bool,
@@ -146,6 +147,7 @@ impl OpenOptions {
             force_share: false,
             locking: true,
             close_on_drop: false,
+            crash_consistent_bitmaps: true,
             timer_thread: false,
         }
     }
@@ -233,6 +235,20 @@ impl OpenOptions {
     /// no lock at all (QEMU's `file.locking=off`).
     pub fn locking(mut self, lock: bool) -> Self {
         self.locking = lock;
+        self
+    }
+
+    /// Keep the persistent dirty bitmaps consistent on disk while writing (the default): a
+    /// crash or power cut at any point leaves each bitmap consistent, its set bits a superset
+    /// of what changed (granules next to written ones may read as changed too, until a clean
+    /// close stores the exact bits), so that the next incremental backup can still use it. A
+    /// write that touches a granule whose bit is not on disk yet first waits for one durable
+    /// write of the bitmap (shared by the requests waiting meanwhile, and marking the
+    /// granules that follow ahead); see `docs/ARCHITECTURE.md`. `false` does what QEMU does:
+    /// the bitmaps are marked in use at open and a crash leaves them inconsistent (unusable
+    /// until removed). Bitmaps QEMU itself left in use stay inconsistent either way.
+    pub fn crash_consistent_bitmaps(mut self, on: bool) -> Self {
+        self.crash_consistent_bitmaps = on;
         self
     }
 

@@ -16,6 +16,7 @@ use qimg_format::bitmap::{self, BitmapEntry, FLAG_AUTO, TableEntry};
 
 use crate::error::Error;
 
+mod live;
 mod store;
 
 pub(crate) use store::{Judged, entry_offsets, judge_bitmaps};
@@ -32,6 +33,15 @@ pub(crate) struct Bitmaps {
     /// Whether any bit may have changed since the open (a write was recorded, or a resize):
     /// without, closing only clears `in_use`.
     changed: AtomicBool,
+    /// Keep the bitmaps on disk consistent while writing (see `live.rs`); set before the
+    /// read-write open loads them.
+    crash_consistent: AtomicBool,
+    /// The group commit of durable bits: one at a time.
+    sync: tokio::sync::Mutex<live::Ahead>,
+    /// Guest ranges whose bits wait for the next durable write.
+    pending: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// Some crash-consistent bitmaps must be marked `in_use` on disk before the next write.
+    in_use_pending: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -48,6 +58,10 @@ struct State {
     reshaped: bool,
     /// A read-only open: bits are read from the file when asked for.
     read_only: bool,
+    /// The directory entries as on disk (flags included), for marking some `in_use` in place.
+    disk: Vec<BitmapEntry>,
+    /// Names of crash-consistent bitmaps to mark `in_use` on disk before the next write.
+    in_use_wanted: Vec<Vec<u8>>,
 }
 
 impl State {
@@ -138,6 +152,9 @@ struct Bitmap {
     words: Vec<AtomicU64>,
     /// How many bits the bitmap has.
     bits: u64,
+    /// For a crash-consistent bitmap (empty otherwise): the bits known set on disk, which
+    /// include every bit of `words` a write depends on.
+    durable: Vec<AtomicU64>,
 }
 
 impl Bitmap {
@@ -158,24 +175,51 @@ impl Bitmap {
         !self.inconsistent && self.entry.flags & FLAG_AUTO != 0
     }
 
-    /// Sets the bits of the granules `[offset, offset + len)` touches.
-    fn set(&self, offset: u64, len: u64) {
+    /// Kept consistent on disk while the image is written.
+    fn live(&self) -> bool {
+        !self.durable.is_empty()
+    }
+
+    /// The granules `[first, end)` that `[offset, offset + len)` touches.
+    fn granules(&self, offset: u64, len: u64) -> (u64, u64) {
         let g = u32::from(self.entry.granularity_bits);
-        let first = offset >> g;
-        let end = (((offset + len - 1) >> g) + 1).min(self.bits);
-        let mut n = first;
+        (offset >> g, (((offset + len - 1) >> g) + 1).min(self.bits))
+    }
+
+    /// Whether every granule `[offset, offset + len)` touches has its bit durable on disk.
+    fn durable_covers(&self, offset: u64, len: u64) -> bool {
+        let (mut n, end) = self.granules(offset, len);
         while n < end {
-            let word = (n / 64) as usize;
             let lo = n % 64;
             let hi = (end - n + lo).min(64);
-            let mask = if hi - lo == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << (hi - lo)) - 1) << lo
-            };
-            self.words[word].fetch_or(mask, Ordering::Relaxed);
+            let mask = mask(lo, hi);
+            let word = self.durable[(n / 64) as usize].load(Ordering::Acquire);
+            if word & mask != mask {
+                return false;
+            }
             n += hi - lo;
         }
+        true
+    }
+
+    /// Sets the bits of the granules `[offset, offset + len)` touches.
+    fn set(&self, offset: u64, len: u64) {
+        let (mut n, end) = self.granules(offset, len);
+        while n < end {
+            let lo = n % 64;
+            let hi = (end - n + lo).min(64);
+            self.words[(n / 64) as usize].fetch_or(mask(lo, hi), Ordering::Relaxed);
+            n += hi - lo;
+        }
+    }
+}
+
+/// Bits `[lo, hi)` of a word (`hi` at most 64).
+fn mask(lo: u64, hi: u64) -> u64 {
+    if hi - lo == 64 {
+        u64::MAX
+    } else {
+        ((1u64 << (hi - lo)) - 1) << lo
     }
 }
 
@@ -227,16 +271,171 @@ impl Bitmaps {
     }
 
     /// Records a write, write-zeroes or discard of `[offset, offset + len)` in every enabled
-    /// bitmap. Every path that changes guest data calls this before it changes anything.
-    pub(crate) fn mark(&self, offset: u64, len: u64) {
+    /// bitmap, in memory. Returns whether that is enough: false when a crash-consistent
+    /// bitmap's bit is not durable yet or some bitmaps wait to be marked `in_use` on disk
+    /// (then [`Inner::record_change`](crate::engine::image::Inner) must finish the job before
+    /// the write; the queue's direct path hands such a write to the engine).
+    pub(crate) fn mark(&self, offset: u64, len: u64) -> bool {
+        let pending = self.in_use_pending.load(Ordering::Acquire);
         if len == 0 || !self.recording.load(Ordering::Acquire) {
-            return;
+            return !pending;
         }
         self.changed.store(true, Ordering::Release);
         let state = self.read();
+        let mut durable = !pending;
         for b in state.list.iter().filter(|b| b.enabled()) {
             b.set(offset, len);
+            if durable && b.live() && !b.durable_covers(offset, len) {
+                durable = false;
+            }
         }
+        durable
+    }
+
+    /// Uses crash-consistent bitmaps (set before the read-write open loads them).
+    pub(crate) fn set_crash_consistent(&self, on: bool) {
+        self.crash_consistent.store(on, Ordering::Release);
+    }
+
+    /// Whether the bitmaps are kept consistent on disk while writing.
+    pub(crate) fn crash_consistent(&self) -> bool {
+        self.crash_consistent.load(Ordering::Acquire)
+    }
+
+    fn push_pending(&self, offset: u64, len: u64) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.push((offset, len));
+    }
+
+    fn take_pending(&self) -> Vec<(u64, u64)> {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *p)
+    }
+
+    /// Whether every enabled crash-consistent bitmap has the bits of the range durable.
+    fn durable_covers(&self, offset: u64, len: u64) -> bool {
+        if len == 0 {
+            return true;
+        }
+        let state = self.read();
+        state
+            .list
+            .iter()
+            .filter(|b| b.enabled() && b.live())
+            .all(|b| b.durable_covers(offset, len))
+    }
+
+    /// What bitmap `name`'s words `[first, end)` are to be on disk: the bits in memory, those
+    /// already durable, and the bits of every granule of `ranges` (`(start, _, ahead_end)`:
+    /// the requests and their marks ahead). Words past the bitmap read as zero. `None` when
+    /// the bitmap is gone or no longer kept consistent.
+    fn disk_words(
+        &self,
+        name: &str,
+        first: usize,
+        end: usize,
+        ranges: &[(u64, u64, u64)],
+    ) -> Option<Vec<u64>> {
+        let state = self.read();
+        let b = &state.list[state.index(name).ok()?];
+        if !b.live() {
+            return None;
+        }
+        let mut words: Vec<u64> = (first..end)
+            .map(|i| match (b.words.get(i), b.durable.get(i)) {
+                (Some(w), Some(d)) => w.load(Ordering::Relaxed) | d.load(Ordering::Relaxed),
+                _ => 0,
+            })
+            .collect();
+        for &(a, _, ahead_end) in ranges {
+            let (g0, g1) = b.granules(a, ahead_end - a);
+            let (lo, hi) = (g0.max(first as u64 * 64), g1.min(end as u64 * 64));
+            let mut n = lo;
+            while n < hi {
+                let l = n % 64;
+                let h = (hi - n + l).min(64);
+                words[(n / 64) as usize - first] |= mask(l, h);
+                n += h - l;
+            }
+        }
+        Some(words)
+    }
+
+    /// Notes bitmap `name`'s words from `first` durable on disk as `words`.
+    fn note_durable(&self, name: &str, first: usize, words: &[u64]) {
+        let state = self.read();
+        let Ok(i) = state.index(name) else {
+            return;
+        };
+        let b = &state.list[i];
+        for (k, w) in words.iter().enumerate() {
+            if let Some(d) = b.durable.get(first + k) {
+                d.fetch_or(*w, Ordering::Release);
+            }
+        }
+    }
+
+    /// Asks for crash-consistent bitmap `name` to be marked `in_use` on disk before the next
+    /// write (it was disabled or removed: the disk would claim it records).
+    fn want_in_use(state: &mut State, name: &[u8], flag: &AtomicBool) {
+        let on_disk = state
+            .disk
+            .iter()
+            .any(|e| e.name == name && !live::in_use(e.flags) && e.flags & FLAG_AUTO != 0);
+        let live = state.list.iter().any(|b| b.entry.name == name && b.live())
+            || state.removed.iter().any(|e| e.name == name);
+        if on_disk && live && !state.in_use_wanted.iter().any(|n| n == name) {
+            state.in_use_wanted.push(name.to_vec());
+            flag.store(true, Ordering::Release);
+        }
+    }
+
+    /// Before a resize: every crash-consistent bitmap.
+    fn want_all_in_use(&self) {
+        let mut state = self.write();
+        let names: Vec<Vec<u8>> = state
+            .list
+            .iter()
+            .filter(|b| b.live())
+            .map(|b| b.entry.name.clone())
+            .collect();
+        for n in names {
+            Self::want_in_use(&mut state, &n, &self.in_use_pending);
+        }
+    }
+
+    /// The directory as on disk with `in_use` set for the bitmaps asked for, and where it is.
+    fn disk_directory_with_in_use(&self) -> Option<(u64, Vec<BitmapEntry>)> {
+        let state = self.read();
+        let (at, _) = state.directory?;
+        let entries = state
+            .disk
+            .iter()
+            .map(|e| {
+                let mut e = e.clone();
+                if state.in_use_wanted.contains(&e.name) {
+                    e.flags |= qimg_format::bitmap::FLAG_IN_USE;
+                }
+                e
+            })
+            .collect();
+        Some((at, entries))
+    }
+
+    /// The directory `entries` are on disk now: the bitmaps marked `in_use` are no longer
+    /// kept consistent (the close stores them).
+    fn in_use_done(&self, entries: &[BitmapEntry]) {
+        let mut state = self.write();
+        let wanted = std::mem::take(&mut state.in_use_wanted);
+        for b in state
+            .list
+            .iter_mut()
+            .filter(|b| wanted.contains(&b.entry.name))
+        {
+            b.durable = Vec::new();
+        }
+        state.disk = entries.to_vec();
+        self.in_use_pending.store(false, Ordering::Release);
     }
 }
 

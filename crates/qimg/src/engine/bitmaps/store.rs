@@ -10,7 +10,7 @@ use qimg_format::lenient::decode_words;
 use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
 
-use super::{Bitmap, BitmapInfo, DirtyBitmap, MAX_NAME, inconsistent};
+use super::{Bitmap, BitmapInfo, Bitmaps, DirtyBitmap, MAX_NAME, inconsistent};
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::{Region, Writing};
@@ -116,6 +116,9 @@ impl<S: Storage> Inner<S> {
             .await
             .map_err(|e| self.walk_error(e))?;
         let offsets = entry_offsets(&entries, dir_at);
+        // Crash-consistent bitmaps stay as they are on disk (see `live.rs`); otherwise, as
+        // QEMU, they are marked in use until the close stores them.
+        let live = writable && self.bitmaps.crash_consistent();
         let mut list = Vec::with_capacity(entries.len());
         for ((entry, judged), at) in entries.into_iter().zip(judged).zip(offsets) {
             let mut b = Bitmap {
@@ -124,6 +127,7 @@ impl<S: Storage> Inner<S> {
                 table: Vec::new(),
                 words: Vec::new(),
                 bits: 0,
+                durable: Vec::new(),
             };
             match judged {
                 Judged::Refused(why) => {
@@ -139,6 +143,10 @@ impl<S: Storage> Inner<S> {
                 Judged::Loads(table) => {
                     if writable {
                         let (words, bits) = self.read_bitmap(&b.entry, &table).await?;
+                        if live {
+                            // What the disk holds is durable.
+                            b.durable = words.iter().map(|&w| AtomicU64::new(w)).collect();
+                        }
                         b.words = words.into_iter().map(AtomicU64::new).collect();
                         b.bits = bits;
                     }
@@ -149,6 +157,8 @@ impl<S: Storage> Inner<S> {
         }
         if writable {
             m.overlap.insert(Region::BitmapDirectory, dir_at, dir_len);
+        }
+        if writable && !live {
             // In use from here on: a crash leaves them inconsistent, as QEMU's writer does.
             for b in list.iter_mut().filter(|b| !b.inconsistent) {
                 b.entry.flags |= FLAG_IN_USE;
@@ -159,6 +169,7 @@ impl<S: Storage> Inner<S> {
             self.file.flush().await.map_err(|e| self.storage_error(e))?;
         }
         let mut state = self.bitmaps.write();
+        state.disk = list.iter().map(|b| b.entry.clone()).collect();
         state.directory = Some((dir_at, dir_len));
         state.list = list;
         state.read_only = !writable;
@@ -219,7 +230,7 @@ impl<S: Storage> Inner<S> {
             .map_err(|e| self.fmt_err(e))
     }
 
-    async fn write_directory(&self, m: &mut Meta, at: u64, bytes: &[u8]) -> Result<()> {
+    pub(super) async fn write_directory(&self, m: &mut Meta, at: u64, bytes: &[u8]) -> Result<()> {
         let own = Writing::Own(Region::BitmapDirectory, at);
         self.write_guarded(m, at, bytes, own).await
     }
@@ -360,6 +371,7 @@ impl<S: Storage> Inner<S> {
             self.free_clusters(m, at, n).await?;
         }
         let mut state = self.bitmaps.write();
+        state.disk = list.iter().map(|b| b.entry.clone()).collect();
         state.list = list;
         state.directory = new_dir;
         Ok(())
@@ -402,6 +414,11 @@ impl<S: Storage> Inner<S> {
             return Err(inconsistent(name));
         }
         let out = change(b);
+        if !state.list[at].enabled() {
+            // Disabled: until the close stores that, a crash must not find it consistent
+            // (the disk would claim it recorded what follows).
+            Bitmaps::want_in_use(&mut state, name.as_bytes(), &self.bitmaps.in_use_pending);
+        }
         self.bitmaps.note_recording(&state);
         self.bitmaps.changed.store(true, Ordering::Release);
         Ok(out)
@@ -467,6 +484,8 @@ impl<S: Storage> Inner<S> {
             table: Vec::new(),
             words: (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             bits,
+            // Not on disk before the close stores it: a crash loses it (no bitmap is safe).
+            durable: Vec::new(),
         });
         state.reshaped = true;
         self.bitmaps.note_recording(&state);
@@ -482,6 +501,8 @@ impl<S: Storage> Inner<S> {
         let b = state.list.remove(at);
         state.removed.push(b.entry);
         state.reshaped = true;
+        // Until the close drops it from the disk, a crash must not find it consistent.
+        Bitmaps::want_in_use(&mut state, name.as_bytes(), &self.bitmaps.in_use_pending);
         self.bitmaps.note_recording(&state);
         Ok(())
     }

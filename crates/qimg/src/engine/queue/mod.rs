@@ -694,9 +694,10 @@ impl<S: Storage + 'static> Queue<S> {
         if write && (inner.check_writable().is_err() || inner.check_not_halted().is_err()) {
             return Err(buffers);
         }
-        if write {
-            // Before anything changes, whichever way the write goes from here.
-            inner.bitmaps.mark(offset, len);
+        // Before anything changes; a crash-consistent bitmap whose bit is not durable yet
+        // sends the write to the engine, which makes it durable first.
+        if write && !inner.bitmaps.mark(offset, len) {
+            return Err(buffers);
         }
         let (data, _) = inner.data();
         let Some(access) = data.direct_access() else {

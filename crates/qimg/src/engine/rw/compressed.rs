@@ -28,7 +28,7 @@ impl<S: Storage> Inner<S> {
                 self.path.display()
             )));
         }
-        self.bitmaps.mark(offset, len);
+        self.record_change(offset, len).await?;
         let mut padded;
         let input = if len == cs {
             data

@@ -32,6 +32,7 @@ impl<S: Storage> Inner<S> {
         if new_size == size {
             return Ok(());
         }
+        self.bitmaps_in_use_before_resize().await?;
         let entries = self
             .geo
             .l1_size_for(new_size)
@@ -94,6 +95,7 @@ impl<S: Storage> Inner<S> {
         }
         let cs = self.geo.cluster_size();
         let scs = self.geo.subcluster_size();
+        self.bitmaps_in_use_before_resize().await?;
         let _guard = self.locks.lock(0, u64::MAX, true).await;
         {
             let m = self.meta.lock().await;

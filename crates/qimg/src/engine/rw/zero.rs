@@ -27,7 +27,7 @@ impl<S: Storage> Inner<S> {
         if len == 0 {
             return Ok(());
         }
-        self.bitmaps.mark(offset, len);
+        self.record_change(offset, len).await?;
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
         for (gc, a, n, _) in self.pieces(offset, len) {

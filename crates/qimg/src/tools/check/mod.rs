@@ -36,6 +36,12 @@
 //!   cluster in an image with an external data file) are made to read as zeros, as QEMU itself
 //!   does for unaligned preallocated clusters; an L1 entry whose L2 table is unaligned or past
 //!   the end of the file is cleared;
+//! * a persistent bitmap QEMU cannot load (QEMU then refuses to open the image at all; the
+//!   rules live in the engine's `judge_bitmaps`), one whose table lies past the end of the
+//!   file, or a whole directory that does not decode, is dropped from the directory (the
+//!   clusters only it held are freed as leaks by the same pass); a bitmap table entry whose
+//!   data cluster lies past the end of the file becomes "all set" (QEMU's repair keeps it
+//!   as "all clear", so a backup would skip what it tracked);
 //! * the refcount structure is rebuilt without reusing the clusters of the damaged one (QEMU
 //!   may try to and fail), and a refcount block past the end of the file leads to a rebuild
 //!   instead of growing the file to reach it;
