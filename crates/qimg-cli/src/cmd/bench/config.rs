@@ -114,6 +114,11 @@ pub(super) struct BenchOpts {
     /// what is written, as qemu-img without its preallocate filter).
     #[arg(long)]
     allocation: Option<String>,
+    /// qimg: how persistent dirty bitmaps are kept while writing: crash-consistent (on disk
+    /// before the data they cover; the default) or qemu (marked in use until the close, as
+    /// QEMU keeps them).
+    #[arg(long)]
+    bitmaps: Option<String>,
     /// qimg: report format: human (qemu-img's lines, then qimg's report) or json.
     #[arg(long, default_value = "human")]
     output: String,
@@ -151,6 +156,8 @@ pub(super) struct Config {
     /// `--poll`: how long a queue's wait watches its ring before it sleeps.
     pub(super) poll: Duration,
     pub(super) allocation: qimg::Allocation,
+    /// Keep persistent bitmaps crash-consistent (`--bitmaps`).
+    pub(super) crash_consistent_bitmaps: bool,
     pub(super) json: bool,
     pub(super) quiet: bool,
 }
@@ -313,6 +320,15 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
     if !poll.is_zero() && !queue_api {
         return Err("--poll needs the queue API (--api queue, -i io_uring)".into());
     }
+    let crash_consistent_bitmaps = match args.bitmaps.as_deref() {
+        None | Some("crash-consistent") => true,
+        Some("qemu") => false,
+        Some(other) => {
+            return Err(format!(
+                "--bitmaps expects 'crash-consistent' or 'qemu' not '{other}'"
+            ));
+        }
+    };
     let allocation = match args.allocation.as_deref() {
         None | Some("contiguous") => qimg::Allocation::Contiguous,
         Some("sparse") => qimg::Allocation::Sparse,
@@ -361,6 +377,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
         queue_api,
         poll,
         allocation,
+        crash_consistent_bitmaps,
         json,
         quiet: args.quiet,
     })

@@ -12,7 +12,8 @@
 //!            [--refcount-cache-entry-size SIZE] [--cache-size SIZE]
 //!            [--cache-clean-interval SECONDS] [--runtime current|multi]
 //!            [--completions runtime|thread] [--api queue|async]
-//!            [--allocation contiguous|sparse] [--output human|json] FILENAME
+//!            [--allocation contiguous|sparse] [--bitmaps crash-consistent|qemu]
+//!            [--output human|json] FILENAME
 //! ```
 //!
 //! Two request loops: with `-i io_uring` or `-i native` (`--api queue`, the default there) one
@@ -204,6 +205,7 @@ where
                 .force_share(cfg.force_share)
                 .cache(cfg.cache)
                 .allocation(cfg.allocation)
+                .crash_consistent_bitmaps(cfg.crash_consistent_bitmaps)
                 .direct(cfg.cache_mode.direct);
             let img = opts
                 .open_with(&cfg.path, open)

@@ -6,21 +6,23 @@
 //! The rule, in one place ([`Inner::record_change`], which every path that changes guest
 //! data calls before it changes anything): a granule's bit is durable on disk before any
 //! write that changes the granule is submitted. Bits already durable cost one atomic check
-//! per bitmap; a request that touches a granule whose bit is not durable yet waits for one
-//! durable write of the bitmap data sectors that hold its bits, shared with every request
-//! waiting meanwhile (a group commit under one lock), and that write marks ahead: it sets
-//! on disk (not in memory) the bits of the granules that follow, as far as a window that
-//! doubles while requests keep arriving just past the previous window (sequential writes:
-//! up to 64 MiB of guest data a write) and falls back to 1 MiB otherwise. A bitmap data
-//! cluster that does not exist yet (its table entry says "all clear") is allocated, written
-//! and counted durably before the table entry (rewritten in place) names it.
+//! per bitmap. A request that touches a granule whose bit is not durable yet waits for one
+//! durable write of the bitmap data that holds its bit, shared with every request waiting
+//! meanwhile (a group commit under one lock), and that write sets on disk (not in memory)
+//! every bit of the 512-byte sector it writes: 4096 granules (256 MiB of guest data at
+//! 64 KiB granularity, 2 MiB at 512 bytes), whose later writes then cost nothing. A bitmap
+//! data cluster that does not exist yet (its table entry says "all clear") is allocated,
+//! written and counted durably before the table entry (rewritten in place) names it.
 //!
-//! The bits in memory stay exact; closing stores them as they are, so the marks ahead
-//! disappear at a clean close. Changes that would make the disk claim more than it may
-//! (disabling or removing a bitmap, resizing the disk) first mark the bitmaps concerned
-//! `in_use` on disk, durably: a crash then leaves those inconsistent, as QEMU's writer leaves
-//! every bitmap. Adding, clearing and merging need nothing: until the close stores them, the
-//! disk holds the state before them, which is still a superset of what changed since then.
+//! The bits in memory stay exact and a clean close stores them as they are: the sectors set
+//! ahead matter only after a crash, where the bitmap then claims every granule of each
+//! sector written to since the open (still an incremental backup, where QEMU's writer leaves
+//! every bitmap inconsistent and the next backup must be full). Changes that would make the
+//! disk claim more than it may (disabling or removing a bitmap, resizing the disk) first mark
+//! the bitmaps concerned `in_use` on disk, durably: a crash then leaves those inconsistent,
+//! as QEMU's writer leaves every bitmap. Adding, clearing and merging need nothing: until
+//! the close stores them, the disk holds the state before them, which is still a superset of
+//! what changed since then.
 //!
 //! [`OpenOptions::crash_consistent_bitmaps`]: crate::OpenOptions::crash_consistent_bitmaps
 
@@ -33,45 +35,23 @@ use crate::engine::image::Inner;
 use crate::engine::overlap::Writing;
 use crate::error::Result;
 
-/// Bytes of bitmap data one durable write covers at least (4096 bits).
+/// Bytes of bitmap data one durable write covers (4096 bits), all set on disk.
 const SECTOR: u64 = 512;
-/// The first window of marks ahead, and the largest, in guest bytes.
-const AHEAD_MIN: u64 = 1 << 20;
-const AHEAD_MAX: u64 = 64 << 20;
 
-/// The state of the group commit: where the last window of marks ahead ended and how large
-/// it was.
-#[derive(Debug, Default)]
-pub(crate) struct Ahead {
-    end: u64,
-    window: u64,
-}
-
-impl Ahead {
-    /// The end of the window of marks ahead for a request ending at `end` that starts at
-    /// `start`, on a disk of `size` bytes.
-    fn extend(&mut self, start: u64, end: u64, size: u64) -> u64 {
-        let near = self.window > 0 && start <= self.end && start + self.window >= self.end;
-        self.window = if near {
-            (self.window * 2).min(AHEAD_MAX)
-        } else {
-            AHEAD_MIN
-        };
-        let ahead = end.saturating_add(self.window).min(size);
-        self.end = self.end.max(ahead);
-        if !near {
-            self.end = ahead;
-        }
-        ahead
-    }
-}
-
-/// One durable write to make: bitmap `name`'s words `[first, end)` (whole sectors) or, for a
-/// data cluster not allocated yet, its table entry `t` (whole cluster).
+/// One durable write to make for a bitmap: its words `[first, end)` (a sector) in place, or,
+/// for a data cluster not allocated yet (table entry `t`), the whole cluster with the words
+/// of `sectors` set.
 #[derive(Debug)]
 enum Piece {
-    Sectors { first: usize, end: usize, at: u64 },
-    NewCluster { t: usize },
+    Sectors {
+        first: usize,
+        end: usize,
+        at: u64,
+    },
+    NewCluster {
+        t: usize,
+        sectors: Vec<(usize, usize)>,
+    },
 }
 
 impl<S: Storage> Inner<S> {
@@ -89,21 +69,18 @@ impl<S: Storage> Inner<S> {
     /// (the group commit, see the module notes).
     async fn sync_bitmaps(&self, offset: u64, len: u64) -> Result<()> {
         self.bitmaps.push_pending(offset, len);
-        let mut ahead = self.bitmaps.sync.lock().await;
+        let _commit = self.bitmaps.sync.lock().await;
         self.mark_in_use_pending().await?;
         if self.bitmaps.durable_covers(offset, len) {
             // A commit that ran while this one waited wrote it.
             return Ok(());
         }
-        let size = self.size();
-        let ranges: Vec<(u64, u64, u64)> = self
-            .bitmaps
-            .take_pending()
-            .into_iter()
-            .map(|(a, l)| (a, a + l, ahead.extend(a, a + l, size)))
-            .collect();
+        let ranges = self.bitmaps.take_pending();
         let cs = self.geo.cluster_size();
-        // Phase 1: what to write, bitmap by bitmap (names: the list may change meanwhile).
+        let words_per_cluster = (cs / 8) as usize;
+        let words_per_sector = (SECTOR / 8) as usize;
+        // Phase 1: the sectors to write, bitmap by bitmap (by name: the list may change
+        // meanwhile), and the data clusters to create.
         let plan: Vec<(String, Vec<Piece>)> = {
             let state = self.bitmaps.read();
             state
@@ -111,43 +88,40 @@ impl<S: Storage> Inner<S> {
                 .iter()
                 .filter(|b| b.live() && b.enabled())
                 .map(|b| {
-                    let g = u32::from(b.entry.granularity_bits);
-                    let words_per_cluster = (cs / 8) as usize;
-                    let words_per_sector = (SECTOR / 8) as usize;
                     let mut sectors: Vec<usize> = Vec::new();
-                    for &(a, _, ahead_end) in &ranges {
-                        let first = (a >> g) / 64;
-                        let last = ((ahead_end - 1) >> g) / 64;
-                        for w in first..=last {
-                            let s = w as usize / words_per_sector;
-                            if sectors.last() != Some(&s) {
-                                sectors.push(s);
-                            }
+                    for &(a, l) in ranges.iter().filter(|r| r.1 > 0) {
+                        if b.durable_covers(a, l) {
+                            continue;
                         }
+                        let (g0, g1) = b.granules(a, l);
+                        let (s0, s1) = (g0 / 4096, (g1 - 1) / 4096);
+                        sectors.extend(s0 as usize..=s1 as usize);
                     }
                     sectors.sort_unstable();
                     sectors.dedup();
-                    let mut pieces = Vec::new();
+                    let mut pieces: Vec<Piece> = Vec::new();
                     for s in sectors {
-                        let (first, end) = (s * words_per_sector, (s + 1) * words_per_sector);
+                        let first = s * words_per_sector;
                         if first >= b.words.len() {
                             continue;
                         }
+                        let end = ((s + 1) * words_per_sector).min(b.words.len());
                         let t = first / words_per_cluster;
                         match b.table.get(t) {
                             Some(TableEntry::Data(at)) => pieces.push(Piece::Sectors {
                                 first,
-                                end: end.min(b.words.len()),
+                                end,
                                 at: at + (first % words_per_cluster) as u64 * 8,
                             }),
-                            Some(TableEntry::Zeros) => {
-                                if !pieces
-                                    .iter()
-                                    .any(|p| matches!(p, Piece::NewCluster { t: u } if *u == t))
-                                {
-                                    pieces.push(Piece::NewCluster { t });
+                            Some(TableEntry::Zeros) => match pieces.last_mut() {
+                                Some(Piece::NewCluster { t: u, sectors }) if *u == t => {
+                                    sectors.push((first, end));
                                 }
-                            }
+                                _ => pieces.push(Piece::NewCluster {
+                                    t,
+                                    sectors: vec![(first, end)],
+                                }),
+                            },
                             // All set on disk already.
                             Some(TableEntry::Ones) | None => {}
                         }
@@ -162,7 +136,8 @@ impl<S: Storage> Inner<S> {
             for p in pieces {
                 match p {
                     Piece::Sectors { first, end, at } => {
-                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &ranges)
+                        let Some(words) =
+                            self.bitmaps.disk_words(&name, first, end, &[(first, end)])
                         else {
                             continue;
                         };
@@ -174,16 +149,14 @@ impl<S: Storage> Inner<S> {
                         drop(m);
                         written.push((name.clone(), first, words));
                     }
-                    Piece::NewCluster { t } => {
-                        let wpc = (cs / 8) as usize;
-                        let Some(words) =
-                            self.bitmaps
-                                .disk_words(&name, t * wpc, (t + 1) * wpc, &ranges)
+                    Piece::NewCluster { t, sectors } => {
+                        let (first, end) = (t * words_per_cluster, (t + 1) * words_per_cluster);
+                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &sectors)
                         else {
                             continue;
                         };
                         self.new_bitmap_cluster(&name, t, &words).await?;
-                        written.push((name.clone(), t * wpc, words));
+                        written.push((name.clone(), first, words));
                     }
                 }
             }

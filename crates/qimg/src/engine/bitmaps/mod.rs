@@ -37,7 +37,7 @@ pub(crate) struct Bitmaps {
     /// read-write open loads them.
     crash_consistent: AtomicBool,
     /// The group commit of durable bits: one at a time.
-    sync: tokio::sync::Mutex<live::Ahead>,
+    sync: tokio::sync::Mutex<()>,
     /// Guest ranges whose bits wait for the next durable write.
     pending: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Some crash-consistent bitmaps must be marked `in_use` on disk before the next write.
@@ -325,39 +325,45 @@ impl Bitmaps {
             .all(|b| b.durable_covers(offset, len))
     }
 
-    /// What bitmap `name`'s words `[first, end)` are to be on disk: the bits in memory, those
-    /// already durable, and the bits of every granule of `ranges` (`(start, _, ahead_end)`:
-    /// the requests and their marks ahead). Words past the bitmap read as zero. `None` when
-    /// the bitmap is gone or no longer kept consistent.
+    /// What bitmap `name`'s words `[first, end)` are to be on disk: the bits in memory and
+    /// those already durable, with every bit of the words of `set` (ranges of word indices)
+    /// set (past the bitmap's last bit, clear). `None` when the bitmap is gone or no longer
+    /// kept consistent.
     fn disk_words(
         &self,
         name: &str,
         first: usize,
         end: usize,
-        ranges: &[(u64, u64, u64)],
+        set: &[(usize, usize)],
     ) -> Option<Vec<u64>> {
         let state = self.read();
         let b = &state.list[state.index(name).ok()?];
         if !b.live() {
             return None;
         }
-        let mut words: Vec<u64> = (first..end)
-            .map(|i| match (b.words.get(i), b.durable.get(i)) {
-                (Some(w), Some(d)) => w.load(Ordering::Relaxed) | d.load(Ordering::Relaxed),
-                _ => 0,
+        let last_word = (b.bits / 64) as usize;
+        let tail = if b.bits % 64 == 0 {
+            0
+        } else {
+            mask(0, b.bits % 64)
+        };
+        let words = (first..end)
+            .map(|i| {
+                let ones = if i < last_word {
+                    u64::MAX
+                } else if i == last_word {
+                    tail
+                } else {
+                    0
+                };
+                let all = set.iter().any(|&(a, z)| (a..z).contains(&i));
+                match (b.words.get(i), b.durable.get(i)) {
+                    _ if all => ones,
+                    (Some(w), Some(d)) => w.load(Ordering::Relaxed) | d.load(Ordering::Relaxed),
+                    _ => 0,
+                }
             })
             .collect();
-        for &(a, _, ahead_end) in ranges {
-            let (g0, g1) = b.granules(a, ahead_end - a);
-            let (lo, hi) = (g0.max(first as u64 * 64), g1.min(end as u64 * 64));
-            let mut n = lo;
-            while n < hi {
-                let l = n % 64;
-                let h = (hi - n + l).min(64);
-                words[(n / 64) as usize - first] |= mask(l, h);
-                n += h - l;
-            }
-        }
         Some(words)
     }
 
