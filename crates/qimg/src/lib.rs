@@ -108,8 +108,12 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A writer that stops without closing leaves its bitmaps marked in use: QEMU and qimg then
-//! call them inconsistent ([`BitmapInfo::inconsistent`]), as QEMU's own writer leaves them.
+//! The bitmaps stay consistent on disk while the image is written
+//! ([`OpenOptions::crash_consistent_bitmaps`], the default): a writer killed or cut off by a
+//! power loss leaves each bitmap usable by qimg and QEMU, its set bits a superset of what
+//! changed, so the next backup is still incremental. QEMU's own writer leaves them marked in
+//! use instead, inconsistent ([`BitmapInfo::inconsistent`]); `crash_consistent_bitmaps(false)`
+//! does the same.
 //!
 //! ## Layout
 //!

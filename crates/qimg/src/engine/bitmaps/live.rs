@@ -8,15 +8,18 @@
 //! write that changes the granule is submitted. Bits already durable cost one atomic check
 //! per bitmap. A request that touches a granule whose bit is not durable yet waits for one
 //! durable write of the bitmap data that holds its bit, shared with every request waiting
-//! meanwhile (a group commit under one lock), and that write sets on disk (not in memory)
-//! every bit of the 512-byte sector it writes: 4096 granules (256 MiB of guest data at
-//! 64 KiB granularity, 2 MiB at 512 bytes), whose later writes then cost nothing. A bitmap
-//! data cluster that does not exist yet (its table entry says "all clear") is allocated,
-//! written and counted durably before the table entry (rewritten in place) names it.
+//! meanwhile (a group commit under one lock). That write sets on disk (not in memory) the
+//! bits of whole 64-bit words (64 granules: 4 MiB of guest data at 64 KiB granularity) and,
+//! for a request that continues the previous one, of a window ahead that doubles up to
+//! 64 MiB (sequential writes); a 512-byte sector of bitmap data that has taken three such
+//! writes is set whole on the fourth (4096 granules: 256 MiB at 64 KiB), so that a session
+//! pays a few durable writes per sector at most, whatever the pattern. A bitmap data
+//! cluster that does not exist yet (its table entry says "all clear") is allocated, written
+//! and counted durably before the table entry (rewritten in place) names it.
 //!
-//! The bits in memory stay exact and a clean close stores them as they are: the sectors set
-//! ahead matter only after a crash, where the bitmap then claims every granule of each
-//! sector written to since the open (still an incremental backup, where QEMU's writer leaves
+//! The bits in memory stay exact and a clean close stores them as they are: the bits set
+//! ahead matter only after a crash, where the bitmap then claims every granule of each word
+//! (or sector) written to since the open (still an incremental backup, where QEMU's writer leaves
 //! every bitmap inconsistent and the next backup must be full). Changes that would make the
 //! disk claim more than it may (disabling or removing a bitmap, resizing the disk) first mark
 //! the bitmaps concerned `in_use` on disk, durably: a crash then leaves those inconsistent,
@@ -35,22 +38,76 @@ use crate::engine::image::Inner;
 use crate::engine::overlap::Writing;
 use crate::error::Result;
 
-/// Bytes of bitmap data one durable write covers (4096 bits), all set on disk.
+/// Bytes of bitmap data one durable write covers: 4096 bits.
 const SECTOR: u64 = 512;
+/// Words of bitmap data a sector holds.
+const SECTOR_WORDS: usize = (SECTOR / 8) as usize;
+/// Durable writes a sector takes word by word; the next one sets the whole sector.
+const ESCALATE: u8 = 3;
+/// The first window of marks ahead of a request, and the largest (sequential writes), in
+/// guest bytes.
+const AHEAD_MIN: u64 = 0;
+const AHEAD_MAX: u64 = 64 << 20;
+
+/// How close after the reach of the previous marked request a request must start to count as
+/// continuing it.
+const CONTINUES_WITHIN: u64 = 8 << 20;
+
+/// What the group commit remembers between commits (under its lock).
+#[derive(Debug, Default)]
+pub(crate) struct Commits {
+    /// The previous request that needed a durable write: its start and how far its marks
+    /// reached; and the window of marks ahead.
+    prev_start: u64,
+    prev_reach: u64,
+    window: u64,
+    /// Durable writes so far, by bitmap name and sector.
+    per_sector: std::collections::HashMap<(Vec<u8>, usize), u8>,
+}
+
+impl Commits {
+    /// The end of the marks for a request `[start, end)` on a `size`-byte disk: nothing ahead
+    /// for a request that does not continue the previous one; a window that doubles (1 MiB,
+    /// then up to 64 MiB) while requests keep moving forward from where the previous marks
+    /// reached (sequential writes).
+    fn ahead(&mut self, start: u64, end: u64, size: u64) -> u64 {
+        let continues = self.prev_reach > 0
+            && start >= self.prev_start
+            && start <= self.prev_reach.saturating_add(CONTINUES_WITHIN);
+        self.window = if continues {
+            (self.window * 2).clamp(1 << 20, AHEAD_MAX)
+        } else {
+            AHEAD_MIN
+        };
+        let ahead = end.saturating_add(self.window).min(size);
+        self.prev_start = start;
+        self.prev_reach = ahead;
+        ahead
+    }
+
+    /// Notes one more durable write of bitmap `name`'s sector `s`; true when the sector has
+    /// taken enough word by word and is to be set whole.
+    fn escalate(&mut self, name: &[u8], s: usize) -> bool {
+        let n = self.per_sector.entry((name.to_vec(), s)).or_insert(0);
+        *n = n.saturating_add(1);
+        *n > ESCALATE
+    }
+}
 
 /// One durable write to make for a bitmap: its words `[first, end)` (a sector) in place, or,
-/// for a data cluster not allocated yet (table entry `t`), the whole cluster with the words
-/// of `sectors` set.
+/// for a data cluster not allocated yet (table entry `t`), the whole cluster; with the words
+/// of `set` (ranges of word indices) all set.
 #[derive(Debug)]
 enum Piece {
     Sectors {
         first: usize,
         end: usize,
         at: u64,
+        set: Vec<(usize, usize)>,
     },
     NewCluster {
         t: usize,
-        sectors: Vec<(usize, usize)>,
+        set: Vec<(usize, usize)>,
     },
 }
 
@@ -69,76 +126,89 @@ impl<S: Storage> Inner<S> {
     /// (the group commit, see the module notes).
     async fn sync_bitmaps(&self, offset: u64, len: u64) -> Result<()> {
         self.bitmaps.push_pending(offset, len);
-        let _commit = self.bitmaps.sync.lock().await;
+        let mut commits = self.bitmaps.sync.lock().await;
         self.mark_in_use_pending().await?;
         if self.bitmaps.durable_covers(offset, len) {
             // A commit that ran while this one waited wrote it.
             return Ok(());
         }
-        let ranges = self.bitmaps.take_pending();
+        let size = self.size();
+        let ranges: Vec<(u64, u64, u64)> = self
+            .bitmaps
+            .take_pending()
+            .into_iter()
+            .filter(|r| r.1 > 0)
+            .map(|(a, l)| (a, l, commits.ahead(a, a + l, size)))
+            .collect();
         let cs = self.geo.cluster_size();
         let words_per_cluster = (cs / 8) as usize;
-        let words_per_sector = (SECTOR / 8) as usize;
-        // Phase 1: the sectors to write, bitmap by bitmap (by name: the list may change
-        // meanwhile), and the data clusters to create.
+        // Phase 1, under the bitmaps' lock: the words to set on disk, sector by sector, and
+        // where each sector goes (by name: the list may change before phase 2).
         let plan: Vec<(String, Vec<Piece>)> = {
             let state = self.bitmaps.read();
-            state
-                .list
-                .iter()
-                .filter(|b| b.live() && b.enabled())
-                .map(|b| {
-                    let mut sectors: Vec<usize> = Vec::new();
-                    for &(a, l) in ranges.iter().filter(|r| r.1 > 0) {
-                        if b.durable_covers(a, l) {
-                            continue;
-                        }
-                        let (g0, g1) = b.granules(a, l);
-                        let (s0, s1) = (g0 / 4096, (g1 - 1) / 4096);
-                        sectors.extend(s0 as usize..=s1 as usize);
+            let mut plan = Vec::new();
+            for b in state.list.iter().filter(|b| b.live() && b.enabled()) {
+                // Sector -> word ranges to set.
+                let mut sectors: std::collections::BTreeMap<usize, Vec<(usize, usize)>> =
+                    Default::default();
+                for &(a, l, ahead_end) in &ranges {
+                    if b.durable_covers(a, l) {
+                        continue;
                     }
-                    sectors.sort_unstable();
-                    sectors.dedup();
-                    let mut pieces: Vec<Piece> = Vec::new();
-                    for s in sectors {
-                        let first = s * words_per_sector;
-                        if first >= b.words.len() {
-                            continue;
-                        }
-                        let end = ((s + 1) * words_per_sector).min(b.words.len());
-                        let t = first / words_per_cluster;
-                        match b.table.get(t) {
-                            Some(TableEntry::Data(at)) => pieces.push(Piece::Sectors {
-                                first,
-                                end,
-                                at: at + (first % words_per_cluster) as u64 * 8,
-                            }),
-                            Some(TableEntry::Zeros) => match pieces.last_mut() {
-                                Some(Piece::NewCluster { t: u, sectors }) if *u == t => {
-                                    sectors.push((first, end));
-                                }
-                                _ => pieces.push(Piece::NewCluster {
-                                    t,
-                                    sectors: vec![(first, end)],
-                                }),
-                            },
-                            // All set on disk already.
-                            Some(TableEntry::Ones) | None => {}
-                        }
+                    let (g0, g1) = b.granules(a, ahead_end - a);
+                    let (w0, w1) = ((g0 / 64) as usize, (g1 - 1) as usize / 64 + 1);
+                    let mut w = w0;
+                    while w < w1 {
+                        let s = w / SECTOR_WORDS;
+                        let z = w1.min((s + 1) * SECTOR_WORDS);
+                        sectors.entry(s).or_default().push((w, z));
+                        w = z;
                     }
-                    (String::from_utf8_lossy(&b.entry.name).into_owned(), pieces)
-                })
-                .collect()
+                }
+                let mut pieces: Vec<Piece> = Vec::new();
+                for (s, mut set) in sectors {
+                    let first = s * SECTOR_WORDS;
+                    if first >= b.words.len() {
+                        continue;
+                    }
+                    let end = (first + SECTOR_WORDS).min(b.words.len());
+                    if commits.escalate(&b.entry.name, s) {
+                        set = vec![(first, end)];
+                    }
+                    let t = first / words_per_cluster;
+                    match b.table.get(t) {
+                        Some(TableEntry::Data(at)) => pieces.push(Piece::Sectors {
+                            first,
+                            end,
+                            at: at + (first % words_per_cluster) as u64 * 8,
+                            set,
+                        }),
+                        Some(TableEntry::Zeros) => match pieces.last_mut() {
+                            Some(Piece::NewCluster { t: u, set: more }) if *u == t => {
+                                more.extend(set);
+                            }
+                            _ => pieces.push(Piece::NewCluster { t, set }),
+                        },
+                        // All set on disk already.
+                        Some(TableEntry::Ones) | None => {}
+                    }
+                }
+                plan.push((String::from_utf8_lossy(&b.entry.name).into_owned(), pieces));
+            }
+            plan
         };
         // Phase 2: the writes, then one flush; then the bits are durable.
         let mut written: Vec<(String, usize, Vec<u64>)> = Vec::new();
         for (name, pieces) in plan {
             for p in pieces {
                 match p {
-                    Piece::Sectors { first, end, at } => {
-                        let Some(words) =
-                            self.bitmaps.disk_words(&name, first, end, &[(first, end)])
-                        else {
+                    Piece::Sectors {
+                        first,
+                        end,
+                        at,
+                        set,
+                    } => {
+                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &set) else {
                             continue;
                         };
                         let mut bytes = vec![0u8; (end - first) * 8];
@@ -149,10 +219,9 @@ impl<S: Storage> Inner<S> {
                         drop(m);
                         written.push((name.clone(), first, words));
                     }
-                    Piece::NewCluster { t, sectors } => {
+                    Piece::NewCluster { t, set } => {
                         let (first, end) = (t * words_per_cluster, (t + 1) * words_per_cluster);
-                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &sectors)
-                        else {
+                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &set) else {
                             continue;
                         };
                         self.new_bitmap_cluster(&name, t, &words).await?;

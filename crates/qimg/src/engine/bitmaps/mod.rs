@@ -37,7 +37,7 @@ pub(crate) struct Bitmaps {
     /// read-write open loads them.
     crash_consistent: AtomicBool,
     /// The group commit of durable bits: one at a time.
-    sync: tokio::sync::Mutex<()>,
+    sync: tokio::sync::Mutex<live::Commits>,
     /// Guest ranges whose bits wait for the next durable write.
     pending: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Some crash-consistent bitmaps must be marked `in_use` on disk before the next write.
