@@ -229,7 +229,21 @@ fn bitmaps_dirtied_by_qimg_read_as_qemu_dirtied_them() {
         return;
     }
     // (image options, size, bitmaps as (name, qemu-img bitmap options)).
-    let cases: [Case; 3] = [
+    // 64 bitmaps (QEMU's qemu-img takes them all), granularities 512 B to 64 MiB, every
+    // seventh disabled (extended L2 and standard L2 cases above and below).
+    let many: Vec<(&str, Vec<&str>)> = (0..64)
+        .map(|i| {
+            let name: &str = Box::leak(format!("m{i}").into_boxed_str());
+            let g: &str = Box::leak((512u64 << (i % 18)).to_string().into_boxed_str());
+            let mut opts = vec!["-g", g];
+            if i % 7 == 3 {
+                opts.push("--disable");
+            }
+            (name, opts)
+        })
+        .collect();
+    let cases: [Case; 4] = [
+        ("cluster_size=64k,extended_l2=on", "64M", 64 << 20, many),
         (
             "extended_l2=on,cluster_size=64k",
             "64M",
@@ -274,11 +288,15 @@ fn bitmaps_dirtied_by_qimg_read_as_qemu_dirtied_them() {
                 bitmap_list(&d.0, "theirs.qcow2"),
                 "{opts}: qemu-img info's bitmaps"
             );
-            for (name, _) in bitmaps {
+            for (k, (name, extra)) in bitmaps.iter().enumerate() {
+                // With 64 bitmaps, every eighth one's map (the list above covers them all).
+                if bitmaps.len() > 8 && k % 8 != 0 {
+                    continue;
+                }
                 let mine = dirty_map(&d.0, "ours.qcow2", name);
                 let qemu = dirty_map(&d.0, "theirs.qcow2", name);
                 assert_eq!(mine, qemu, "{opts} round {round}: bitmap {name} ({cmds:?})");
-                if *name == "off" {
+                if extra.contains(&"--disable") {
                     assert!(!mine.contains("dirty"), "a disabled bitmap changed: {mine}");
                 } else {
                     assert!(mine.contains("dirty"), "{name} recorded nothing: {mine}");

@@ -141,6 +141,10 @@ impl Storage for AnyStorage {
         each!(self, s => s.write_at(buf, offset).await)
     }
 
+    async fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        each!(self, s => s.write_at_durable(buf, offset).await)
+    }
+
     async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         each!(self, s => s.write_vectored_at(bufs, offset).await)
     }

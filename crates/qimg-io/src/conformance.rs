@@ -39,6 +39,7 @@ where
     set_len_grows_and_shrinks(&make()).await;
     huge_sparse_lengths_work(&make()).await;
     flush_keeps_data(&make()).await;
+    durable_writes_land(&make()).await;
     out_of_range_requests_fail_without_panicking(&make()).await;
     misaligned_requests_fail_when_alignment_is_required(&make()).await;
     concurrent_disjoint_writes(Arc::new(make())).await;
@@ -443,6 +444,21 @@ pub async fn flush_keeps_data<S: Storage>(s: &S) {
     s.flush().await.expect("flush");
     same(&read(s, 0, 2 * b).await, &data, "read(s, 0, 2 * b)");
     assert_eq!(len(s).await, 3 * b);
+}
+
+/// `write_at_durable` writes like `write_at` (past the end too, growing the storage).
+pub async fn durable_writes_land<S: Storage>(s: &S) {
+    let b = blk(s);
+    let data = pattern(s, 2 * b, 13);
+    s.write_at_durable(&data, b)
+        .await
+        .expect("durable write past the end");
+    same(&read(s, b, 2 * b).await, &data, "read(s, b, 2 * b)");
+    assert_eq!(len(s).await, 3 * b);
+    let again = pattern(s, b, 14);
+    s.write_at_durable(&again, 0).await.expect("durable write");
+    same(&read(s, 0, b).await, &again, "read(s, 0, b)");
+    same(&read(s, b, 2 * b).await, &data, "read(s, b, 2 * b)");
 }
 
 /// Ranges whose end overflows or passes [`MAX_OFFSET`] fail with `OutOfRange` naming offset

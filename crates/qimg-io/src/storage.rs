@@ -124,6 +124,17 @@ pub trait Storage: Send + Sync {
     /// Writes all of `buf` at `offset`, growing the storage if the range ends past its end.
     fn write_at(&self, buf: &[u8], offset: u64) -> impl Future<Output = Result<()>> + Send;
 
+    /// Writes all of `buf` at `offset` and makes that write durable before returning, without
+    /// waiting for other writes to become durable where the backend can (`io_uring` writes
+    /// with `RWF_DSYNC`: a buffered file's other dirty pages stay in the page cache). The
+    /// default writes, then flushes everything ([`flush`](Self::flush)).
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            self.write_at(buf, offset).await?;
+            self.flush().await
+        }
+    }
+
     /// Writes the concatenation of `bufs` at `offset`, as one request where the backend can
     /// (for files: `pwritev`). Empty segments are allowed.
     fn write_vectored_at(
@@ -236,6 +247,10 @@ impl<S: Storage + ?Sized> Storage for Arc<S> {
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> impl Future<Output = Result<()>> + Send {
         (**self).write_at(buf, offset)
+    }
+
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> impl Future<Output = Result<()>> + Send {
+        (**self).write_at_durable(buf, offset)
     }
     fn write_vectored_at(
         &self,

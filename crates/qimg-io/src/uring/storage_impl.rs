@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use nix::errno::Errno;
 use nix::fcntl::FallocateFlags;
+use nix::libc;
 
 use crate::error::{Op, Result, StorageError, range_end};
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome, total_len};
@@ -46,8 +47,35 @@ impl Storage for UringStorage {
         if !self.shared().caps.write {
             return self.shared().file.write_at(buf, offset).await;
         }
-        self.ring_write(Op::Write, Some(&[IoSlice::new(buf)]), offset, len)
+        self.ring_write(Op::Write, Some(&[IoSlice::new(buf)]), offset, len, false)
             .await
+    }
+
+    async fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        range_end(Op::Write, offset, len)?;
+        self.writable(Op::Write, offset, len)?;
+        self.aligned(Op::Write, offset, len, [buf])?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        if self.shared().caps.write && self.shared().caps.fsync {
+            // A failed flush poisons the file: so does a failed durable write.
+            self.shared().file.refuse_flush_after_failure()?;
+            let one = [IoSlice::new(buf)];
+            match self
+                .ring_write(Op::Write, Some(&one), offset, len, true)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                // A kernel without RWF_DSYNC for io_uring: write, then flush.
+                Err(StorageError::Io { source, .. })
+                    if matches!(source.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP)) => {}
+                Err(e) => return Err(self.shared().file.flush_failure(e)),
+            }
+        }
+        self.write_at(buf, offset).await?;
+        self.flush().await
     }
 
     async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
@@ -61,7 +89,8 @@ impl Storage for UringStorage {
         if !self.shared().caps.write {
             return self.shared().file.write_vectored_at(bufs, offset).await;
         }
-        self.ring_write(Op::Write, Some(bufs), offset, len).await
+        self.ring_write(Op::Write, Some(bufs), offset, len, false)
+            .await
     }
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
@@ -88,7 +117,8 @@ impl Storage for UringStorage {
             }
         }
         if shared.caps.write {
-            self.ring_write(Op::WriteZeroes, None, offset, len).await?;
+            self.ring_write(Op::WriteZeroes, None, offset, len, false)
+                .await?;
             Ok(ZeroOutcome::Written)
         } else {
             shared.file.write_zeroes(offset, len).await

@@ -66,8 +66,9 @@ pub(super) enum RequestKind {
         offset: u64,
         len: u32,
     },
-    /// Write the first `len` bytes of the bounce buffer at `offset`.
-    Writev { offset: u64, len: u32 },
+    /// Write the first `len` bytes of the bounce buffer at `offset` (with `dsync`: durable
+    /// on completion, `RWF_DSYNC`).
+    Writev { offset: u64, len: u32, dsync: bool },
     /// `fdatasync`.
     Fsync,
     /// `fallocate(mode, offset, len)`.
@@ -98,9 +99,13 @@ impl RequestKind {
                 let iov = iovec(owned, len);
                 opcode::Readv::new(fd, iov, 1).offset(offset).build()
             }
-            RequestKind::Writev { offset, len } => {
+            RequestKind::Writev { offset, len, dsync } => {
                 let iov = iovec(owned, len);
-                opcode::Writev::new(fd, iov, 1).offset(offset).build()
+                let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+                opcode::Writev::new(fd, iov, 1)
+                    .offset(offset)
+                    .rw_flags(flags)
+                    .build()
             }
             RequestKind::Fsync => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)

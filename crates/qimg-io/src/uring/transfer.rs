@@ -111,6 +111,7 @@ impl UringStorage {
         data: Option<&[IoSlice<'_>]>,
         offset: u64,
         len: u64,
+        dsync: bool,
     ) -> Result<()> {
         let mut bounce = self.bounce(op, offset, len)?;
         if data.is_none() {
@@ -127,6 +128,7 @@ impl UringStorage {
             let kind = RequestKind::Writev {
                 offset: offset + pos,
                 len: n as u32,
+                dsync,
             };
             let completion = self.submit(kind, bounce).await;
             bounce = completion.owned.buf;

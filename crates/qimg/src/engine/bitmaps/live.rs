@@ -9,11 +9,12 @@
 //! per bitmap. A request that touches a granule whose bit is not durable yet waits for one
 //! durable write of the bitmap data that holds its bit, shared with every request waiting
 //! meanwhile (a group commit under one lock). That write sets on disk (not in memory) the
-//! bits of whole 64-bit words (64 granules: 4 MiB of guest data at 64 KiB granularity) and,
-//! for a request that continues the previous one, of a window ahead that doubles up to
-//! 64 MiB (sequential writes); a 512-byte sector of bitmap data that has taken three such
-//! writes is set whole on the fourth (4096 granules: 256 MiB at 64 KiB), so that a session
-//! pays a few durable writes per sector at most, whatever the pattern. A bitmap data
+//! bits of whole 64-bit words (64 granules: 4 MiB of guest data at 64 KiB granularity); for
+//! a request that continues the previous one (sequential writes, which will fill it) the
+//! whole 512-byte sector of bitmap data (4096 granules: 256 MiB at 64 KiB) and a window
+//! ahead that doubles up to 64 MiB; and a sector that has taken three durable writes is set
+//! whole on the fourth, so that a session pays a few durable writes per sector at most,
+//! whatever the pattern. A bitmap data
 //! cluster that does not exist yet (its table entry says "all clear") is allocated, written
 //! and counted durably before the table entry (rewritten in place) names it.
 //!
@@ -70,7 +71,7 @@ impl Commits {
     /// for a request that does not continue the previous one; a window that doubles (1 MiB,
     /// then up to 64 MiB) while requests keep moving forward from where the previous marks
     /// reached (sequential writes).
-    fn ahead(&mut self, start: u64, end: u64, size: u64) -> u64 {
+    fn ahead(&mut self, start: u64, end: u64, size: u64) -> (u64, bool) {
         let continues = self.prev_reach > 0
             && start >= self.prev_start
             && start <= self.prev_reach.saturating_add(CONTINUES_WITHIN);
@@ -82,7 +83,7 @@ impl Commits {
         let ahead = end.saturating_add(self.window).min(size);
         self.prev_start = start;
         self.prev_reach = ahead;
-        ahead
+        (ahead, continues)
     }
 
     /// Notes one more durable write of bitmap `name`'s sector `s`; true when the sector has
@@ -133,7 +134,7 @@ impl<S: Storage> Inner<S> {
             return Ok(());
         }
         let size = self.size();
-        let ranges: Vec<(u64, u64, u64)> = self
+        let ranges: Vec<(u64, u64, (u64, bool))> = self
             .bitmaps
             .take_pending()
             .into_iter()
@@ -148,31 +149,37 @@ impl<S: Storage> Inner<S> {
             let state = self.bitmaps.read();
             let mut plan = Vec::new();
             for b in state.list.iter().filter(|b| b.live() && b.enabled()) {
-                // Sector -> word ranges to set.
-                let mut sectors: std::collections::BTreeMap<usize, Vec<(usize, usize)>> =
+                // Sector -> (word ranges to set, whole sector).
+                let mut sectors: std::collections::BTreeMap<usize, (Vec<(usize, usize)>, bool)> =
                     Default::default();
-                for &(a, l, ahead_end) in &ranges {
+                for &(a, l, (ahead_end, continues)) in &ranges {
                     if b.durable_covers(a, l) {
                         continue;
                     }
                     let (g0, g1) = b.granules(a, ahead_end - a);
+                    if g1 <= g0 {
+                        continue;
+                    }
                     let (w0, w1) = ((g0 / 64) as usize, (g1 - 1) as usize / 64 + 1);
                     let mut w = w0;
                     while w < w1 {
                         let s = w / SECTOR_WORDS;
                         let z = w1.min((s + 1) * SECTOR_WORDS);
-                        sectors.entry(s).or_default().push((w, z));
+                        let e = sectors.entry(s).or_default();
+                        e.0.push((w, z));
+                        // Sequential writes fill the sector: set it whole at once.
+                        e.1 |= continues;
                         w = z;
                     }
                 }
                 let mut pieces: Vec<Piece> = Vec::new();
-                for (s, mut set) in sectors {
+                for (s, (mut set, whole)) in sectors {
                     let first = s * SECTOR_WORDS;
                     if first >= b.words.len() {
                         continue;
                     }
                     let end = (first + SECTOR_WORDS).min(b.words.len());
-                    if commits.escalate(&b.entry.name, s) {
+                    if commits.escalate(&b.entry.name, s) || whole {
                         set = vec![(first, end)];
                     }
                     let t = first / words_per_cluster;
@@ -197,7 +204,7 @@ impl<S: Storage> Inner<S> {
             }
             plan
         };
-        // Phase 2: the writes, then one flush; then the bits are durable.
+        // Phase 2: each write durable; then the bits are.
         let mut written: Vec<(String, usize, Vec<u64>)> = Vec::new();
         for (name, pieces) in plan {
             for p in pieces {
@@ -214,9 +221,15 @@ impl<S: Storage> Inner<S> {
                         let mut bytes = vec![0u8; (end - first) * 8];
                         bitmap::words_to_bytes(&words, 0, &mut bytes);
                         let mut m = self.meta.lock().await;
-                        self.write_guarded(&mut m, at, &bytes, Writing::Data)
+                        self.guard_write(&mut m, at, bytes.len() as u64, Writing::Data)
                             .await?;
                         drop(m);
+                        // Durable on its own (RWF_DSYNC where the storage can): the data
+                        // writes in flight elsewhere need not reach the disk for it.
+                        self.file
+                            .write_at_durable(&bytes, at)
+                            .await
+                            .map_err(|e| self.storage_error(e))?;
                         written.push((name.clone(), first, words));
                     }
                     Piece::NewCluster { t, set } => {
@@ -230,7 +243,6 @@ impl<S: Storage> Inner<S> {
                 }
             }
         }
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
         for (name, first, words) in written {
             self.bitmaps.note_durable(&name, first, &words);
         }
