@@ -148,7 +148,7 @@ impl BitmapEntry {
     /// Why QEMU would not load this entry of an image whose virtual disk has `disk_size`
     /// bytes (its `bitmap_list_load` and `check_dir_entry` rules), in QEMU's words followed
     /// by the value that breaks the rule; `None` when QEMU loads it. A consistent bitmap's
-    /// table must also have exactly [`table_entries`] entries (see [`table_size_refusal`]).
+    /// table must also have exactly [`table_entries`] entries (see [`table_size_refusal`](Self::table_size_refusal)).
     pub fn refusal(&self, cluster_size: u64, disk_size: u64) -> Option<String> {
         let name = String::from_utf8_lossy(&self.name);
         if !self.extra_data.is_empty() {
