@@ -3,8 +3,12 @@
 //!
 //! Reads take their clusters shared; writes, write-zeroes and discards take them exclusive, for
 //! the whole request at once (so a multi-cluster request is atomic with respect to other
-//! requests, and there is no lock ordering to get wrong). Requests on disjoint clusters never
-//! wait for each other. The lock is held across data I/O; the metadata lock is not.
+//! requests, and there is no lock ordering to get wrong). One exception: the queue's direct
+//! path takes a write's clusters shared and keeps them so only when the write changes no
+//! metadata (in place: in-place writes to one cluster then run together, as QEMU's do); a
+//! write that needs more upgrades to exclusive when no one else holds them, or goes to the
+//! engine. Requests on disjoint clusters never wait for each other. The lock is held across
+//! data I/O; the metadata lock is not.
 
 use std::sync::{Arc, Mutex};
 
@@ -190,6 +194,51 @@ impl RangeLocks {
         Some(state.hold(start, end, exclusive))
     }
 
+    /// Takes `[start, end)` shared for a write that will change no metadata (an in-place
+    /// write: several may share clusters, as reads do), unless something holds it exclusively
+    /// or an exclusive request waits for part of it (which would otherwise wait for as long as
+    /// such writes keep coming). `None` without waiting.
+    pub(crate) fn try_acquire_in_place(&self, start: u64, end: u64) -> Option<u64> {
+        let mut state = self.state();
+        let waiter = state
+            .waiting
+            .iter()
+            .any(|w| w.range.exclusive && w.range.start < end && start < w.range.end);
+        if waiter || state.conflicts(start, end, false) {
+            return None;
+        }
+        Some(state.hold(start, end, false))
+    }
+
+    /// Makes the shared range of holder `id` exclusive if no other holder overlaps it now;
+    /// false (the range stays shared) otherwise.
+    pub(crate) fn try_upgrade(&self, id: u64) -> bool {
+        let mut state = self.state();
+        let slot = (id & 0xffff_ffff) as usize;
+        let Some(Some(mine)) = state.held.get(slot).copied() else {
+            return false;
+        };
+        if mine.id != id {
+            return false;
+        }
+        if mine.exclusive {
+            return true;
+        }
+        let others = state
+            .held
+            .iter()
+            .flatten()
+            .any(|h| h.id != id && h.start < mine.end && mine.start < h.end);
+        if others {
+            return false;
+        }
+        if let Some(Some(r)) = state.held.get_mut(slot) {
+            r.exclusive = true;
+        }
+        state.exclusive_held += 1;
+        true
+    }
+
     /// Number of ranges held now.
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
@@ -255,6 +304,53 @@ mod tests {
             .expect("waiter woke")
             .unwrap();
         assert_eq!(locks.held(), 0);
+    }
+
+    #[test]
+    fn in_place_writes_share_and_upgrade_only_alone() {
+        let locks = RangeLocks::default();
+        let a = locks.try_acquire_in_place(0, 1).unwrap();
+        let b = locks.try_acquire_in_place(0, 1).unwrap();
+        assert!(!locks.try_upgrade(a), "upgraded over another holder");
+        assert!(locks.try_acquire(0, 1, true).is_none());
+        locks.release(b);
+        assert!(locks.try_upgrade(a), "alone, the upgrade must work");
+        assert!(
+            locks.try_acquire_in_place(0, 1).is_none(),
+            "shared over exclusive"
+        );
+        assert!(
+            locks.try_acquire(0, 1, false).is_none(),
+            "read over exclusive"
+        );
+        locks.release(a);
+        assert!(!locks.try_upgrade(a), "a released holder upgraded");
+        assert_eq!(locks.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn in_place_writes_let_a_waiting_exclusive_request_in() {
+        let locks = Arc::new(RangeLocks::default());
+        let a = locks.try_acquire_in_place(0, 2).unwrap();
+        let l2 = locks.clone();
+        let waiter = tokio::spawn(async move { l2.acquire(1, 2, true).await });
+        while locks.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            locks.try_acquire_in_place(1, 3).is_none(),
+            "an in-place write overtook a waiting exclusive request"
+        );
+        assert!(
+            locks.try_acquire_in_place(5, 6).is_some(),
+            "elsewhere: free"
+        );
+        locks.release(a);
+        let id = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter got the range")
+            .unwrap();
+        locks.release(id);
     }
 
     #[test]

@@ -709,7 +709,14 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(buffers);
         }
         let (first, end) = inner.cluster_span(offset, len);
-        let Some(lock) = inner.locks.try_acquire(first, end, write) else {
+        // A write shares its clusters with in-place writes as long as it changes no metadata
+        // itself (see `lock.rs`); it upgrades below when it does.
+        let lock = if write {
+            inner.locks.try_acquire_in_place(first, end)
+        } else {
+            inner.locks.try_acquire(first, end, false)
+        };
+        let Some(lock) = lock else {
             return Err(buffers);
         };
         let reused = meta.is_some();
@@ -735,6 +742,18 @@ impl<S: Storage + 'static> Queue<S> {
             links = inner.plan_direct_write(m, offset, len, stamp, plan)?;
             Some(&*plan)
         });
+        // A write that allocates or relinks needs its clusters to itself: upgraded, or handed
+        // to the engine (which waits for them) with what it took given back.
+        if write && !links.is_empty() && !inner.locks.try_upgrade(lock) {
+            if let Some(m) = meta.as_mut() {
+                for l in links.iter().filter(|l| l.fresh) {
+                    inner.try_unalloc_cached(m, l.host);
+                }
+            }
+            *meta = None;
+            inner.locks.release(lock);
+            return Err(buffers);
+        }
         let ios = parts.as_ref().map_or(0, |p| {
             p.iter().filter(|p| matches!(p, Part::Io { .. })).count()
         });
@@ -758,7 +777,7 @@ impl<S: Storage + 'static> Queue<S> {
             // Released before the fallbacks, which take it themselves.
             *meta = None;
             // A write that only needs copy-on-write the ring can do itself.
-            let buffers = if write && unplanned {
+            let buffers = if write && unplanned && inner.locks.try_upgrade(lock) {
                 match self.try_cow(offset, buffers, user_data, lock) {
                     Ok(()) => return Ok(()),
                     Err(buffers) => buffers,
