@@ -37,11 +37,8 @@ impl Storage for UringStorage {
     }
 
     async fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        let len = buf.len() as u64;
-        range_end(Op::Write, offset, len)?;
-        self.writable(Op::Write, offset, len)?;
-        self.aligned(Op::Write, offset, len, [buf])?;
-        if buf.is_empty() {
+        let len = self.check_write(buf, offset)?;
+        if len == 0 {
             return Ok(());
         }
         if !self.shared().caps.write {
@@ -52,11 +49,8 @@ impl Storage for UringStorage {
     }
 
     async fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
-        let len = buf.len() as u64;
-        range_end(Op::Write, offset, len)?;
-        self.writable(Op::Write, offset, len)?;
-        self.aligned(Op::Write, offset, len, [buf])?;
-        if buf.is_empty() {
+        let len = self.check_write(buf, offset)?;
+        if len == 0 {
             return Ok(());
         }
         if self.shared().caps.write && self.shared().caps.fsync {
@@ -221,5 +215,16 @@ impl Storage for UringStorage {
 
     fn direct_access(&self) -> Option<crate::storage::DirectAccess<'_>> {
         self.shared().file.direct_access()
+    }
+}
+
+impl UringStorage {
+    /// The checks of a one-buffer write (range, writability, alignment): its length.
+    fn check_write(&self, buf: &[u8], offset: u64) -> Result<u64> {
+        let len = buf.len() as u64;
+        range_end(Op::Write, offset, len)?;
+        self.writable(Op::Write, offset, len)?;
+        self.aligned(Op::Write, offset, len, [buf])?;
+        Ok(len)
     }
 }

@@ -267,7 +267,7 @@ impl<S: Storage> Inner<S> {
         let at = self.alloc_clusters(&mut m, 1).await?;
         self.write_guarded(&mut m, at, &data, Writing::Data).await?;
         self.flush_meta(&mut m).await?;
-        let entry = TableEntry::Data(at).encode().to_be_bytes();
+        let entry = bitmap::encode_table(&[TableEntry::Data(at)]);
         self.write_guarded(&mut m, table_at + t as u64 * 8, &entry, Writing::Data)
             .await?;
         drop(m);

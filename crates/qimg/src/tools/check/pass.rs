@@ -4,7 +4,7 @@
 //! a rebuild of the refcount structure where needed, and the COPIED flags.
 
 use qimg_format::bitmap::{
-    BitmapEntry, BitmapsExtension, TableEntry, decode_directory, encode_directory,
+    BitmapEntry, BitmapsExtension, TableEntry, decode_directory, encode_directory, encode_table,
 };
 use qimg_format::lenient::TABLE_WORD;
 use qimg_format::validate::MAX_L1_BYTES;
@@ -422,7 +422,7 @@ impl<S: Storage> Checker<'_, S> {
                         // so a backup would skip what they tracked): the bits are lost, so
                         // they all read as changed.
                         let at = at.unwrap_or(0) + i as u64 * TABLE_WORD;
-                        let ones = TableEntry::Ones.encode().to_be_bytes();
+                        let ones = encode_table(&[TableEntry::Ones]);
                         self.write(&ones, at).await.map_err(|e| io_failure(&e))?;
                         self.msg(format!(
                             "Repairing bitmap table entry at {at:#x}: its data cluster \
