@@ -646,14 +646,7 @@ fn misaligned(len: usize, fill: u8) -> Vec<u8> {
 
 /// Submits one request and waits for its completion (no epoll: `Queue::wait`).
 fn one(queue: &mut Queue<AnyStorage>, request: Request) -> qimg::Completion {
-    queue.submit(request, 7).unwrap();
-    loop {
-        queue.wait().unwrap();
-        if let Some(c) = queue.next_completed() {
-            assert_eq!(c.user_data, 7);
-            return c;
-        }
-    }
+    one_with(queue, request, 7)
 }
 
 #[test]
@@ -868,8 +861,7 @@ fn a_batch_goes_to_the_kernel_in_one_system_call() {
         },
         201,
     ));
-    let refused = queue.submit_batch(batch);
-    assert!(refused.is_empty(), "{refused:?}");
+    queue.submit_batch(batch).unwrap();
     let after = queue.stats();
     assert_eq!(after.direct - before.direct, 20, "{after:?}");
     assert_eq!(after.engine - before.engine, 2, "{after:?}");
@@ -1104,8 +1096,7 @@ fn batches_of_hits_misses_and_writes_match_the_model() {
             }
         }
         let n = batch.len();
-        let refused = queue.submit_batch(batch);
-        assert!(refused.is_empty(), "{refused:?}");
+        queue.submit_batch(batch).unwrap();
         let mut seen = 0;
         while seen < n {
             queue.wait().unwrap();
@@ -1520,8 +1511,7 @@ fn in_place_writes_to_one_cluster_run_together() {
             k,
         ));
     }
-    let refused = queue.submit_batch(batch);
-    assert!(refused.is_empty(), "{refused:?}");
+    queue.submit_batch(batch).unwrap();
     let mid = queue.stats();
     assert_eq!(
         mid.direct - before.direct,
@@ -1559,4 +1549,215 @@ fn in_place_writes_to_one_cluster_run_together() {
     }
     image.close().unwrap();
     assert_clean(&dir.0, "d.qcow2", "in place");
+}
+
+/// A VMM's own request object (issue 33): it owns the memory the request reads into or
+/// writes from, and counts its drops so that the test sees when the queue lets go of it.
+struct VmmOp {
+    id: u64,
+    memory: AlignedBuf,
+    drops: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for VmmOp {
+    fn drop(&mut self) {
+        self.drops.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// `IoBuffers` over `op`'s memory with `op` as their owner, as a VMM hands over guest memory.
+fn owned(mut op: VmmOp) -> IoBuffers {
+    let iov = [nix::libc::iovec {
+        iov_base: op.memory.as_mut_ptr().cast(),
+        iov_len: op.memory.len(),
+    }];
+    // SAFETY: the iovec points into `op.memory`, a heap block that `op` (the owner) keeps
+    // allocated and that does not move when `op` does.
+    unsafe { IoBuffers::from_raw_owned(&iov, op) }
+}
+
+/// A request owns what the VMM gave it and hands it back with its completion (never while
+/// the kernel may still use the memory); a `user_data` in flight is refused with the request
+/// handed back whole; a batch is taken whole or refused whole; a queue dropped with requests
+/// in flight drops their owners only after waiting for them.
+#[test]
+fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
+    let name = "owners_come_back_with_completions_and_refusals_hand_requests_back";
+    if !have_qemu(name) {
+        return;
+    }
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for (backend, direct) in [(Backend::IoUring, true), (Backend::Threads, false)] {
+        let dir = Scratch::new("queue-owners");
+        qemu_create(
+            &dir.0,
+            "d.qcow2",
+            "extended_l2=on,cluster_size=64k",
+            4 << 20,
+            None,
+        );
+        let image = match OpenOptions::new()
+            .writable(true)
+            .backend(backend)
+            .direct(direct)
+            .open_blocking(dir.path("d.qcow2"))
+        {
+            Ok(i) => i,
+            Err(e) if direct => panic!("O_DIRECT on io_uring must work here: {e}"),
+            Err(e) => panic!("{e}"),
+        };
+        let drops = Arc::new(AtomicUsize::new(0));
+        let op = |id: u64, fill: Option<u8>| {
+            let mut memory = AlignedBuf::zeroed(8192, 4096).unwrap();
+            if let Some(f) = fill {
+                memory.fill(f);
+            }
+            VmmOp {
+                id,
+                memory,
+                drops: drops.clone(),
+            }
+        };
+        let mut queue = image.as_async().queue(QueueOptions::new()).unwrap();
+        let write = |id, fill, offset| Request::Write {
+            offset,
+            buffers: owned(op(id, Some(fill))),
+        };
+        queue.submit(write(1, 0x11, 0), 1).unwrap();
+        // The same user_data again while the first is in flight: refused, handed back.
+        let refused = queue.submit(write(2, 0x22, 65536), 1).unwrap_err();
+        assert_eq!(refused.user_data, 1);
+        assert!(
+            refused
+                .error
+                .to_string()
+                .contains("user_data 1 is already in flight"),
+            "{}",
+            refused.error
+        );
+        let Request::Write { offset, buffers } = refused.request else {
+            panic!("another request came back");
+        };
+        assert_eq!(offset, 65536);
+        let back = buffers
+            .take_owner::<VmmOp>()
+            .ok()
+            .expect("the refused owner");
+        assert_eq!(back.id, 2);
+        drop(back);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        // The completion hands the owner back, idle.
+        queue.wait().unwrap();
+        let c = queue.next_completed().expect("the write's completion");
+        assert_eq!((c.user_data, c.result.as_ref().ok()), (1, Some(&8192)));
+        let back = c
+            .buffers
+            .unwrap()
+            .take_owner::<VmmOp>()
+            .ok()
+            .expect("idle owner");
+        assert_eq!(back.id, 1);
+        drop(back);
+        // user_data 1 is free again: a read of what was written, into owned memory.
+        let read = Request::Read {
+            offset: 0,
+            buffers: owned(op(3, None)),
+        };
+        let c = one_with(&mut queue, read, 1);
+        let back = c
+            .buffers
+            .unwrap()
+            .take_owner::<VmmOp>()
+            .ok()
+            .expect("idle owner");
+        assert_eq!(
+            (back.id, back.memory[0], back.memory[8191]),
+            (3, 0x11, 0x11)
+        );
+        drop(back);
+        // A batch with a repeated user_data is refused whole, in order, nothing submitted.
+        let batch = vec![
+            (write(4, 0x44, 0), 10),
+            (write(5, 0x55, 65536), 11),
+            (write(6, 0x66, 131072), 10),
+        ];
+        let refused = queue.submit_batch(batch).unwrap_err();
+        assert!(
+            refused.error.to_string().contains("user_data 10"),
+            "{}",
+            refused.error
+        );
+        let ids: Vec<(u64, u64)> = refused
+            .requests
+            .into_iter()
+            .map(|(r, u)| match r {
+                Request::Write { buffers, .. } => {
+                    (buffers.take_owner::<VmmOp>().ok().expect("owner").id, u)
+                }
+                _ => panic!("another request came back"),
+            })
+            .collect();
+        assert_eq!(ids, [(4, 10), (5, 11), (6, 10)]);
+        assert_eq!(
+            queue.in_flight(),
+            0,
+            "a refused batch leaves nothing in flight"
+        );
+        // The user_data of a refused batch was not kept: the same ones go through now.
+        queue
+            .submit_batch(vec![(write(7, 0x77, 0), 10), (write(8, 0x88, 65536), 11)])
+            .unwrap();
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            queue.wait().unwrap();
+            while let Some(c) = queue.next_completed() {
+                assert!(c.result.is_ok(), "{:?}", c.result);
+                let o = c
+                    .buffers
+                    .unwrap()
+                    .take_owner::<VmmOp>()
+                    .ok()
+                    .expect("owner");
+                seen.push((c.user_data, o.id));
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, [(10, 7), (11, 8)]);
+        // Dropped with requests in flight: no owner goes before its request is done, and
+        // every one goes with the queue.
+        let before = drops.load(Ordering::SeqCst);
+        for i in 0..16u64 {
+            let r = if i % 2 == 0 {
+                write(100 + i, i as u8, i * 65536)
+            } else {
+                Request::Read {
+                    offset: i * 65536,
+                    buffers: owned(op(100 + i, None)),
+                }
+            };
+            queue.submit(r, 100 + i).unwrap();
+        }
+        assert_eq!(drops.load(Ordering::SeqCst), before, "an owner went early");
+        drop(queue);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            before + 16,
+            "owners lost or kept"
+        );
+        image.close().unwrap();
+        assert_clean(&dir.0, "d.qcow2", &format!("owners {backend:?}"));
+    }
+}
+
+/// Submits one request with `user_data` and waits for its completion.
+fn one_with(queue: &mut Queue<AnyStorage>, request: Request, user_data: u64) -> qimg::Completion {
+    queue.submit(request, user_data).unwrap();
+    loop {
+        queue.wait().unwrap();
+        if let Some(c) = queue.next_completed() {
+            assert_eq!(c.user_data, user_data);
+            return c;
+        }
+    }
 }

@@ -141,7 +141,9 @@ pub use engine::lease;
 #[cfg(feature = "blocking")]
 pub use engine::BlockingImage;
 #[cfg(target_os = "linux")]
-pub use engine::queue::{self, Completion, Queue, QueueOptions, QueueStats, Request};
+pub use engine::queue::{
+    self, BatchRefused, Completion, Queue, QueueOptions, QueueStats, Refused, Request,
+};
 pub use engine::{
     Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener, HostExtent,
     Image, InternalSnapshot, OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust,

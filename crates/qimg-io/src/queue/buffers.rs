@@ -83,6 +83,39 @@ impl IoBuffers {
         Self::new(segments, None)
     }
 
+    /// Lends the memory the iovecs describe together with `owner`, any value that stands for
+    /// the request: a VMM's own operation object holding its guest memory mapping and the
+    /// iovecs, say. The owner comes back with the buffers in the request's completion
+    /// ([`take_owner`](Self::take_owner)), so a VMM keeps no table of requests beside the
+    /// queue. The memory is treated as guest memory ([`is_guest_memory`](Self::is_guest_memory)):
+    /// never referenced as Rust slices, bytes move by copies or by the kernel.
+    ///
+    /// Drop contract: the owner is dropped or handed back only after the kernel is done with
+    /// the memory. A completion carries it once no ring operation holds the memory; a queue
+    /// dropped with requests in flight waits for every one of them first, then drops their
+    /// owners.
+    ///
+    /// # Safety
+    ///
+    /// For every iovec, `iov_base` must point to `iov_len` bytes that stay allocated and valid
+    /// for reads and writes until the owner is given back or dropped (keeping them alive is
+    /// what `owner` is for). A guest may touch them meanwhile; then what is read or written
+    /// there is unspecified, as with a disk. Segments must not overlap.
+    pub unsafe fn from_raw_owned<T: Send + 'static>(iovecs: &[libc::iovec], owner: T) -> Self {
+        let segments: Vec<Segment> = iovecs
+            .iter()
+            .map(|v| Segment {
+                base: v.iov_base.cast::<u8>(),
+                len: v.iov_len,
+            })
+            .collect();
+        let mut b = Self::new(segments, Some(Box::new(owner)));
+        if let Some(m) = Arc::get_mut(&mut b.memory) {
+            m.volatile = true;
+        }
+        b
+    }
+
     /// Lends an owned buffer (one segment); [`into_owner`](Self::into_owner) gives it back.
     pub fn from_vec(mut buf: Vec<u8>) -> Self {
         let segments = vec![Segment {
@@ -368,13 +401,41 @@ impl IoBuffers {
     }
 
     /// The owned buffer this value was made from (`Vec<u8>`, `Vec<Vec<u8>>`, [`AlignedBuf`] or
-    /// `Vec<AlignedBuf>`), once no ring operation holds it; `None` for raw memory. Downcast
-    /// with `Box::downcast`.
+    /// `Vec<AlignedBuf>`, or [`from_raw_owned`](Self::from_raw_owned)'s owner), once no ring
+    /// operation holds it; `None` for raw memory. Downcast with `Box::downcast`, or use
+    /// [`take_owner`](Self::take_owner).
     pub fn into_owner(self) -> Result<Option<Box<dyn Any + Send>>, Self> {
         match Arc::try_unwrap(self.memory) {
             Ok(m) => Ok(m.owner),
             Err(memory) => Err(IoBuffers { memory }),
         }
+    }
+
+    /// The owner as a `T` ([`from_raw_owned`](Self::from_raw_owned)'s, or the owned buffer of
+    /// the other constructors), once no ring operation holds the memory. `Err(self)` while one
+    /// does, when there is no owner (`from_raw`) or when it is not a `T`.
+    pub fn take_owner<T: Send + 'static>(self) -> Result<T, Self> {
+        let mut m = match Arc::try_unwrap(self.memory) {
+            Ok(m) => m,
+            Err(memory) => return Err(IoBuffers { memory }),
+        };
+        match m.owner.take().map(|o| o.downcast::<T>()) {
+            Some(Ok(t)) => Ok(*t),
+            Some(Err(o)) => {
+                m.owner = Some(o);
+                Err(IoBuffers {
+                    memory: Arc::new(m),
+                })
+            }
+            None => Err(IoBuffers {
+                memory: Arc::new(m),
+            }),
+        }
+    }
+
+    /// The owner as a `T`, if it is one (whether or not a ring operation holds the memory).
+    pub fn owner<T: 'static>(&self) -> Option<&T> {
+        self.memory.owner.as_deref()?.downcast_ref::<T>()
     }
 
     /// A handle a ring operation keeps while the kernel uses the memory.
@@ -411,6 +472,53 @@ mod tests {
         assert_eq!(at(5, 0), None);
         assert_eq!(at(10, 4), None);
         assert_eq!(at(usize::MAX, 2), None);
+    }
+
+    #[test]
+    fn a_raw_owner_comes_back_typed_and_only_when_no_operation_holds_it() {
+        struct Op {
+            id: u32,
+            _memory: Vec<u8>,
+        }
+        let mut memory = vec![7u8; 8];
+        let iov = [libc::iovec {
+            iov_base: memory.as_mut_ptr().cast(),
+            iov_len: memory.len(),
+        }];
+        // SAFETY: the iovec points into `memory`, which the owner keeps alive (moving a Vec
+        // does not move its heap block).
+        let b = unsafe {
+            IoBuffers::from_raw_owned(
+                &iov,
+                Op {
+                    id: 3,
+                    _memory: memory,
+                },
+            )
+        };
+        assert!(
+            b.is_guest_memory(),
+            "raw owned memory is only copied, never sliced"
+        );
+        assert!(b.slices().is_none());
+        assert_eq!(b.owner::<Op>().map(|o| o.id), Some(3));
+        let mut out = [0u8; 8];
+        assert!(b.copy_out(0, &mut out));
+        assert_eq!(out, [7u8; 8]);
+        // The wrong type leaves the owner in place; a held memory is refused.
+        let Err(b) = b.take_owner::<String>() else {
+            panic!("not a String")
+        };
+        let held = b.share();
+        let Err(b) = b.take_owner::<Op>() else {
+            panic!("held by an operation")
+        };
+        drop(held);
+        assert_eq!(b.take_owner::<Op>().ok().map(|o| o.id), Some(3));
+        // No owner at all: refused, not a panic.
+        // SAFETY: an empty iovec list describes no memory.
+        let raw = unsafe { IoBuffers::from_raw(&[]) };
+        assert!(raw.take_owner::<Op>().is_err());
     }
 
     #[test]

@@ -283,13 +283,15 @@ impl Backend {
                 }
             }
             if !batch.is_empty() {
-                // Requests the queue refused (its engine thread is gone) never complete:
-                // answer them now. Those it took complete as usual.
-                for (token, _) in state.queue.submit_batch(batch) {
-                    if let Some(p) = state.pending.remove(&token) {
-                        let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
-                        vring.add_used(p.head, 1).map_err(io::Error::other)?;
-                        answered = true;
+                // A batch the queue refused (its engine thread is gone; the tokens are
+                // counters, never in flight twice) never completes: answer it now.
+                if let Err(refused) = state.queue.submit_batch(batch) {
+                    for (_, token) in refused.requests {
+                        if let Some(p) = state.pending.remove(&token) {
+                            let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
+                            vring.add_used(p.head, 1).map_err(io::Error::other)?;
+                            answered = true;
+                        }
                     }
                 }
             }

@@ -84,9 +84,8 @@ impl<S: Storage + 'static> ImageQueue<S> {
         if self.batch.is_empty() || self.failed.is_some() {
             return;
         }
-        let refused = self.queue.submit_batch(self.batch.drain(..));
-        if let Some((_, e)) = refused.into_iter().next() {
-            self.failed = Some(e);
+        if let Err(refused) = self.queue.submit_batch(self.batch.drain(..)) {
+            self.failed = Some(refused.error);
         }
     }
 }

@@ -200,14 +200,7 @@ impl<S: Storage + 'static> Queue<S> {
                         buffers,
                     }
                 };
-                if let Err(e) = self.run_on_engine_thread(request, p.user_data) {
-                    self.done.push_back(super::Completion {
-                        user_data: p.user_data,
-                        result: Err(e),
-                        buffers: None,
-                        holes: None,
-                    });
-                }
+                self.run_on_engine_thread(request, p.user_data);
             }
         }
     }

@@ -51,11 +51,11 @@
 //! | `AsyncIo` | `Queue` |
 //! |---|---|
 //! | `notifier()` (an `EventFd`) | [`Queue::notifier`] (or pass the VMM's own with [`QueueOptions::eventfd`]) |
-//! | `read_vectored(offset, iovecs, user_data)` | `submit(Request::Read { offset, buffers: unsafe { IoBuffers::from_raw(iovecs) } }, user_data)` |
+//! | `read_vectored(offset, iovecs, user_data)` | `submit(Request::Read { offset, buffers: unsafe { IoBuffers::from_raw_owned(iovecs, op) } }, user_data)`: `op`, the VMM's own request object (its guest memory and iovecs), comes back with the completion ([`IoBuffers::take_owner`]) |
 //! | `write_vectored(offset, iovecs, user_data)` | `submit(Request::Write { .. }, user_data)` |
 //! | `fsync(Some(user_data))` | `submit(Request::Flush, user_data)` |
 //! | `fsync(None)` (write-through, done on return) | [`Queue::flush_blocking`] |
-//! | `submit_batch_requests(&[BatchRequest])` | [`Queue::submit_batch`] (one `io_uring_enter` for the batch) |
+//! | `submit_batch_requests(&[BatchRequest])` | [`Queue::submit_batch`] (one `io_uring_enter` for the batch; all or nothing: a refused batch comes back whole in [`BatchRefused`]) |
 //! | `write_zeroes(offset, len, user_data)` | `Request::WriteZeroes { unmap: false }` (reads zeros, space kept) |
 //! | `punch_hole(offset, len, user_data)` | `Request::WriteZeroes { unmap: true }`: the VMM sends a guest's write-zeroes with unmap there, which must read zeros; [`Request::Discard`] leaves parts smaller than a subcluster unchanged |
 //! | `next_completed_request() -> Option<(u64, i32)>` | `next_completed().map(\|c\| (c.user_data, c.raw_result()))` |
@@ -167,6 +167,90 @@ impl Completion {
             Ok(n) => i32::try_from(*n).unwrap_or(i32::MAX),
             Err(e) => -e.errno(),
         }
+    }
+}
+
+/// A request [`Queue::submit`] did not take, handed back whole (with its buffers and their
+/// owner): it will never complete.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Refused {
+    /// The request as it was submitted.
+    pub request: Request,
+    /// Its `user_data`.
+    pub user_data: u64,
+    /// Why: its `user_data` is already in flight, or the queue cannot run requests any more.
+    pub error: Error,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for Refused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<Refused> for Error {
+    fn from(r: Refused) -> Error {
+        r.error
+    }
+}
+
+/// A batch [`Queue::submit_batch`] did not take: none of its requests was submitted, and all
+/// are handed back in order.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct BatchRefused {
+    /// The requests with their `user_data`, as given.
+    pub requests: Vec<(Request, u64)>,
+    /// Why (the first reason found).
+    pub error: Error,
+}
+
+impl std::fmt::Display for BatchRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for BatchRefused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<BatchRefused> for Error {
+    fn from(r: BatchRefused) -> Error {
+        r.error
+    }
+}
+
+/// The `user_data` of requests in flight (a multiplicative hash: keys are the caller's
+/// tokens, often small consecutive numbers, and need no protection from collisions chosen
+/// by an attacker: the caller picks them).
+type InFlightIds = std::collections::HashSet<u64, std::hash::BuildHasherDefault<TokenHasher>>;
+
+/// See [`InFlightIds`].
+#[derive(Default)]
+struct TokenHasher(u64);
+
+impl std::hash::Hasher for TokenHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        // Fibonacci hashing: the high bits, which the table uses, depend on every key bit.
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
 
@@ -325,6 +409,11 @@ pub struct Queue<S: Storage + 'static> {
     notifier: Notifier,
     pending: Vec<Pending>,
     free: Vec<usize>,
+    /// The `user_data` of every request submitted and not collected yet.
+    ids: InFlightIds,
+    /// A batch of [`submit_batch`](Self::submit_batch) while it is checked (kept for its
+    /// capacity).
+    batch: Vec<(Request, u64)>,
     done: VecDeque<Completion>,
     engine_done: Arc<Mutex<Vec<Completion>>>,
     engine_in_flight: Arc<AtomicUsize>,
@@ -388,6 +477,8 @@ impl<S: Storage + 'static> Image<S> {
             notifier,
             pending: Vec::new(),
             free: Vec::new(),
+            ids: InFlightIds::default(),
+            batch: Vec::new(),
             done: VecDeque::new(),
             engine_done: Arc::new(Mutex::new(Vec::new())),
             engine_in_flight: Arc::new(AtomicUsize::new(0)),
@@ -434,50 +525,97 @@ impl<S: Storage + 'static> Queue<S> {
             + self.done.len()
     }
 
-    /// Submits `request`; its [`Completion`] carries `user_data`. Errors of the request itself
-    /// (out of range, read-only image, I/O errors) arrive in the completion; this fails only
-    /// when the queue cannot run requests any more.
-    pub fn submit(&mut self, request: Request, user_data: u64) -> Result<()> {
+    /// Submits `request`; its [`Completion`] carries `user_data`, which must not be that of a
+    /// request in flight (submitted, its completion not collected yet). Errors of the request
+    /// itself (out of range, read-only image, I/O errors) arrive in the completion. The
+    /// request is refused, and handed back whole in [`Refused`] (never to complete), only when
+    /// its `user_data` is in flight or the queue cannot run requests any more.
+    pub fn submit(&mut self, request: Request, user_data: u64) -> std::result::Result<(), Refused> {
+        if let Err(error) = self.admit(user_data) {
+            return Err(Refused {
+                request,
+                user_data,
+                error,
+            });
+        }
+        self.start(request, user_data);
+        Ok(())
+    }
+
+    /// Whether a request with `user_data` may be submitted now; records it in flight if so.
+    fn admit(&mut self, user_data: u64) -> Result<()> {
+        if !self.worker.is_running() {
+            return Err(self.gone("queueing a request"));
+        }
+        if !self.ids.insert(user_data) {
+            return Err(Error::InvalidOption(format!(
+                "{}: user_data {user_data} is already in flight on this queue (a request keeps \
+                 its user_data until its completion is collected)",
+                self.image.inner.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The error of a queue whose engine thread has stopped.
+    fn gone(&self, what: &str) -> Error {
+        Error::io(
+            &self.image.inner.path,
+            what,
+            io::Error::other("the queue's engine thread has stopped"),
+        )
+    }
+
+    /// Runs an admitted request: on the direct path when it can, else on the engine thread.
+    fn start(&mut self, request: Request, user_data: u64) {
         let request = match request {
             Request::Read { offset, buffers } => {
                 match self.try_direct(offset, buffers, user_data, false, 0, true) {
-                    Ok(()) => return Ok(()),
+                    Ok(()) => return,
                     Err(buffers) => Request::Read { offset, buffers },
                 }
             }
             Request::Write { offset, buffers } => {
                 match self.try_direct(offset, buffers, user_data, true, 0, true) {
-                    Ok(()) => return Ok(()),
+                    Ok(()) => return,
                     Err(buffers) => Request::Write { offset, buffers },
                 }
             }
             other => other,
         };
-        self.run_on_engine_thread(request, user_data)
+        self.run_on_engine_thread(request, user_data);
     }
 
     /// Submits `requests` as [`submit`](Self::submit) does, handing the direct ones to the
     /// kernel with one `io_uring_enter` at the end instead of one each (cloud-hypervisor's
     /// `submit_batch_requests`): a VMM that drains a virtqueue's available ring passes what
-    /// it found at once. Returns the requests the queue could not take (`submit`'s error:
-    /// its engine thread is gone) with their `user_data`, in order; they will never
-    /// complete, and every other request does, through
-    /// [`next_completed`](Self::next_completed). Empty (no allocation) when all were taken.
-    #[must_use = "requests the queue refused never complete: answer them"]
-    pub fn submit_batch<I>(&mut self, requests: I) -> Vec<(u64, Error)>
+    /// it found at once. All or nothing: when one request would be refused (its `user_data`
+    /// in flight or repeated in the batch, or the queue cannot run requests any more), none
+    /// is submitted and [`BatchRefused`] hands every one back in order.
+    pub fn submit_batch<I>(&mut self, requests: I) -> std::result::Result<(), BatchRefused>
     where
         I: IntoIterator<Item = (Request, u64)>,
     {
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.extend(requests);
+        for i in 0..batch.len() {
+            if let Err(error) = self.admit(batch[i].1) {
+                for (_, user_data) in &batch[..i] {
+                    self.ids.remove(user_data);
+                }
+                let requests = batch;
+                return Err(BatchRefused { requests, error });
+            }
+        }
         self.batching = true;
         self.batch_now = Some(self.image.inner.now());
-        let mut refused = Vec::new();
         // Consecutive reads that go direct keep the metadata lock from one to the next (its
         // release is not free), for at most `BATCH_HOLD` of them so that other queues and
         // the engine get their turn.
         let inner = self.borrow_inner();
         let mut held = None;
         let mut kept = 0;
-        for (request, user_data) in requests {
+        for (request, user_data) in batch.drain(..) {
             if kept == BATCH_HOLD {
                 held = None;
                 kept = 0;
@@ -505,22 +643,20 @@ impl<S: Storage + 'static> Queue<S> {
             };
             held = None;
             kept = 0;
-            let submitted = match request {
-                // Already tried: `submit` would try the direct path again.
+            match request {
+                // Already tried: `start` would try the direct path again.
                 Request::Read { .. } => self.run_on_engine_thread(request, user_data),
-                other => self.submit(other, user_data),
-            };
-            if let Err(e) = submitted {
-                refused.push((user_data, e));
+                other => self.start(other, user_data),
             }
         }
         drop(held);
+        self.batch = batch;
         self.lent.get_or_insert(inner);
         self.batching = false;
         self.batch_now = None;
         // A failed submission leaves the entries queued: `collect` tries again.
         let _ = self.ring.submit();
-        refused
+        Ok(())
     }
 
     /// Makes every write whose completion was collected before this call durable (with the
@@ -534,26 +670,20 @@ impl<S: Storage + 'static> Queue<S> {
         let job = Box::pin(async move {
             let _ = tx.send(image.flush().await);
         });
-        let gone = || {
-            Error::io(
-                &self.image.inner.path,
-                "flushing",
-                io::Error::other("the queue's engine thread has stopped"),
-            )
-        };
         if !self.worker.run(job) {
-            return Err(gone());
+            return Err(self.gone("flushing"));
         }
-        rx.recv().map_err(|_| gone())?
+        rx.recv().map_err(|_| self.gone("flushing"))?
     }
 
     /// The next completed request, if any (never blocks).
     pub fn next_completed(&mut self) -> Option<Completion> {
-        if let Some(c) = self.done.pop_front() {
-            return Some(c);
+        if self.done.is_empty() {
+            self.collect();
         }
-        self.collect();
-        self.done.pop_front()
+        let c = self.done.pop_front()?;
+        self.ids.remove(&c.user_data);
+        Some(c)
     }
 
     /// Blocks until a completion is ready or nothing is in flight (for callers without an
@@ -1048,8 +1178,10 @@ impl<S: Storage + 'static> Queue<S> {
         });
     }
 
-    /// Runs `request` on the engine thread.
-    fn run_on_engine_thread(&mut self, request: Request, user_data: u64) -> Result<()> {
+    /// Runs `request` on the engine thread. Should the thread have died since the request was
+    /// admitted (only a panic of its runtime could do that), the request completes with that
+    /// error, its buffers dropped (the kernel never saw them).
+    fn run_on_engine_thread(&mut self, request: Request, user_data: u64) {
         self.stats.engine += 1;
         let queued = self.post_from_engine(move |image| async move {
             let (result, buffers) = run_on_engine(&image, request).await;
@@ -1060,14 +1192,16 @@ impl<S: Storage + 'static> Queue<S> {
                 holes: None,
             }
         });
-        if queued {
-            Ok(())
-        } else {
-            Err(Error::io(
-                &self.image.inner.path,
-                "queueing a request",
-                io::Error::other("the queue's engine thread has stopped"),
-            ))
+        if !queued {
+            self.done.push_back(Completion {
+                user_data,
+                result: Err(self.gone("queueing a request")),
+                buffers: None,
+                holes: None,
+            });
+            if !self.collecting {
+                let _ = self.notifier.notify();
+            }
         }
     }
 

@@ -43,6 +43,11 @@ impl Worker {
         })
     }
 
+    /// Whether the thread still takes jobs.
+    pub(super) fn is_running(&self) -> bool {
+        self.tx.as_ref().is_some_and(|tx| !tx.is_closed())
+    }
+
     /// Queues `job`; `false` if the thread is gone.
     pub(super) fn run(&self, job: Job) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok())
