@@ -139,3 +139,92 @@ fn a_vmm_probes_and_opens_its_own_descriptor() {
     };
     assert!(e.to_string().contains("read-only"), "{e}");
 }
+
+/// A whole-file write lock as cloud-hypervisor takes it on its disk's descriptor
+/// (`F_OFD_SETLK`, `F_WRLCK`, start 0, length 0).
+fn vmm_whole_file_lock(f: &std::fs::File) -> nix::Result<()> {
+    use nix::fcntl::{FcntlArg, fcntl};
+    let lock = nix::libc::flock {
+        l_type: nix::libc::F_WRLCK as nix::libc::c_short,
+        l_whence: nix::libc::SEEK_SET as nix::libc::c_short,
+        l_start: 0,
+        l_len: 0,
+        l_pid: 0,
+    };
+    fcntl(f, FcntlArg::F_OFD_SETLK(&lock)).map(drop)
+}
+
+/// Issue 33: qimg's QEMU-compatible lock on a descriptor the VMM opened (and locked whole, as
+/// cloud-hypervisor does) refuses qemu-io's and qemu-img's writers with QEMU's words; the
+/// VMM's own lock coexists on the same open file description (another VMM is still refused,
+/// `qemu-img info -U` still reads), and closing the image gives the VMM its whole lock back.
+#[test]
+fn a_vmm_descriptor_holds_qemus_lock_beside_its_own_whole_file_lock() {
+    let name = "a_vmm_descriptor_holds_qemus_lock_beside_its_own_whole_file_lock";
+    if !have_qemu(name) {
+        return;
+    }
+    let dir = Scratch::new("vmm-lock");
+    qemu_create(&dir.0, "d.qcow2", "extended_l2=on", 4 * MIB, None);
+    let path = dir.path("d.qcow2");
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap()
+    };
+    let qemu_io_write =
+        || common::run(&dir.0, "qemu-io".as_ref(), &["-c", "write 0 4k", "d.qcow2"]);
+    let qemu_img = |args: &[&str]| common::qemu_img(&dir.0, args);
+    let refused = |o: &std::process::Output, what: &str| {
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "{what} was let in");
+        err
+    };
+    // The VMM's lock alone: QEMU's tools cannot take their byte locks, and say so in words
+    // that name no holder; `-U` takes no lock and reads.
+    let vmm = open();
+    vmm_whole_file_lock(&vmm).unwrap();
+    let e = refused(&qemu_io_write(), "qemu-io beside a whole-file lock");
+    assert!(e.contains("Failed to lock byte 100"), "{e}");
+    common::ok("qemu-img info -U", &qemu_img(&["info", "-U", "d.qcow2"]));
+    // qimg on the VMM's descriptor (a duplicate: the same open file description).
+    let img = OpenOptions::new()
+        .writable(true)
+        .open_file_blocking(vmm.try_clone().unwrap(), &path)
+        .unwrap();
+    img.write(&[7u8; 4096], 0).unwrap();
+    let e = refused(&qemu_io_write(), "qemu-io's writer");
+    assert!(e.contains("Failed to get \"write\" lock"), "{e}");
+    let e = refused(&qemu_img(&["resize", "d.qcow2", "8M"]), "qemu-img resize");
+    assert!(e.contains("Failed to get \"write\" lock"), "{e}");
+    let e = refused(&qemu_img(&["info", "d.qcow2"]), "qemu-img info without -U");
+    assert!(e.contains("Failed to get shared \"write\" lock"), "{e}");
+    common::ok("qemu-img info -U", &qemu_img(&["info", "-U", "d.qcow2"]));
+    // The VMM's lock still guards the rest of the file: another VMM is refused.
+    assert!(
+        vmm_whole_file_lock(&open()).is_err(),
+        "a second VMM was let in"
+    );
+    img.close().unwrap();
+    // Closed: the VMM's lock is whole again (not holed at QEMU's bytes).
+    let e = refused(&qemu_io_write(), "qemu-io's writer after close");
+    assert!(e.contains("Failed to lock byte 100"), "{e}");
+    assert!(
+        vmm_whole_file_lock(&open()).is_err(),
+        "a second VMM was let in"
+    );
+    drop(vmm);
+    assert_clean(&dir.0, "d.qcow2", "vmm lock");
+    assert_same_as_model(
+        &dir.0,
+        "d.qcow2",
+        &{
+            let mut m = vec![0u8; 4 * MIB as usize];
+            m[..4096].fill(7);
+            m
+        },
+        "vmm lock",
+    );
+}

@@ -15,7 +15,7 @@ use nix::unistd::{Whence, fdatasync, ftruncate, lseek};
 
 use crate::aligned::AlignedBuf;
 use crate::error::{Op, Result, StorageError, range_end};
-use crate::image_lock::{ImageLock, LockFailure};
+use crate::image_lock::ImageLock;
 use crate::storage::{
     AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome, check_aligned, total_len,
 };
@@ -176,8 +176,10 @@ struct Inner {
     reserve: AtomicBool,
     /// A flush failed: every later flush fails too (see [`FileStorage`]).
     flush_failed: AtomicBool,
-    /// Image locks were taken on the file (see [`Storage::lock_image`]).
-    locked: AtomicBool,
+    /// Image locks were taken on the file (see [`Storage::lock_image`]): `Some(restore)`,
+    /// where `restore` says the description held a whole-file write lock of the caller's
+    /// before, given back on release (see `image_lock`).
+    locked: std::sync::Mutex<Option<bool>>,
 }
 
 fn off(pos: u64) -> i64 {
@@ -194,8 +196,9 @@ impl Drop for Inner {
     /// file description, which a process forking in another thread shares until its `exec`,
     /// so a plain close could leave them held a moment longer than this storage.
     fn drop(&mut self) {
-        if *self.locked.get_mut() {
-            crate::image_lock::release(&self.file);
+        let locked = self.locked.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(restore) = locked.take() {
+            crate::image_lock::release(self.file.as_fd(), restore);
         }
     }
 }
@@ -489,7 +492,7 @@ impl FileStorage {
                 punch_hole: AtomicBool::new(true),
                 flush_failed: AtomicBool::new(false),
                 reserve: AtomicBool::new(true),
-                locked: AtomicBool::new(false),
+                locked: std::sync::Mutex::new(None),
             }),
             blocking,
         })
@@ -710,16 +713,26 @@ impl Storage for FileStorage {
     }
 
     fn lock_image(&self, lock: ImageLock) -> Result<()> {
-        self.inner.locked.store(true, Ordering::Relaxed);
-        crate::image_lock::apply(self.file(), lock).map_err(|failure| match failure {
-            LockFailure::Conflict(holder) => StorageError::Locked { holder },
-            LockFailure::Os(e) => StorageError::io(Op::Lock, 0, 0, e),
-        })
+        let mut locked = self.inner.locked.lock().unwrap_or_else(|e| e.into_inner());
+        let before = locked.unwrap_or(false);
+        match crate::image_lock::apply(self.file().as_fd(), lock, before) {
+            Ok(restore) => {
+                *locked = Some(restore);
+                Ok(())
+            }
+            Err(failure) => {
+                // A failed attempt holds nothing of ours and gave the bytes back as they
+                // were (see `apply`).
+                *locked = None;
+                Err(failure.into_storage())
+            }
+        }
     }
 
     fn unlock_image(&self) {
-        if self.inner.locked.swap(false, Ordering::Relaxed) {
-            crate::image_lock::release(self.file());
+        let mut locked = self.inner.locked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(restore) = locked.take() {
+            crate::image_lock::release(self.file().as_fd(), restore);
         }
     }
 

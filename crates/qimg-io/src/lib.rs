@@ -126,7 +126,7 @@ pub use faulty::{
     OpFilter,
 };
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
-pub use image_lock::ImageLock;
+pub use image_lock::{HeldImageLock, ImageLock};
 pub use mem::MemStorage;
 pub use storage::{AllocateOutcome, DirectAccess, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]

@@ -233,6 +233,11 @@ impl OpenOptions {
     /// keeps others from writing it; a read-only open refuses while a process writes it and
     /// keeps others from starting to. See [`ImageLock`](qimg_io::ImageLock). `false` takes
     /// no lock at all (QEMU's `file.locking=off`).
+    ///
+    /// With [`open_file`](Self::open_file) the locks go on the caller's open file description
+    /// and compose with a whole-file write lock the caller already holds there (a VMM's):
+    /// see [`HeldImageLock`](qimg_io::HeldImageLock); [`ImageLock::lock`](qimg_io::ImageLock::lock)
+    /// takes them on any descriptor without opening an image.
     pub fn locking(mut self, lock: bool) -> Self {
         self.locking = lock;
         self
