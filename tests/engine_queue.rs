@@ -1640,10 +1640,7 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
             panic!("another request came back");
         };
         assert_eq!(offset, 65536);
-        let back = buffers
-            .take_owner::<VmmOp>()
-            .ok()
-            .expect("the refused owner");
+        let back = op_back(buffers, "the refused owner");
         assert_eq!(back.id, 2);
         drop(back);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
@@ -1651,12 +1648,7 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
         queue.wait().unwrap();
         let c = queue.next_completed().expect("the write's completion");
         assert_eq!((c.user_data, c.result.as_ref().ok()), (1, Some(&8192)));
-        let back = c
-            .buffers
-            .unwrap()
-            .take_owner::<VmmOp>()
-            .ok()
-            .expect("idle owner");
+        let back = op_back(c.buffers.unwrap(), "idle owner");
         assert_eq!(back.id, 1);
         drop(back);
         // user_data 1 is free again: a read of what was written, into owned memory.
@@ -1665,12 +1657,7 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
             buffers: owned(op(3, None)),
         };
         let c = one_with(&mut queue, read, 1);
-        let back = c
-            .buffers
-            .unwrap()
-            .take_owner::<VmmOp>()
-            .ok()
-            .expect("idle owner");
+        let back = op_back(c.buffers.unwrap(), "idle owner");
         assert_eq!(
             (back.id, back.memory[0], back.memory[8191]),
             (3, 0x11, 0x11)
@@ -1692,9 +1679,7 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
             .requests
             .into_iter()
             .map(|(r, u)| match r {
-                Request::Write { buffers, .. } => {
-                    (buffers.take_owner::<VmmOp>().ok().expect("owner").id, u)
-                }
+                Request::Write { buffers, .. } => (op_back(buffers, "owner").id, u),
                 _ => panic!("another request came back"),
             })
             .collect();
@@ -1713,12 +1698,7 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
             queue.wait().unwrap();
             while let Some(c) = queue.next_completed() {
                 assert!(c.result.is_ok(), "{:?}", c.result);
-                let o = c
-                    .buffers
-                    .unwrap()
-                    .take_owner::<VmmOp>()
-                    .ok()
-                    .expect("owner");
+                let o = op_back(c.buffers.unwrap(), "owner");
                 seen.push((c.user_data, o.id));
             }
         }
@@ -1747,6 +1727,14 @@ fn owners_come_back_with_completions_and_refusals_hand_requests_back() {
         );
         image.close().unwrap();
         assert_clean(&dir.0, "d.qcow2", &format!("owners {backend:?}"));
+    }
+}
+
+/// The VMM's request object given back with `b` (panics naming `what` if it is not there).
+fn op_back(b: IoBuffers, what: &str) -> VmmOp {
+    match b.take_owner::<VmmOp>() {
+        Ok(op) => op,
+        Err(b) => panic!("{what}: no VmmOp came back ({b:?})"),
     }
 }
 
