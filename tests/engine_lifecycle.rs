@@ -228,3 +228,88 @@ fn a_vmm_descriptor_holds_qemus_lock_beside_its_own_whole_file_lock() {
         "vmm lock",
     );
 }
+
+/// The threads of this process whose name starts with `qimg-`, as `(thread id, name)`.
+fn qimg_threads() -> std::collections::BTreeSet<(u64, String)> {
+    let mut out = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let Ok(tid) = e.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let Ok(comm) = std::fs::read_to_string(e.path().join("comm")) else {
+            continue; // ended meanwhile
+        };
+        let comm = comm.trim().to_string();
+        if comm.starts_with("qimg-") {
+            out.insert((tid, comm));
+        }
+    }
+    out
+}
+
+/// The calling thread's id, from `/proc/thread-self` (`PID/task/TID`).
+fn thread_id() -> u64 {
+    let link = std::fs::read_link("/proc/thread-self").unwrap();
+    link.file_name().unwrap().to_string_lossy().parse().unwrap()
+}
+
+/// Issue 33: a VMM that filters its threads' system calls registers a start hook, and every
+/// thread qimg starts (the io_uring completion thread, a queue's engine thread, the clean
+/// timer, the close of an image dropped with `close_on_drop`) calls it first, on itself,
+/// under the name the docs list.
+#[test]
+fn every_thread_qimg_starts_calls_the_embedders_start_hook_first() {
+    let name = "every_thread_qimg_starts_calls_the_embedders_start_hook_first";
+    if !have_qemu(name) {
+        return;
+    }
+    use std::sync::{Arc, Mutex};
+    let dir = Scratch::new("thread-hook");
+    qemu_create(&dir.0, "a.qcow2", "extended_l2=on", 8 * MIB, None);
+    let seen: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
+    let record = seen.clone();
+    // Other tests of this binary run meanwhile: their threads call the hook too, which is
+    // harmless here (only recorded).
+    qimg::io::threads::set_start_hook(move |name| {
+        record.lock().unwrap().push((thread_id(), name.to_string()));
+    });
+    let before = qimg_threads();
+    let cache = CacheOptions {
+        cache_clean_interval: Some(1),
+        ..Default::default()
+    };
+    let img = OpenOptions::new()
+        .writable(true)
+        .backend(qimg::io::Backend::IoUring)
+        .cache(cache)
+        .close_on_drop(true)
+        .open_blocking(dir.path("a.qcow2"))
+        .expect("io_uring must work here");
+    let mut queue = img.as_async().queue(qimg::QueueOptions::new()).unwrap();
+    queue.submit(qimg::Request::Flush, 1).unwrap();
+    queue.wait().unwrap();
+    assert!(queue.next_completed().unwrap().result.is_ok());
+    img.write(&[9u8; 65536], 0).unwrap();
+    let during = qimg_threads();
+    drop(queue);
+    // Dropped without close: `close_on_drop` closes it on a `qimg-close` thread.
+    drop(img);
+    qimg::io::threads::clear_start_hook();
+    let seen = seen.lock().unwrap().clone();
+    let new: Vec<_> = during.difference(&before).cloned().collect();
+    assert!(!new.is_empty(), "no qimg thread started");
+    for (tid, comm) in &new {
+        assert!(
+            seen.iter().any(|(t, n)| t == tid && n == comm),
+            "thread {tid} ({comm}) did not call the start hook; seen: {seen:?}"
+        );
+    }
+    let names: std::collections::BTreeSet<&str> = seen.iter().map(|(_, n)| n.as_str()).collect();
+    for want in ["qimg-uring", "qimg-queue", "qimg-clean", "qimg-close"] {
+        assert!(
+            names.contains(want),
+            "no {want} thread called the hook: {names:?}"
+        );
+    }
+    assert_clean(&dir.0, "a.qcow2", "start hook");
+}

@@ -113,6 +113,7 @@ mod mem;
 #[allow(unsafe_code)]
 pub mod queue;
 mod storage;
+pub mod threads;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 mod uring;

@@ -158,9 +158,7 @@ impl UringStorage {
             handle.spawn(reaper(Arc::downgrade(&shared), afd));
         }
         let for_thread = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("qimg-uring".into())
-            .spawn(move || complete(for_thread))
+        let thread = crate::threads::spawn("qimg-uring", move || complete(for_thread))
             .map_err(unavailable)?;
         Ok(UringStorage {
             owner: Arc::new(Owner {

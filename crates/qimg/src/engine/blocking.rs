@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use qimg_io::AnyStorage;
-use tokio::runtime::{Builder, Runtime};
+use tokio::runtime::Runtime;
 
 use super::image::{Image, Stats};
 use super::options::OpenOptions;
@@ -28,8 +28,7 @@ impl BlockingImage {
 
     /// Opens `file` (when given) or the image at `path` on a runtime of the image's own.
     fn open_in(path: &Path, opts: &OpenOptions, file: Option<std::fs::File>) -> Result<Self> {
-        let rt = Builder::new_current_thread()
-            .enable_time()
+        let rt = qimg_io::threads::runtime()
             .build()
             .map_err(|e| Error::io(path, "start the I/O runtime", e))?;
         let mut opts = opts.clone();

@@ -118,16 +118,17 @@ impl<S: Storage> Drop for Inner<S> {
         }
         let this = &*self;
         std::thread::scope(|s| {
-            let _ = s
-                .spawn(move || {
-                    if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                        .enable_time()
-                        .build()
-                    {
+            let close = std::thread::Builder::new()
+                .name("qimg-close".into())
+                .spawn_scoped(s, move || {
+                    qimg_io::threads::started("qimg-close");
+                    if let Ok(rt) = qimg_io::threads::runtime().build() {
                         let _ = rt.block_on(this.close());
                     }
-                })
-                .join();
+                });
+            if let Ok(t) = close {
+                let _ = t.join();
+            }
         });
     }
 }

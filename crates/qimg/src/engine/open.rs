@@ -352,13 +352,10 @@ fn cleaner_thread<S: Storage + 'static>(
     weak: Weak<Inner<S>>,
     interval: Duration,
 ) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+    let rt = qimg_io::threads::runtime()
         .build()
         .map_err(|e| Error::io(path, "start the clean timer's runtime", e))?;
-    std::thread::Builder::new()
-        .name("qimg-clean".into())
-        .spawn(move || rt.block_on(cleaner(weak, interval)))
+    qimg_io::threads::spawn("qimg-clean", move || rt.block_on(cleaner(weak, interval)))
         .map_err(|e| Error::io(path, "start the clean timer's thread", e))?;
     Ok(())
 }

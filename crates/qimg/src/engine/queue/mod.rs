@@ -66,8 +66,10 @@
 //! ## Threads and system calls (for seccomp filters)
 //!
 //! [`Image::queue`] starts one thread, `qimg-queue`, which runs the queue's engine work; it
-//! and the image's own threads (the file backend's I/O threads or io_uring completion
-//! thread, and the clean timer when enabled) are qimg's, created before the call returns.
+//! and the image's own threads (the io_uring completion thread `qimg-uring` per file, the
+//! clean timer `qimg-clean` when enabled) are qimg's, created before the call returns. The
+//! whole list, and a start hook every one of them calls first (where a VMM applies its own
+//! filter to them), is in [`qimg_io::threads`].
 //! On the caller's thread, [`Queue::submit`], [`Queue::submit_batch`],
 //! [`Queue::next_completed`], [`Queue::wait`] and [`Queue::flush_blocking`] make only these
 //! system calls: `io_uring_enter` (the queue's ring), `poll`/`ppoll` (waiting),

@@ -20,23 +20,19 @@ pub(super) struct Worker {
 
 impl Worker {
     pub(super) fn start() -> io::Result<Self> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()?;
+        let rt = qimg_io::threads::runtime().build()?;
         let (tx, mut rx) = unbounded_channel::<Job>();
-        let thread = std::thread::Builder::new()
-            .name("qimg-queue".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    let mut jobs = tokio::task::JoinSet::new();
-                    while let Some(job) = rx.recv().await {
-                        jobs.spawn(job);
-                        while jobs.try_join_next().is_some() {}
-                    }
-                    // The queue is being dropped: finish what was submitted.
-                    while jobs.join_next().await.is_some() {}
-                });
-            })?;
+        let thread = qimg_io::threads::spawn("qimg-queue", move || {
+            rt.block_on(async move {
+                let mut jobs = tokio::task::JoinSet::new();
+                while let Some(job) = rx.recv().await {
+                    jobs.spawn(job);
+                    while jobs.try_join_next().is_some() {}
+                }
+                // The queue is being dropped: finish what was submitted.
+                while jobs.join_next().await.is_some() {}
+            });
+        })?;
         Ok(Worker {
             tx: Some(tx),
             thread: Some(thread),
