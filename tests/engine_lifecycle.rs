@@ -109,6 +109,17 @@ fn a_vmm_probes_and_opens_its_own_descriptor() {
         .open(dir.path("top.qcow2"))
         .unwrap();
     let p = qimg::probe(&file).unwrap().expect("a qcow2 image");
+    // The same through an O_DIRECT descriptor, as VMMs open their disks (the probe's reads
+    // must be aligned in memory, offset and length).
+    let direct = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_DIRECT)
+            .open(dir.path("top.qcow2"))
+            .unwrap()
+    };
+    assert_eq!(qimg::probe(&direct).unwrap().as_ref(), Some(&p));
     let info = common::info(&dir.0, "top.qcow2");
     assert_eq!(p.version, 3);
     assert!(p.extended_l2);

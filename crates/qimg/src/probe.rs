@@ -14,6 +14,10 @@ use crate::error::{Error, Result};
 /// Cluster 0 is at most this long (2 MiB clusters).
 const MAX_CLUSTER0: usize = 2 << 20;
 
+/// Alignment of the probe's reads, in memory, offset and length: enough for `O_DIRECT` on
+/// any device qimg supports (logical blocks up to 4 KiB).
+const DIRECT_ALIGN: usize = 4096;
+
 /// The header facts of a qcow2 image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -43,24 +47,39 @@ pub fn probe(file: &File) -> Result<Option<ImageProbe>> {
         .metadata()
         .map_err(|e| Error::io(name, "stat", e))?
         .len();
+    // Whole aligned blocks into aligned memory: a VMM's descriptor may be `O_DIRECT`.
     let want = usize::try_from(len)
         .unwrap_or(MAX_CLUSTER0)
-        .min(MAX_CLUSTER0);
-    let mut bytes = vec![0u8; want];
+        .min(MAX_CLUSTER0)
+        .next_multiple_of(DIRECT_ALIGN);
+    if want == 0 {
+        return Ok(None);
+    }
+    let mut bytes = qimg_io::AlignedBuf::zeroed(want, DIRECT_ALIGN).ok_or_else(|| {
+        let e = std::io::Error::from(std::io::ErrorKind::OutOfMemory);
+        Error::io(name, "allocate the header buffer", e)
+    })?;
     let mut done = 0;
     while done < want {
         match file.read_at(&mut bytes[done..], done as u64) {
             Ok(0) => break,
-            Ok(n) => done += n,
+            Ok(n) => {
+                done += n;
+                // The end of the file (a short block): nothing more to read, and an
+                // `O_DIRECT` read from an unaligned position would fail.
+                if n % DIRECT_ALIGN != 0 {
+                    break;
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(Error::io(name, "read the header", e)),
         }
     }
-    bytes.truncate(done);
-    if !has_magic(&bytes) {
+    let bytes = &bytes[..done];
+    if !has_magic(bytes) {
         return Ok(None);
     }
-    let c0 = Cluster0::decode(&bytes).map_err(|e| Error::format(name, e))?;
+    let c0 = Cluster0::decode(bytes).map_err(|e| Error::format(name, e))?;
     let h = &c0.header;
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     Ok(Some(ImageProbe {

@@ -1,7 +1,7 @@
 //! [`Notifier`]: the eventfd a queue's completions signal.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -27,6 +27,13 @@ impl Notifier {
     /// non-blocking, or [`drain`](Self::drain) blocks while nothing was signalled.
     pub fn from_fd(fd: OwnedFd) -> Self {
         Notifier { fd: Arc::new(fd) }
+    }
+
+    /// Signals a duplicate of `fd`, a descriptor the caller keeps: any `AsRawFd` value, such
+    /// as `vmm_sys_util::eventfd::EventFd` (which offers no `AsFd`). The duplicate is
+    /// close-on-exec; the caller's descriptor stays as it is.
+    pub fn duplicate(fd: &impl AsRawFd) -> io::Result<Self> {
+        Ok(Self::from_fd(duplicate_raw(fd.as_raw_fd())?))
     }
 
     /// Signals the eventfd once.
@@ -59,4 +66,16 @@ impl AsFd for Notifier {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+}
+
+/// A close-on-exec duplicate of `fd`.
+fn duplicate_raw(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: `fcntl(F_DUPFD_CLOEXEC)` reads no memory; on a descriptor that is not open it
+    // fails with EBADF, handled below.
+    let new = unsafe { nix::libc::fcntl(fd, nix::libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `new` is a descriptor the call above just created for us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }

@@ -260,7 +260,7 @@ impl std::hash::Hasher for TokenHasher {
 #[derive(Debug, Default)]
 pub struct QueueOptions {
     depth: Option<u32>,
-    eventfd: Option<OwnedFd>,
+    notifier: Option<Notifier>,
     poll: std::time::Duration,
 }
 
@@ -280,16 +280,16 @@ impl QueueOptions {
     /// Signal this eventfd (for example one the VMM already polls) instead of one the queue
     /// creates. It should be non-blocking.
     pub fn eventfd(mut self, fd: OwnedFd) -> Self {
-        self.eventfd = Some(fd);
+        self.notifier = Some(Notifier::from_fd(fd));
         self
     }
 
-    /// [`eventfd`](Self::eventfd) with a descriptor the caller keeps (a
-    /// `vmm_sys_util::eventfd::EventFd`, say): the queue signals a duplicate of it, so the
+    /// [`eventfd`](Self::eventfd) with a descriptor the caller keeps: any `AsRawFd` value, a
+    /// `vmm_sys_util::eventfd::EventFd` say. The queue signals a duplicate of it, so the
     /// caller's own object stays as it is. Fails only when the descriptor cannot be duplicated.
-    pub fn eventfd_of(self, fd: &impl AsFd) -> io::Result<Self> {
-        let dup = fd.as_fd().try_clone_to_owned()?;
-        Ok(self.eventfd(dup))
+    pub fn eventfd_of(mut self, fd: &impl std::os::fd::AsRawFd) -> io::Result<Self> {
+        self.notifier = Some(Notifier::duplicate(fd)?);
+        Ok(self)
     }
 
     /// Have [`Queue::wait`] watch the ring for up to `poll` before it sleeps, when only the
@@ -464,8 +464,8 @@ impl<S: Storage + 'static> Image<S> {
             )
         })?;
         ring.set_poll(options.poll);
-        let notifier = match options.eventfd {
-            Some(fd) => Notifier::from_fd(fd),
+        let notifier = match options.notifier {
+            Some(n) => n,
             None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
         };
         ring.register_eventfd(notifier.as_fd())
