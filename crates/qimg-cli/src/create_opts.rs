@@ -50,6 +50,11 @@ pub const QCOW2_OPTIONS: &[(&str, &str, &str)] = &[
     ),
     ("extended_l2", "<bool (on/off)>", "Extended L2 tables"),
     (
+        "extent_size_hint",
+        "<size>",
+        "Extent size hint for the image file, 0 to disable",
+    ),
+    (
         "lazy_refcounts",
         "<bool (on/off)>",
         "Postpone refcount updates",
@@ -69,6 +74,11 @@ pub const QCOW2_OPTIONS: &[(&str, &str, &str)] = &[
 
 /// Options of the raw format.
 pub const RAW_OPTIONS: &[(&str, &str, &str)] = &[
+    (
+        "extent_size_hint",
+        "<size>",
+        "Extent size hint for the image file, 0 to disable",
+    ),
     (
         "preallocation",
         "<str>",
@@ -133,6 +143,18 @@ pub fn apply(
                     anyhow::anyhow!("Parameter 'refcount_bits' expects a number: '{v}'")
                 })?
             }
+            // A hint QEMU's file driver passes to XFS (`FS_IOC_FSSETXATTR`); qimg takes and
+            // prints it as qemu-img does and leaves the file's extent size to the
+            // filesystem (see docs/ARCHITECTURE.md, "Not done yet").
+            "extent_size_hint" => {
+                let n = parse_size(v).ok_or_else(|| not_a_size(k, v))?;
+                if n > u64::from(u32::MAX) {
+                    let hint = "(extent_size_hint: at most 4 GiB - 1)";
+                    refuse(given, "Extent size hint is too large".into(), hint);
+                }
+                given.pairs.push((k.to_string(), n.to_string()));
+                continue;
+            }
             "backing_file" => opts.backing_file = Some(v.to_string()),
             "backing_fmt" => opts.backing_fmt = Some(v.to_string()),
             "data_file" => opts.data_file = Some(v.to_string()),
@@ -195,6 +217,9 @@ pub fn formatting_line(
         if let Some(p) = given.get("preallocation") {
             parts.push(format!("preallocation={p}"));
         }
+        if let Some(h) = given.get("extent_size_hint") {
+            parts.push(format!("extent_size_hint={h}"));
+        }
         return format!("Formatting '{file}', {}", parts.join(" "));
     }
     parts.push(format!("cluster_size={}", opts.cluster_size));
@@ -231,6 +256,9 @@ pub fn formatting_line(
         flag("lazy_refcounts", opts.lazy_refcounts)
     ));
     parts.push(format!("refcount_bits={}", opts.refcount_bits));
+    if let Some(h) = given.get("extent_size_hint") {
+        parts.push(format!("extent_size_hint={h}"));
+    }
     format!("Formatting '{file}', {}", parts.join(" "))
 }
 

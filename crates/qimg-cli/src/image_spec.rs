@@ -74,6 +74,44 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether `key` is a runtime option qimg takes and leaves to its own defaults.
+pub fn ignored(key: &str) -> bool {
+    IGNORED.contains(&key)
+}
+
+/// qemu-io's `open -o` options: `(file name they name, driver, read-only)`. The file name may
+/// come from the command's operand instead; the driver, when named, must be qcow2 or raw.
+pub fn open_options(
+    pairs: &[(String, String)],
+) -> Result<(Option<String>, Option<String>, bool), String> {
+    let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+    let driver = get("driver").cloned();
+    if let Some(d) = driver.as_deref().filter(|d| !matches!(*d, "qcow2" | "raw")) {
+        return Err(format!("Unknown driver '{d}'"));
+    }
+    match get("file.driver").map(String::as_str) {
+        None | Some("file") => {}
+        Some(other) => return Err(format!("the protocol '{other}' is not supported")),
+    }
+    for (k, _) in pairs {
+        let known = matches!(
+            k.as_str(),
+            "driver" | "file" | "file.driver" | "file.filename" | "filename"
+        );
+        if !known && !ignored(k) {
+            let d = driver.as_deref().unwrap_or("qcow2");
+            return Err(format!(
+                "Block format '{d}' does not support the option '{k}'"
+            ));
+        }
+    }
+    let name = get("file.filename")
+        .or_else(|| get("file"))
+        .or_else(|| get("filename"));
+    let read_only = get("read-only").is_some_and(|v| v == "on" || v == "true");
+    Ok((name.cloned(), driver, read_only))
+}
+
 /// Whether `s` is an `--image-opts` option string rather than another argument.
 fn is_option_string(s: &str) -> bool {
     split_opts(s).iter().any(|p| {

@@ -126,17 +126,193 @@ fn parse() -> Cli {
             std::process::exit(1);
         }
     }
+    if let Err(e) = take_objects(&mut args) {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
+    }
     if let Err(e) = image_spec::rewrite(&mut args) {
         eprintln!("{name}: {e}");
         std::process::exit(1);
+    }
+    if name != "qimg" && asks_version(&args, name) {
+        println!(
+            "{name} version {QEMU_INTERFACE} (qimg {})",
+            env!("CARGO_PKG_VERSION")
+        );
+        println!("qimg implements the command line of QEMU's tools of that version");
+        std::process::exit(0);
     }
     let command = Cli::command()
         .name(name)
         .bin_name(name)
         .args_override_self(true)
         .mut_subcommands(|c| c.args_override_self(true));
-    let matches = command.get_matches_from(args);
+    let matches = match command.try_get_matches_from(args) {
+        Ok(m) => m,
+        Err(e) if name == "qimg" => e.exit(),
+        Err(e) => refuse_as_qemu(name, &e),
+    };
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// `--object TYPE,id=ID,...` (QEMU's user-creatable objects, any number, anywhere on the
+/// line): taken off the command line and checked as QEMU checks them. Secrets
+/// (`secret,id=ID,data=VALUE|file=PATH`) are accepted (no image qimg opens is encrypted, so
+/// none is used yet); other object types are refused.
+fn take_objects(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].to_string_lossy().into_owned();
+        let value = if a == "--object" {
+            if i + 1 >= args.len() {
+                return Err("option '--object' requires an argument".into());
+            }
+            let v = args.remove(i + 1).to_string_lossy().into_owned();
+            args.remove(i);
+            v
+        } else if let Some(v) = a.strip_prefix("--object=") {
+            let v = v.to_string();
+            args.remove(i);
+            v
+        } else if a == "-c" || a == "--cmd" {
+            // A qemu-io command, never an option.
+            i += 2;
+            continue;
+        } else {
+            i += 1;
+            continue;
+        };
+        check_object(&value)?;
+    }
+    Ok(())
+}
+
+/// One `--object` value, checked as QEMU's object creation checks it.
+fn check_object(value: &str) -> Result<(), String> {
+    let pairs = args::split_opts(value);
+    let get = |key: &str| {
+        pairs
+            .iter()
+            .rev()
+            .find_map(|p| p.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+    };
+    let kind = pairs
+        .first()
+        .map(|p| p.strip_prefix("qom-type=").unwrap_or(p))
+        .unwrap_or_default();
+    match kind {
+        "secret" => {}
+        "tls-creds-x509" | "tls-creds-psk" | "tls-creds-anon" | "throttle-group" | "iothread" => {
+            return Err(format!(
+                "qimg does not support objects of type '{kind}' yet"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "Parameter 'qom-type' does not accept value '{other}'"
+            ));
+        }
+    }
+    if get("id").is_none() {
+        return Err("Parameter 'id' is missing".into());
+    }
+    match (get("data"), get("file")) {
+        (None, None) => Err("Either 'file' or 'data' must be provided".into()),
+        (Some(_), Some(_)) => Err("'data' and 'file' are mutually exclusive".into()),
+        (None, Some(f)) => std::fs::read(f)
+            .map(drop)
+            .map_err(|e| format!("Unable to read {f}: {}", status::os_msg(&e))),
+        (Some(_), None) => Ok(()),
+    }
+}
+
+/// Whether the short option `typed` (`-f`) is the one whose long form clap reported (`long`,
+/// `--format`): same first letter after the dashes, as every such pair of qemu's is named.
+fn short_of(_e: &clap::Error, long: &str, typed: &str) -> bool {
+    long.starts_with("--") && long[2..].chars().next() == typed[1..].chars().next()
+}
+
+/// The QEMU release whose qemu-img and qemu-io command lines qimg implements (what
+/// `--version` says when qimg runs as one of them).
+const QEMU_INTERFACE: &str = "10.0.0";
+
+/// Whether a qemu-img or qemu-io command line asks for the version (`-V`, `--version`)
+/// rather than giving it as an option's value.
+fn asks_version(args: &[std::ffi::OsString], name: &str) -> bool {
+    // qemu-io's options that take a value (so that `-c -V` is a command, not a request).
+    let takes_value = [
+        "-c", "--cmd", "-f", "--format", "-t", "--cache", "-i", "--aio", "-d",
+    ];
+    let first = if name == "qemu-io" { 2 } else { 1 };
+    let rest = args.get(first..).unwrap_or_default();
+    if name == "qemu-img" {
+        // Only before the command, as qemu-img takes it.
+        return rest.first().is_some_and(|a| a == "-V" || a == "--version");
+    }
+    rest.iter().enumerate().any(|(i, a)| {
+        (a == "-V" || a == "--version")
+            && (i == 0 || !takes_value.iter().any(|t| rest[i - 1] == **t))
+    })
+}
+
+/// A command line clap refused, told in the words of QEMU's tools (glibc's `getopt` and
+/// QEMU's hint), with their exit status 1; help goes out as clap prints it.
+fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        e.exit();
+    }
+    let arg = match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(s)) => s.clone(),
+        _ => String::new(),
+    };
+    // `-O <FMT>` -> `-O`; `--output <FMT>` -> `--output`; as typed when the option has both
+    // names (`-f` for `--format`): the last option word on the line naming it.
+    let mut flag = arg.split([' ', '=']).next().unwrap_or_default().to_string();
+    if let Some(typed) = std::env::args()
+        .rev()
+        .find(|a| a == &flag || (a.len() == 2 && a.starts_with('-') && short_of(e, &flag, a)))
+    {
+        flag = typed;
+    }
+    let letter = || flag.trim_start_matches('-').chars().next().unwrap_or('?');
+    let why = match e.kind() {
+        ErrorKind::UnknownArgument if flag.starts_with("--") => {
+            format!("unrecognized option '{flag}'")
+        }
+        ErrorKind::UnknownArgument if flag.starts_with('-') => {
+            format!("invalid option -- '{}'", letter())
+        }
+        ErrorKind::InvalidValue | ErrorKind::NoEquals if flag.starts_with("--") => {
+            format!("option '{flag}' requires an argument")
+        }
+        ErrorKind::InvalidValue | ErrorKind::NoEquals if flag.starts_with('-') => {
+            format!("option requires an argument -- '{}'", letter())
+        }
+        _ => {
+            let text = e
+                .kind()
+                .as_str()
+                .unwrap_or("invalid command line")
+                .to_string();
+            if arg.is_empty() {
+                text
+            } else {
+                format!("{text}: {arg}")
+            }
+        }
+    };
+    if name == "qemu-io" {
+        // qemu-io: the reason on stderr, the usage on stdout.
+        eprintln!("qemu-io: {why}");
+        println!("Usage: qemu-io [OPTIONS]... [-c STRING]... [file]");
+        println!("Try 'qemu-io --help' for the options, 'qemu-io -c help' for the commands.");
+    } else {
+        let sub = std::env::args().nth(1).unwrap_or_default();
+        eprintln!("qemu-img {sub}: {why}");
+        eprintln!("Try 'qemu-img {sub} --help' for more info");
+    }
+    std::process::exit(1);
 }
 
 fn main() -> ExitCode {

@@ -29,8 +29,8 @@ pub struct DdArgs {
     /// Read the input even while another program writes it.
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
-    /// Operands: if=FILE, of=FILE, bs=SIZE (512), count=BLOCKS, skip=BLOCKS.
-    #[arg(allow_hyphen_values = true)]
+    /// Operands: if=FILE, of=FILE, bs=SIZE (512), count=BLOCKS, skip=BLOCKS. Options may
+    /// follow them, as qemu-img's `getopt` takes them.
     operands: Vec<String>,
 }
 

@@ -39,6 +39,10 @@ pub struct RebaseArgs {
     /// Show progress.
     #[arg(short = 'p', long = "progress")]
     progress: bool,
+    /// Write the copied data compressed: clusters that hold nothing of the image's own are
+    /// written whole and compressed, as by `qemu-img rebase -c`.
+    #[arg(short = 'c', long = "compress")]
+    compress: bool,
     /// Quiet.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
@@ -107,7 +111,14 @@ pub fn run(args: RebaseArgs) -> Result<()> {
             .build()
             .context("cannot start the I/O runtime")?;
         let show = args.progress && !args.quiet;
-        rt.block_on(copy_differences(path, &file, new, new_fmt, show))?;
+        rt.block_on(copy_differences(
+            path,
+            &file,
+            new,
+            new_fmt,
+            show,
+            args.compress,
+        ))?;
     }
     finish(&args, &file, new)
 }
@@ -196,9 +207,10 @@ async fn copy_differences(
     new: Option<&str>,
     new_fmt: Option<ImageFormat>,
     show: bool,
+    compress: bool,
 ) -> Result<()> {
     let img = crate::status::open_writable(path, file).await?;
-    let r = copy_into(&img, path, new, new_fmt, show).await;
+    let r = copy_into(&img, path, new, new_fmt, show, compress).await;
     let closed = img
         .close()
         .await
@@ -212,8 +224,12 @@ async fn copy_into(
     new: Option<&str>,
     new_fmt: Option<ImageFormat>,
     show: bool,
+    compress: bool,
 ) -> Result<()> {
     let old = old_reader(img).await?;
+    let cs = img.cluster_size();
+    // With -c: clusters already written compressed (a later run in them has nothing to do).
+    let mut compressed_upto = 0u64;
     let new_reader = match (new, new_fmt) {
         (Some(name), Some(fmt)) => {
             let p = resolve_backing(path, name);
@@ -279,9 +295,41 @@ async fn copy_into(
                         }
                         j = next;
                     }
-                    let done = match old_is_zero {
-                        true => img.write_zeroes(at + i, j - i).await,
-                        false => img.write(&ob[i as usize..j as usize], at + i).await,
+                    // -c: the clusters of the run that lie wholly in this unallocated extent
+                    // are written whole and compressed (what the image reads there now, its
+                    // old chain's data); the rest as usual.
+                    let (lo, hi) = (at + i, at + j);
+                    let first = lo / cs * cs;
+                    let whole = compress && !old_is_zero && first >= e.start;
+                    let done = if whole && first + cs.min(size - first) <= end {
+                        let mut c = first.max(compressed_upto);
+                        let mut r = Ok(());
+                        while c < hi && r.is_ok() {
+                            let n = cs.min(size - c);
+                            if c + n > end {
+                                break;
+                            }
+                            let mut buf = vec![0u8; n as usize];
+                            r = match img.read(&mut buf, c).await {
+                                Ok(()) => img.write_compressed(c, &buf).await,
+                                Err(e) => Err(e),
+                            };
+                            c += n;
+                            compressed_upto = c;
+                        }
+                        // A tail the loop left (its cluster runs past the extent).
+                        if r.is_ok() && c < hi {
+                            let from = (c - at) as usize;
+                            r = img.write(&ob[from..j as usize], c).await;
+                        }
+                        r
+                    } else if compress && hi <= compressed_upto {
+                        Ok(())
+                    } else {
+                        match old_is_zero {
+                            true => img.write_zeroes(lo, hi - lo).await,
+                            false => img.write(&ob[i as usize..j as usize], lo).await,
+                        }
                     };
                     done.map_err(|e| anyhow!("Error while writing to COW image: {e}"))?;
                     i = j;

@@ -358,6 +358,59 @@ impl<S: Storage> Image<S> {
         inner.flush_meta(&mut m).await
     }
 
+    /// Makes this read-only image show snapshot `id` and/or `name` (both, when both are
+    /// given, must match one snapshot; one alone is matched against the IDs, then the names,
+    /// when `id` and `name` are the same string) instead of the active disk, until the image
+    /// is closed. The virtual size stays the disk's, as in QEMU (past the snapshot's own
+    /// size the disk reads as unallocated). QEMU's `bdrv_snapshot_load_tmp`, as
+    /// `qemu-img convert -l` uses it. Nothing is written; a writable image is refused.
+    pub async fn view_snapshot(&self, id: Option<&str>, name: Option<&str>) -> Result<()> {
+        let inner = &*self.inner;
+        if inner.writable {
+            return Err(Error::InvalidOption(format!(
+                "{}: only a read-only image can show a snapshot in place of its disk",
+                inner.path.display()
+            )));
+        }
+        let _guard = inner.locks.lock(0, u64::MAX, true).await;
+        let mut m = inner.meta.lock().await;
+        inner.ensure_open(&m)?;
+        let snaps = inner.read_snapshot_table(&m).await?;
+        let i = match (id, name) {
+            (Some(i), Some(n)) if i == n => find(&snaps, i),
+            (Some(i), Some(n)) => snaps
+                .iter()
+                .position(|s| s.id == i.as_bytes() && s.name == n.as_bytes()),
+            (Some(i), None) => snaps.iter().position(|s| s.id == i.as_bytes()),
+            (None, Some(n)) => snaps.iter().position(|s| s.name == n.as_bytes()),
+            (None, None) => None,
+        };
+        let i = i.ok_or_else(|| Error::SnapshotNotFound {
+            path: inner.path.clone(),
+            name: id.or(name).unwrap_or_default().to_string(),
+        })?;
+        let sn = snaps[i].clone();
+        let sn_l1 = inner.read_snapshot_l1(&sn).await?;
+        inner.check_tree(&sn_l1).await?;
+        // As QEMU's `bdrv_snapshot_load_tmp`: the snapshot's table, the disk's current size
+        // (past the snapshot's own size the disk reads as unallocated).
+        let needed = inner
+            .geo
+            .l1_size_for(inner.size())
+            .map_err(|e| Error::corrupt(&inner.path, e.to_string()))?;
+        let mut view: Vec<L1Entry> = sn_l1;
+        view.truncate(needed as usize);
+        if (view.len() as u64) < needed {
+            view.resize(needed as usize, L1Entry::UNALLOCATED);
+        }
+        // L2 slices are cached by their place in the file, which the snapshot's tree shares
+        // or does not use: the cache stays valid. Requests planned on the old table see the
+        // new epoch and plan again.
+        m.l1 = view;
+        m.l1_epoch += 1;
+        Ok(())
+    }
+
     /// Deletes snapshot `name_or_id` (an ID, else the first snapshot with that name): its
     /// entry leaves the table and every cluster only it used is freed.
     pub async fn delete_snapshot(&self, name_or_id: &str) -> Result<()> {

@@ -483,7 +483,9 @@ impl Loop<'_> {
         } else {
             self.flushes += 1;
             if !self.plan.no_flush {
-                match self.flush(q, BACKGROUND_FLUSH) {
+                // Several may be in flight: each its own token (a queue refuses a
+                // `user_data` already in flight).
+                match self.flush(q, BACKGROUND_FLUSH | (self.flushes & SLOT_MASK)) {
                     Ok(()) => self.background += 1,
                     Err(e) => self.fail(e),
                 }

@@ -104,6 +104,13 @@ pub struct ConvertArgs {
     /// With --bitmaps: leave inconsistent bitmaps out (with a warning) instead of failing.
     #[arg(long = "skip-broken-bitmaps")]
     skip_broken_bitmaps: bool,
+    /// With `-n`: the output already reads as zeros, so zeros are not written to it.
+    #[arg(long = "target-is-zero")]
+    target_is_zero: bool,
+    /// Convert this internal snapshot of the source instead of its disk: `NAME_OR_ID`, or
+    /// `snapshot.id=ID[,snapshot.name=NAME]`.
+    #[arg(short = 'l')]
+    snapshot: Option<String>,
     /// One or more sources (their guest contents are concatenated), then the destination.
     #[arg(allow_hyphen_values = false)]
     files: Vec<String>,
@@ -139,8 +146,17 @@ fn execute(settings: Settings) -> Result<()> {
             dst_file,
             settings.src_cache,
             settings.force_share,
+            settings.snapshot.as_ref(),
         )
         .await?;
+        if settings.target_is_zero && has_backing {
+            // qemu-img's words, and its exit status 0.
+            eprintln!(
+                "{}: Cannot use --target-is-zero when the destination image has a backing file",
+                crate::status::program()
+            );
+            return Ok(());
+        }
         let bitmaps = match &source.0.first() {
             Some((_, _, SourceImage::Qcow2(img))) if settings.bitmaps => img.bitmaps(),
             _ => Vec::new(),
@@ -176,7 +192,7 @@ fn execute(settings: Settings) -> Result<()> {
             zero_unit,
             compress_cluster,
             // A backing file may hold data where the source reads zeros: write them.
-            zero_target: no_create || has_backing,
+            zero_target: (no_create || has_backing) && !settings.target_is_zero,
             // (-C sets no -S: zero ranges stay out, data ranges are copied whole.)
             all_data: sparse == 0 && !settings.copy_range,
             copy_range: settings.copy_range,

@@ -48,6 +48,33 @@ pub(super) struct Settings {
     /// `--bitmaps`, `--skip-broken-bitmaps`.
     pub(super) bitmaps: bool,
     pub(super) skip_broken_bitmaps: bool,
+    /// `--target-is-zero` (with `-n`).
+    pub(super) target_is_zero: bool,
+    /// `-l`: the snapshot to convert, as `(id, name)` (the same string when either may
+    /// match).
+    pub(super) snapshot: Option<(Option<String>, Option<String>)>,
+}
+
+/// `-l`'s value: `NAME_OR_ID`, or `snapshot.id=ID` and/or `snapshot.name=NAME`.
+fn snapshot_param(v: &str) -> Result<(Option<String>, Option<String>)> {
+    if !v.starts_with("snapshot.") {
+        return Ok((Some(v.to_string()), Some(v.to_string())));
+    }
+    let (mut id, mut name) = (None, None);
+    for pair in split_opts(v) {
+        match pair.split_once('=') {
+            Some(("snapshot.id", i)) => id = Some(i.to_string()),
+            Some(("snapshot.name", n)) => name = Some(n.to_string()),
+            _ => {
+                let key = pair.split('=').next().unwrap_or_default();
+                bail!(
+                    "Invalid parameter '{key}'\n{}: Failed in parsing snapshot param '{v}'",
+                    crate::status::program()
+                );
+            }
+        }
+    }
+    Ok((id, name))
 }
 
 /// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
@@ -61,6 +88,10 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         print!("{}", create_opts::help_text(&out_name));
         return Ok(None);
     }
+    if args.target_is_zero && !args.no_create {
+        bail!("--target-is-zero requires use of -n flag");
+    }
+    let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
     if args.skip_broken_bitmaps && !args.bitmaps {
         bail!("Use of --skip-broken-bitmaps requires --bitmaps");
     }
@@ -120,6 +151,9 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if let Some(f) = &args.backing_fmt {
         create_options.backing_fmt = Some(f.clone());
     }
+    if snapshot.is_some() && src_files.len() > 1 {
+        bail!("No support for concatenating multiple snapshot");
+    }
     if args.bitmaps && src_files.len() > 1 {
         bail!("Copying bitmaps only possible with single source");
     }
@@ -167,5 +201,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         force_share: args.force_share,
         bitmaps: args.bitmaps,
         skip_broken_bitmaps: args.skip_broken_bitmaps,
+        target_is_zero: args.target_is_zero,
+        snapshot,
     }))
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use std::path::Path;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use qimg::chain::ImageFormat;
 use qimg::io::{AnyStorage, Backend, Storage};
 use qimg::{Image, OpenOptions};
@@ -12,7 +12,7 @@ use qimg::{Image, OpenOptions};
 use super::plan::SourceChain;
 use super::refuse_overwriting_source;
 use crate::cache_mode::CacheMode;
-use crate::chain::open_chain;
+use crate::chain::{Layer, open_chain};
 use crate::status::lib_msg;
 
 /// One source image, read through its whole chain.
@@ -54,6 +54,39 @@ impl Source {
     }
 }
 
+/// `-l`: the top image shows the snapshot, for its block status too (whose shortcut over
+/// empty L1 entries, read from the file's active table, no longer applies).
+async fn view_snapshot(
+    layers: &mut [Layer],
+    (id, name): &(Option<String>, Option<String>),
+) -> Result<()> {
+    match layers.first_mut() {
+        Some(Layer::Qcow2 {
+            img, l2_presence, ..
+        }) => {
+            load_snapshot(img, id, name).await?;
+            *l2_presence = None;
+            Ok(())
+        }
+        _ => bail!("Failed to load snapshot: raw images have no snapshots"),
+    }
+}
+
+/// Shows snapshot `id`/`name` in place of `img`'s disk, in qemu-img's words when there is none.
+async fn load_snapshot(
+    img: &Image<AnyStorage>,
+    id: &Option<String>,
+    name: &Option<String>,
+) -> Result<()> {
+    match img.view_snapshot(id.as_deref(), name.as_deref()).await {
+        Ok(()) => Ok(()),
+        Err(qimg::Error::SnapshotNotFound { .. }) => {
+            bail!("Failed to load snapshot: Can't find snapshot")
+        }
+        Err(e) => bail!("Failed to load snapshot: {e}"),
+    }
+}
+
 /// Opens every source (`(file, format)`), for its block status and for reading, refusing one
 /// whose chain holds the output `dst_path`; returns the chains, the reader over all of them
 /// and their total size.
@@ -63,14 +96,18 @@ pub(super) async fn open_sources(
     dst_file: &str,
     src_cache: CacheMode,
     force_share: bool,
+    snapshot: Option<&(Option<String>, Option<String>)>,
 ) -> Result<(Vec<SourceChain>, Source, u64)> {
     let mut srcs = Vec::new();
     let mut readers = Vec::new();
     let mut size = 0u64;
     for (file, fmt) in sources {
         let path = Path::new(file);
-        let layers = open_chain(path, file, *fmt, force_share).await?;
+        let mut layers = open_chain(path, file, *fmt, force_share).await?;
         refuse_overwriting_source(&layers, dst_path, dst_file)?;
+        if let Some(sn) = snapshot {
+            view_snapshot(&mut layers, sn).await?;
+        }
         let src_size = layers[0].size();
         let reader = match fmt {
             ImageFormat::Qcow2 => {
@@ -78,11 +115,14 @@ pub(super) async fn open_sources(
                     .direct(src_cache.direct)
                     .clean_timer(false)
                     .force_share(force_share);
-                SourceImage::Qcow2(
-                    o.open(path)
-                        .await
-                        .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?,
-                )
+                let img = o
+                    .open(path)
+                    .await
+                    .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
+                if let Some((id, name)) = snapshot {
+                    load_snapshot(&img, id, name).await?;
+                }
+                SourceImage::Qcow2(img)
             }
             ImageFormat::Raw => SourceImage::Raw(Arc::new(
                 AnyStorage::open(path, false, Backend::Threads, src_cache.direct)

@@ -62,6 +62,14 @@ const FREE: (bool, bool) = (false, false);
 /// Every command, in the order `help` lists them.
 const COMMANDS: &[Cmd] = &[
     cmd(
+        "abort",
+        None,
+        NONE,
+        FREE,
+        "",
+        "simulate a program crash using abort(3)",
+    ),
+    cmd(
         "aio_flush",
         None,
         NONE,
@@ -144,6 +152,22 @@ const COMMANDS: &[Cmd] = &[
         "open an image",
     ),
     cmd("quit", Some("q"), (0, None), FREE, "", "stop"),
+    cmd(
+        "reopen",
+        None,
+        (0, None),
+        READS,
+        "[(-r|-w)] [-c cache] [-o options]",
+        "reopens an image with new options",
+    ),
+    cmd(
+        "sigraise",
+        None,
+        (1, Some(1)),
+        FREE,
+        "signal",
+        "raises a signal (the process dies as a crash would leave the image)",
+    ),
     cmd(
         "read",
         Some("r"),
@@ -257,6 +281,9 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "quit" => return (ControlFlow::Break(()), Ok(())),
         "help" => help(args),
         "open" => open(s, args).await,
+        "reopen" => reopen(s, args).await,
+        "abort" => std::process::abort(),
+        "sigraise" => sigraise(args),
         "close" => s.close().await,
         "read" => read(s, args).await,
         "readv" => readv(s, "readv", args, false).await,
@@ -796,12 +823,33 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     if o.operands.len() > 1 {
         return usage("open");
     }
-    for unsupported in ['s', 'C', 'd', 'o'] {
+    for unsupported in ['C', 'd'] {
         if o.has(unsupported) {
             complain!("qemu-io: qimg io: open -{unsupported} is not supported");
             return Err(Failed);
         }
     }
+    // `-o` runtime options: the driver and file name they may name, the rest as
+    // `--image-opts` takes them.
+    let pairs: Vec<(String, String)> = o
+        .opts
+        .iter()
+        .filter(|(c, _)| *c == 'o')
+        .filter_map(|(_, a)| a.as_deref())
+        .flat_map(crate::args::split_opts)
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) => (k.to_string(), v.to_string()),
+            None => (p, String::new()),
+        })
+        .collect();
+    let (named, driver, read_only) = match crate::image_spec::open_options(&pairs) {
+        Ok(r) => r,
+        Err(e) => {
+            let device = o.operands.first().map(String::as_str).unwrap_or("");
+            complain!("qemu-io: can't open device {device}: {e}");
+            return Err(Failed);
+        }
+    };
     let mut cache = default_cache();
     let mut backend = qimg::io::Backend::Threads;
     for (opt, arg) in &o.opts {
@@ -821,16 +869,89 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         complain!("qemu-io: file open already, try 'help close'");
         return Err(Failed);
     }
-    let Some(file) = o.operands.first() else {
+    let Some(file) = o.operands.first().or(named.as_ref()) else {
         complain!("qemu-io: qimg io: open needs a file name");
         return Err(Failed);
     };
     let spec = OpenSpec {
-        fmt: None,
-        read_only: o.has('r'),
+        fmt: driver,
+        read_only: o.has('r') || read_only,
         force_share: o.has('U'),
         cache,
         backend,
+        snapshot: o.has('s'),
     };
     s.open(file, &spec).await
+}
+
+/// `reopen [-r|-w] [-c cache] [-o options]`: the open image again, read-only or writable, with
+/// another cache mode (closed first: everything written stays).
+async fn reopen(s: &mut Session, args: &[String]) -> Outcome {
+    let o = options("reopen", args, "c:o:rw")?;
+    if !o.operands.is_empty() {
+        return usage("reopen");
+    }
+    if o.has('r') && o.has('w') {
+        complain!("qemu-io: Only one -r/-w option may be given");
+        return Err(Failed);
+    }
+    let Some((file, mut spec)) = s.opened.clone() else {
+        complain!("no file open, try 'help open'");
+        return Err(Failed);
+    };
+    if let Some(c) = o.arg('c') {
+        match cache_mode(c) {
+            Ok(c) => spec.cache = c,
+            Err(line) => {
+                complain!("{line}");
+                return Err(Failed);
+            }
+        }
+    }
+    let pairs: Vec<String> = o
+        .opts
+        .iter()
+        .filter(|(c, _)| *c == 'o')
+        .filter_map(|(_, a)| a.clone())
+        .flat_map(|a| crate::args::split_opts(&a))
+        .collect();
+    for p in &pairs {
+        match p.split_once('=') {
+            Some(("read-only", v)) => spec.read_only = v == "on",
+            _ if crate::image_spec::ignored(p.split('=').next().unwrap_or_default()) => {}
+            _ => {
+                let key = p.split('=').next().unwrap_or_default();
+                complain!("qemu-io: Cannot change the option '{key}'");
+                return Err(Failed);
+            }
+        }
+    }
+    if o.has('r') {
+        spec.read_only = true;
+    }
+    if o.has('w') {
+        spec.read_only = false;
+    }
+    s.close().await?;
+    s.open(&file, &spec).await
+}
+
+/// `sigraise SIGNAL`: the process raises the signal; one whose default action ends the
+/// process ends it there, leaving the image as a crash would (what was written in
+/// write-through mode is on disk, the image is not closed).
+fn sigraise(args: &[String]) -> Outcome {
+    let Ok(n) = args[0].parse::<i32>() else {
+        complain!("Invalid signal '{}'", args[0]);
+        return Err(Failed);
+    };
+    let Ok(signal) = nix::sys::signal::Signal::try_from(n) else {
+        complain!("Invalid signal '{}'", args[0]);
+        return Err(Failed);
+    };
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    if let Err(e) = nix::sys::signal::raise(signal) {
+        complain!("sigraise: {e}");
+        return Err(Failed);
+    }
+    Ok(())
 }

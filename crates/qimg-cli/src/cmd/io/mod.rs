@@ -70,6 +70,21 @@ pub struct IoArgs {
     /// No host cache: `-t none`.
     #[arg(short = 'n', long = "nocache")]
     nocache: bool,
+    /// Writes go to a temporary overlay; the image itself is only read.
+    #[arg(short = 's', long = "snapshot")]
+    snapshot: bool,
+    /// Linux native AIO: qimg's io_uring (`-i native`).
+    #[arg(short = 'k', long = "native-aio")]
+    native_aio: bool,
+    /// Misalign allocations for O_DIRECT (accepted; qimg's buffers are its own).
+    #[arg(short = 'm', long = "misalign")]
+    misalign: bool,
+    /// Discard mode, `ignore`/`off` or `unmap`/`on` (accepted: qimg passes discards down).
+    #[arg(short = 'd', long = "discard")]
+    discard: Option<String>,
+    /// Tracing options (accepted and ignored: qimg has no QEMU trace events).
+    #[arg(short = 'T', long = "trace")]
+    trace: Option<String>,
     /// A command to run (repeatable); without any, commands are read from standard input.
     #[arg(short = 'c', long = "cmd", allow_hyphen_values = true)]
     cmds: Vec<String>,
@@ -147,13 +162,21 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
     }
     let backend = match &args.aio {
         Some(a) => aio_mode(a)?,
+        None if args.native_aio => aio_mode("native")?,
         None => Backend::Threads,
     };
+    if let Some(d) = args.discard.as_deref() {
+        if !matches!(d, "ignore" | "off" | "unmap" | "on") {
+            return Err(format!("qemu-io: Invalid discard option: {d}"));
+        }
+    }
+    let _ = (args.misalign, &args.trace);
     Ok(OpenSpec {
         fmt: args.fmt.clone(),
         read_only: args.read_only,
         force_share: args.force_share,
         cache,
         backend,
+        snapshot: args.snapshot,
     })
 }

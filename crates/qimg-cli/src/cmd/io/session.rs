@@ -60,6 +60,8 @@ pub struct OpenSpec {
     pub cache: CacheMode,
     /// `-i`.
     pub backend: Backend,
+    /// `-s`: writes go to a temporary overlay, the image itself is only read.
+    pub snapshot: bool,
 }
 
 /// qemu-io's default cache mode, `writethrough`.
@@ -209,6 +211,8 @@ pub struct Session {
     pub version: u32,
     /// Whether any command failed.
     pub failed: bool,
+    /// The name and options of the last open that succeeded (for `reopen`).
+    pub opened: Option<(String, OpenSpec)>,
 }
 
 impl Session {
@@ -221,6 +225,7 @@ impl Session {
             read_only: false,
             version: 3,
             failed: false,
+            opened: None,
         }
     }
 
@@ -237,6 +242,7 @@ impl Session {
         if spec.force_share && !spec.read_only {
             return fail("force-share=on can only be used with read-only images".into());
         }
+        self.opened = Some((file.to_string(), spec.clone()));
         let path = Path::new(file);
         let fmt = match &spec.fmt {
             Some(name) => match image_format(name) {
@@ -248,6 +254,12 @@ impl Session {
                 Err(e) => return fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
             },
         };
+        if spec.snapshot {
+            return match self.open_snapshot(path, fmt, spec).await {
+                Ok(()) => Ok(()),
+                Err(e) => fail(e),
+            };
+        }
         if fmt == ImageFormat::Raw {
             if spec.fmt.is_none() {
                 complain!(
@@ -278,6 +290,56 @@ impl Session {
             }
             Err(e) => fail(open_error(&e, file)),
         }
+    }
+
+    /// `-s` (QEMU's `snapshot=on`): a temporary qcow2 overlay over the image (opened
+    /// read-only as its backing file) takes the writes; its file is removed at once, so
+    /// nothing is left behind however the run ends.
+    async fn open_snapshot(
+        &mut self,
+        path: &Path,
+        fmt: ImageFormat,
+        spec: &OpenSpec,
+    ) -> Result<(), String> {
+        let backing = std::fs::canonicalize(path).map_err(|e| os_msg(&e))?;
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let overlay =
+            std::env::temp_dir().join(format!("qimg-io-{}-{n}.qcow2", std::process::id()));
+        let opts = qimg::tools::create::CreateOptions {
+            backing_file: Some(backing.display().to_string()),
+            backing_fmt: Some(
+                if fmt == ImageFormat::Raw {
+                    "raw"
+                } else {
+                    "qcow2"
+                }
+                .into(),
+            ),
+            ..Default::default()
+        };
+        let made = qimg::tools::create::create(&overlay, &opts, &mut |_, _| {});
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(&overlay);
+            return Err(format!(
+                "Could not create temporary overlay: {}",
+                lib_msg(&e, "")
+            ));
+        }
+        let opened = OpenOptions::new()
+            .writable(true)
+            .direct(spec.cache.direct)
+            .backend(spec.backend)
+            .clean_timer(false)
+            .open(&overlay)
+            .await;
+        let _ = std::fs::remove_file(&overlay);
+        let img = opened.map_err(|e| open_error(&e, &path.display().to_string()))?;
+        self.version = 3;
+        self.img = Some(img);
+        self.cache = spec.cache;
+        self.read_only = false;
+        Ok(())
     }
 
     /// Opens a raw image with the locks QEMU takes on it.
