@@ -515,3 +515,70 @@ fn qemu_io_open_options_reopen_snapshot_mode_and_crashes_as_qemu_io() {
         assert_clean(&s.path("qimg"), "a.qcow2", &format!("{args:?}"));
     }
 }
+
+#[test]
+fn copy_on_read_copies_what_qemu_io_copies() {
+    if !have_qemu("copy_on_read_copies_what_qemu_io_copies") {
+        return;
+    }
+    let s = Scratch::new("dropin-cor");
+    let ours = Ours::new(&s);
+    ok(
+        "b",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "b.qcow2", "4M"]),
+    );
+    qemu_io(
+        &s.0,
+        "qcow2",
+        "b.qcow2",
+        &["write -P 1 0 1M", "write -z 2M 64k"],
+    );
+    for (opts, file) in [
+        ("extended_l2=on", "x.qcow2"),
+        ("cluster_size=4k", "s.qcow2"),
+        ("extended_l2=off", "n.qcow2"),
+    ] {
+        let backing: &[&str] = if file == "n.qcow2" {
+            &[]
+        } else {
+            &["-b", "b.qcow2", "-F", "qcow2"]
+        };
+        let mut args = vec!["create", "-q", "-f", "qcow2", "-o", opts];
+        args.extend_from_slice(backing);
+        args.extend_from_slice(&[file, "4M"]);
+        ok(file, &qemu_img(&s.0, &args));
+        for run in [
+            &[
+                "-C",
+                "-c",
+                "read 1000 100",
+                "-c",
+                "read 1M 4k",
+                "-c",
+                "readv 2000k 4k 4k",
+                "-c",
+                "map",
+                file,
+            ][..],
+            &[
+                "-c",
+                format!("open -C {file}").as_str(),
+                "-c",
+                "read 63k 2k",
+                "-c",
+                "map",
+            ],
+        ] {
+            let (want, got) = both(&s, &ours, "qemu-io", &["b.qcow2", file], run);
+            assert_eq!(want, got, "qemu-io {run:?}");
+            let map = |who: &str| {
+                ok(
+                    who,
+                    &qemu_img(&s.path(who), &["map", "--output=json", file]),
+                )
+            };
+            assert_eq!(map("qemu"), map("qimg"), "{run:?}: maps differ");
+            assert_clean(&s.path("qimg"), file, &format!("{run:?}"));
+        }
+    }
+}

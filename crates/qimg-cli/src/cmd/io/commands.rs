@@ -148,26 +148,10 @@ const COMMANDS: &[Cmd] = &[
         Some("o"),
         (1, None),
         FREE,
-        "[-rnU] [-t cache] [-i aio] [path]",
+        "[-rsCnkU] [-t cache] [-i aio] [-o options] [path]",
         "open an image",
     ),
     cmd("quit", Some("q"), (0, None), FREE, "", "stop"),
-    cmd(
-        "reopen",
-        None,
-        (0, None),
-        READS,
-        "[(-r|-w)] [-c cache] [-o options]",
-        "reopens an image with new options",
-    ),
-    cmd(
-        "sigraise",
-        None,
-        (1, Some(1)),
-        FREE,
-        "signal",
-        "raises a signal (the process dies as a crash would leave the image)",
-    ),
     cmd(
         "read",
         Some("r"),
@@ -183,6 +167,22 @@ const COMMANDS: &[Cmd] = &[
         READS,
         "[-Cqv] [-P pattern] off len [len..]",
         "read into several buffers",
+    ),
+    cmd(
+        "reopen",
+        None,
+        (0, None),
+        READS,
+        "[(-r|-w)] [-c cache] [-o options]",
+        "reopens an image with new options",
+    ),
+    cmd(
+        "sigraise",
+        None,
+        (1, Some(1)),
+        FREE,
+        "signal",
+        "raises a signal (the process dies as a crash would leave the image)",
     ),
     cmd(
         "sleep",
@@ -823,7 +823,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     if o.operands.len() > 1 {
         return usage("open");
     }
-    for unsupported in ['C', 'd'] {
+    for unsupported in ['d'] {
         if o.has(unsupported) {
             complain!("qemu-io: qimg io: open -{unsupported} is not supported");
             return Err(Failed);
@@ -880,6 +880,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         cache,
         backend,
         snapshot: o.has('s'),
+        copy_on_read: o.has('C'),
     };
     s.open(file, &spec).await
 }

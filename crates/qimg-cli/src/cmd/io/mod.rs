@@ -73,6 +73,9 @@ pub struct IoArgs {
     /// Writes go to a temporary overlay; the image itself is only read.
     #[arg(short = 's', long = "snapshot")]
     snapshot: bool,
+    /// Copy-on-read: what reads find in the backing chain is written into the image.
+    #[arg(short = 'C', long = "copy-on-read")]
+    copy_on_read: bool,
     /// Linux native AIO: qimg's io_uring (`-i native`).
     #[arg(short = 'k', long = "native-aio")]
     native_aio: bool,
@@ -178,5 +181,6 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
         cache,
         backend,
         snapshot: args.snapshot,
+        copy_on_read: args.copy_on_read,
     })
 }

@@ -62,6 +62,8 @@ pub struct OpenSpec {
     pub backend: Backend,
     /// `-s`: writes go to a temporary overlay, the image itself is only read.
     pub snapshot: bool,
+    /// `-C`: what reads find below the image is copied into it.
+    pub copy_on_read: bool,
 }
 
 /// qemu-io's default cache mode, `writethrough`.
@@ -213,6 +215,8 @@ pub struct Session {
     pub failed: bool,
     /// The name and options of the last open that succeeded (for `reopen`).
     pub opened: Option<(String, OpenSpec)>,
+    /// Copy-on-read (`-C`).
+    pub copy_on_read: bool,
 }
 
 impl Session {
@@ -226,6 +230,7 @@ impl Session {
             version: 3,
             failed: false,
             opened: None,
+            copy_on_read: false,
         }
     }
 
@@ -243,6 +248,7 @@ impl Session {
             return fail("force-share=on can only be used with read-only images".into());
         }
         self.opened = Some((file.to_string(), spec.clone()));
+        self.copy_on_read = spec.copy_on_read;
         let path = Path::new(file);
         let fmt = match &spec.fmt {
             Some(name) => match image_format(name) {
@@ -434,7 +440,47 @@ impl Session {
                 .await
                 .map_err(storage_errno);
         }
-        self.image().read(buf, offset).await.map_err(|e| e.errno())
+        self.image()
+            .read(buf, offset)
+            .await
+            .map_err(|e| e.errno())?;
+        self.copy_on_read(offset, buf.len() as u64).await
+    }
+
+    /// `-C`: what the image does not hold itself in the (sub)clusters a read touched is
+    /// written into it, as QEMU's copy-on-read does (zeros as zero (sub)clusters). A raw
+    /// image, or one opened without `-C`, is left alone.
+    async fn copy_on_read(&self, offset: u64, len: u64) -> Result<(), i32> {
+        let Some(img) = self.img.as_ref().filter(|_| self.copy_on_read) else {
+            return Ok(());
+        };
+        let unit = img.subcluster_size();
+        let lo = offset / unit * unit;
+        let hi = (offset + len)
+            .div_ceil(unit)
+            .saturating_mul(unit)
+            .min(img.size());
+        let extents = img.map(lo, hi - lo).await.map_err(|e| e.errno())?;
+        for e in extents {
+            if !matches!(e.kind, ExtentKind::Unallocated { .. }) {
+                continue;
+            }
+            let mut at = e.start;
+            let end = e.start + e.length;
+            while at < end {
+                let n = (end - at).min(1 << 20);
+                let mut buf = vec![0u8; n as usize];
+                img.read(&mut buf, at).await.map_err(|e| e.errno())?;
+                let done = if buf.iter().all(|&b| b == 0) {
+                    img.write_zeroes(at, n).await
+                } else {
+                    img.write(&buf, at).await
+                };
+                done.map_err(|e| e.errno())?;
+                at += n;
+            }
+        }
+        Ok(())
     }
 
     /// Reads into several buffers from `offset`.
@@ -462,7 +508,8 @@ impl Session {
         self.image()
             .read_vectored(&mut slices, offset)
             .await
-            .map_err(|e| e.errno())
+            .map_err(|e| e.errno())?;
+        self.copy_on_read(offset, total).await
     }
 
     /// Writes `buf` at `offset` (`fua`: flush afterwards).
