@@ -582,3 +582,87 @@ fn copy_on_read_copies_what_qemu_io_copies() {
         }
     }
 }
+
+#[test]
+fn image_names_as_qemu_takes_them() {
+    if !have_qemu("image_names_as_qemu_takes_them") {
+        return;
+    }
+    let s = Scratch::new("dropin-names");
+    let ours = Ours::new(&s);
+    ok(
+        "b",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "b.qcow2", "4M"]),
+    );
+    qemu_io(&s.0, "qcow2", "b.qcow2", &["write -P 1 0 1M"]);
+    ok(
+        "t",
+        &qemu_img(
+            &s.0,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "-b",
+                "b.qcow2",
+                "-F",
+                "qcow2",
+                "t.qcow2",
+            ],
+        ),
+    );
+    qemu_io(&s.0, "qcow2", "t.qcow2", &["write -P 2 64k 4k"]);
+    let no_backing =
+        r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"t.qcow2"},"backing":null}"#;
+    let probed = r#"json:{"file.driver":"file","file.filename":"t.qcow2"}"#;
+    let as_raw = r#"json:{"driver":"raw","file":{"driver":"file","filename":"t.qcow2"}}"#;
+    let cases: &[&[&str]] = &[
+        &[
+            "-c",
+            "write -P 5 100k 1k",
+            "-c",
+            "read -P 0 0 4k",
+            "-c",
+            "read -P 2 64k 4k",
+            "-c",
+            "map",
+            no_backing,
+        ],
+        &["-c", "read -P 1 0 4k", "-c", "map", probed],
+        &["-c", "read -P 1 0 4k", "file:t.qcow2"],
+        &["-c", "read -v 0 16", as_raw],
+        &[
+            "--image-opts",
+            "-c",
+            "read -P 0 0 4k",
+            "driver=qcow2,file.filename=t.qcow2,backing=",
+        ],
+    ];
+    for args in cases {
+        let (want, got) = both(&s, &ours, "qemu-io", &["b.qcow2", "t.qcow2"], args);
+        assert_eq!(want, got, "qemu-io {args:?}");
+        let o = qemu_img(&s.0, &["compare", "qemu/t.qcow2", "qimg/t.qcow2"]);
+        assert!(o.status.success(), "qemu-io {args:?}: images differ: {o:?}");
+    }
+    for args in [
+        &["map", "--output=json", no_backing][..],
+        &["info", probed],
+        &["compare", no_backing, "b.qcow2"],
+        &["convert", "-O", "raw", no_backing, "out.raw"],
+    ] {
+        let (want, got) = both(&s, &ours, "qemu-img", &["b.qcow2", "t.qcow2"], args);
+        let strip = |t: &(String, String, String)| {
+            let out: Vec<&str> = t.0.lines().filter(|l| !l.contains("disk size")).collect();
+            (out.join("\n"), t.1.clone(), t.2.clone())
+        };
+        assert_eq!(strip(&want), strip(&got), "qemu-img {args:?}");
+    }
+    assert_eq!(
+        std::fs::read(s.path("qemu/out.raw")).unwrap(),
+        std::fs::read(s.path("qimg/out.raw")).unwrap(),
+        "convert of an image without its backing file"
+    );
+}

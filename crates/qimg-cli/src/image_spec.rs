@@ -6,9 +6,59 @@
 //! overlap checks, locking) are accepted and left to qimg's own defaults. Anything else
 //! (backing or data-file nodes, other protocols) is refused, naming the key.
 
+use std::path::Path;
+use std::sync::Mutex;
+
+use qimg::OpenOptions;
 use serde_json::Value;
 
 use crate::args::split_opts;
+
+/// What an option string or `json:` name says beyond its file name, recorded by [`rewrite`]
+/// for the name it became and applied where the command opens that image
+/// ([`options_for`], [`format_for`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Overrides {
+    /// `driver`: the image's format (else probed).
+    format: Option<String>,
+    /// `backing: null`: the image is opened without its backing file.
+    no_backing: bool,
+    /// `data-file`: the external data file, instead of the one the image names.
+    data_file: Option<String>,
+}
+
+static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
+
+/// A JSON `null` among the flattened options (no option string can hold a NUL).
+const NULL: &str = "\0null";
+
+fn overrides(name: &str) -> Option<Overrides> {
+    let all = OVERRIDES.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter()
+        .rev()
+        .find(|(n, _)| n == name)
+        .map(|(_, o)| o.clone())
+}
+
+/// The open options for the image the user named `path`: qimg's defaults, with what an
+/// option string or `json:` name said about it (no backing file, another data file).
+pub fn options_for(path: &Path) -> OpenOptions {
+    let mut o = OpenOptions::new();
+    if let Some(ov) = path.to_str().and_then(overrides) {
+        if ov.no_backing {
+            o = o.without_backing();
+        }
+        if let Some(d) = ov.data_file {
+            o = o.data_file(d);
+        }
+    }
+    o
+}
+
+/// The format an option string or `json:` name gave the image the user named `name`.
+pub fn format_for(name: &str) -> Option<String> {
+    overrides(name).and_then(|o| o.format)
+}
 
 /// Runtime options that do not change what a command prints or writes.
 const IGNORED: &[&str] = &[
@@ -50,6 +100,11 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
     args.retain(|a| a != "--image-opts");
     for a in args.iter_mut().skip(1) {
         let Some(s) = a.to_str() else { continue };
+        if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
+            // The file protocol named explicitly: the rest is the file name.
+            *a = name.to_string().into();
+            continue;
+        }
         let pairs = if let Some(json) = s.strip_prefix("json:") {
             let v: Value = serde_json::from_str(json).map_err(|e| {
                 format!("Could not open '{s}': Could not parse the JSON options: {e}")
@@ -68,7 +123,11 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
         } else {
             continue;
         };
-        let name = file_name(&pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+        let (name, ov) = file_name(&pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+        OVERRIDES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((name.clone(), ov));
         *a = name.into();
     }
     Ok(())
@@ -136,6 +195,8 @@ fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(
             Value::String(s) => out.push((key, s.clone())),
             Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
             Value::Number(n) => out.push((key, n.to_string())),
+            // `"backing": null`: no backing file.
+            Value::Null => out.push((key, NULL.to_string())),
             _ => return Err(format!("option '{key}': arrays and null are not taken")),
         }
     }
@@ -143,35 +204,59 @@ fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(
 }
 
 /// The file name an option set names, for the qcow2 or raw driver on a file (or the file
-/// driver alone).
-fn file_name(pairs: &[(String, String)]) -> Result<String, String> {
+/// driver alone, or no driver: the format is probed), and what else it says about the image.
+fn file_name(pairs: &[(String, String)]) -> Result<(String, Overrides), String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
     let driver = get("driver").map(String::as_str).unwrap_or("");
+    let mut ov = Overrides::default();
     let name = match driver {
-        "qcow2" | "raw" => {
+        "qcow2" | "raw" | "" => {
             match get("file.driver").map(String::as_str) {
                 None | Some("file") => {}
                 Some(other) => return Err(format!("the protocol '{other}' is not supported")),
             }
+            if !driver.is_empty() {
+                ov.format = Some(driver.to_string());
+            }
             get("file.filename").or_else(|| get("file"))
         }
         "file" => get("filename"),
-        "" => return Err("Parameter 'driver' is required".into()),
         other => return Err(format!("Unknown driver '{other}'")),
     };
-    for (k, _) in pairs {
+    for (k, v) in pairs {
         let known = matches!(
             k.as_str(),
             "driver" | "file" | "file.driver" | "file.filename" | "filename"
         );
-        if !known && !IGNORED.contains(&k.as_str()) {
-            return Err(format!(
-                "Block format '{driver}' does not support the option '{k}'"
-            ));
+        match k.as_str() {
+            _ if known || IGNORED.contains(&k.as_str()) => {}
+            "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,
+            "backing" if v.is_empty() && driver == "qcow2" => {
+                eprintln!(
+                    "{}: warning: Use of \"backing\": \"\" is deprecated; use \"backing\": null \
+                     instead",
+                    crate::status::program()
+                );
+                ov.no_backing = true;
+            }
+            "data-file" if driver == "qcow2" => ov.data_file = Some(v.clone()),
+            "data-file.filename" if driver == "qcow2" => ov.data_file = Some(v.clone()),
+            "data-file.driver" if driver == "qcow2" && v == "file" => {}
+            _ => {
+                let d = if driver.is_empty() { "qcow2" } else { driver };
+                return Err(format!(
+                    "Block format '{d}' does not support the option '{k}'"
+                ));
+            }
         }
     }
-    name.cloned()
-        .ok_or_else(|| "A block device must be specified for \"file\"".into())
+    if driver.is_empty() && name.is_none() {
+        return Err("Parameter 'driver' is required".into());
+    }
+    let name = name
+        .cloned()
+        .ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
+    Ok((name, ov))
 }
 
 #[cfg(test)]

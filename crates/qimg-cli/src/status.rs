@@ -117,7 +117,7 @@ pub async fn open_writable(
     path: &std::path::Path,
     file: &str,
 ) -> anyhow::Result<qimg::Image<qimg::io::AnyStorage>> {
-    qimg::OpenOptions::new()
+    crate::image_spec::options_for(path)
         .writable(true)
         .clean_timer(false)
         .open(path)

@@ -14,7 +14,7 @@ use anyhow::{Result, anyhow};
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::format::validate::OpenMode;
 use qimg::io::AnyStorage;
-use qimg::{Backing, Image, OpenOptions};
+use qimg::{Backing, Image};
 
 pub(crate) use block_status::{Entry, status};
 use host_file::HostFile;
@@ -51,7 +51,8 @@ pub(crate) fn read_raw(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::R
 /// The format of source `file`: the one `-f` names (`named`), or else the probed one; errors
 /// are worded as qemu-img's "Could not open" for a source image.
 pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Result<ImageFormat> {
-    match named {
+    let given = crate::image_spec::format_for(file);
+    match named.or(given.as_deref()) {
         Some(name) => image_format(name)
             .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'")),
         None => probe_format(path)
@@ -112,7 +113,7 @@ pub(crate) async fn open_chain(
     if fmt == ImageFormat::Raw {
         return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
     }
-    let opts = OpenOptions::new()
+    let opts = crate::image_spec::options_for(path)
         .clean_timer(false)
         .force_share(force_share);
     let img = opts

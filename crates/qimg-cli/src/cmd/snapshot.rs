@@ -10,8 +10,8 @@ use std::path::Path;
 
 use anyhow::{Result, anyhow, bail};
 
+use qimg::InternalSnapshot;
 use qimg::chain::ImageFormat;
-use qimg::{InternalSnapshot, OpenOptions};
 
 use crate::chain::source_format;
 use crate::human::{size_to_str, utc_date};
@@ -139,7 +139,7 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let img = OpenOptions::new()
+        let img = crate::image_spec::options_for(path)
             .writable(writable)
             .force_share(args.force_share)
             // Opening for writing needs the chain (qemu-img opens none).

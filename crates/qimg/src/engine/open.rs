@@ -219,7 +219,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             _ => None,
         };
 
-        if opts.writable && backing.is_none() && c0.backing_file.is_some() {
+        if opts.writable && backing.is_none() && c0.backing_file.is_some() && !opts.backing_null {
             // Copy-on-write would fill new clusters with zeros instead of the backing data.
             return Err(Error::InvalidOption(format!(
                 "{}: the image has a backing file that was not opened; it cannot be opened \

@@ -110,6 +110,8 @@ pub struct OpenOptions {
     pub(super) cache: CacheOptions,
     pub(super) allocation: Allocation,
     pub(super) follow_backing: bool,
+    /// [`without_backing`](OpenOptions::without_backing): writable without the chain.
+    pub(super) backing_null: bool,
     pub(super) data_file: Option<PathBuf>,
     pub(super) direct: bool,
     pub(super) backend: Backend,
@@ -139,6 +141,7 @@ impl OpenOptions {
             cache: CacheOptions::default(),
             allocation: Allocation::default(),
             follow_backing: true,
+            backing_null: false,
             data_file: None,
             direct: false,
             backend: Backend::default(),
@@ -180,9 +183,19 @@ impl OpenOptions {
         self
     }
 
+    /// QEMU's `"backing": null`: the image is opened without its backing chain, also for
+    /// writing, as if it had none. Unallocated ranges read as zeros and a partial write into
+    /// one copies zeros around it, so data the backing file holds there is not seen; the
+    /// header still names the backing file.
+    pub fn without_backing(mut self) -> Self {
+        self.follow_backing = false;
+        self.backing_null = true;
+        self
+    }
+
     /// Open the backing chain (the default). Without it unallocated clusters read as zeros,
     /// which is only good for inspection; an image with a backing file then cannot be opened
-    /// for writing.
+    /// for writing (see [`without_backing`](Self::without_backing)).
     pub fn follow_backing(mut self, follow: bool) -> Self {
         self.follow_backing = follow;
         self

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::path::Path;
 
 use anyhow::{Result, anyhow, bail};
+use qimg::Image;
 use qimg::chain::ImageFormat;
 use qimg::io::{AnyStorage, Backend, Storage};
-use qimg::{Image, OpenOptions};
 
 use super::plan::SourceChain;
 use super::refuse_overwriting_source;
@@ -111,7 +111,7 @@ pub(super) async fn open_sources(
         let src_size = layers[0].size();
         let reader = match fmt {
             ImageFormat::Qcow2 => {
-                let o = OpenOptions::new()
+                let o = crate::image_spec::options_for(path)
                     .direct(src_cache.direct)
                     .clean_timer(false)
                     .force_share(force_share);

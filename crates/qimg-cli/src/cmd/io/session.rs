@@ -250,7 +250,8 @@ impl Session {
         self.opened = Some((file.to_string(), spec.clone()));
         self.copy_on_read = spec.copy_on_read;
         let path = Path::new(file);
-        let fmt = match &spec.fmt {
+        let given = crate::image_spec::format_for(file);
+        let fmt = match spec.fmt.as_ref().or(given.as_ref()) {
             Some(name) => match image_format(name) {
                 Some(f) => f,
                 None => return fail(format!("Unknown driver '{name}'")),
@@ -267,7 +268,7 @@ impl Session {
             };
         }
         if fmt == ImageFormat::Raw {
-            if spec.fmt.is_none() {
+            if spec.fmt.is_none() && given.is_none() {
                 complain!(
                     "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
                      Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
@@ -279,7 +280,7 @@ impl Session {
                 Err(e) => fail(storage_open_error(&e, file)),
             };
         }
-        let opts = OpenOptions::new()
+        let opts = crate::image_spec::options_for(path)
             .writable(!spec.read_only)
             .force_share(spec.force_share)
             .direct(spec.cache.direct)
