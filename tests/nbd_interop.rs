@@ -792,3 +792,115 @@ fn sigterm_under_load_leaves_the_image_clean_and_shared_limits_clients() {
     assert!(!acknowledged.is_empty(), "no write was acknowledged");
     qemu_io(dir, "qcow2", "a.qcow2", &acknowledged);
 }
+
+/// Issue 31: qimg's NBD client. Installed as qemu-io and qemu-img, qimg opens
+/// `nbd+unix://` exports of qemu-nbd and of `qimg serve --nbd` as images: qemu-io commands
+/// print what qemu-io prints on the same export, `convert` copies an export to the same
+/// image qemu-img makes, and `compare` reads the export against a file.
+#[test]
+fn the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve() {
+    let name = "the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve";
+    if !have_qemu_tools(name) {
+        return;
+    }
+    let dir = Scratch::new("nbd-client");
+    let bin = dir.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for tool in ["qemu-img", "qemu-io"] {
+        std::os::unix::fs::symlink(qimg_bin(), bin.join(tool)).unwrap();
+    }
+    let mask = |o: &std::process::Output| {
+        let text = |b: &[u8]| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .filter(|l| !l.contains("ops/sec"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        (text(&o.stdout), text(&o.stderr), o.status.code())
+    };
+    for server in ["qemu-nbd", "qimg"] {
+        let image = format!("{server}.qcow2");
+        ok(
+            "create",
+            &qemu_img(
+                &dir.0,
+                &[
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-o",
+                    "extended_l2=on",
+                    &image,
+                    "8M",
+                ],
+            ),
+        );
+        common::qemu_io(
+            &dir.0,
+            "qcow2",
+            &image,
+            &["write -P 0x42 0 1M", "write -z 2M 1M", "write -P 7 5M 4k"],
+        );
+        let sock = dir.path(&format!("{server}.sock"));
+        let srv = match server {
+            "qemu-nbd" => qemu_nbd(&dir.0, &image, &sock, &[]),
+            _ => qimg_serve(&dir.0, &image, &sock, &[]),
+        };
+        let export = uri("", &sock);
+        let io = |prog: &Path, cmds: &[&str]| {
+            let mut args = vec!["-f", "raw"];
+            for c in cmds {
+                args.extend_from_slice(&["-c", c]);
+            }
+            args.push(&export);
+            mask(&run(&dir.0, prog, &args))
+        };
+        // Reads, then writes read back, then the same reads again: each tool's run on the
+        // export as the other left it.
+        let cmds = [
+            "read -P 0x42 0 64k",
+            "read -P 0 2M 4k",
+            "read -P 7 5M 4k",
+            "write -P 9 1M 64k",
+            "read -P 9 1M 64k",
+            "length",
+        ];
+        let want = io(Path::new("qemu-io"), &cmds);
+        let got = io(&bin.join("qemu-io"), &cmds);
+        assert_eq!(got, want, "{server}: qemu-io commands on the export");
+        // convert and compare read the export.
+        for (who, prog) in [
+            ("qemu", PathBuf::from("qemu-img")),
+            ("qimg", bin.join("qemu-img")),
+        ] {
+            let out = format!("{server}-{who}.qcow2");
+            let o = run(
+                &dir.0,
+                &prog,
+                &["convert", "-f", "raw", "-O", "qcow2", &export, &out],
+            );
+            assert!(o.status.success(), "{who} convert from {server}: {o:?}");
+        }
+        let a = format!("{server}-qemu.qcow2");
+        let b = format!("{server}-qimg.qcow2");
+        ok("compare", &qemu_img(&dir.0, &["compare", &a, &b]));
+        let o = run(
+            &dir.0,
+            &bin.join("qemu-img"),
+            &["compare", "-f", "raw", "-F", "qcow2", &export, &a],
+        );
+        assert!(o.status.success(), "{server}: compare of the export: {o:?}");
+        srv.stop();
+        assert_clean(&dir.0, &image, server);
+    }
+    // TLS is refused in words, not attempted.
+    let o = run(
+        &dir.0,
+        &bin.join("qemu-img"),
+        &["info", "nbds://localhost/x"],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("TLS"), "{o:?}");
+}

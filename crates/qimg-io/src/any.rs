@@ -10,6 +10,7 @@ use std::path::Path;
 use crate::bounce::BounceStorage;
 use crate::error::Result;
 use crate::file::{FileOptions, FileStorage};
+use crate::nbd::NbdStorage;
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 use crate::uring::{UringOptions, UringStorage};
@@ -43,6 +44,8 @@ pub enum AnyStorage {
     /// [`UringStorage`] with `O_DIRECT`, any alignment.
     #[cfg(target_os = "linux")]
     UringDirect(BounceStorage<UringStorage>),
+    /// An export of an NBD server ([`NbdStorage`]), for an NBD name.
+    Nbd(NbdStorage),
 }
 
 impl AnyStorage {
@@ -53,6 +56,12 @@ impl AnyStorage {
         backend: Backend,
         direct: bool,
     ) -> Result<Self> {
+        // An NBD name (`nbd://`, `nbd+unix://`, `nbd:`) is an export, not a file.
+        if let Some(name) = path.as_ref().to_str() {
+            if name.starts_with("nbd") && crate::nbd::NbdAddress::parse(name) != Ok(None) {
+                return Ok(Self::Nbd(NbdStorage::connect(name, writable)?));
+            }
+        }
         match backend {
             Backend::Threads => {
                 let s = FileOptions::new()
@@ -120,6 +129,7 @@ macro_rules! each {
             AnyStorage::Uring($s) => $e,
             #[cfg(target_os = "linux")]
             AnyStorage::UringDirect($s) => $e,
+            AnyStorage::Nbd($s) => $e,
         }
     };
 }

@@ -109,6 +109,7 @@ mod faulty;
 mod file;
 mod image_lock;
 mod mem;
+pub mod nbd;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 pub mod queue;
@@ -129,6 +130,7 @@ pub use faulty::{
 pub use file::{BlockingStrategy, FileOptions, FileStorage};
 pub use image_lock::{HeldImageLock, ImageLock};
 pub use mem::MemStorage;
+pub use nbd::NbdStorage;
 pub use storage::{AllocateOutcome, DirectAccess, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringStorage};

@@ -64,10 +64,36 @@ pub(crate) fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> R
     Ok(buf)
 }
 
+/// An NBD export, when `path` is an NBD name (`nbd://...`).
+fn nbd_export(path: &Path) -> Result<Option<qimg_io::NbdStorage>> {
+    let Some(name) = path.to_str().filter(|n| n.starts_with("nbd")) else {
+        return Ok(None);
+    };
+    if qimg_io::nbd::NbdAddress::parse(name) == Ok(None) {
+        return Ok(None);
+    }
+    qimg_io::NbdStorage::connect(name, false)
+        .map(Some)
+        .map_err(|e| Error::storage(path, e))
+}
+
+/// Up to `len` bytes from `offset` of the file or NBD export `path` names.
+fn read_prefix(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
+    if let Some(nbd) = nbd_export(path)? {
+        let mut buf = vec![0u8; len.min(nbd.size().saturating_sub(offset)) as usize];
+        let n = nbd
+            .read_blocking(&mut buf, offset)
+            .map_err(|e| Error::storage(path, e))?;
+        buf.truncate(n);
+        return Ok(buf);
+    }
+    let f = open(path)?;
+    read_at_most(&f, path, offset, len)
+}
+
 /// Guesses the format of an image from its first bytes: qcow2 magic, else raw.
 pub fn probe_format(path: &Path) -> Result<ImageFormat> {
-    let f = open(path)?;
-    let b = read_at_most(&f, path, 0, 4)?;
+    let b = read_prefix(path, 0, 4)?;
     Ok(if header::has_magic(&b) {
         ImageFormat::Qcow2
     } else {
@@ -78,18 +104,20 @@ pub fn probe_format(path: &Path) -> Result<ImageFormat> {
 /// The virtual size of an image of the given format.
 pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
     match fmt {
-        ImageFormat::Raw => Ok(open(path)?
-            .metadata()
-            .map_err(|e| Error::io(path, "stat", e))?
-            .len()),
+        ImageFormat::Raw => match nbd_export(path)? {
+            Some(nbd) => Ok(nbd.size()),
+            None => Ok(open(path)?
+                .metadata()
+                .map_err(|e| Error::io(path, "stat", e))?
+                .len()),
+        },
         ImageFormat::Qcow2 => Ok(read_cluster0(path, OpenMode::ReadOnly)?.header.size),
     }
 }
 
 /// Reads and validates cluster 0 of a qcow2 image.
 pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
-    let f = open(path)?;
-    let mut bytes = read_at_most(&f, path, 0, MAX_CLUSTER0)?;
+    let mut bytes = read_prefix(path, 0, MAX_CLUSTER0)?;
     // QEMU reads past EOF as zeros; a short file still has a (zero) end marker.
     if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
         if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {

@@ -18,7 +18,8 @@ const DROP_CACHE_ALIGN: u64 = 64 << 10;
 
 /// A file whose data extents and holes are asked from the file system.
 pub(crate) struct HostFile {
-    file: File,
+    /// `None` for an NBD export (all data, as QEMU sees an export without block status).
+    file: Option<File>,
     pub(super) path: PathBuf,
     /// Drop cached pages of a range before asking for its holes (metadata-preallocated qcow2
     /// files, whose metadata this process reads).
@@ -31,6 +32,19 @@ pub(crate) struct HostFile {
 
 impl HostFile {
     pub(super) fn open(path: &Path, name: Rc<str>) -> Result<Self> {
+        if let Some(uri) = path.to_str().filter(|p| p.starts_with("nbd")) {
+            if qimg::io::nbd::NbdAddress::parse(uri) != Ok(None) {
+                let nbd = qimg::io::NbdStorage::connect(uri, false)
+                    .map_err(|e| anyhow!("Could not open '{name}': {e}"))?;
+                return Ok(Self {
+                    file: None,
+                    path: path.to_path_buf(),
+                    drop_cache: false,
+                    name,
+                    len: nbd.size(),
+                });
+            }
+        }
         let file =
             File::open(path).map_err(|e| anyhow!("Could not open '{name}': {}", os_msg(&e)))?;
         let len = file
@@ -38,7 +52,7 @@ impl HostFile {
             .map_err(|e| anyhow!("Could not stat '{name}': {}", os_msg(&e)))?
             .len();
         Ok(Self {
-            file,
+            file: Some(file),
             path: path.to_path_buf(),
             drop_cache: false,
             name,
@@ -50,6 +64,15 @@ impl HostFile {
     /// does: `SEEK_DATA`/`SEEK_HOLE`, everything past the end of the file is a hole, and a file
     /// system that cannot tell is all data.
     pub(super) fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
+        let Some(file) = &self.file else {
+            let data_end = end.min(self.len).max(start);
+            let mut out = vec![(start, data_end - start, true)];
+            if end > data_end {
+                out.push((data_end, end - data_end, false));
+            }
+            out.retain(|r| r.1 > 0);
+            return out;
+        };
         if self.drop_cache {
             // Unwritten extents (QEMU zeroes the copy-on-write parts of a cluster with
             // FALLOC_FL_ZERO_RANGE) are holes to SEEK_DATA only while none of their pages is
@@ -60,7 +83,7 @@ impl HostFile {
             let mask = DROP_CACHE_ALIGN - 1;
             let (a, b) = (start & !mask, end.saturating_add(mask) & !mask);
             if let (Ok(o), Ok(l)) = (i64::try_from(a), i64::try_from(b - a)) {
-                let _ = posix_fadvise(&self.file, o, l, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+                let _ = posix_fadvise(file, o, l, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
             }
         }
         let mut out: Vec<(u64, u64, bool)> = Vec::new();
@@ -86,7 +109,7 @@ impl HostFile {
                 push(pos, end, true);
                 break;
             };
-            match lseek(&self.file, at, Whence::SeekData) {
+            match lseek(file, at, Whence::SeekData) {
                 Err(Errno::ENXIO) => {
                     push(pos, end, false);
                     break;
@@ -101,7 +124,7 @@ impl HostFile {
                     pos = d;
                 }
                 Ok(_) => {
-                    let h = match lseek(&self.file, at, Whence::SeekHole) {
+                    let h = match lseek(file, at, Whence::SeekHole) {
                         Ok(h) if (h as u64) > pos => h as u64,
                         _ => self.len.max(pos + 1),
                     };

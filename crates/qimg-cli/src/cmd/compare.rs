@@ -10,7 +10,6 @@
 //! compared over the shorter size, then the longer one's tail must read as zeros ("Warning:
 //! Image size mismatch!"); `-s` refuses different sizes and also requires equal block status.
 
-use std::fs::File;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -128,7 +127,8 @@ struct Side {
 
 enum Reader {
     Qcow2(Image<AnyStorage>),
-    Raw(File),
+    /// A raw file or NBD export.
+    Raw(AnyStorage),
 }
 
 impl Side {
@@ -141,7 +141,13 @@ impl Side {
         let reader = match &layers[0] {
             Layer::Qcow2 { img, .. } => Reader::Qcow2(img.clone()),
             Layer::Raw(_) => Reader::Raw(
-                File::open(path).map_err(|e| anyhow!("Could not open '{file}': {}", os_msg(&e)))?,
+                AnyStorage::open(path, false, qimg::io::Backend::Threads, false).map_err(|e| {
+                    let why = match &e {
+                        qimg::io::StorageError::Open { source, .. } => os_msg(source),
+                        other => other.to_string(),
+                    };
+                    anyhow!("Could not open '{file}': {why}")
+                })?,
             ),
         };
         let size = layers[0].size();
@@ -160,7 +166,13 @@ impl Side {
                 .read(buf, offset)
                 .await
                 .map_err(|e| lib_msg(&e, &self.name)),
-            Reader::Raw(f) => crate::chain::read_raw(f, buf, offset).map_err(|e| os_msg(&e)),
+            Reader::Raw(f) => {
+                use qimg::io::Storage as _;
+                f.read_at_zero_fill(buf, offset).await.map_err(|e| match e {
+                    qimg::io::StorageError::Io { source, .. } => os_msg(&source),
+                    other => other.to_string(),
+                })
+            }
         }
     }
 

@@ -1,0 +1,762 @@
+//! [`NbdStorage`]: an export of an NBD server (qemu-nbd, qemu-storage-daemon, nbdkit,
+//! `qimg serve --nbd`) as storage, so that an image name such as `nbd://host/export` or
+//! `nbd+unix:///export?socket=/run/disk.sock` works wherever a file name does.
+//!
+//! The client speaks the fixed newstyle handshake (`NBD_OPT_GO`, falling back to
+//! `NBD_OPT_EXPORT_NAME` for servers without it) and simple replies, one request at a time
+//! on one connection, each request at most 32 MiB (the protocol's default maximum). Names
+//! are parsed as QEMU parses them: the URI forms `nbd://HOST[:PORT]/EXPORT` (also
+//! `nbd+tcp://`), `nbd+unix:///EXPORT?socket=PATH`, and the legacy forms
+//! `nbd:HOST:PORT[:exportname=NAME]` and `nbd:unix:PATH[:exportname=NAME]`. TLS (`nbds://`)
+//! is refused clearly. Requests run inline on the calling thread, as the file backend's
+//! default strategy does.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
+
+use crate::error::{Op, Result, StorageError};
+use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+
+const FLAG_FIXED_NEWSTYLE: u16 = 1;
+const FLAG_NO_ZEROES: u16 = 2;
+
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_GO: u32 = 7;
+const REP_ACK: u32 = 1;
+const REP_INFO: u32 = 3;
+const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const INFO_EXPORT: u16 = 0;
+
+const TFLAG_READ_ONLY: u16 = 1 << 1;
+const TFLAG_SEND_FLUSH: u16 = 1 << 2;
+const TFLAG_SEND_TRIM: u16 = 1 << 5;
+const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
+
+const CMD_READ: u16 = 0;
+const CMD_WRITE: u16 = 1;
+const CMD_DISC: u16 = 2;
+const CMD_FLUSH: u16 = 3;
+const CMD_TRIM: u16 = 4;
+const CMD_WRITE_ZEROES: u16 = 6;
+const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+
+/// The largest request sent (the protocol's default maximum payload).
+const MAX_REQUEST: u64 = 32 << 20;
+/// The default port.
+const PORT: u16 = 10809;
+
+/// Where an NBD export is: its server and name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NbdAddress {
+    /// The server.
+    pub server: NbdServer,
+    /// The export name ("" for the default export).
+    pub export: String,
+}
+
+/// An NBD server's address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NbdServer {
+    /// TCP: host and port.
+    Tcp(String, u16),
+    /// A Unix socket path.
+    Unix(String),
+}
+
+impl NbdAddress {
+    /// Parses an image name as QEMU does: `None` when it names no NBD export (a file name);
+    /// an error for an NBD name qimg cannot use (TLS, a malformed URI).
+    pub fn parse(name: &str) -> std::result::Result<Option<Self>, String> {
+        let uri = |rest: &str, unix: bool| -> std::result::Result<Self, String> {
+            let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
+            let export = percent_decode(path);
+            let mut socket = None;
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                match pair.split_once('=') {
+                    Some(("socket", s)) => socket = Some(percent_decode(s)),
+                    _ => return Err(format!("unexpected query parameter '{pair}' in '{name}'")),
+                }
+            }
+            let server = if unix {
+                if !authority.is_empty() {
+                    return Err(format!("'{name}': an nbd+unix URI takes no host"));
+                }
+                NbdServer::Unix(socket.ok_or_else(|| format!("'{name}': missing socket"))?)
+            } else {
+                if socket.is_some() {
+                    return Err(format!("'{name}': socket= is only for nbd+unix URIs"));
+                }
+                let (host, port) = split_host_port(authority)?;
+                NbdServer::Tcp(
+                    if host.is_empty() {
+                        "localhost".into()
+                    } else {
+                        host
+                    },
+                    port,
+                )
+            };
+            Ok(NbdAddress { server, export })
+        };
+        if let Some(rest) = name
+            .strip_prefix("nbd://")
+            .or(name.strip_prefix("nbd+tcp://"))
+        {
+            return uri(rest, false).map(Some);
+        }
+        if let Some(rest) = name.strip_prefix("nbd+unix://") {
+            return uri(rest, true).map(Some);
+        }
+        if name.starts_with("nbds://") || name.starts_with("nbds+") {
+            return Err(format!(
+                "'{name}': NBD over TLS is not supported by qimg yet"
+            ));
+        }
+        let Some(rest) = name.strip_prefix("nbd:") else {
+            return Ok(None);
+        };
+        // Legacy: nbd:unix:PATH[:exportname=NAME] or nbd:HOST:PORT[:exportname=NAME].
+        let (main, export) = match rest.split_once(":exportname=") {
+            Some((m, e)) => (m, e.to_string()),
+            None => (rest, String::new()),
+        };
+        let server = match main.strip_prefix("unix:") {
+            Some(path) => NbdServer::Unix(path.to_string()),
+            None => {
+                let (host, port) = main
+                    .rsplit_once(':')
+                    .ok_or_else(|| format!("'{name}': expected nbd:HOST:PORT"))?;
+                let port = port
+                    .parse()
+                    .map_err(|_| format!("'{name}': bad port '{port}'"))?;
+                NbdServer::Tcp(host.to_string(), port)
+            }
+        };
+        Ok(Some(NbdAddress { server, export }))
+    }
+}
+
+fn split_host_port(authority: &str) -> std::result::Result<(String, u16), String> {
+    if let Some(rest) = authority.strip_prefix('[') {
+        let (host, after) = rest.split_once(']').ok_or("unterminated [ in host")?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse().map_err(|_| format!("bad port '{p}'"))?,
+            None => PORT,
+        };
+        return Ok((host.to_string(), port));
+    }
+    match authority.rsplit_once(':') {
+        Some((h, p)) => Ok((
+            h.to_string(),
+            p.parse().map_err(|_| format!("bad port '{p}'"))?,
+        )),
+        None => Ok((authority.to_string(), PORT)),
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    let hex = |c: u8| (c as char).to_digit(16);
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A connection: a TCP or Unix stream.
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Unix(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// The connection and the next request's cookie.
+struct Conn {
+    stream: Stream,
+    cookie: u64,
+    /// A reply went wrong: the stream is out of step and takes no more requests.
+    broken: bool,
+}
+
+/// One request's header fields.
+#[derive(Clone, Copy)]
+struct Req {
+    op: Op,
+    cmd: u16,
+    flags: u16,
+    offset: u64,
+    len: u64,
+}
+
+/// An NBD export as [`Storage`]; see the [module docs](self).
+pub struct NbdStorage {
+    conn: Mutex<Conn>,
+    size: u64,
+    flags: u16,
+    writable: bool,
+    name: String,
+}
+
+impl std::fmt::Debug for NbdStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NbdStorage")
+            .field("name", &self.name)
+            .field("size", &self.size)
+            .field("flags", &self.flags)
+            .finish()
+    }
+}
+
+fn proto(what: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.into())
+}
+
+fn read_u16(s: &mut impl Read) -> io::Result<u16> {
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b)?;
+    Ok(u16::from_be_bytes(b))
+}
+
+fn read_u32(s: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn read_u64(s: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+/// Reads and drops `n` bytes.
+fn skip(s: &mut impl Read, n: u64) -> io::Result<()> {
+    io::copy(&mut s.take(n), &mut io::sink()).and_then(|got| {
+        (got == n)
+            .then_some(())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))
+    })
+}
+
+impl NbdStorage {
+    /// Connects to the export `name` names (see [`NbdAddress::parse`]); read-only unless
+    /// `writable` (a read-only export refuses a writable open).
+    pub fn connect(name: &str, writable: bool) -> Result<Self> {
+        let open_err = |source: io::Error| StorageError::Open {
+            path: name.into(),
+            source,
+        };
+        let addr = NbdAddress::parse(name)
+            .map_err(|e| open_err(io::Error::new(io::ErrorKind::InvalidInput, e)))?
+            .ok_or_else(|| {
+                open_err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "not an NBD name",
+                ))
+            })?;
+        let stream = match &addr.server {
+            NbdServer::Tcp(host, port) => {
+                let s = TcpStream::connect((host.as_str(), *port)).map_err(|e| {
+                    open_err(io::Error::new(
+                        e.kind(),
+                        format!("Failed to connect to '{host}:{port}': {e}"),
+                    ))
+                })?;
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }
+            NbdServer::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
+                open_err(io::Error::new(
+                    e.kind(),
+                    format!("Failed to connect to '{path}': {e}"),
+                ))
+            })?),
+        };
+        let mut stream = stream;
+        let (size, flags) = handshake(&mut stream, &addr.export).map_err(open_err)?;
+        if writable && flags & TFLAG_READ_ONLY != 0 {
+            return Err(open_err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the export is read-only",
+            )));
+        }
+        Ok(NbdStorage {
+            conn: Mutex::new(Conn {
+                stream,
+                cookie: 1,
+                broken: false,
+            }),
+            size,
+            flags,
+            writable,
+            name: name.to_string(),
+        })
+    }
+
+    /// The export's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Reads up to `buf.len()` bytes at `offset` on the calling thread (no runtime needed):
+    /// fewer at the end of the export.
+    pub fn read_blocking(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let end = offset.saturating_add(buf.len() as u64).min(self.size);
+        let mut at = offset;
+        let mut done = 0usize;
+        while at < end {
+            let n = (end - at).min(MAX_REQUEST) as usize;
+            let out = &mut buf[done..done + n];
+            self.request(
+                Req {
+                    op: Op::Read,
+                    cmd: CMD_READ,
+                    flags: 0,
+                    offset: at,
+                    len: n as u64,
+                },
+                &[],
+                Some(out),
+            )?;
+            at += n as u64;
+            done += n;
+        }
+        Ok(done)
+    }
+
+    /// Sends one request (with `data` for a write) and reads its simple reply (into `out` for
+    /// a read).
+    fn request(&self, req: Req, data: &[IoSlice<'_>], out: Option<&mut [u8]>) -> Result<()> {
+        let Req {
+            op,
+            cmd,
+            flags,
+            offset,
+            len,
+        } = req;
+        let err = |source: io::Error| StorageError::Io {
+            op,
+            offset,
+            len,
+            source,
+        };
+        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if c.broken {
+            return Err(err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the NBD connection failed earlier",
+            )));
+        }
+        let cookie = c.cookie;
+        c.cookie += 1;
+        let mut head = [0u8; 28];
+        head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        head[4..6].copy_from_slice(&flags.to_be_bytes());
+        head[6..8].copy_from_slice(&cmd.to_be_bytes());
+        head[8..16].copy_from_slice(&cookie.to_be_bytes());
+        head[16..24].copy_from_slice(&offset.to_be_bytes());
+        head[24..28].copy_from_slice(&(len as u32).to_be_bytes());
+        let r = (|| -> io::Result<Option<i32>> {
+            c.stream.write_all(&head)?;
+            for d in data {
+                c.stream.write_all(d)?;
+            }
+            c.stream.flush()?;
+            if cmd == CMD_DISC {
+                return Ok(None);
+            }
+            if read_u32(&mut c.stream)? != SIMPLE_REPLY_MAGIC {
+                return Err(proto("the server sent no simple reply"));
+            }
+            let error = read_u32(&mut c.stream)?;
+            if read_u64(&mut c.stream)? != cookie {
+                return Err(proto("the server answered another request"));
+            }
+            if error != 0 {
+                return Ok(Some(error as i32));
+            }
+            if let Some(out) = out {
+                c.stream.read_exact(out)?;
+            }
+            Ok(None)
+        })();
+        match r {
+            Ok(None) => Ok(()),
+            Ok(Some(errno)) => Err(err(io::Error::from_raw_os_error(errno))),
+            Err(e) => {
+                c.broken = true;
+                Err(err(e))
+            }
+        }
+    }
+
+    fn check_writable(&self, op: Op, offset: u64, len: u64) -> Result<()> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(StorageError::ReadOnly { op, offset, len })
+        }
+    }
+
+    /// `cmd` over `[offset, offset + len)` in requests of at most [`MAX_REQUEST`] bytes.
+    fn each_piece(&self, op: Op, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
+        let mut at = offset;
+        let end = offset.saturating_add(len).min(self.size);
+        while at < end {
+            let n = (end - at).min(MAX_REQUEST);
+            self.request(
+                Req {
+                    op,
+                    cmd,
+                    flags,
+                    offset: at,
+                    len: n,
+                },
+                &[],
+                None,
+            )?;
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// The fixed newstyle handshake for `export`: its size and transmission flags.
+fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16)> {
+    if read_u64(s)? != NBDMAGIC {
+        return Err(proto("not an NBD server (no NBDMAGIC)"));
+    }
+    if read_u64(s)? != IHAVEOPT {
+        return Err(proto(
+            "the server speaks the oldstyle protocol, which qimg does not",
+        ));
+    }
+    let server_flags = read_u16(s)?;
+    if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(proto("the server does not speak fixed newstyle"));
+    }
+    let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
+    let client_flags = u32::from(FLAG_FIXED_NEWSTYLE | (server_flags & FLAG_NO_ZEROES));
+    s.write_all(&client_flags.to_be_bytes())?;
+    // NBD_OPT_GO: the export's name, and no information request beyond the default.
+    let mut data = Vec::with_capacity(export.len() + 6);
+    data.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    data.extend_from_slice(export.as_bytes());
+    data.extend_from_slice(&0u16.to_be_bytes());
+    send_option(s, OPT_GO, &data)?;
+    let mut info = None;
+    loop {
+        if read_u64(s)? != REPLY_MAGIC {
+            return Err(proto("bad option reply magic"));
+        }
+        let _option = read_u32(s)?;
+        let kind = read_u32(s)?;
+        let len = read_u32(s)?;
+        match kind {
+            REP_ACK => break,
+            REP_INFO => {
+                if len < 2 {
+                    return Err(proto("short NBD_REP_INFO"));
+                }
+                let t = read_u16(s)?;
+                if t == INFO_EXPORT && len == 12 {
+                    info = Some((read_u64(s)?, read_u16(s)?));
+                } else {
+                    skip(s, u64::from(len) - 2)?;
+                }
+            }
+            REP_ERR_UNSUP => {
+                // An older server: NBD_OPT_EXPORT_NAME, which ends the handshake.
+                skip(s, u64::from(len))?;
+                send_option(s, OPT_EXPORT_NAME, export.as_bytes())?;
+                let size = read_u64(s)?;
+                let flags = read_u16(s)?;
+                if !no_zeroes {
+                    skip(s, 124)?;
+                }
+                return Ok((size, flags));
+            }
+            k if k & (1 << 31) != 0 => {
+                let mut msg = vec![0u8; len.min(4096) as usize];
+                s.read_exact(&mut msg)?;
+                skip(s, u64::from(len) - msg.len() as u64)?;
+                let text = String::from_utf8_lossy(&msg);
+                let what = match k & !(1 << 31) {
+                    6 => "export not found".to_string(),
+                    n => format!("option refused (error {n})"),
+                };
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    if text.is_empty() {
+                        what
+                    } else {
+                        format!("{what}: {text}")
+                    },
+                ));
+            }
+            _ => skip(s, u64::from(len))?,
+        }
+    }
+    info.ok_or_else(|| proto("the server sent no export information"))
+}
+
+fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {
+    let mut head = [0u8; 16];
+    head[0..8].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    head[8..12].copy_from_slice(&option.to_be_bytes());
+    head[12..16].copy_from_slice(&(data.len() as u32).to_be_bytes());
+    s.write_all(&head)?;
+    s.write_all(data)?;
+    s.flush()
+}
+
+impl Drop for NbdStorage {
+    fn drop(&mut self) {
+        // NBD_CMD_DISC: the server closes the connection in order.
+        let _ = self.request(
+            Req {
+                op: Op::Flush,
+                cmd: CMD_DISC,
+                flags: 0,
+                offset: 0,
+                len: 0,
+            },
+            &[],
+            None,
+        );
+    }
+}
+
+impl Storage for NbdStorage {
+    async fn read_at_most(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.read_blocking(buf, offset)
+    }
+
+    async fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write_vectored_at(&[IoSlice::new(buf)], offset).await
+    }
+
+    async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
+        let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        self.check_writable(Op::Write, offset, len)?;
+        if offset.saturating_add(len) > self.size {
+            return Err(StorageError::Io {
+                op: Op::Write,
+                offset,
+                len,
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("an NBD export cannot grow past its {} bytes", self.size),
+                ),
+            });
+        }
+        // Pieces of at most MAX_REQUEST bytes, each sent from the caller's buffers.
+        let mut at = offset;
+        let mut pieces: Vec<IoSlice<'_>> = Vec::new();
+        let mut piece_len = 0u64;
+        for b in bufs {
+            let mut rest: &[u8] = b;
+            while !rest.is_empty() {
+                let take = (MAX_REQUEST - piece_len).min(rest.len() as u64) as usize;
+                pieces.push(IoSlice::new(&rest[..take]));
+                piece_len += take as u64;
+                rest = &rest[take..];
+                if piece_len == MAX_REQUEST {
+                    self.request(
+                        Req {
+                            op: Op::Write,
+                            cmd: CMD_WRITE,
+                            flags: 0,
+                            offset: at,
+                            len: piece_len,
+                        },
+                        &pieces,
+                        None,
+                    )?;
+                    at += piece_len;
+                    pieces.clear();
+                    piece_len = 0;
+                }
+            }
+        }
+        if piece_len > 0 {
+            self.request(
+                Req {
+                    op: Op::Write,
+                    cmd: CMD_WRITE,
+                    flags: 0,
+                    offset: at,
+                    len: piece_len,
+                },
+                &pieces,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
+        self.check_writable(Op::WriteZeroes, offset, len)?;
+        if self.flags & TFLAG_SEND_WRITE_ZEROES != 0 {
+            self.each_piece(
+                Op::WriteZeroes,
+                CMD_WRITE_ZEROES,
+                CMD_FLAG_NO_HOLE,
+                offset,
+                len,
+            )?;
+            return Ok(ZeroOutcome::Efficient);
+        }
+        let zeros = vec![0u8; len.min(MAX_REQUEST) as usize];
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let n = (end - at).min(MAX_REQUEST);
+            self.write_at(&zeros[..n as usize], at).await?;
+            at += n;
+        }
+        Ok(ZeroOutcome::Written)
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<DiscardOutcome> {
+        self.check_writable(Op::Discard, offset, len)?;
+        if self.flags & TFLAG_SEND_TRIM == 0 {
+            return Ok(DiscardOutcome::Ignored);
+        }
+        self.each_piece(Op::Discard, CMD_TRIM, 0, offset, len)?;
+        // A trimmed range need not read as zeros afterwards.
+        Ok(DiscardOutcome::Ignored)
+    }
+
+    async fn allocate(&self, _offset: u64, _len: u64) -> Result<AllocateOutcome> {
+        Ok(AllocateOutcome::NotReserved)
+    }
+
+    async fn flush(&self) -> Result<()> {
+        if !self.writable || self.flags & TFLAG_SEND_FLUSH == 0 {
+            return Ok(());
+        }
+        self.request(
+            Req {
+                op: Op::Flush,
+                cmd: CMD_FLUSH,
+                flags: 0,
+                offset: 0,
+                len: 0,
+            },
+            &[],
+            None,
+        )
+    }
+
+    async fn len(&self) -> Result<u64> {
+        Ok(self.size)
+    }
+
+    async fn set_len(&self, len: u64) -> Result<()> {
+        if len == self.size {
+            return Ok(());
+        }
+        Err(StorageError::Io {
+            op: Op::SetLen,
+            offset: len,
+            len: 0,
+            source: io::Error::new(
+                io::ErrorKind::Unsupported,
+                "an NBD export cannot change its size",
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_as_qemu_parses_them() {
+        let p = |s: &str| NbdAddress::parse(s).unwrap().unwrap();
+        assert_eq!(
+            p("nbd://example.com:1234/disk"),
+            NbdAddress {
+                server: NbdServer::Tcp("example.com".into(), 1234),
+                export: "disk".into()
+            }
+        );
+        assert_eq!(
+            p("nbd://localhost/").server,
+            NbdServer::Tcp("localhost".into(), PORT)
+        );
+        assert_eq!(
+            p("nbd://[::1]:99/x").server,
+            NbdServer::Tcp("::1".into(), 99)
+        );
+        assert_eq!(
+            p("nbd+unix:///exp%20a?socket=/tmp/s.sock"),
+            NbdAddress {
+                server: NbdServer::Unix("/tmp/s.sock".into()),
+                export: "exp a".into()
+            }
+        );
+        assert_eq!(
+            p("nbd:unix:/tmp/s:exportname=e"),
+            NbdAddress {
+                server: NbdServer::Unix("/tmp/s".into()),
+                export: "e".into()
+            }
+        );
+        assert_eq!(p("nbd:h:10810").server, NbdServer::Tcp("h".into(), 10810));
+        assert_eq!(NbdAddress::parse("disk.qcow2").unwrap(), None);
+        assert!(NbdAddress::parse("nbds://h/x").unwrap_err().contains("TLS"));
+        assert!(NbdAddress::parse("nbd+unix:///x").is_err(), "no socket");
+        assert!(NbdAddress::parse("nbd://h:port/x").is_err());
+    }
+}
