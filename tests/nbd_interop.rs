@@ -870,6 +870,15 @@ fn the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve() {
         let want = io(Path::new("qemu-io"), &cmds);
         let got = io(&bin.join("qemu-io"), &cmds);
         assert_eq!(got, want, "{server}: qemu-io commands on the export");
+        // info says what qemu-img says of an export (no disk size, protocol nbd).
+        for args in [
+            &["info", "-f", "raw", export.as_str()][..],
+            &["info", "--output=json", &export],
+        ] {
+            let want = mask(&run(&dir.0, Path::new("qemu-img"), args));
+            let got = mask(&run(&dir.0, &bin.join("qemu-img"), args));
+            assert_eq!(got, want, "{server}: {args:?}");
+        }
         // convert and compare read the export.
         for (who, prog) in [
             ("qemu", PathBuf::from("qemu-img")),

@@ -59,6 +59,11 @@ fn yes(b: &serde_json::Value) -> String {
     }
 }
 
+/// `disk size:` as qemu-img prints it (`unavailable` where it cannot be known).
+fn disk_size(size: Option<u64>) -> String {
+    size.map_or_else(|| "unavailable".to_string(), size_to_str)
+}
+
 /// The text `qemu-img info` prints for one image.
 pub fn info(i: &ImageInfo) -> String {
     let mut s = String::new();
@@ -69,7 +74,7 @@ pub fn info(i: &ImageInfo) -> String {
         size_to_str(i.virtual_size),
         i.virtual_size
     );
-    s += &format!("disk size: {}\n", size_to_str(i.actual_size));
+    s += &format!("disk size: {}\n", disk_size(i.actual_size));
     if let Some(cs) = i.cluster_size {
         s += &format!("cluster_size: {cs}\n");
     }
@@ -85,7 +90,7 @@ pub fn info(i: &ImageInfo) -> String {
     if let Some(f) = &i.backing_filename_format {
         s += &format!("backing file format: {f}\n");
     }
-    if i.dirty_flag {
+    if i.dirty_flag == Some(true) {
         s += "cleanly shut down: no\n";
     }
     if let Some(snaps) = &i.snapshots {
@@ -141,13 +146,13 @@ pub fn info(i: &ImageInfo) -> String {
     for c in &i.children {
         s += &format!("Child node '/{}':\n", c.name);
         s += &format!("    filename: {}\n", c.info.filename);
-        s += "    protocol type: file\n";
+        s += &format!("    protocol type: {}\n", c.info.format);
         s += &format!(
             "    file length: {} ({} bytes)\n",
             size_to_str(c.info.virtual_size),
             c.info.virtual_size
         );
-        s += &format!("    disk size: {}\n", size_to_str(c.info.actual_size));
+        s += &format!("    disk size: {}\n", disk_size(c.info.actual_size));
     }
     s
 }

@@ -145,6 +145,32 @@ impl NbdAddress {
     }
 }
 
+impl std::fmt::Display for NbdAddress {
+    /// The name as QEMU writes it back (what `qemu-img info` shows): the URI form, the
+    /// default port left out, no export part for the default export.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let export = if self.export.is_empty() {
+            String::new()
+        } else {
+            format!("/{}", self.export)
+        };
+        match &self.server {
+            NbdServer::Unix(path) => write!(f, "nbd+unix://{export}?socket={path}"),
+            NbdServer::Tcp(host, port) => {
+                let host = if host.contains(':') {
+                    format!("[{host}]")
+                } else {
+                    host.clone()
+                };
+                match *port {
+                    PORT => write!(f, "nbd://{host}{export}"),
+                    p => write!(f, "nbd://{host}:{p}{export}"),
+                }
+            }
+        }
+    }
+}
+
 fn split_host_port(authority: &str) -> std::result::Result<(String, u16), String> {
     if let Some(rest) = authority.strip_prefix('[') {
         let (host, after) = rest.split_once(']').ok_or("unterminated [ in host")?;
@@ -758,5 +784,15 @@ mod tests {
         assert!(NbdAddress::parse("nbds://h/x").unwrap_err().contains("TLS"));
         assert!(NbdAddress::parse("nbd+unix:///x").is_err(), "no socket");
         assert!(NbdAddress::parse("nbd://h:port/x").is_err());
+    }
+
+    #[test]
+    fn names_are_written_back_as_qemu_writes_them() {
+        let show = |s: &str| NbdAddress::parse(s).unwrap().unwrap().to_string();
+        assert_eq!(show("nbd+unix:///?socket=/s"), "nbd+unix://?socket=/s");
+        assert_eq!(show("nbd+unix:///e?socket=/s"), "nbd+unix:///e?socket=/s");
+        assert_eq!(show("nbd://h:10809/e"), "nbd://h/e");
+        assert_eq!(show("nbd:h:99"), "nbd://h:99");
+        assert_eq!(show("nbd:unix:/s:exportname=e"), "nbd+unix:///e?socket=/s");
     }
 }

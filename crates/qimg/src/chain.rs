@@ -65,7 +65,7 @@ pub(crate) fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> R
 }
 
 /// An NBD export, when `path` is an NBD name (`nbd://...`).
-fn nbd_export(path: &Path) -> Result<Option<qimg_io::NbdStorage>> {
+pub(crate) fn nbd_export(path: &Path) -> Result<Option<qimg_io::NbdStorage>> {
     let Some(name) = path.to_str().filter(|n| n.starts_with("nbd")) else {
         return Ok(None);
     };

@@ -116,15 +116,15 @@ pub struct ImageInfo {
     /// Virtual disk size.
     #[serde(rename = "virtual-size")]
     pub virtual_size: u64,
-    /// Bytes allocated on the host.
-    #[serde(rename = "actual-size")]
-    pub actual_size: u64,
+    /// Bytes allocated on the host (`None` where that cannot be known: an NBD export).
+    #[serde(rename = "actual-size", skip_serializing_if = "Option::is_none")]
+    pub actual_size: Option<u64>,
     /// Cluster size (qcow2).
     #[serde(rename = "cluster-size", skip_serializing_if = "Option::is_none")]
     pub cluster_size: Option<u64>,
-    /// Dirty bit.
-    #[serde(rename = "dirty-flag")]
-    pub dirty_flag: bool,
+    /// Dirty bit (`None` for an NBD export, as QEMU leaves it out there).
+    #[serde(rename = "dirty-flag", skip_serializing_if = "Option::is_none")]
+    pub dirty_flag: Option<bool>,
     /// Backing file name as stored.
     #[serde(rename = "backing-filename", skip_serializing_if = "Option::is_none")]
     pub backing_filename: Option<String>,
@@ -158,14 +158,31 @@ fn lossy(b: &[u8]) -> String {
 }
 
 fn file_info(path: &Path, name: &str) -> Result<ImageInfo> {
+    if let Some(nbd) = crate::chain::nbd_export(path)? {
+        return Ok(ImageInfo {
+            filename: name.to_string(),
+            format: "nbd".into(),
+            virtual_size: nbd.size(),
+            actual_size: None,
+            cluster_size: None,
+            dirty_flag: None,
+            backing_filename: None,
+            full_backing_filename: None,
+            backing_filename_format: None,
+            encrypted: None,
+            snapshots: None,
+            format_specific: None,
+            children: Vec::new(),
+        });
+    }
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "stat", e))?;
     Ok(ImageInfo {
         filename: name.to_string(),
         format: "file".into(),
         virtual_size: meta.len().next_multiple_of(512),
-        actual_size: meta.blocks() * 512,
+        actual_size: Some(meta.blocks() * 512),
         cluster_size: None,
-        dirty_flag: false,
+        dirty_flag: Some(false),
         backing_filename: None,
         full_backing_filename: None,
         backing_filename_format: None,
@@ -182,7 +199,11 @@ fn file_info(path: &Path, name: &str) -> Result<ImageInfo> {
 /// Gathers `qemu-img info` for one image. `name` is the file name as the user gave it
 /// (reported verbatim); `fmt` forces a format, else it is probed.
 pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
-    let name = path.to_string_lossy().into_owned();
+    let mut name = path.to_string_lossy().into_owned();
+    // An NBD export is shown by the name QEMU writes back for it.
+    if let Ok(Some(a)) = qimg_io::nbd::NbdAddress::parse(&name) {
+        name = a.to_string();
+    }
     let fmt = match fmt {
         Some(f) => f,
         None => probe_format(path)?,
@@ -191,9 +212,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
     if fmt == ImageFormat::Raw {
         return Ok(ImageInfo {
             format: "raw".into(),
-            virtual_size: std::fs::metadata(path)
-                .map_err(|e| Error::io(path, "stat", e))?
-                .len(),
+            virtual_size: file.virtual_size,
             format_specific: None,
             children: vec![ChildInfo {
                 name: "file".into(),
@@ -291,7 +310,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         virtual_size: h.size,
         actual_size: file.actual_size,
         cluster_size: Some(cs),
-        dirty_flag: h.incompatible_features & INCOMPAT_DIRTY != 0,
+        dirty_flag: Some(h.incompatible_features & INCOMPAT_DIRTY != 0),
         backing_filename,
         full_backing_filename,
         backing_filename_format: c0.backing_format().map(lossy),
