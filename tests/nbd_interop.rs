@@ -879,6 +879,15 @@ fn the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve() {
             let got = mask(&run(&dir.0, &bin.join("qemu-img"), args));
             assert_eq!(got, want, "{server}: {args:?}");
         }
+        // The map from the server's block status, as qemu-img prints it.
+        for args in [
+            &["map", "-f", "raw", export.as_str()][..],
+            &["map", "-f", "raw", "--output=json", &export],
+        ] {
+            let want = mask(&run(&dir.0, Path::new("qemu-img"), args));
+            let got = mask(&run(&dir.0, &bin.join("qemu-img"), args));
+            assert_eq!(got, want, "{server}: {args:?}");
+        }
         // convert and compare read the export.
         for (who, prog) in [
             ("qemu", PathBuf::from("qemu-img")),
@@ -903,6 +912,17 @@ fn the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve() {
         assert!(o.status.success(), "{server}: compare of the export: {o:?}");
         srv.stop();
         assert_clean(&dir.0, &image, server);
+    }
+    // Servers that are not there, and an export that is not: QEMU's words.
+    let gone = format!("nbd+unix:///x?socket={}", dir.path("none.sock").display());
+    for args in [
+        &["info", "nbd://localhost:1/x"][..],
+        &["info", gone.as_str()],
+        &["convert", "-O", "raw", "nbd://localhost:1/", "o.raw"],
+    ] {
+        let want = mask(&run(&dir.0, Path::new("qemu-img"), args));
+        let got = mask(&run(&dir.0, &bin.join("qemu-img"), args));
+        assert_eq!(got, want, "{args:?}");
     }
     // TLS is refused in words, not attempted.
     let o = run(

@@ -71,6 +71,12 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
     use std::error::Error as _;
     let mut s = match e {
         qimg::Error::Io { source, .. } => return os_msg(source),
+        // An NBD export that could not be reached or refused: what the client said, as QEMU
+        // says it.
+        qimg::Error::Storage {
+            source: qimg::io::StorageError::Open { source, .. },
+            ..
+        } if file.starts_with("nbd") => return source.to_string(),
         other => {
             let s = other.to_string();
             s.strip_prefix(&format!("{file}: "))

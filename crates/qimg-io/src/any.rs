@@ -44,8 +44,9 @@ pub enum AnyStorage {
     /// [`UringStorage`] with `O_DIRECT`, any alignment.
     #[cfg(target_os = "linux")]
     UringDirect(BounceStorage<UringStorage>),
-    /// An export of an NBD server ([`NbdStorage`]), for an NBD name.
-    Nbd(NbdStorage),
+    /// An export of an NBD server ([`NbdStorage`]), for an NBD name: the process's one
+    /// connection to it ([`NbdStorage::shared`]).
+    Nbd(std::sync::Arc<NbdStorage>),
 }
 
 impl AnyStorage {
@@ -59,7 +60,7 @@ impl AnyStorage {
         // An NBD name (`nbd://`, `nbd+unix://`, `nbd:`) is an export, not a file.
         if let Some(name) = path.as_ref().to_str() {
             if name.starts_with("nbd") && crate::nbd::NbdAddress::parse(name) != Ok(None) {
-                return Ok(Self::Nbd(NbdStorage::connect(name, writable)?));
+                return Ok(Self::Nbd(NbdStorage::shared(name, writable)?));
             }
         }
         match backend {

@@ -14,7 +14,8 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use crate::error::{Op, Result, StorageError};
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
@@ -24,6 +25,25 @@ const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
 const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+
+const OPT_STRUCTURED_REPLY: u32 = 8;
+const OPT_SET_META_CONTEXT: u32 = 10;
+const REP_META_CONTEXT: u32 = 4;
+const BASE_ALLOCATION: &str = "base:allocation";
+
+const REPLY_FLAG_DONE: u16 = 1;
+const REPLY_TYPE_NONE: u16 = 0;
+const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
+
+const CMD_BLOCK_STATUS: u16 = 7;
+/// Block status: the range is a hole (not allocated).
+pub const STATE_HOLE: u32 = 1;
+/// Block status: the range reads as zeros.
+pub const STATE_ZERO: u32 = 2;
 
 const FLAG_FIXED_NEWSTYLE: u16 = 1;
 const FLAG_NO_ZEROES: u16 = 2;
@@ -47,6 +67,15 @@ const CMD_FLUSH: u16 = 3;
 const CMD_TRIM: u16 = 4;
 const CMD_WRITE_ZEROES: u16 = 6;
 const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+
+/// How long the handshake may take before the connection is given up (a hang guard: a
+/// server answers within milliseconds; one that serves a single client at a time and is
+/// busy with another would otherwise keep the open waiting for ever).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Connections this process holds, by name: every open of one export shares its
+/// connection (qemu-nbd serves one client at a time unless told otherwise).
+static SHARED: Mutex<Vec<(String, bool, Weak<NbdStorage>)>> = Mutex::new(Vec::new());
 
 /// The largest request sent (the protocol's default maximum payload).
 const MAX_REQUEST: u64 = 32 << 20;
@@ -214,6 +243,15 @@ enum Stream {
     Unix(UnixStream),
 }
 
+impl Stream {
+    fn set_read_timeout(&self, t: Option<Duration>) {
+        let _ = match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        };
+    }
+}
+
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
@@ -248,6 +286,10 @@ impl Write for Stream {
 struct Conn {
     stream: Stream,
     cookie: u64,
+    /// Structured replies were negotiated.
+    structured: bool,
+    /// The `base:allocation` context's id, when the server offers it.
+    allocation: Option<u32>,
     /// A reply went wrong: the stream is out of step and takes no more requests.
     broken: bool,
 }
@@ -278,6 +320,14 @@ impl std::fmt::Debug for NbdStorage {
             .field("size", &self.size)
             .field("flags", &self.flags)
             .finish()
+    }
+}
+
+/// An OS error's text without Rust's "(os error N)" suffix, as C tools print it.
+fn os_text(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(n) => nix::errno::Errno::from_raw(n).desc().to_string(),
+        None => e.to_string(),
     }
 }
 
@@ -333,7 +383,7 @@ impl NbdStorage {
                 let s = TcpStream::connect((host.as_str(), *port)).map_err(|e| {
                     open_err(io::Error::new(
                         e.kind(),
-                        format!("Failed to connect to '{host}:{port}': {e}"),
+                        format!("Failed to connect to '{host}:{port}': {}", os_text(&e)),
                     ))
                 })?;
                 let _ = s.set_nodelay(true);
@@ -342,12 +392,15 @@ impl NbdStorage {
             NbdServer::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
                 open_err(io::Error::new(
                     e.kind(),
-                    format!("Failed to connect to '{path}': {e}"),
+                    format!("Failed to connect to '{path}': {}", os_text(&e)),
                 ))
             })?),
         };
         let mut stream = stream;
-        let (size, flags) = handshake(&mut stream, &addr.export).map_err(open_err)?;
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+        let (size, flags, structured, allocation) =
+            handshake(&mut stream, &addr.export).map_err(open_err)?;
+        stream.set_read_timeout(None);
         if writable && flags & TFLAG_READ_ONLY != 0 {
             return Err(open_err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -358,6 +411,8 @@ impl NbdStorage {
             conn: Mutex::new(Conn {
                 stream,
                 cookie: 1,
+                structured,
+                allocation,
                 broken: false,
             }),
             size,
@@ -367,9 +422,89 @@ impl NbdStorage {
         })
     }
 
+    /// The connection this process holds to export `name`, or a new one: one connection
+    /// per export and process, as QEMU keeps (a writable open upgrades nothing: it needs a
+    /// writable connection, and a read-only one is not reused for it).
+    pub fn shared(name: &str, writable: bool) -> Result<Arc<Self>> {
+        let mut all = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|(_, _, w)| w.strong_count() > 0);
+        let found = all
+            .iter()
+            .filter(|(n, w, _)| n == name && (*w || !writable))
+            .find_map(|(_, _, s)| s.upgrade());
+        if let Some(s) = found {
+            return Ok(s);
+        }
+        let s = Arc::new(Self::connect(name, writable)?);
+        all.push((name.to_string(), writable, Arc::downgrade(&s)));
+        Ok(s)
+    }
+
     /// The export's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The allocation of `[offset, offset + len)` as `(length, flags)` runs from `offset`
+    /// ([`STATE_HOLE`], [`STATE_ZERO`]), from the server's `base:allocation` context; `None`
+    /// when the server offers none (then everything is data, as QEMU assumes).
+    pub fn block_status(&self, offset: u64, len: u64) -> Result<Option<Vec<(u64, u32)>>> {
+        let (op, end) = (Op::Probe, offset.saturating_add(len).min(self.size));
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let n = (end - at).min(u64::from(u32::MAX) / 2 + 1);
+            let err = |source: io::Error| StorageError::Io {
+                op,
+                offset: at,
+                len: n,
+                source,
+            };
+            let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+            if c.allocation.is_none() {
+                return Ok(None);
+            }
+            if c.broken {
+                return Err(err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "the NBD connection failed earlier",
+                )));
+            }
+            let cookie = c.cookie;
+            c.cookie += 1;
+            let mut head = [0u8; 28];
+            head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+            head[6..8].copy_from_slice(&CMD_BLOCK_STATUS.to_be_bytes());
+            head[8..16].copy_from_slice(&cookie.to_be_bytes());
+            head[16..24].copy_from_slice(&at.to_be_bytes());
+            head[24..28].copy_from_slice(&(n as u32).to_be_bytes());
+            let mut got = 0u64;
+            let r = (|| {
+                c.stream.write_all(&head)?;
+                c.stream.flush()?;
+                let c = &mut *c;
+                read_reply(c, cookie, at, None, &mut |l, f| {
+                    let l = u64::from(l).min(n - got);
+                    if l > 0 {
+                        runs.push((l, f));
+                        got += l;
+                    }
+                })
+            })();
+            match r {
+                Ok(None) => {}
+                Ok(Some(errno)) => return Err(err(io::Error::from_raw_os_error(errno))),
+                Err(e) => {
+                    c.broken = true;
+                    return Err(err(e));
+                }
+            }
+            if got == 0 {
+                return Err(err(proto("the server described no part of the range")));
+            }
+            at += got;
+        }
+        Ok(Some(runs))
     }
 
     /// Reads up to `buf.len()` bytes at `offset` on the calling thread (no runtime needed):
@@ -439,20 +574,8 @@ impl NbdStorage {
             if cmd == CMD_DISC {
                 return Ok(None);
             }
-            if read_u32(&mut c.stream)? != SIMPLE_REPLY_MAGIC {
-                return Err(proto("the server sent no simple reply"));
-            }
-            let error = read_u32(&mut c.stream)?;
-            if read_u64(&mut c.stream)? != cookie {
-                return Err(proto("the server answered another request"));
-            }
-            if error != 0 {
-                return Ok(Some(error as i32));
-            }
-            if let Some(out) = out {
-                c.stream.read_exact(out)?;
-            }
-            Ok(None)
+            let c = &mut *c;
+            read_reply(c, cookie, offset, out, &mut |_, _| {})
         })();
         match r {
             Ok(None) => Ok(()),
@@ -495,8 +618,99 @@ impl NbdStorage {
     }
 }
 
-/// The fixed newstyle handshake for `export`: its size and transmission flags.
-fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16)> {
+/// Reads the reply to request `cookie` (which starts at `offset`): a simple reply, or the
+/// chunks of a structured one (read data into `out`, holes zeroed there, block status
+/// descriptors handed to `status` as `(length, flags)`). `Some(errno)` for an error reply.
+fn read_reply(
+    c: &mut Conn,
+    cookie: u64,
+    offset: u64,
+    mut out: Option<&mut [u8]>,
+    status: &mut dyn FnMut(u32, u32),
+) -> io::Result<Option<i32>> {
+    let s = &mut c.stream;
+    let magic = read_u32(s)?;
+    if magic == SIMPLE_REPLY_MAGIC {
+        let error = read_u32(s)?;
+        if read_u64(s)? != cookie {
+            return Err(proto("the server answered another request"));
+        }
+        if error != 0 {
+            return Ok(Some(error as i32));
+        }
+        if let Some(out) = out {
+            s.read_exact(out)?;
+        }
+        return Ok(None);
+    }
+    if magic != STRUCTURED_REPLY_MAGIC || !c.structured {
+        return Err(proto("the server sent no valid reply"));
+    }
+    let mut error = None;
+    let mut first = true;
+    loop {
+        // Every chunk starts with the magic (the first one's was read above).
+        if !std::mem::take(&mut first) && read_u32(s)? != STRUCTURED_REPLY_MAGIC {
+            return Err(proto("a structured reply chunk without its magic"));
+        }
+        let flags = read_u16(s)?;
+        let kind = read_u16(s)?;
+        if read_u64(s)? != cookie {
+            return Err(proto("the server answered another request"));
+        }
+        let len = u64::from(read_u32(s)?);
+        match kind {
+            REPLY_TYPE_NONE => skip(s, len)?,
+            REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
+                let at = read_u64(s)?;
+                let n = if kind == REPLY_TYPE_OFFSET_DATA {
+                    len.checked_sub(8)
+                        .ok_or_else(|| proto("short data chunk"))?
+                } else {
+                    u64::from(read_u32(s)?)
+                };
+                let buf = out.as_deref_mut().unwrap_or(&mut []);
+                let start = at
+                    .checked_sub(offset)
+                    .filter(|st| st.saturating_add(n) <= buf.len() as u64)
+                    .ok_or_else(|| proto("a read chunk outside the request"))?
+                    as usize;
+                let dst = &mut buf[start..start + n as usize];
+                if kind == REPLY_TYPE_OFFSET_DATA {
+                    s.read_exact(dst)?;
+                } else {
+                    dst.fill(0);
+                }
+            }
+            REPLY_TYPE_BLOCK_STATUS => {
+                let _context = read_u32(s)?;
+                let mut left = len
+                    .checked_sub(4)
+                    .ok_or_else(|| proto("short status chunk"))?;
+                while left >= 8 {
+                    let n = read_u32(s)?;
+                    let f = read_u32(s)?;
+                    status(n, f);
+                    left -= 8;
+                }
+                skip(s, left)?;
+            }
+            k if k & REPLY_TYPE_ERROR_BIT != 0 => {
+                let e = read_u32(s)?;
+                skip(s, len.saturating_sub(4))?;
+                error.get_or_insert(if e == 0 { 5 } else { e as i32 });
+            }
+            _ => skip(s, len)?,
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            return Ok(error);
+        }
+    }
+}
+
+/// The fixed newstyle handshake for `export`: its size and transmission flags, whether
+/// structured replies are on, and the `base:allocation` context's id.
+fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, bool, Option<u32>)> {
     if read_u64(s)? != NBDMAGIC {
         return Err(proto("not an NBD server (no NBDMAGIC)"));
     }
@@ -512,6 +726,32 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16)> {
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     let client_flags = u32::from(FLAG_FIXED_NEWSTYLE | (server_flags & FLAG_NO_ZEROES));
     s.write_all(&client_flags.to_be_bytes())?;
+    // Structured replies, then the allocation context (block status), when offered.
+    send_option(s, OPT_STRUCTURED_REPLY, &[])?;
+    let structured = option_acked(s, |_, _, _| Ok(()))?;
+    let mut allocation = None;
+    if structured {
+        let mut q = Vec::new();
+        q.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        q.extend_from_slice(export.as_bytes());
+        q.extend_from_slice(&1u32.to_be_bytes());
+        q.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
+        q.extend_from_slice(BASE_ALLOCATION.as_bytes());
+        send_option(s, OPT_SET_META_CONTEXT, &q)?;
+        option_acked(s, |s, kind, len| {
+            if kind == REP_META_CONTEXT && len >= 4 {
+                let id = read_u32(s)?;
+                let mut name = vec![0u8; (len - 4) as usize];
+                s.read_exact(&mut name)?;
+                if name == BASE_ALLOCATION.as_bytes() {
+                    allocation = Some(id);
+                }
+            } else {
+                skip(s, u64::from(len))?;
+            }
+            Ok(())
+        })?;
+    }
     // NBD_OPT_GO: the export's name, and no information request beyond the default.
     let mut data = Vec::with_capacity(export.len() + 6);
     data.extend_from_slice(&(export.len() as u32).to_be_bytes());
@@ -548,7 +788,7 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16)> {
                 if !no_zeroes {
                     skip(s, 124)?;
                 }
-                return Ok((size, flags));
+                return Ok((size, flags, structured, allocation));
             }
             k if k & (1 << 31) != 0 => {
                 let mut msg = vec![0u8; len.min(4096) as usize];
@@ -556,22 +796,52 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16)> {
                 skip(s, u64::from(len) - msg.len() as u64)?;
                 let text = String::from_utf8_lossy(&msg);
                 let what = match k & !(1 << 31) {
-                    6 => "export not found".to_string(),
-                    n => format!("option refused (error {n})"),
+                    // QEMU's words.
+                    6 => "Requested export not available".to_string(),
+                    n => format!("Option request refused by the server (error {n})"),
                 };
                 return Err(io::Error::new(
                     io::ErrorKind::NotFound,
                     if text.is_empty() {
                         what
                     } else {
-                        format!("{what}: {text}")
+                        format!("{what}\nserver reported: {text}")
                     },
                 ));
             }
             _ => skip(s, u64::from(len))?,
         }
     }
-    info.ok_or_else(|| proto("the server sent no export information"))
+    let (size, flags) = info.ok_or_else(|| proto("the server sent no export information"))?;
+    Ok((size, flags, structured, allocation))
+}
+
+/// Reads an option's replies up to its acknowledgement, handing the others to `each` as
+/// `(stream, reply type, length)` (which must consume the payload): `true` when
+/// acknowledged, `false` when the server does not support the option.
+fn option_acked(
+    s: &mut Stream,
+    mut each: impl FnMut(&mut Stream, u32, u32) -> io::Result<()>,
+) -> io::Result<bool> {
+    loop {
+        if read_u64(s)? != REPLY_MAGIC {
+            return Err(proto("bad option reply magic"));
+        }
+        let _option = read_u32(s)?;
+        let kind = read_u32(s)?;
+        let len = read_u32(s)?;
+        match kind {
+            REP_ACK => {
+                skip(s, u64::from(len))?;
+                return Ok(true);
+            }
+            k if k & (1 << 31) != 0 => {
+                skip(s, u64::from(len))?;
+                return Ok(false);
+            }
+            k => each(s, k, len)?,
+        }
+    }
 }
 
 fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {

@@ -18,8 +18,10 @@ const DROP_CACHE_ALIGN: u64 = 64 << 10;
 
 /// A file whose data extents and holes are asked from the file system.
 pub(crate) struct HostFile {
-    /// `None` for an NBD export (all data, as QEMU sees an export without block status).
+    /// `None` for an NBD export.
     file: Option<File>,
+    /// The NBD export, whose block status (when the server offers it) tells holes.
+    nbd: Option<std::sync::Arc<qimg::io::NbdStorage>>,
     pub(super) path: PathBuf,
     /// Drop cached pages of a range before asking for its holes (metadata-preallocated qcow2
     /// files, whose metadata this process reads).
@@ -33,15 +35,18 @@ pub(crate) struct HostFile {
 impl HostFile {
     pub(super) fn open(path: &Path, name: Rc<str>) -> Result<Self> {
         if let Some(uri) = path.to_str().filter(|p| p.starts_with("nbd")) {
-            if qimg::io::nbd::NbdAddress::parse(uri) != Ok(None) {
-                let nbd = qimg::io::NbdStorage::connect(uri, false)
+            if let Ok(Some(addr)) = qimg::io::nbd::NbdAddress::parse(uri) {
+                let nbd = qimg::io::NbdStorage::shared(uri, false)
                     .map_err(|e| anyhow!("Could not open '{name}': {e}"))?;
+                // The map names the export as QEMU writes it back.
+                let name = Rc::from(addr.to_string());
                 return Ok(Self {
                     file: None,
                     path: path.to_path_buf(),
                     drop_cache: false,
                     name,
                     len: nbd.size(),
+                    nbd: Some(nbd),
                 });
             }
         }
@@ -57,6 +62,7 @@ impl HostFile {
             drop_cache: false,
             name,
             len,
+            nbd: None,
         })
     }
 
@@ -66,6 +72,27 @@ impl HostFile {
     pub(super) fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
         let Some(file) = &self.file else {
             let data_end = end.min(self.len).max(start);
+            // The server's block status; without it everything is data, as QEMU assumes.
+            let status = self
+                .nbd
+                .as_ref()
+                .and_then(|n| n.block_status(start, data_end - start).ok().flatten());
+            if let Some(runs) = status {
+                let mut out: Vec<(u64, u64, bool)> = Vec::new();
+                let mut at = start;
+                for (len, flags) in runs {
+                    let data = flags & qimg::io::nbd::STATE_HOLE == 0;
+                    match out.last_mut() {
+                        Some(last) if last.2 == data => last.1 += len,
+                        _ => out.push((at, len, data)),
+                    }
+                    at += len;
+                }
+                if end > at {
+                    out.push((at, end - at, false));
+                }
+                return out;
+            }
             let mut out = vec![(start, data_end - start, true)];
             if end > data_end {
                 out.push((data_end, end - data_end, false));
