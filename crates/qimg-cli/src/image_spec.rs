@@ -91,7 +91,7 @@ const IGNORED: &[&str] = &[
 /// Rewrites `args` (the program name first): with `--image-opts`, every option-string image
 /// name becomes its file name and the flag goes; `json:` names become their file names
 /// everywhere. An unusable name is an error worded as qemu-img's.
-pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
+pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), String> {
     // `bench` takes `--image-opts` itself and honours the cache options in it.
     if args.get(1).is_some_and(|a| a == "bench") {
         return Ok(());
@@ -123,7 +123,8 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
         } else {
             continue;
         };
-        let (name, ov) = file_name(&pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+        let (name, ov) =
+            file_name(&pairs, program).map_err(|e| format!("Could not open '{s}': {e}"))?;
         OVERRIDES
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -205,7 +206,7 @@ fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(
 
 /// The file name an option set names, for the qcow2 or raw driver on a file (or the file
 /// driver alone, or no driver: the format is probed), and what else it says about the image.
-fn file_name(pairs: &[(String, String)]) -> Result<(String, Overrides), String> {
+fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overrides), String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
     let driver = get("driver").map(String::as_str).unwrap_or("");
     let mut ov = Overrides::default();
@@ -235,7 +236,7 @@ fn file_name(pairs: &[(String, String)]) -> Result<(String, Overrides), String> 
                 eprintln!(
                     "{}: warning: Use of \"backing\": \"\" is deprecated; use \"backing\": null \
                      instead",
-                    crate::status::program()
+                    program
                 );
                 ov.no_backing = true;
             }
@@ -265,7 +266,7 @@ mod tests {
 
     fn run(args: &[&str]) -> Result<Vec<String>, String> {
         let mut a: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
-        rewrite(&mut a)?;
+        rewrite(&mut a, "qimg")?;
         Ok(a.into_iter().map(|s| s.into_string().unwrap()).collect())
     }
 

@@ -130,7 +130,7 @@ fn parse() -> Cli {
         eprintln!("{name}: {e}");
         std::process::exit(1);
     }
-    if let Err(e) = image_spec::rewrite(&mut args) {
+    if let Err(e) = image_spec::rewrite(&mut args, name) {
         eprintln!("{name}: {e}");
         std::process::exit(1);
     }
