@@ -462,9 +462,12 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
             // queue's 16 requests in flight miss together). How many go direct depends on how
             // the two queues' loads evict each other's slices, i.e. on disk latency: 600-700
             // loads and 1,150-1,200 direct on some days, 226-388 loads and 273-487 direct in
-            // six runs on others. The floors are below both.
-            assert!(loads >= 100, "{loads} slices loaded on the rings");
-            assert!(direct >= 150, "{direct} direct, {engine} on the engine");
+            // six runs on others, 124-1,021 direct in ten runs on 2026-11-27 (before and after
+            // that day's queue changes alike; one run in three under the old floor of 150).
+            // Without the ring's loads it is a handful (the 2-slice cache misses on nearly
+            // every request). The floors are a third of the lowest seen, far above that.
+            assert!(loads >= 30, "{loads} slices loaded on the rings");
+            assert!(direct >= 40, "{direct} direct, {engine} on the engine");
             // Every request's lookup counts once: a hit, a miss that loaded its slice, or a
             // hit after waiting for another request's load.
             let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
