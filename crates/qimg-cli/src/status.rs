@@ -76,7 +76,7 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
         qimg::Error::Storage {
             source: qimg::io::StorageError::Open { source, .. },
             ..
-        } if file.starts_with("nbd") => return source.to_string(),
+        } if qimg::io::nbd::is_nbd_name(file) => return source.to_string(),
         other => {
             let s = other.to_string();
             s.strip_prefix(&format!("{file}: "))

@@ -59,7 +59,7 @@ impl AnyStorage {
     ) -> Result<Self> {
         // An NBD name (`nbd://`, `nbd+unix://`, `nbd:`) is an export, not a file.
         if let Some(name) = path.as_ref().to_str() {
-            if name.starts_with("nbd") && crate::nbd::NbdAddress::parse(name) != Ok(None) {
+            if crate::nbd::is_nbd_name(name) {
                 return Ok(Self::Nbd(NbdStorage::shared(name, writable)?));
             }
         }

@@ -200,6 +200,12 @@ impl std::fmt::Display for NbdAddress {
     }
 }
 
+/// Whether `name` names an NBD export (see [`NbdAddress::parse`]) rather than a file: the
+/// one test every open by name makes.
+pub fn is_nbd_name(name: &str) -> bool {
+    name.starts_with("nbd") && NbdAddress::parse(name) != Ok(None)
+}
+
 fn split_host_port(authority: &str) -> std::result::Result<(String, u16), String> {
     if let Some(rest) = authority.strip_prefix('[') {
         let (host, after) = rest.split_once(']').ok_or("unterminated [ in host")?;
@@ -449,58 +455,42 @@ impl NbdStorage {
     /// ([`STATE_HOLE`], [`STATE_ZERO`]), from the server's `base:allocation` context; `None`
     /// when the server offers none (then everything is data, as QEMU assumes).
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Option<Vec<(u64, u32)>>> {
-        let (op, end) = (Op::Probe, offset.saturating_add(len).min(self.size));
+        let has_context = self
+            .conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .allocation
+            .is_some();
+        if !has_context {
+            return Ok(None);
+        }
+        let end = offset.saturating_add(len).min(self.size);
         let mut runs: Vec<(u64, u32)> = Vec::new();
         let mut at = offset;
         while at < end {
             let n = (end - at).min(u64::from(u32::MAX) / 2 + 1);
-            let err = |source: io::Error| StorageError::Io {
-                op,
+            let mut got = 0u64;
+            let req = Req {
+                op: Op::Probe,
+                cmd: CMD_BLOCK_STATUS,
+                flags: 0,
                 offset: at,
                 len: n,
-                source,
             };
-            let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-            if c.allocation.is_none() {
-                return Ok(None);
-            }
-            if c.broken {
-                return Err(err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "the NBD connection failed earlier",
-                )));
-            }
-            let cookie = c.cookie;
-            c.cookie += 1;
-            let mut head = [0u8; 28];
-            head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
-            head[6..8].copy_from_slice(&CMD_BLOCK_STATUS.to_be_bytes());
-            head[8..16].copy_from_slice(&cookie.to_be_bytes());
-            head[16..24].copy_from_slice(&at.to_be_bytes());
-            head[24..28].copy_from_slice(&(n as u32).to_be_bytes());
-            let mut got = 0u64;
-            let r = (|| {
-                c.stream.write_all(&head)?;
-                c.stream.flush()?;
-                let c = &mut *c;
-                read_reply(c, cookie, at, None, &mut |l, f| {
-                    let l = u64::from(l).min(n - got);
-                    if l > 0 {
-                        runs.push((l, f));
-                        got += l;
-                    }
-                })
-            })();
-            match r {
-                Ok(None) => {}
-                Ok(Some(errno)) => return Err(err(io::Error::from_raw_os_error(errno))),
-                Err(e) => {
-                    c.broken = true;
-                    return Err(err(e));
+            self.exchange(req, &[], None, &mut |l, f| {
+                let l = u64::from(l).min(n - got);
+                if l > 0 {
+                    runs.push((l, f));
+                    got += l;
                 }
-            }
+            })?;
             if got == 0 {
-                return Err(err(proto("the server described no part of the range")));
+                return Err(StorageError::Io {
+                    op: Op::Probe,
+                    offset: at,
+                    len: n,
+                    source: proto("the server described no part of the range"),
+                });
             }
             at += got;
         }
@@ -533,9 +523,20 @@ impl NbdStorage {
         Ok(done)
     }
 
-    /// Sends one request (with `data` for a write) and reads its simple reply (into `out` for
-    /// a read).
+    /// Sends one request (with `data` for a write) and reads its reply (into `out` for a
+    /// read).
     fn request(&self, req: Req, data: &[IoSlice<'_>], out: Option<&mut [u8]>) -> Result<()> {
+        self.exchange(req, data, out, &mut |_, _| {})
+    }
+
+    /// [`request`](Self::request), block status descriptors handed to `status`.
+    fn exchange(
+        &self,
+        req: Req,
+        data: &[IoSlice<'_>],
+        out: Option<&mut [u8]>,
+        status: &mut dyn FnMut(u32, u32),
+    ) -> Result<()> {
         let Req {
             op,
             cmd,
@@ -575,7 +576,7 @@ impl NbdStorage {
                 return Ok(None);
             }
             let c = &mut *c;
-            read_reply(c, cookie, offset, out, &mut |_, _| {})
+            read_reply(c, cookie, offset, out, status)
         })();
         match r {
             Ok(None) => Ok(()),

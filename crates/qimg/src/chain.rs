@@ -66,12 +66,9 @@ pub(crate) fn read_at_most(file: &File, path: &Path, offset: u64, len: u64) -> R
 
 /// An NBD export, when `path` is an NBD name (`nbd://...`).
 pub(crate) fn nbd_export(path: &Path) -> Result<Option<std::sync::Arc<qimg_io::NbdStorage>>> {
-    let Some(name) = path.to_str().filter(|n| n.starts_with("nbd")) else {
+    let Some(name) = path.to_str().filter(|n| qimg_io::nbd::is_nbd_name(n)) else {
         return Ok(None);
     };
-    if qimg_io::nbd::NbdAddress::parse(name) == Ok(None) {
-        return Ok(None);
-    }
     qimg_io::NbdStorage::shared(name, false)
         .map(Some)
         .map_err(|e| Error::storage(path, e))

@@ -34,7 +34,7 @@ pub(crate) struct HostFile {
 
 impl HostFile {
     pub(super) fn open(path: &Path, name: Rc<str>) -> Result<Self> {
-        if let Some(uri) = path.to_str().filter(|p| p.starts_with("nbd")) {
+        if let Some(uri) = path.to_str().filter(|p| qimg::io::nbd::is_nbd_name(p)) {
             if let Ok(Some(addr)) = qimg::io::nbd::NbdAddress::parse(uri) {
                 let nbd = qimg::io::NbdStorage::shared(uri, false)
                     .map_err(|e| anyhow!("Could not open '{name}': {e}"))?;

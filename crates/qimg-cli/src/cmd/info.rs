@@ -55,7 +55,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
     // A file that cannot be opened is worded as qemu-img words it.
     let file = &args.filename;
     let opened = |e: qimg::Error| match e {
-        qimg::Error::Io { .. } | qimg::Error::Storage { .. } if file.starts_with("nbd") => {
+        qimg::Error::Io { .. } | qimg::Error::Storage { .. }
+            if qimg::io::nbd::is_nbd_name(file) =>
+        {
             anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
         }
         qimg::Error::Io { .. } => open_msg(

@@ -193,15 +193,17 @@ fn storage_open_error(e: &StorageError, file: &str) -> String {
     match e {
         StorageError::Locked { holder } => lock_error(holder, file),
         // An NBD export's refusals, in QEMU's words where it has them.
-        StorageError::Open { source, .. } if file.starts_with("nbd") => match source.kind() {
-            std::io::ErrorKind::PermissionDenied => {
-                "Could not open image: Permission denied".to_string()
+        StorageError::Open { source, .. } if qimg::io::nbd::is_nbd_name(file) => {
+            match source.kind() {
+                std::io::ErrorKind::PermissionDenied => {
+                    "Could not open image: Permission denied".to_string()
+                }
+                std::io::ErrorKind::NotFound if source.to_string().contains("export") => {
+                    source.to_string()
+                }
+                _ => format!("Could not open '{file}': {source}"),
             }
-            std::io::ErrorKind::NotFound if source.to_string().contains("export") => {
-                source.to_string()
-            }
-            _ => format!("Could not open '{file}': {source}"),
-        },
+        }
         other => match other.raw_os_error() {
             Some(errno) => format!("Could not open '{file}': {}", strerror(errno)),
             None => format!("Could not open '{file}': {other}"),
