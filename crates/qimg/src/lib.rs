@@ -145,7 +145,7 @@ pub use engine::queue::{
     self, BatchRefused, Completion, Queue, QueueOptions, QueueStats, Refused, Request,
 };
 pub use engine::{
-    Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener, HostExtent,
+    Action, Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener, HostExtent,
     Image, InternalSnapshot, OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust,
     UntrustedLimits, WriteLease,
 };

@@ -75,10 +75,14 @@ impl<S: Storage + 'static> Image<S> {
         if len == 0 {
             return Ok(lease);
         }
-        inner.record_change(offset, len).await?;
+        let recorded = inner.record_change(offset, len).await?;
         let bits = inner.geo.cluster_bits();
         let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
         lease.lock_id = Some(inner.locks.acquire(first, end, true).await);
+        if let Err(e) = inner.recorded(recorded, offset, len).await {
+            lease.abort().await;
+            return Err(e);
+        }
         let cs = inner.geo.cluster_size();
         let mut spans = Vec::new();
         let mut pos = 0u64;

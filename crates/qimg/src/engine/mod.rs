@@ -15,11 +15,13 @@
 //! | `rebuild` | the refcount rebuild of a dirty (lazy-refcounts) image |
 //! | [`map`] | where guest data lives ([`Image::map`]) |
 //! | [`lease`] | the VMM data path: write leases over host extents |
+//! | `checkpoint` | [`Image::transaction`]: snapshot and bitmap changes at one instant ([`Action`]) |
 //! | `snapshot` | internal snapshots: list, create, apply, delete ([`InternalSnapshot`]) |
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
 pub(crate) mod bitmaps;
+pub(crate) mod checkpoint;
 #[cfg(feature = "blocking")]
 pub mod blocking;
 pub(crate) mod compress;
@@ -41,6 +43,7 @@ mod state;
 pub(crate) mod walk;
 
 pub use bitmaps::{BitmapInfo, DirtyBitmap};
+pub use checkpoint::Action;
 #[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
 pub use compress::{DecompressError, compress, decompress};

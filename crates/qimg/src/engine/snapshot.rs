@@ -154,16 +154,19 @@ impl<S: Storage> Image<S> {
         name: &str,
         opts: &SnapshotOptions,
     ) -> Result<InternalSnapshot> {
+        self.inner.check_new_snapshot(name)?;
+        let _guard = self.inner.locks.lock(0, u64::MAX, true).await;
+        self.create_snapshot_locked(name, opts).await
+    }
+
+    /// [`create_snapshot_with`](Self::create_snapshot_with) with every range lock held by
+    /// the caller (and [`Inner::check_new_snapshot`] passed).
+    pub(super) async fn create_snapshot_locked(
+        &self,
+        name: &str,
+        opts: &SnapshotOptions,
+    ) -> Result<InternalSnapshot> {
         let inner = &*self.inner;
-        inner.check_snapshots_possible()?;
-        if name.len() > usize::from(u16::MAX) {
-            return Err(Error::InvalidOption(format!(
-                "snapshot name of {} bytes: at most {} are allowed",
-                name.len(),
-                u16::MAX
-            )));
-        }
-        let _guard = inner.locks.lock(0, u64::MAX, true).await;
         let mut m = inner.meta.lock().await;
         inner.ensure_open(&m)?;
         let mut snaps = inner.read_snapshot_table(&m).await?;
@@ -459,6 +462,20 @@ impl<S: Storage> Image<S> {
 }
 
 impl<S: Storage> Inner<S> {
+    /// Refuses a new snapshot named `name` before anything is locked: snapshots not possible
+    /// here, or a name too long for the table.
+    pub(super) fn check_new_snapshot(&self, name: &str) -> Result<()> {
+        self.check_snapshots_possible()?;
+        if name.len() > usize::from(u16::MAX) {
+            return Err(Error::InvalidOption(format!(
+                "snapshot name of {} bytes: at most {} are allowed",
+                name.len(),
+                u16::MAX
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses snapshot changes on read-only images and images with an external data file
     /// (QEMU does not support them).
     fn check_snapshots_possible(&self) -> Result<()> {

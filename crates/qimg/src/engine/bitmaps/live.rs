@@ -95,6 +95,11 @@ impl Commits {
     }
 }
 
+/// What [`Inner::record_change`] saw: the bitmaps' epoch before it recorded.
+#[derive(Debug, Clone, Copy)]
+#[must_use = "pass it to `Inner::recorded` once the range lock is held"]
+pub(crate) struct Recorded(u64);
+
 /// One durable write to make for a bitmap: its words `[first, end)` (a sector) in place, or,
 /// for a data cluster not allocated yet (table entry `t`), the whole cluster; with the words
 /// of `set` (ranges of word indices) all set.
@@ -116,11 +121,29 @@ impl<S: Storage> Inner<S> {
     /// Records a write, write-zeroes or discard of `[offset, offset + len)` in every enabled
     /// bitmap and, for crash-consistent bitmaps, makes the bits durable before returning.
     /// Every path that changes guest data calls this before it changes anything.
-    pub(crate) async fn record_change(&self, offset: u64, len: u64) -> Result<()> {
-        if self.bitmaps.mark(offset, len) {
+    ///
+    /// The caller then takes its range lock and calls [`recorded`](Self::recorded) with
+    /// what this returned before it changes anything.
+    pub(crate) async fn record_change(&self, offset: u64, len: u64) -> Result<Recorded> {
+        let epoch = self.bitmaps.epoch();
+        if !self.bitmaps.mark(offset, len) {
+            self.sync_bitmaps(offset, len).await?;
+        }
+        Ok(Recorded(epoch))
+    }
+
+    /// Called with the range lock of `[offset, offset + len)` held, after
+    /// [`record_change`](Self::record_change): when the bitmaps changed meanwhile (a
+    /// checkpoint added, cleared or enabled one while the request waited for its lock),
+    /// records the change again in the bitmaps as they are now, so that a bitmap started by a
+    /// checkpoint misses no write that runs after it. The rule for the queue's direct path
+    /// is the same check ([`Bitmaps::still_current`](super::Bitmaps::still_current)), which
+    /// hands such a write to the engine.
+    pub(crate) async fn recorded(&self, r: Recorded, offset: u64, len: u64) -> Result<()> {
+        if self.bitmaps.still_current(r.0) {
             return Ok(());
         }
-        self.sync_bitmaps(offset, len).await
+        self.record_change(offset, len).await.map(drop)
     }
 
     /// Makes the bits of `[offset, offset + len)` durable in every crash-consistent bitmap

@@ -42,6 +42,11 @@ pub(crate) struct Bitmaps {
     pending: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Some crash-consistent bitmaps must be marked `in_use` on disk before the next write.
     in_use_pending: AtomicBool,
+    /// Bumped by every change of which bitmaps record or of their bits other than by a
+    /// write (add, remove, enable, disable, clear, merge): a write that recorded itself
+    /// before such a change and runs after it records itself again (see
+    /// [`Inner::recorded`](crate::engine::image::Inner)).
+    epoch: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -237,6 +242,23 @@ impl Bitmaps {
     fn note_recording(&self, state: &State) {
         let on = state.list.iter().any(Bitmap::enabled);
         self.recording.store(on, Ordering::Release);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The current epoch: read it before [`mark`](Self::mark), compare it with
+    /// [`still_current`](Self::still_current) once the request holds its range lock.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Whether no bitmap changed (other than by writes) since `epoch` was read: a write
+    /// that recorded itself at `epoch` and now holds its range lock is recorded in the
+    /// bitmaps as they are. When false it must record itself again before it changes
+    /// anything; a change of the bitmaps that holds every range lock (a checkpoint, see
+    /// [`Image::transaction`](crate::Image::transaction)) then sees every write either
+    /// finished before it or recorded after it.
+    pub(crate) fn still_current(&self, epoch: u64) -> bool {
+        self.epoch() == epoch
     }
 
     /// Follows a resize of the disk to `size` bytes: bits past the old end start clear, bits

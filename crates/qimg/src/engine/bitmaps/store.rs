@@ -10,7 +10,8 @@ use qimg_format::lenient::decode_words;
 use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
 
-use super::{Bitmap, BitmapInfo, Bitmaps, DirtyBitmap, MAX_NAME, inconsistent};
+use super::{Bitmap, BitmapInfo, Bitmaps, DirtyBitmap, MAX_NAME, State, inconsistent, not_found};
+use crate::engine::checkpoint::Action;
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::{Region, Writing};
@@ -435,7 +436,44 @@ impl<S: Storage> Inner<S> {
         self.check_writable()?;
         let cs = self.geo.cluster_size();
         let mut state = self.bitmaps.write();
-        if state.list.iter().any(|b| b.named(name)) {
+        let exists = state.list.iter().any(|b| b.named(name));
+        let granularity_bits = self.check_new_bitmap(&state, name, exists, granularity)?;
+        let bits = bitmap::bit_count(self.size(), granularity_bits);
+        let entries = bitmap::table_entries(bits, cs);
+        state.list.push(Bitmap {
+            entry: BitmapEntry {
+                table_offset: 0,
+                table_size: entries as u32,
+                flags: if enabled { FLAG_AUTO } else { 0 },
+                kind: TYPE_DIRTY_TRACKING,
+                granularity_bits,
+                extra_data: Vec::new(),
+                name: name.as_bytes().to_vec(),
+            },
+            inconsistent: false,
+            table: Vec::new(),
+            words: (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            bits,
+            // Not on disk before the close stores it: a crash loses it (no bitmap is safe).
+            durable: Vec::new(),
+        });
+        state.reshaped = true;
+        self.bitmaps.note_recording(&state);
+        self.bitmaps.changed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Every refusal of adding bitmap `name` (`exists`: one of that name is there), in
+    /// QEMU's words; the granularity's bits otherwise.
+    fn check_new_bitmap(
+        &self,
+        state: &State,
+        name: &str,
+        exists: bool,
+        granularity: Option<u64>,
+    ) -> Result<u8> {
+        let cs = self.geo.cluster_size();
+        if exists {
             return Err(Error::InvalidOption(format!(
                 "Bitmap already exists: {name}"
             )));
@@ -467,29 +505,58 @@ impl<S: Storage> Inner<S> {
         if state.list.len() >= bitmap::MAX_BITMAPS as usize {
             return Err(persistent("Too many persistent bitmaps"));
         }
-        let granularity_bits = g.trailing_zeros() as u8;
-        let bits = bitmap::bit_count(self.size(), granularity_bits);
-        let entries = bitmap::table_entries(bits, cs);
-        state.list.push(Bitmap {
-            entry: BitmapEntry {
-                table_offset: 0,
-                table_size: entries as u32,
-                flags: if enabled { FLAG_AUTO } else { 0 },
-                kind: TYPE_DIRTY_TRACKING,
-                granularity_bits,
-                extra_data: Vec::new(),
-                name: name.as_bytes().to_vec(),
-            },
-            inconsistent: false,
-            table: Vec::new(),
-            words: (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            bits,
-            // Not on disk before the close stores it: a crash loses it (no bitmap is safe).
-            durable: Vec::new(),
-        });
-        state.reshaped = true;
-        self.bitmaps.note_recording(&state);
-        self.bitmaps.changed.store(true, Ordering::Release);
+        Ok(g.trailing_zeros() as u8)
+    }
+
+    /// Refuses `actions` (those on bitmaps) as the bitmap operations would, each seeing the
+    /// bitmaps as the actions before it leave them, without changing anything: a
+    /// transaction applies its actions only once all of them passed.
+    pub(crate) fn check_bitmap_actions(&self, actions: &[Action]) -> Result<()> {
+        let state = self.bitmaps.read();
+        // (name, consistent) as the actions go.
+        let mut names: Vec<(String, bool)> = state
+            .list
+            .iter()
+            .map(|b| (b.info().name, !b.inconsistent))
+            .collect();
+        let usable = |names: &[(String, bool)], name: &str| -> Result<()> {
+            match names.iter().find(|(n, _)| n == name) {
+                None => Err(not_found(name)),
+                Some((_, false)) => Err(inconsistent(name)),
+                Some(_) => Ok(()),
+            }
+        };
+        for a in actions {
+            match a {
+                Action::Snapshot { .. } => {}
+                Action::AddBitmap {
+                    name, granularity, ..
+                } => {
+                    self.check_writable()?;
+                    let exists = names.iter().any(|(n, _)| n == name);
+                    self.check_new_bitmap(&state, name, exists, *granularity)?;
+                    names.push((name.clone(), true));
+                }
+                Action::RemoveBitmap { name } => {
+                    self.check_writable()?;
+                    if !names.iter().any(|(n, _)| n == name) {
+                        return Err(not_found(name));
+                    }
+                    names.retain(|(n, _)| n != name);
+                }
+                Action::ClearBitmap { name } | Action::EnableBitmap { name, .. } => {
+                    self.check_writable()?;
+                    usable(&names, name)?;
+                }
+                Action::MergeBitmaps { target, sources } => {
+                    self.check_writable()?;
+                    usable(&names, target)?;
+                    for s in sources {
+                        usable(&names, s)?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

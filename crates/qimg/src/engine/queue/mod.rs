@@ -832,6 +832,7 @@ impl<S: Storage + 'static> Queue<S> {
         }
         // Before anything changes; a crash-consistent bitmap whose bit is not durable yet
         // sends the write to the engine, which makes it durable first.
+        let epoch = inner.bitmaps.epoch();
         if write && !inner.bitmaps.mark(offset, len) {
             return Err(buffers);
         }
@@ -855,6 +856,12 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(lock) = lock else {
             return Err(buffers);
         };
+        // The bitmaps changed since the write recorded itself (a checkpoint): the engine
+        // records it again (the rule of `Inner::recorded`).
+        if write && !inner.bitmaps.still_current(epoch) {
+            inner.locks.release(lock);
+            return Err(buffers);
+        }
         let reused = meta.is_some();
         if !reused {
             *meta = lock_briefly(&inner.meta);

@@ -28,7 +28,7 @@ impl<S: Storage> Inner<S> {
                 self.path.display()
             )));
         }
-        self.record_change(offset, len).await?;
+        let recorded = self.record_change(offset, len).await?;
         let mut padded;
         let input = if len == cs {
             data
@@ -45,6 +45,7 @@ impl<S: Storage> Inner<S> {
         };
         let plen = packed.len() as u64;
         let _guard = self.locks.lock(offset / cs, offset / cs + 1, true).await;
+        self.recorded(recorded, offset, len).await?;
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
         let old = self.lookup(&mut m, offset).await?;

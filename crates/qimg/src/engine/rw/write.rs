@@ -27,9 +27,10 @@ impl<S: Storage> Inner<S> {
         if len == 0 {
             return Ok(());
         }
-        self.record_change(offset, len).await?;
+        let recorded = self.record_change(offset, len).await?;
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
+        self.recorded(recorded, offset, len).await?;
         let spans: Vec<(u64, usize, usize)> = self
             .pieces(offset, len)
             .map(|(gc, a, n, _)| (gc, a, a + n))

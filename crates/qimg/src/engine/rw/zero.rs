@@ -27,9 +27,10 @@ impl<S: Storage> Inner<S> {
         if len == 0 {
             return Ok(());
         }
-        self.record_change(offset, len).await?;
+        let recorded = self.record_change(offset, len).await?;
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
+        self.recorded(recorded, offset, len).await?;
         for (gc, a, n, _) in self.pieces(offset, len) {
             match how {
                 Unmap::Zero { unmap } => self.zero_chunk(gc, a, a + n, unmap).await?,

@@ -1,0 +1,126 @@
+//! Transactions: several snapshot and bitmap changes at one instant between two guest
+//! requests ([`Image::transaction`]), the checkpoint of an incremental backup.
+
+use qimg_io::Storage;
+
+use crate::engine::image::Image;
+use crate::engine::snapshot::{InternalSnapshot, SnapshotOptions};
+use crate::error::{Error, Result};
+
+/// One change of a [`Image::transaction`]; the names are QMP's transaction actions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// An internal snapshot of the disk as it is (`blockdev-snapshot-internal-sync`): the
+    /// frozen view of a checkpoint.
+    Snapshot {
+        /// Its name (another snapshot of that name is refused, as QEMU refuses it).
+        name: String,
+    },
+    /// A new empty persistent bitmap (`block-dirty-bitmap-add`).
+    AddBitmap {
+        /// Its name.
+        name: String,
+        /// Bytes per bit (a power of two); the cluster size within 4 to 64 KiB by default.
+        granularity: Option<u64>,
+        /// Records writes from now on (QMP's `disabled: false`).
+        enabled: bool,
+    },
+    /// Removes a bitmap (`block-dirty-bitmap-remove`).
+    RemoveBitmap {
+        /// Its name.
+        name: String,
+    },
+    /// Clears every bit (`block-dirty-bitmap-clear`).
+    ClearBitmap {
+        /// Its name.
+        name: String,
+    },
+    /// Starts (`block-dirty-bitmap-enable`) or stops (`-disable`) recording writes.
+    EnableBitmap {
+        /// Its name.
+        name: String,
+        /// Record writes from now on.
+        enabled: bool,
+    },
+    /// Sets in `target` every bit set in one of `sources` (`block-dirty-bitmap-merge`).
+    MergeBitmaps {
+        /// The bitmap that gains bits.
+        target: String,
+        /// Bitmaps of this image.
+        sources: Vec<String>,
+    },
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// Applies `actions` in order, all at one instant: every guest request (through any
+    /// handle: the engine, a [`Queue`](crate::Queue), a lease) either finished before them or
+    /// starts after them, and runs as if they all happened together. So a transaction that
+    /// takes a snapshot, disables bitmap `b0` and adds an enabled `b1` makes a checkpoint:
+    /// `b0` holds every change up to the snapshot, `b1` every change after it.
+    ///
+    /// All or nothing: every action is checked first (QEMU's refusals, in its words), the
+    /// snapshots are taken next (the only actions that write; when one fails, the actions
+    /// after it are not applied and those before stay), then the bitmap changes, which
+    /// cannot fail once checked. Returns the snapshots made, in order.
+    pub async fn transaction(&self, actions: &[Action]) -> Result<Vec<InternalSnapshot>> {
+        let inner = &*self.inner;
+        let mut names: Vec<String> = self.snapshots().await?.into_iter().map(|s| s.name).collect();
+        for a in actions {
+            if let Action::Snapshot { name } = a {
+                inner.check_new_snapshot(name)?;
+                if names.contains(name) {
+                    return Err(Error::InvalidOption(format!(
+                        "Snapshot with name '{name}' already exists"
+                    )));
+                }
+                names.push(name.clone());
+            }
+        }
+        inner.check_bitmap_actions(actions)?;
+        // Every range: no request runs while the actions apply (a request that recorded
+        // itself in the bitmaps before and runs after records itself again, see
+        // `Inner::recorded`).
+        let _guard = inner.locks.lock(0, u64::MAX, true).await;
+        // Sources of merges as they are at this instant.
+        let mut merged = Vec::new();
+        for a in actions {
+            if let Action::MergeBitmaps { sources, .. } = a {
+                for s in sources {
+                    merged.push(self.dirty_bitmap(s).await?);
+                }
+            }
+        }
+        let mut made = Vec::new();
+        for a in actions {
+            if let Action::Snapshot { name } = a {
+                made.push(
+                    self.create_snapshot_locked(name, &SnapshotOptions::new())
+                        .await?,
+                );
+            }
+        }
+        let mut merged = merged.into_iter();
+        for a in actions {
+            match a {
+                Action::Snapshot { .. } => {}
+                Action::AddBitmap {
+                    name,
+                    granularity,
+                    enabled,
+                } => inner.add_bitmap(name, *granularity, *enabled)?,
+                Action::RemoveBitmap { name } => inner.remove_bitmap(name)?,
+                Action::ClearBitmap { name } => inner.clear_bitmap(name)?,
+                Action::EnableBitmap { name, enabled } => inner.enable_bitmap(name, *enabled)?,
+                Action::MergeBitmaps { target, sources } => {
+                    for _ in sources {
+                        if let Some(source) = merged.next() {
+                            inner.merge_bitmap(target, &source)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(made)
+    }
+}
