@@ -59,6 +59,7 @@ const TFLAG_READ_ONLY: u16 = 1 << 1;
 const TFLAG_SEND_FLUSH: u16 = 1 << 2;
 const TFLAG_SEND_TRIM: u16 = 1 << 5;
 const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
+const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 
 const CMD_READ: u16 = 0;
 const CMD_WRITE: u16 = 1;
@@ -294,8 +295,9 @@ struct Conn {
     cookie: u64,
     /// Structured replies were negotiated.
     structured: bool,
-    /// The `base:allocation` context's id, when the server offers it.
-    allocation: Option<u32>,
+    /// The metadata contexts the server agreed to, `(name, id)`: `base:allocation` when it
+    /// offers it, and those asked for by [`NbdStorage::connect_with`].
+    contexts: Vec<(String, u32)>,
     /// A reply went wrong: the stream is out of step and takes no more requests.
     broken: bool,
 }
@@ -372,6 +374,13 @@ impl NbdStorage {
     /// Connects to the export `name` names (see [`NbdAddress::parse`]); read-only unless
     /// `writable` (a read-only export refuses a writable open).
     pub fn connect(name: &str, writable: bool) -> Result<Self> {
+        Self::connect_with(name, writable, &[])
+    }
+
+    /// [`connect`](Self::connect), asking also for the metadata `contexts` (such as
+    /// `qemu:dirty-bitmap:NAME`) beside `base:allocation`; one the server does not offer is
+    /// refused when asked for ([`context_status`](Self::context_status)).
+    pub fn connect_with(name: &str, writable: bool, contexts: &[&str]) -> Result<Self> {
         let open_err = |source: io::Error| StorageError::Open {
             path: name.into(),
             source,
@@ -404,8 +413,8 @@ impl NbdStorage {
         };
         let mut stream = stream;
         stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-        let (size, flags, structured, allocation) =
-            handshake(&mut stream, &addr.export).map_err(open_err)?;
+        let (size, flags, structured, agreed) =
+            handshake(&mut stream, &addr.export, contexts).map_err(open_err)?;
         stream.set_read_timeout(None);
         if writable && flags & TFLAG_READ_ONLY != 0 {
             return Err(open_err(io::Error::new(
@@ -418,7 +427,7 @@ impl NbdStorage {
                 stream,
                 cookie: 1,
                 structured,
-                allocation,
+                contexts: agreed,
                 broken: false,
             }),
             size,
@@ -455,15 +464,44 @@ impl NbdStorage {
     /// ([`STATE_HOLE`], [`STATE_ZERO`]), from the server's `base:allocation` context; `None`
     /// when the server offers none (then everything is data, as QEMU assumes).
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Option<Vec<(u64, u32)>>> {
-        let has_context = self
-            .conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .allocation
-            .is_some();
-        if !has_context {
-            return Ok(None);
+        match self.context_id(BASE_ALLOCATION) {
+            None => Ok(None),
+            Some(id) => self.status_runs(id, offset, len).map(Some),
         }
+    }
+
+    /// The runs `(length, flags)` from `offset` that metadata context `context` (asked for
+    /// at [`connect_with`](Self::connect_with)) gives `[offset, offset + len)`: for
+    /// `qemu:dirty-bitmap:NAME`, flag 1 is "dirty". Refused when the server did not agree to
+    /// the context.
+    pub fn context_status(&self, context: &str, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
+        let id = self.context_id(context).ok_or_else(|| StorageError::Io {
+            op: Op::Probe,
+            offset,
+            len,
+            source: io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("the server offers no metadata context '{context}' for this export"),
+            ),
+        })?;
+        self.status_runs(id, offset, len)
+    }
+
+    /// Whether the server says several connections may serve this export at once
+    /// (`NBD_FLAG_CAN_MULTI_CONN`): then a client may open more to have requests in flight
+    /// together.
+    pub fn can_multi_conn(&self) -> bool {
+        self.flags & TFLAG_CAN_MULTI_CONN != 0
+    }
+
+    fn context_id(&self, name: &str) -> Option<u32> {
+        let c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        c.contexts.iter().find(|(n, _)| n == name).map(|&(_, id)| id)
+    }
+
+    /// The runs of context `id` over `[offset, offset + len)`, asked for in pieces the
+    /// protocol can carry.
+    fn status_runs(&self, id: u32, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
         let end = offset.saturating_add(len).min(self.size);
         let mut runs: Vec<(u64, u32)> = Vec::new();
         let mut at = offset;
@@ -477,9 +515,9 @@ impl NbdStorage {
                 offset: at,
                 len: n,
             };
-            self.exchange(req, &[], None, &mut |l, f| {
+            self.exchange(req, &[], None, &mut |ctx, l, f| {
                 let l = u64::from(l).min(n - got);
-                if l > 0 {
+                if ctx == id && l > 0 {
                     runs.push((l, f));
                     got += l;
                 }
@@ -494,7 +532,7 @@ impl NbdStorage {
             }
             at += got;
         }
-        Ok(Some(runs))
+        Ok(runs)
     }
 
     /// Reads up to `buf.len()` bytes at `offset` on the calling thread (no runtime needed):
@@ -526,7 +564,7 @@ impl NbdStorage {
     /// Sends one request (with `data` for a write) and reads its reply (into `out` for a
     /// read).
     fn request(&self, req: Req, data: &[IoSlice<'_>], out: Option<&mut [u8]>) -> Result<()> {
-        self.exchange(req, data, out, &mut |_, _| {})
+        self.exchange(req, data, out, &mut |_, _, _| {})
     }
 
     /// [`request`](Self::request), block status descriptors handed to `status`.
@@ -535,7 +573,7 @@ impl NbdStorage {
         req: Req,
         data: &[IoSlice<'_>],
         out: Option<&mut [u8]>,
-        status: &mut dyn FnMut(u32, u32),
+        status: &mut dyn FnMut(u32, u32, u32),
     ) -> Result<()> {
         let Req {
             op,
@@ -621,13 +659,14 @@ impl NbdStorage {
 
 /// Reads the reply to request `cookie` (which starts at `offset`): a simple reply, or the
 /// chunks of a structured one (read data into `out`, holes zeroed there, block status
-/// descriptors handed to `status` as `(length, flags)`). `Some(errno)` for an error reply.
+/// descriptors handed to `status` as `(context, length, flags)`). `Some(errno)` for an error
+/// reply.
 fn read_reply(
     c: &mut Conn,
     cookie: u64,
     offset: u64,
     mut out: Option<&mut [u8]>,
-    status: &mut dyn FnMut(u32, u32),
+    status: &mut dyn FnMut(u32, u32, u32),
 ) -> io::Result<Option<i32>> {
     let s = &mut c.stream;
     let magic = read_u32(s)?;
@@ -684,14 +723,14 @@ fn read_reply(
                 }
             }
             REPLY_TYPE_BLOCK_STATUS => {
-                let _context = read_u32(s)?;
+                let context = read_u32(s)?;
                 let mut left = len
                     .checked_sub(4)
                     .ok_or_else(|| proto("short status chunk"))?;
                 while left >= 8 {
                     let n = read_u32(s)?;
                     let f = read_u32(s)?;
-                    status(n, f);
+                    status(context, n, f);
                     left -= 8;
                 }
                 skip(s, left)?;
@@ -710,8 +749,13 @@ fn read_reply(
 }
 
 /// The fixed newstyle handshake for `export`: its size and transmission flags, whether
-/// structured replies are on, and the `base:allocation` context's id.
-fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, bool, Option<u32>)> {
+/// structured replies are on, and the metadata contexts agreed to (`base:allocation` and
+/// `extra`) with their ids.
+fn handshake(
+    s: &mut Stream,
+    export: &str,
+    extra: &[&str],
+) -> io::Result<(u64, u16, bool, Vec<(String, u32)>)> {
     if read_u64(s)? != NBDMAGIC {
         return Err(proto("not an NBD server (no NBDMAGIC)"));
     }
@@ -727,25 +771,32 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, bool, Option
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     let client_flags = u32::from(FLAG_FIXED_NEWSTYLE | (server_flags & FLAG_NO_ZEROES));
     s.write_all(&client_flags.to_be_bytes())?;
-    // Structured replies, then the allocation context (block status), when offered.
+    // Structured replies, then the allocation context (block status) and those asked for,
+    // when offered.
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
     let structured = option_acked(s, |_, _, _| Ok(()))?;
-    let mut allocation = None;
+    let mut agreed = Vec::new();
     if structured {
+        let wanted: Vec<&str> = std::iter::once(BASE_ALLOCATION)
+            .chain(extra.iter().copied())
+            .collect();
         let mut q = Vec::new();
         q.extend_from_slice(&(export.len() as u32).to_be_bytes());
         q.extend_from_slice(export.as_bytes());
-        q.extend_from_slice(&1u32.to_be_bytes());
-        q.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
-        q.extend_from_slice(BASE_ALLOCATION.as_bytes());
+        q.extend_from_slice(&(wanted.len() as u32).to_be_bytes());
+        for w in &wanted {
+            q.extend_from_slice(&(w.len() as u32).to_be_bytes());
+            q.extend_from_slice(w.as_bytes());
+        }
         send_option(s, OPT_SET_META_CONTEXT, &q)?;
         option_acked(s, |s, kind, len| {
-            if kind == REP_META_CONTEXT && len >= 4 {
+            if kind == REP_META_CONTEXT && (4..4 + 4096).contains(&len) {
                 let id = read_u32(s)?;
                 let mut name = vec![0u8; (len - 4) as usize];
                 s.read_exact(&mut name)?;
-                if name == BASE_ALLOCATION.as_bytes() {
-                    allocation = Some(id);
+                let name = String::from_utf8_lossy(&name).into_owned();
+                if wanted.contains(&name.as_str()) {
+                    agreed.push((name, id));
                 }
             } else {
                 skip(s, u64::from(len))?;
@@ -789,7 +840,7 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, bool, Option
                 if !no_zeroes {
                     skip(s, 124)?;
                 }
-                return Ok((size, flags, structured, allocation));
+                return Ok((size, flags, structured, agreed));
             }
             k if k & (1 << 31) != 0 => {
                 let mut msg = vec![0u8; len.min(4096) as usize];
@@ -814,7 +865,7 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, bool, Option
         }
     }
     let (size, flags) = info.ok_or_else(|| proto("the server sent no export information"))?;
-    Ok((size, flags, structured, allocation))
+    Ok((size, flags, structured, agreed))
 }
 
 /// Reads an option's replies up to its acknowledgement, handing the others to `each` as

@@ -10,6 +10,10 @@
 //! Firecracker) connects to its socket and its guest sees a virtio-blk disk, served from one
 //! thread per virtqueue through the engine's per-queue completion handles.
 //!
+//! [`monitor`] is a control socket speaking QMP: bitmaps, snapshots, checkpoints (both at one
+//! instant between two guest requests) and NBD exports of a checkpoint's frozen view, as a
+//! backup tool drives a live disk.
+//!
 //! ```no_run
 //! # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
@@ -27,6 +31,7 @@
 
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod monitor;
 pub mod nbd;
 #[cfg(target_os = "linux")]
 pub mod vhost_user_blk;

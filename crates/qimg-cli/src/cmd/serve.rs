@@ -6,6 +6,11 @@
 //!
 //! With `--tls-creds` every client must run `NBD_OPT_STARTTLS` first.
 //!
+//! `--monitor PATH` adds a control socket speaking QMP ([`qimg_serve::monitor`]): bitmaps,
+//! snapshots, checkpoints and NBD exports of a checkpoint's frozen view, while the disk is
+//! served. The server then keeps serving when clients leave (until `quit`, SIGINT or
+//! SIGTERM) and, unless `--shared` says otherwise, serves up to 64 clients at once.
+//!
 //! The socket is bound to exactly the address given (`unix:PATH` or `HOST:PORT`); at most
 //! `--shared` clients are served at once (more wait in the listen queue, as with qemu-nbd).
 //! Without `--persistent` the server exits once its last client has left. SIGINT and SIGTERM
@@ -20,7 +25,8 @@ use clap::Args;
 use qimg::io::Backend;
 use qimg::{CacheOptions, OpenOptions};
 use qimg_serve::nbd::tls::TlsCreds;
-use qimg_serve::nbd::{BoxStream, Export, Shutdown, StartTls, serve_connection};
+use qimg_serve::monitor::{ExportDefaults, Monitor};
+use qimg_serve::nbd::{BoxStream, Export, Exports, Shutdown, StartTls, serve_client};
 use qimg_serve::vhost_user_blk;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
@@ -69,9 +75,15 @@ pub struct ServeArgs {
     /// Export read-only (writes fail with EPERM).
     #[arg(short = 'r', long = "readonly", visible_alias = "read-only")]
     pub readonly: bool,
-    /// Clients served at once.
-    #[arg(short = 'e', long = "shared", default_value_t = 1)]
-    pub shared: usize,
+    /// Clients served at once (1 by default; 64 with --monitor).
+    #[arg(short = 'e', long = "shared")]
+    pub shared: Option<usize>,
+    /// A control socket speaking QMP on the unix socket PATH (see `qimg_serve::monitor`).
+    #[arg(long = "monitor", value_name = "PATH")]
+    pub monitor: Option<PathBuf>,
+    /// The disk's name in control-socket commands (QMP's device, node, node-name).
+    #[arg(long = "node-name", value_name = "NAME", default_value = "disk")]
+    pub node_name: String,
     /// Keep serving after the last client left.
     #[arg(long = "persistent")]
     pub persistent: bool,
@@ -179,7 +191,7 @@ fn write_pidfile(path: &Path) -> Result<()> {
 
 /// Runs `qimg serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
-    if a.shared == 0 {
+    if a.shared == Some(0) {
         bail!("--shared 0: at least one client must be allowed");
     }
     let mode = CacheMode::parse_option(a.cache.as_deref(), "cache")?;
@@ -239,9 +251,32 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.writethrough = mode.writethrough;
     export.no_flush = mode.no_flush;
     export.per_connection_queue = true;
-    export.tls = tls;
-    export.multi_conn = a.shared > 1;
-    let export = Arc::new(export);
+    let shared = a
+        .shared
+        .unwrap_or(if a.monitor.is_some() { 64 } else { 1 });
+    let persistent = a.persistent || a.monitor.is_some();
+    export.tls = tls.clone();
+    export.multi_conn = shared > 1;
+    let defaults = ExportDefaults {
+        writethrough: export.writethrough,
+        no_flush: export.no_flush,
+        multi_conn: export.multi_conn,
+        per_connection_queue: export.per_connection_queue,
+    };
+    let exports = Arc::new(Exports::new(tls));
+    if exports.add(Arc::new(export)).is_err() {
+        unreachable!("the first export's name is free");
+    }
+    let monitor = match &a.monitor {
+        Some(path) => {
+            let l = UnixListener::bind(path)
+                .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+            let nbd = a.nbd.is_some().then(|| exports.clone());
+            let m = Arc::new(Monitor::new(image.clone(), &a.node_name, nbd, defaults));
+            Some((Listener::Unix(l, path.clone()), m))
+        }
+        None => None,
+    };
 
     let listener = match &a.nbd {
         Some(addr) => Some(Listener::bind(addr)?),
@@ -257,7 +292,8 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let (stop, shutdown) = Shutdown::new();
-    let slots = Arc::new(Semaphore::new(a.shared));
+    let slots = Arc::new(Semaphore::new(shared));
+    let mut monitor_clients = JoinSet::new();
     let mut conns = JoinSet::new();
     let (vhost_stop, mut vhost_done) = match vhost {
         Some((stop, done)) => (Some(stop), Some(done)),
@@ -268,6 +304,19 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
+            _ = async { monitor.as_ref().expect("guarded").1.quit_requested().await },
+                if monitor.is_some() => break,
+            client = async { monitor.as_ref().expect("guarded").0.accept().await },
+                if monitor.is_some() => {
+                match client {
+                    Ok(stream) => {
+                        let m = monitor.as_ref().expect("guarded").1.clone();
+                        monitor_clients.spawn(async move { m.serve(stream).await });
+                    }
+                    Err(e) => eprintln!("qimg: monitor accept: {e}"),
+                }
+            }
+            Some(_) = monitor_clients.join_next(), if !monitor_clients.is_empty() => {}
             r = async { vhost_done.as_mut().expect("guarded").await }, if vhost_done.is_some() => {
                 vhost_done = None;
                 if let Ok(Err(e)) = r {
@@ -281,7 +330,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
                     Err(e) => eprintln!("qimg: client task: {e}"),
                     Ok(Ok(())) => {}
                 }
-                if conns.is_empty() && !a.persistent && vhost_stop.is_none() {
+                if conns.is_empty() && !persistent && vhost_stop.is_none() {
                     break;
                 }
             }
@@ -292,9 +341,9 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
                 let (Ok(slot), stream) = accepted else { break };
                 match stream {
                     Ok(stream) => {
-                        let (export, shutdown) = (export.clone(), shutdown.clone());
+                        let (exports, shutdown) = (exports.clone(), shutdown.clone());
                         conns.spawn(async move {
-                            let r = serve_connection(stream, export, shutdown).await;
+                            let r = serve_client(stream, &exports, shutdown).await;
                             drop(slot);
                             r
                         });
@@ -321,7 +370,12 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
             eprintln!("qimg: client: {e}");
         }
     }
-    drop(export);
+    monitor_clients.abort_all();
+    if let Some((l, m)) = monitor {
+        drop(l);
+        m.close().await;
+    }
+    drop(exports);
     image
         .close()
         .await

@@ -8,8 +8,10 @@
 use qimg::io::Storage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use std::sync::Arc;
+
 use super::proto::*;
-use super::{BoxStream, Error, Export};
+use super::{BoxStream, Error, Export, Exports};
 
 /// Options one handshake may have (a client looping on options cannot keep a connection
 /// slot forever).
@@ -91,12 +93,15 @@ async fn error(s: &mut BoxStream, option: u32, kind: u32, msg: &str) -> Result<(
     reply(s, option, kind, msg.as_bytes()).await
 }
 
-/// Runs the handshake. `None`: the client aborted; otherwise the stream (a TLS session after
-/// `NBD_OPT_STARTTLS`) and what was negotiated.
+/// What a finished handshake hands to the transmission phase: the stream (a TLS session
+/// after `NBD_OPT_STARTTLS`), what was negotiated and the export chosen.
+pub type Chosen<S> = (BoxStream, Negotiated, Arc<Export<S>>);
+
+/// Runs the handshake. `None`: the client aborted; otherwise what it chose.
 pub async fn negotiate<S: Storage + 'static>(
     mut s: BoxStream,
-    export: &Export<S>,
-) -> Result<Option<(BoxStream, Negotiated)>, Error> {
+    exports: &Exports<S>,
+) -> Result<Option<Chosen<S>>, Error> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -133,7 +138,7 @@ pub async fn negotiate<S: Storage + 'static>(
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data).await?;
-        if export.tls.is_some() && !tls_active && option != OPT_STARTTLS && option != OPT_ABORT {
+        if exports.tls().is_some() && !tls_active && option != OPT_STARTTLS && option != OPT_ABORT {
             if option == OPT_EXPORT_NAME {
                 return Err(Error::TlsRequired);
             }
@@ -147,7 +152,7 @@ pub async fn negotiate<S: Storage + 'static>(
                 return Ok(None);
             }
             OPT_STARTTLS => {
-                let Some(tls) = export.tls.as_ref().filter(|_| !tls_active) else {
+                let Some(tls) = exports.tls().filter(|_| !tls_active) else {
                     let (kind, msg) = if tls_active {
                         (REP_ERR_INVALID, "TLS is already active")
                     } else {
@@ -174,11 +179,11 @@ pub async fn negotiate<S: Storage + 'static>(
                 if extended {
                     return Err(Error::ExportNameWithExtendedHeaders);
                 }
-                if data != export.name.as_bytes() {
+                let Some(export) = exports.get(&data) else {
                     return Err(Error::UnknownExport(
                         String::from_utf8_lossy(&data).into_owned(),
                     ));
-                }
+                };
                 let mut m = Vec::with_capacity(134);
                 m.extend_from_slice(&export.image.size().to_be_bytes());
                 m.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
@@ -187,23 +192,23 @@ pub async fn negotiate<S: Storage + 'static>(
                 }
                 s.write_all(&m).await?;
                 s.flush().await?;
-                return Ok(Some((
-                    s,
-                    negotiated(structured, false, &selected, &export.name),
-                )));
+                let n = negotiated(structured, false, &selected, &export.name);
+                return Ok(Some((s, n, export)));
             }
             OPT_LIST => {
                 if !data.is_empty() {
                     error(&mut s, option, REP_ERR_INVALID, "LIST carries no data").await?;
                     continue;
                 }
-                let mut m = Vec::new();
-                m.extend_from_slice(&(export.name.len() as u32).to_be_bytes());
-                m.extend_from_slice(export.name.as_bytes());
-                if let Some(d) = &export.description {
-                    m.extend_from_slice(d.as_bytes());
+                for export in exports.all() {
+                    let mut m = Vec::new();
+                    m.extend_from_slice(&(export.name.len() as u32).to_be_bytes());
+                    m.extend_from_slice(export.name.as_bytes());
+                    if let Some(d) = &export.description {
+                        m.extend_from_slice(d.as_bytes());
+                    }
+                    reply(&mut s, option, REP_SERVER, &m).await?;
                 }
-                reply(&mut s, option, REP_SERVER, &m).await?;
                 reply(&mut s, option, REP_ACK, &[]).await?;
             }
             OPT_STRUCTURED_REPLY => {
@@ -237,13 +242,13 @@ pub async fn negotiate<S: Storage + 'static>(
                 reply(&mut s, option, REP_ACK, &[]).await?;
             }
             OPT_INFO | OPT_GO => {
-                if info(&mut s, option, &data, export, structured).await? {
+                if let Some(export) = info(&mut s, option, &data, exports, structured).await? {
                     let n = negotiated(structured, extended, &selected, &export.name);
-                    return Ok(Some((s, n)));
+                    return Ok(Some((s, n, export)));
                 }
             }
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                meta_context(&mut s, option, &data, export, structured, &mut selected).await?;
+                meta_context(&mut s, option, &data, exports, structured, &mut selected).await?;
             }
             _ => {
                 let msg = format!("option {option} is not supported");
@@ -270,14 +275,14 @@ fn negotiated(structured: bool, extended: bool, selected: &Selected, name: &str)
     }
 }
 
-/// `NBD_OPT_INFO` and `NBD_OPT_GO`. Returns whether the transmission phase starts.
+/// `NBD_OPT_INFO` and `NBD_OPT_GO`. Returns the export when the transmission phase starts.
 async fn info<S: Storage + 'static>(
     s: &mut BoxStream,
     option: u32,
     data: &[u8],
-    export: &Export<S>,
+    exports: &Exports<S>,
     structured: bool,
-) -> Result<bool, Error> {
+) -> Result<Option<Arc<Export<S>>>, Error> {
     let mut c = Cursor(data);
     let parsed = (|| {
         let name = c.string()?;
@@ -290,13 +295,13 @@ async fn info<S: Storage + 'static>(
     })();
     let Some((name, wanted)) = parsed else {
         error(s, option, REP_ERR_INVALID, "malformed INFO/GO request").await?;
-        return Ok(false);
+        return Ok(None);
     };
-    if name != export.name.as_bytes() {
+    let Some(export) = exports.get(name) else {
         let msg = format!("export {:?} not found", String::from_utf8_lossy(name));
         error(s, option, REP_ERR_UNKNOWN, &msg).await?;
-        return Ok(false);
-    }
+        return Ok(None);
+    };
     let mut m = Vec::new();
     m.extend_from_slice(&INFO_EXPORT.to_be_bytes());
     m.extend_from_slice(&export.image.size().to_be_bytes());
@@ -325,7 +330,7 @@ async fn info<S: Storage + 'static>(
     m.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
     reply(s, option, REP_INFO, &m).await?;
     reply(s, option, REP_ACK, &[]).await?;
-    Ok(option == OPT_GO)
+    Ok((option == OPT_GO).then_some(export))
 }
 
 /// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`.
@@ -333,7 +338,7 @@ async fn meta_context<S: Storage + 'static>(
     s: &mut BoxStream,
     option: u32,
     data: &[u8],
-    export: &Export<S>,
+    exports: &Exports<S>,
     structured: bool,
     selected: &mut Selected,
 ) -> Result<(), Error> {
@@ -359,10 +364,10 @@ async fn meta_context<S: Storage + 'static>(
     let Some((name, queries)) = parsed else {
         return error(s, option, REP_ERR_INVALID, "malformed meta context request").await;
     };
-    if name != export.name.as_bytes() {
+    let Some(export) = exports.get(name) else {
         let msg = format!("export {:?} not found", String::from_utf8_lossy(name));
         return error(s, option, REP_ERR_UNKNOWN, &msg).await;
-    }
+    };
     let (mut base, mut depth, mut bitmaps) = (false, false, 0u32);
     let every_bitmap = (1u32 << export.bitmaps.len().min(32)).wrapping_sub(1);
     if queries.is_empty() && !set {

@@ -145,11 +145,16 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     /// Persistent dirty bitmaps offered as `qemu:dirty-bitmap:NAME` metadata contexts (block
     /// status flag 1: dirty), as qemu-nbd's `-B NAME` (at most 32).
     pub bitmaps: Vec<String>,
+    /// The image whose bitmaps [`bitmaps`](Self::bitmaps) names: `image` when `None`. A
+    /// checkpoint's frozen view (a read-only image showing a snapshot) offers the bitmaps
+    /// of the live disk it was taken from, which are in that disk's memory.
+    pub bitmap_source: Option<Image<S>>,
     /// Flush after every write (cache mode `writethrough`, `directsync`).
     pub writethrough: bool,
     /// Ignore flushes (cache mode `unsafe`).
     pub no_flush: bool,
-    /// When set, the client must run `NBD_OPT_STARTTLS` before anything else.
+    /// When set, the client must run `NBD_OPT_STARTTLS` before anything else (a server of
+    /// several exports takes its TLS from [`Exports::new`] instead).
     pub tls: Option<Arc<dyn StartTls>>,
     /// Advertise `NBD_FLAG_CAN_MULTI_CONN`: set it only when the server takes several
     /// connections at once (a client that opens more waits otherwise).
@@ -173,6 +178,7 @@ impl<S: Storage + 'static> Export<S> {
             read_only,
             allocation_depth: false,
             bitmaps: Vec::new(),
+            bitmap_source: None,
             writethrough: false,
             no_flush: false,
             tls: None,
@@ -198,6 +204,76 @@ impl<S: Storage + 'static> Export<S> {
             f |= TF_SEND_FUA | TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
         }
         f
+    }
+}
+
+/// The exports of one server, by name; exports may come and go while it serves (the
+/// control socket's `block-export-add` and `block-export-del`). A client picks one in the
+/// handshake; `NBD_OPT_LIST` lists them all. Connections keep the export they chose even
+/// after it is removed here.
+#[derive(Debug)]
+pub struct Exports<S: Storage + 'static = AnyStorage> {
+    list: std::sync::RwLock<Vec<Arc<Export<S>>>>,
+    tls: Option<Arc<dyn StartTls>>,
+}
+
+impl<S: Storage + 'static> Exports<S> {
+    /// No exports yet; with `tls`, every client must run `NBD_OPT_STARTTLS` first.
+    pub fn new(tls: Option<Arc<dyn StartTls>>) -> Self {
+        Self {
+            list: std::sync::RwLock::new(Vec::new()),
+            tls,
+        }
+    }
+
+    /// A server of one export, with that export's TLS.
+    pub fn single(export: Arc<Export<S>>) -> Self {
+        let me = Self::new(export.tls.clone());
+        me.write().push(export);
+        me
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Export<S>>>> {
+        self.list.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Export<S>>>> {
+        self.list.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds `export`; refused (and handed back) when one of that name is there.
+    pub fn add(&self, export: Arc<Export<S>>) -> Result<(), Arc<Export<S>>> {
+        let mut list = self.write();
+        if list.iter().any(|e| e.name == export.name) {
+            return Err(export);
+        }
+        list.push(export);
+        Ok(())
+    }
+
+    /// Removes the export named `name` (clients connected to it keep it until they leave).
+    pub fn remove(&self, name: &str) -> Option<Arc<Export<S>>> {
+        let mut list = self.write();
+        let at = list.iter().position(|e| e.name == name)?;
+        Some(list.remove(at))
+    }
+
+    /// The export named `name`.
+    pub fn get(&self, name: &[u8]) -> Option<Arc<Export<S>>> {
+        self.read()
+            .iter()
+            .find(|e| e.name.as_bytes() == name)
+            .cloned()
+    }
+
+    /// Every export, in the order they were added.
+    pub fn all(&self) -> Vec<Arc<Export<S>>> {
+        self.read().clone()
+    }
+
+    /// The TLS every client must start, if any.
+    pub fn tls(&self) -> Option<&Arc<dyn StartTls>> {
+        self.tls.as_ref()
     }
 }
 
@@ -241,11 +317,23 @@ pub async fn serve_connection<S: Storage + 'static>(
     export: Arc<Export<S>>,
     shutdown: Shutdown,
 ) -> Result<(), Error> {
-    let negotiated = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::negotiate(stream, &export))
+    serve_client(stream, &Exports::single(export), shutdown).await
+}
+
+/// [`serve_connection`] on a server of several exports: the client picks one of
+/// `exports` in the handshake.
+pub async fn serve_client<S: Storage + 'static>(
+    stream: BoxStream,
+    exports: &Exports<S>,
+    shutdown: Shutdown,
+) -> Result<(), Error> {
+    let negotiated = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::negotiate(stream, exports))
         .await
         .map_err(|_| Error::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
     match negotiated {
         None => Ok(()),
-        Some((stream, negotiated)) => transmission::run(stream, export, negotiated, shutdown).await,
+        Some((stream, negotiated, export)) => {
+            transmission::run(stream, export, negotiated, shutdown).await
+        }
     }
 }

@@ -1089,7 +1089,8 @@ async fn block_status<S: Storage + 'static>(
         if neg.bitmaps & 1 << i == 0 {
             continue;
         }
-        match img.bitmap_extents(name, req.offset, len).await {
+        let source = export.bitmap_source.as_ref().unwrap_or(img);
+        match source.bitmap_extents(name, req.offset, len).await {
             Ok(dirty) => contexts.push((
                 CTX_ID_BITMAP + i as u32,
                 status::dirty_descriptors(&dirty, req.offset, end),
