@@ -71,6 +71,8 @@ enum Command {
     Dd(cmd::dd::DdArgs),
     /// Change the persistent dirty bitmaps of a qcow2 image: `qimg bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... [-b SOURCE_FILE [-F SOURCE_FMT]] [-g GRANULARITY] [-f FMT] FILE BITMAP`
     Bitmap(cmd::bitmap::BitmapArgs),
+    /// Back up an NBD export (a checkpoint's view of `qimg serve --monitor`): `qimg backup full SOURCE OUTPUT`, `qimg backup incremental --bitmap NAME SOURCE -B PREVIOUS OUTPUT`, `qimg backup verify SOURCE CHAIN`
+    Backup(cmd::backup::BackupArgs),
     /// Run qemu-io commands on an image: `qimg io [-f FMT] [-r] [-U] [-t CACHE] [-i AIO] [-n] [-c CMD]... FILE`
     Io(cmd::io::IoArgs),
 }
@@ -336,6 +338,8 @@ fn main() -> ExitCode {
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
         Command::Dd(a) => exit_status(cmd::dd::run(a)),
         Command::Bitmap(a) => cmd::bitmap::main(a),
+        // backup verify has qemu-img compare's exit status (1: different).
+        Command::Backup(a) => cmd::backup::main(a),
         // io has qemu-io's exit status and prints its own errors.
         Command::Io(a) => cmd::io::run(a),
     }

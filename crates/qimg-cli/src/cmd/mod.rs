@@ -1,6 +1,7 @@
 //! One module per `qimg` command: its arguments (clap) and its `run`.
 
 pub mod amend;
+pub mod backup;
 pub mod bench;
 pub mod bitmap;
 pub mod check;
