@@ -64,7 +64,7 @@ enum Command {
     /// Write an image's data into its backing file: `qimg commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] FILE`
     Commit(cmd::commit::CommitArgs),
     /// Export an image over NBD and/or as a vhost-user-blk device: `qimg serve (--nbd unix:PATH|HOST:PORT [-x NAME] [-e N] [--persistent] | --vhost-user-blk SOCKET [--num-queues N]) [-r] [-t CACHE] FILE`
-    Serve(cmd::serve::ServeArgs),
+    Serve(Box<cmd::serve::ServeArgs>),
     /// List, create, apply or delete internal snapshots: `qimg snapshot [-f FMT] [-U] [-q] (-l | -c NAME | -a NAME | -d NAME) FILE`
     Snapshot(cmd::snapshot::SnapshotArgs),
     /// Copy blocks of an image into a new one: `qimg dd [-f FMT] [-O FMT] if=INPUT of=OUTPUT [bs=SIZE] [count=N] [skip=N]`
@@ -334,7 +334,7 @@ fn main() -> ExitCode {
         Command::Amend(a) => exit_status(cmd::amend::run(a)),
         Command::Rebase(a) => exit_status(cmd::rebase::run(a)),
         Command::Commit(a) => exit_status(cmd::commit::run(a)),
-        Command::Serve(a) => exit_status(cmd::serve::run(a)),
+        Command::Serve(a) => exit_status(cmd::serve::run(*a)),
         Command::Snapshot(a) => exit_status(cmd::snapshot::run(a)),
         Command::Dd(a) => exit_status(cmd::dd::run(a)),
         Command::Bitmap(a) => cmd::bitmap::main(a),

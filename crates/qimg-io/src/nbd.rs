@@ -496,7 +496,10 @@ impl NbdStorage {
 
     fn context_id(&self, name: &str) -> Option<u32> {
         let c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        c.contexts.iter().find(|(n, _)| n == name).map(|&(_, id)| id)
+        c.contexts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, id)| id)
     }
 
     /// The runs of context `id` over `[offset, offset + len)`, asked for in pieces the
@@ -748,14 +751,14 @@ fn read_reply(
     }
 }
 
+/// What the handshake found: the export's size and transmission flags, whether structured
+/// replies are on, and the metadata contexts agreed to with their ids.
+type Handshaken = (u64, u16, bool, Vec<(String, u32)>);
+
 /// The fixed newstyle handshake for `export`: its size and transmission flags, whether
 /// structured replies are on, and the metadata contexts agreed to (`base:allocation` and
 /// `extra`) with their ids.
-fn handshake(
-    s: &mut Stream,
-    export: &str,
-    extra: &[&str],
-) -> io::Result<(u64, u16, bool, Vec<(String, u32)>)> {
+fn handshake(s: &mut Stream, export: &str, extra: &[&str]) -> io::Result<Handshaken> {
     if read_u64(s)? != NBDMAGIC {
         return Err(proto("not an NBD server (no NBDMAGIC)"));
     }

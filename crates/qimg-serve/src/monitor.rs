@@ -350,18 +350,34 @@ impl Monitor {
                         _ => e,
                     })?);
                 }
-                self.image.transaction(&list).await?;
-                Ok(json!({}))
+                self.run(&list).await
             }
             "blockdev-snapshot-delete-internal-sync" => self.delete_snapshot(args).await,
             "block-export-add" => self.export_add(args).await,
             "block-export-del" => self.export_del(args).await,
             _ => {
                 let action = self.action(name, args)?;
-                self.image.transaction(&[action]).await?;
-                Ok(json!({}))
+                self.run(&[action]).await
             }
         }
+    }
+
+    /// Runs `actions` as one transaction; a bitmap an export offers cannot be removed (QEMU
+    /// refuses to remove a bitmap in use, in these words).
+    async fn run(&self, actions: &[Action]) -> Reply {
+        let added = self.added.lock().await;
+        for a in actions {
+            if let Action::RemoveBitmap { name } = a {
+                if added.iter().any(|e| e.export.bitmaps.contains(name)) {
+                    return Err(QmpError::generic(format!(
+                        "Bitmap '{name}' is currently in use by another operation and cannot be used"
+                    )));
+                }
+            }
+        }
+        drop(added);
+        self.image.transaction(actions).await?;
+        Ok(json!({}))
     }
 
     /// A command that is also a transaction action, as an engine [`Action`].
@@ -379,7 +395,10 @@ impl Monitor {
                 }
                 let granularity = match args.get("granularity") {
                     None => None,
-                    Some(g) => Some(g.as_u64().ok_or_else(|| wrong_type("granularity", "uint32"))?),
+                    Some(g) => Some(
+                        g.as_u64()
+                            .ok_or_else(|| wrong_type("granularity", "uint32"))?,
+                    ),
                 };
                 let disabled = match args.get("disabled") {
                     None => false,
@@ -697,7 +716,9 @@ fn missing(key: &str) -> QmpError {
 }
 
 fn wrong_type(key: &str, want: &str) -> QmpError {
-    QmpError::generic(format!("Invalid parameter type for '{key}', expected: {want}"))
+    QmpError::generic(format!(
+        "Invalid parameter type for '{key}', expected: {want}"
+    ))
 }
 
 fn str_arg<'a>(args: &'a Map<String, Value>, key: &str) -> Result<&'a str, QmpError> {

@@ -145,9 +145,9 @@ pub use engine::queue::{
     self, BatchRefused, Completion, Queue, QueueOptions, QueueStats, Refused, Request,
 };
 pub use engine::{
-    Action, Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener, HostExtent,
-    Image, InternalSnapshot, OpenOptions, Opener, ReadLease, SnapshotOptions, Stats, Trust,
-    UntrustedLimits, WriteLease,
+    Action, Allocation, Backing, BitmapInfo, DirtyBitmap, Extent, ExtentKind, FileOpener,
+    HostExtent, Image, InternalSnapshot, OpenOptions, Opener, ReadLease, SnapshotOptions, Stats,
+    Trust, UntrustedLimits, WriteLease,
 };
 pub use error::{Error, Result};
 pub use probe::{ImageProbe, probe};

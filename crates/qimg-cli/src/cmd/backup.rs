@@ -225,7 +225,13 @@ fn backup(
         let mut tasks = tokio::task::JoinSet::new();
         for nbd in conns {
             let (image, queue, progress) = (image.clone(), queue.clone(), progress.clone());
-            tasks.spawn(copy_pieces(nbd, image, queue, progress, incremental.is_some()));
+            tasks.spawn(copy_pieces(
+                nbd,
+                image,
+                queue,
+                progress,
+                incremental.is_some(),
+            ));
         }
         let mut failed = None;
         while let Some(r) = tasks.join_next().await {
@@ -284,10 +290,7 @@ async fn copy_pieces(
         } else {
             image.write(&buf, offset).await?;
         }
-        progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add(len);
+        progress.lock().unwrap_or_else(|e| e.into_inner()).add(len);
     }
 }
 
@@ -328,7 +331,10 @@ fn verify(source: &str, chain: &Path, quiet: bool) -> Result<u8> {
         }
         if size != image.size() {
             if !quiet {
-                println!("Image sizes differ: {size} (export) and {} (chain)", image.size());
+                println!(
+                    "Image sizes differ: {size} (export) and {} (chain)",
+                    image.size()
+                );
             }
             return Ok(1);
         }

@@ -24,8 +24,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use qimg::io::Backend;
 use qimg::{CacheOptions, OpenOptions};
-use qimg_serve::nbd::tls::TlsCreds;
 use qimg_serve::monitor::{ExportDefaults, Monitor};
+use qimg_serve::nbd::tls::TlsCreds;
 use qimg_serve::nbd::{BoxStream, Export, Exports, Shutdown, StartTls, serve_client};
 use qimg_serve::vhost_user_blk;
 use tokio::net::{TcpListener, UnixListener};
@@ -251,9 +251,7 @@ async fn serve(a: ServeArgs, mode: CacheMode, backend: Backend) -> Result<()> {
     export.writethrough = mode.writethrough;
     export.no_flush = mode.no_flush;
     export.per_connection_queue = true;
-    let shared = a
-        .shared
-        .unwrap_or(if a.monitor.is_some() { 64 } else { 1 });
+    let shared = a.shared.unwrap_or(if a.monitor.is_some() { 64 } else { 1 });
     let persistent = a.persistent || a.monitor.is_some();
     export.tls = tls.clone();
     export.multi_conn = shared > 1;

@@ -65,7 +65,12 @@ impl<S: Storage + 'static> Image<S> {
     /// cannot fail once checked. Returns the snapshots made, in order.
     pub async fn transaction(&self, actions: &[Action]) -> Result<Vec<InternalSnapshot>> {
         let inner = &*self.inner;
-        let mut names: Vec<String> = self.snapshots().await?.into_iter().map(|s| s.name).collect();
+        let mut names: Vec<String> = self
+            .snapshots()
+            .await?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
         for a in actions {
             if let Action::Snapshot { name } = a {
                 inner.check_new_snapshot(name)?;

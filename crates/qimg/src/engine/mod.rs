@@ -21,9 +21,9 @@
 
 mod api;
 pub(crate) mod bitmaps;
-pub(crate) mod checkpoint;
 #[cfg(feature = "blocking")]
 pub mod blocking;
+pub(crate) mod checkpoint;
 pub(crate) mod compress;
 mod image;
 pub mod lease;
@@ -43,9 +43,9 @@ mod state;
 pub(crate) mod walk;
 
 pub use bitmaps::{BitmapInfo, DirtyBitmap};
-pub use checkpoint::Action;
 #[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
+pub use checkpoint::Action;
 pub use compress::{DecompressError, compress, decompress};
 pub use image::{Backing, Image, Stats};
 pub use lease::{HostExtent, WriteLease};
