@@ -62,7 +62,11 @@ impl<S: Storage + 'static> Image<S> {
     /// All or nothing: every action is checked first (QEMU's refusals, in its words), the
     /// snapshots are taken next (the only actions that write; when one fails, the actions
     /// after it are not applied and those before stay), then the bitmap changes, which
-    /// cannot fail once checked. Returns the snapshots made, in order.
+    /// cannot fail once checked. With crash-consistent bitmaps (the default) the bitmaps are
+    /// then stored on disk, so that a crash at any later point finds a bitmap added here
+    /// recording and one disabled here consistent with its final bits; a failure of that
+    /// store is returned after the actions took effect in memory. Returns the snapshots made,
+    /// in order.
     pub async fn transaction(&self, actions: &[Action]) -> Result<Vec<InternalSnapshot>> {
         let inner = &*self.inner;
         let mut names: Vec<String> = self
@@ -105,6 +109,9 @@ impl<S: Storage + 'static> Image<S> {
                 );
             }
         }
+        let bitmaps_changed = actions
+            .iter()
+            .any(|a| !matches!(a, Action::Snapshot { .. }));
         let mut merged = merged.into_iter();
         for a in actions {
             match a {
@@ -125,6 +132,11 @@ impl<S: Storage + 'static> Image<S> {
                     }
                 }
             }
+        }
+        if bitmaps_changed {
+            // On disk before the transaction returns: a crash from here on finds the new
+            // bitmaps recording and the disabled ones with their final bits.
+            inner.persist_bitmaps().await?;
         }
         Ok(made)
     }

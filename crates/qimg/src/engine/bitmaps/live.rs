@@ -323,6 +323,26 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    /// Stores every bitmap on disk now, as a close does, and keeps them crash-consistent
+    /// from there (a transaction's checkpoint: the bitmap it adds survives a crash, the one
+    /// it disables is kept consistent with its final bits). The caller holds every range
+    /// lock, so no request is between recording itself and changing data; this holds the
+    /// group commit, so no durable write of bits runs meanwhile. A write that records itself
+    /// during the store (its bitmaps are out of the list then) records itself again once it
+    /// holds its range lock (the epoch moves, see [`recorded`](Self::recorded)).
+    pub(crate) async fn persist_bitmaps(&self) -> Result<()> {
+        if !self.bitmaps.crash_consistent() {
+            return Ok(());
+        }
+        let _commits = self.bitmaps.sync.lock().await;
+        let mut m = self.meta.lock().await;
+        let stored = self.store_bitmaps(&mut m).await;
+        drop(m);
+        // Whatever happened, the list is back: recording resumes (and the epoch moves).
+        self.bitmaps.stored(stored.is_ok());
+        stored
+    }
+
     /// Before a resize: every crash-consistent bitmap goes `in_use` on disk (its table no
     /// longer fits the disk until the close stores it).
     pub(crate) async fn bitmaps_in_use_before_resize(&self) -> Result<()> {

@@ -450,6 +450,26 @@ impl Bitmaps {
         Some((at, entries))
     }
 
+    /// After [`Inner::persist_bitmaps`](crate::engine::image::Inner) stored the bitmaps
+    /// (`ok`): each consistent one is on disk exactly as in memory, not `in_use`, so it is
+    /// kept crash-consistent from here (its durable bits are its bits). Recording resumes
+    /// either way.
+    fn stored(&self, ok: bool) {
+        let mut state = self.write();
+        if ok {
+            state.in_use_wanted.clear();
+            self.in_use_pending.store(false, Ordering::Release);
+            for b in state.list.iter_mut().filter(|b| !b.inconsistent) {
+                b.durable = b
+                    .words
+                    .iter()
+                    .map(|w| AtomicU64::new(w.load(Ordering::Acquire)))
+                    .collect();
+            }
+        }
+        self.note_recording(&state);
+    }
+
     /// The directory `entries` are on disk now: the bitmaps marked `in_use` are no longer
     /// kept consistent (the close stores them).
     fn in_use_done(&self, entries: &[BitmapEntry]) {
