@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 
-use qimg::{Action, OpenOptions};
+use qimg::{Action, OpenOptions, SnapshotOptions};
 
 /// A write that recorded itself in the bitmaps before a checkpoint and runs after it is in
 /// the checkpoint's new bitmap: every cluster is then either in the snapshot and in the old
@@ -45,7 +45,10 @@ fn a_write_waiting_behind_a_checkpoint_is_in_the_new_bitmap() {
             let img = img.clone();
             async move {
                 img.transaction(&[
-                    Action::Snapshot { name: "ck1".into() },
+                    Action::Snapshot {
+                        name: "ck1".into(),
+                        options: SnapshotOptions::new(),
+                    },
                     Action::EnableBitmap {
                         name: "b0".into(),
                         enabled: false,

@@ -62,7 +62,7 @@ use qimg_testkit::{Rng, pattern};
 
 use qimg::io::{CrashPolicy, FaultAction, FaultPlan, FaultyStorage, MemStorage, OpFilter};
 use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
-use qimg::{Image, SnapshotOptions, io::Storage};
+use qimg::{Action, Image, SnapshotOptions, io::Storage};
 
 /// One step of a workload: a guest request, or an internal snapshot created, applied or
 /// deleted (each of those flushes everything before it and is durable when it returns: a
@@ -73,6 +73,9 @@ enum Step {
     Create(&'static str),
     Apply(&'static str),
     Delete(&'static str),
+    /// A checkpoint ([`CHECKPOINT`]): one transaction that creates snapshot `name`, disables
+    /// bitmap `fine` and adds bitmap `since` (shapes with bitmaps).
+    Checkpoint(&'static str),
 }
 
 impl Step {
@@ -133,7 +136,9 @@ impl Model {
     fn apply(&mut self, step: &Step) {
         match step {
             Step::Guest(g) => self.disk.apply(g),
-            Step::Create(n) => self.snapshots.push((n, self.disk.data.clone())),
+            Step::Create(n) | Step::Checkpoint(n) => {
+                self.snapshots.push((n, self.disk.data.clone()))
+            }
             Step::Apply(n) => self.disk.data = self.saved(n).clone(),
             Step::Delete(n) => self.snapshots.retain(|(m, _)| m != n),
         }
@@ -143,16 +148,41 @@ impl Model {
 async fn run_step<S: Storage + 'static>(img: &Image<S>, step: &Step) -> qimg::Result<()> {
     match step {
         Step::Guest(g) => run_op(img, g).await,
-        Step::Create(n) => {
-            // A fixed date: the real crash runs must write the bytes the recording did.
-            let date = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
-            let opts = SnapshotOptions::new().date(date);
-            img.create_snapshot_with(n, &opts).await.map(drop)
-        }
+        Step::Create(n) => img.create_snapshot_with(n, &fixed_date()).await.map(drop),
+        Step::Checkpoint(n) => img
+            .transaction(&[
+                Action::Snapshot {
+                    name: n.to_string(),
+                    options: fixed_date(),
+                },
+                Action::EnableBitmap {
+                    name: "fine".into(),
+                    enabled: false,
+                },
+                Action::AddBitmap {
+                    name: CHECKPOINT.1.into(),
+                    granularity: Some(512),
+                    enabled: true,
+                },
+            ])
+            .await
+            .map(drop),
         Step::Apply(n) => img.apply_snapshot(n).await,
         Step::Delete(n) => img.delete_snapshot(n).await,
     }
 }
+
+/// A fixed date: the real crash runs must write the bytes the recording did.
+fn fixed_date() -> SnapshotOptions {
+    let date = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+    SnapshotOptions::new().date(date)
+}
+
+/// The checkpoint of shapes with bitmaps: its snapshot and the bitmap it adds.
+const CHECKPOINT: (&str, &str) = ("ck", "since");
+
+/// Post-crash disks whose bitmaps were checked after the checkpoint.
+static CHECKPOINTS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The workload of a shape: the guest requests of [`workload`] with snapshots created,
 /// applied and deleted among them, then a close.
@@ -165,13 +195,20 @@ fn steps(shape: &Shape, seed: u64, nops: usize) -> Vec<Step> {
     let at = |f: usize| nops * f / 100;
     for (pos, step) in [
         (at(92), Step::Delete("b")),
+        (at(36), Step::Checkpoint(CHECKPOINT.0)),
         (at(80), Step::Delete("a")),
         (at(64), Step::Apply("a")),
         (at(48), Step::Create("b")),
         (at(24), Step::Create("a")),
     ] {
-        // Applying a snapshot is refused while the image has bitmaps, as by QEMU.
-        if !(shape.bitmaps && matches!(step, Step::Apply(_))) {
+        // Applying a snapshot is refused while the image has bitmaps, as by QEMU; a
+        // checkpoint is about bitmaps.
+        let skip = match step {
+            Step::Apply(_) => shape.bitmaps,
+            Step::Checkpoint(_) => !shape.bitmaps || shape.qemu_bitmaps,
+            _ => false,
+        };
+        if !skip {
             out.insert(pos, step);
         }
     }
@@ -602,15 +639,36 @@ async fn carry_on(cx: &Ctx<'_>, bytes: &[u8], got: Vec<u8>, what: &str, n: u64, 
 /// workload (a superset of what changed; QEMU would use it). Returns which are in use
 /// (inconsistent: their writer did not store them, as QEMU's after a crash).
 async fn check_bitmaps(images: &Images, bytes: &[u8], got: &[u8], what: &str) -> Vec<bool> {
-    let before = &images.backing_guest;
+    let start = &images.backing_guest;
     let size = images.shape.size;
     let list = images.bitmaps_of(bytes).await;
     let names: Vec<&str> = list.iter().map(|(i, _)| i.name.as_str()).collect();
-    let want: Vec<&str> = BITMAPS.iter().map(|(n, _)| *n).collect();
+    let mut want: Vec<&str> = BITMAPS.iter().map(|(n, _)| *n).collect();
+    // After a checkpoint: its snapshot (the disk then), `fine` disabled, `since` added.
+    let checkpoint = images.snapshot_of(bytes, CHECKPOINT.0).await;
+    if names.len() > want.len() {
+        CHECKPOINTS_SEEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        want.push(CHECKPOINT.1);
+        assert!(
+            checkpoint.is_some(),
+            "{what}: bitmap {} without its checkpoint",
+            CHECKPOINT.1
+        );
+    }
     assert_eq!(names, want, "{what}: the bitmaps");
     for (info, bits) in &list {
         let Some(bits) = bits else { continue };
-        assert!(info.enabled, "{what}: {info:?}");
+        // What the bitmap must cover: the changes from `from` to `to`.
+        let (from, to) = match (info.name.as_str(), info.enabled) {
+            (n, true) if n == CHECKPOINT.1 => (checkpoint.as_ref().expect("checked"), got),
+            (_, true) => (start, got),
+            ("fine", false) => {
+                let ck = checkpoint.as_ref();
+                let ck = ck.unwrap_or_else(|| panic!("{what}: fine disabled without checkpoint"));
+                (start, &ck[..])
+            }
+            _ => panic!("{what}: {info:?}"),
+        };
         let g = bits.granularity;
         for n in 0..size.div_ceil(g) {
             let set = bits
@@ -619,7 +677,7 @@ async fn check_bitmaps(images: &Images, bytes: &[u8], got: &[u8], what: &str) ->
                 .is_some_and(|w| w >> (n % 64) & 1 == 1);
             let (a, b) = ((n * g) as usize, ((n + 1) * g).min(size) as usize);
             assert!(
-                set || got[a..b] == before[a..b],
+                set || to[a..b] == from[a..b],
                 "{what}: bitmap {} is stored consistent, but guest bytes {a:#x}..{b:#x} \
                  changed and its bit is clear",
                 info.name
@@ -856,10 +914,21 @@ async fn campaign(shape: Shape, seed: u64, nops: usize, target: u64) -> Tally {
             shape.name
         );
     } else if shape.bitmaps {
-        // Crash-consistent: never in use, whatever the crash point.
+        // Crash-consistent: never in use, whatever the crash point, before and after the
+        // checkpoint.
         assert!(
             t.bitmaps_in_use == 0 && t.bitmaps_consistent > 0 && t.bitmaps_tracking > 0,
             "{}: {t:?}",
+            shape.name
+        );
+        let seen = CHECKPOINTS_SEEN.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            seen > 0,
+            "{}: no crash point after the checkpoint",
+            shape.name
+        );
+        eprintln!(
+            "{}: {seen} post-crash disks after the checkpoint",
             shape.name
         );
     }
@@ -950,7 +1019,10 @@ fn small_clusters_and_refcount_table_growth_survive_power_loss() {
 /// consistent ones and leaves the others in use. Kept crash-consistent (the default, the
 /// extended shape) they are never in use; kept as QEMU keeps them (the lazy shape) they are
 /// in use from the open to the close, as after a crash of QEMU's own writer. The lazy shape
-/// also rebuilds refcounts on a dirty open, which must count the bitmaps' clusters.
+/// also rebuilds refcounts on a dirty open, which must count the bitmaps' clusters. The
+/// crash-consistent shape takes a checkpoint (issue 32) a third of the way: a transaction
+/// that snapshots the disk, disables `fine` and adds `since`; after it `fine` covers every
+/// change up to the snapshot and `since` every change after it, wherever the cut.
 #[test]
 fn images_with_bitmaps_survive_power_loss() {
     let mut a = ext("ext-64k-bitmaps", 64 * KIB, 4 * MIB);

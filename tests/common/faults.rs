@@ -424,6 +424,25 @@ impl Images {
         (img, mem)
     }
 
+    /// The guest contents of snapshot `name` of `image`, if it has one of that name.
+    pub async fn snapshot_of(&self, image: &[u8], name: &str) -> Option<Vec<u8>> {
+        let backing = self.backing(MemStorage::from_bytes).await;
+        let img = self
+            .shape
+            .open_options()
+            .writable(false)
+            .open_storage(MemStorage::from_bytes(image), "img.qcow2", backing, None)
+            .await
+            .expect("a read-only open for the snapshot");
+        img.snapshots()
+            .await
+            .unwrap()
+            .iter()
+            .find(|s| s.name == name)?;
+        img.view_snapshot(None, Some(name)).await.unwrap();
+        Some(read_all(&img).await.unwrap())
+    }
+
     /// The bitmaps of `image` as a read-only open finds them, each with its bits when it is
     /// consistent.
     pub async fn bitmaps_of(&self, image: &[u8]) -> Vec<(BitmapInfo, Option<DirtyBitmap>)> {

@@ -36,7 +36,7 @@
 use std::sync::Arc;
 
 use qimg::io::AnyStorage;
-use qimg::{Action, Image, InternalSnapshot, OpenOptions};
+use qimg::{Action, Image, InternalSnapshot, OpenOptions, SnapshotOptions};
 use serde_json::{Map, Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{Mutex, Notify, broadcast};
@@ -447,6 +447,7 @@ impl Monitor {
                 self.node_arg(args, "device")?;
                 Action::Snapshot {
                     name: str_arg(args, "name")?.to_string(),
+                    options: SnapshotOptions::new(),
                 }
             }
             _ => {

@@ -16,6 +16,8 @@ pub enum Action {
     Snapshot {
         /// Its name (another snapshot of that name is refused, as QEMU refuses it).
         name: String,
+        /// Its date and guest clock.
+        options: SnapshotOptions,
     },
     /// A new empty persistent bitmap (`block-dirty-bitmap-add`).
     AddBitmap {
@@ -76,7 +78,7 @@ impl<S: Storage + 'static> Image<S> {
             .map(|s| s.name)
             .collect();
         for a in actions {
-            if let Action::Snapshot { name } = a {
+            if let Action::Snapshot { name, .. } = a {
                 inner.check_new_snapshot(name)?;
                 if names.contains(name) {
                     return Err(Error::InvalidOption(format!(
@@ -102,11 +104,8 @@ impl<S: Storage + 'static> Image<S> {
         }
         let mut made = Vec::new();
         for a in actions {
-            if let Action::Snapshot { name } = a {
-                made.push(
-                    self.create_snapshot_locked(name, &SnapshotOptions::new())
-                        .await?,
-                );
+            if let Action::Snapshot { name, options } = a {
+                made.push(self.create_snapshot_locked(name, options).await?);
             }
         }
         let bitmaps_changed = actions
