@@ -933,3 +933,135 @@ fn the_nbd_client_reads_and_writes_exports_of_qemu_nbd_and_qimg_serve() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("TLS"), "{o:?}");
 }
+
+/// Issue 31: the NBD client over TLS. Installed as qemu-io and qemu-img, qimg takes QEMU's
+/// `--object tls-creds-x509,...,endpoint=client` and `--image-opts driver=nbd,...,tls-creds=`
+/// (and the `json:` form) against qemu-nbd and `qimg serve` requiring TLS: qemu-io commands
+/// print what qemu-io prints, `qemu-img map` and `compare` agree; a server certificate from
+/// another CA, missing credentials and a plain client are refused; libnbd's
+/// `nbds+unix://...?tls-certificates=DIR` URI works too.
+#[test]
+fn the_nbd_client_speaks_tls_as_qemus_does() {
+    let name = "the_nbd_client_speaks_tls_as_qemus_does";
+    if !have_qemu_tools(name) || !have_tool(name, "openssl", "openssl") {
+        return;
+    }
+    let s = Scratch::new("nbd-tls-client");
+    let dir = &s.0;
+    make_credentials(dir);
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for tool in ["qemu-img", "qemu-io"] {
+        std::os::unix::fs::symlink(qimg_bin(), bin.join(tool)).unwrap();
+    }
+    let mask = |o: &std::process::Output| {
+        let text = |b: &[u8]| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .filter(|l| !l.contains("ops/sec"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        (text(&o.stdout), text(&o.stderr), o.status.code())
+    };
+    for server in ["qemu-nbd", "qimg"] {
+        let image = format!("{server}.qcow2");
+        create(dir, &image, true, None);
+        let sock = s.path(&format!("{server}.sock"));
+        let srv_dir = s.path("srv").display().to_string();
+        let srv_obj = format!("tls-creds-x509,id=tls0,endpoint=server,dir={srv_dir}");
+        let srv = match server {
+            "qemu-nbd" => qemu_nbd(
+                dir,
+                &image,
+                &sock,
+                &["--object", &srv_obj, "--tls-creds", "tls0", "--shared=4"],
+            ),
+            _ => qimg_serve(dir, &image, &sock, &["--tls-creds", "srv", "--shared", "4"]),
+        };
+        let run_tool = |prog: &Path, creds: &str, tail: &[&str]| {
+            let mut args: Vec<String> = tls_args(dir, &sock, creds).into();
+            args.extend(tail.iter().map(|t| t.to_string()));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            mask(&run(dir, prog, &args))
+        };
+        // qemu-io: writes, then reads of what each tool wrote.
+        let io = |prog: &Path, creds: &str, cmds: &[&str]| {
+            let mut tail = Vec::new();
+            for c in cmds {
+                tail.extend(["-c", *c]);
+            }
+            run_tool(prog, creds, &tail)
+        };
+        let cmds = [
+            "write -P 0x5a 0 1M",
+            "write -z 512k 64k",
+            "read -P 0x5a 0 512k",
+            "read -P 0 512k 64k",
+            "length",
+        ];
+        let want = io(Path::new("qemu-io"), "cli", &cmds);
+        assert_eq!(want.2, Some(0), "{server}: {want:?}");
+        let got = io(&bin.join("qemu-io"), "cli", &cmds);
+        assert_eq!(got, want, "{server}: qemu-io over TLS");
+        // qemu-img map of the export over TLS.
+        for tail in [&["map"][..], &["map", "--output=json"]] {
+            let mut t = vec![tail[0]];
+            let rest: Vec<&str> = tail[1..].to_vec();
+            t.extend(rest);
+            let want = run_tool(Path::new("qemu-img"), "cli", &t);
+            let got = run_tool(&bin.join("qemu-img"), "cli", &t);
+            assert_eq!(got.0, want.0, "{server}: {t:?}");
+            assert_eq!(got.2, want.2, "{server}: {t:?}");
+        }
+        // A server certificate of a CA the client does not trust: refused, nothing read.
+        let got = io(&bin.join("qemu-io"), "bad", &["read 0 4k"]);
+        assert_eq!(got.2, Some(1), "{server}: untrusted server: {got:?}");
+        assert!(got.1.contains("certificate"), "{server}: {got:?}");
+        // No such credentials object; credentials of the server's endpoint.
+        for (obj, opts, want) in [
+            (
+                "tls-creds-x509,id=tls0,endpoint=client,dir=cli",
+                format!("driver=nbd,path={},tls-creds=nope", sock.display()),
+                "No TLS credentials with id 'nope'",
+            ),
+            (
+                "tls-creds-x509,id=tls0,endpoint=server,dir=srv",
+                format!("driver=nbd,path={},tls-creds=tls0", sock.display()),
+                "Expecting TLS credentials with a client endpoint",
+            ),
+        ] {
+            let args = ["--object", obj, "--image-opts", &opts, "-c", "read 0 4k"];
+            let theirs = mask(&run(dir, Path::new("qemu-io"), &args));
+            let ours = mask(&run(dir, &bin.join("qemu-io"), &args));
+            assert!(theirs.1.contains(want), "{theirs:?}");
+            assert!(ours.1.contains(want), "{ours:?}");
+            assert_eq!(ours.2, theirs.2);
+        }
+        // libnbd's URI, and the json: form.
+        let cli = s.path("cli").display().to_string();
+        let url = format!(
+            "nbds+unix:///?socket={}&tls-certificates={cli}&tls-hostname=localhost",
+            sock.display()
+        );
+        let got = mask(&run(
+            dir,
+            &bin.join("qemu-io"),
+            &["-f", "raw", "-c", "read -P 0x5a 0 4k", &url],
+        ));
+        assert_eq!(got.2, Some(0), "{server}: {got:?}");
+        assert!(!got.0.contains("fail"), "{server}: {got:?}");
+        let json = format!(
+            r#"json:{{"driver":"raw","file":{{"driver":"nbd","server":{{"type":"unix","path":"{}"}},"tls-creds":"tls0"}}}}"#,
+            sock.display()
+        );
+        let obj = format!("tls-creds-x509,id=tls0,endpoint=client,dir={cli}");
+        let args = ["--object", obj.as_str(), "-c", "read -P 0 512k 64k", &json];
+        let want = mask(&run(dir, Path::new("qemu-io"), &args));
+        let got = mask(&run(dir, &bin.join("qemu-io"), &args));
+        assert_eq!(got, want, "{server}: json: over TLS");
+        drop(srv);
+        // What both tools wrote over TLS is in the image.
+        common::qemu_io(dir, "qcow2", &image, &["read -P 0x5a 0 512k"]);
+    }
+}

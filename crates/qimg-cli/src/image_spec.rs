@@ -29,6 +29,95 @@ struct Overrides {
 
 static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
 
+/// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
+static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
+
+/// Records a `tls-creds-x509` object (its credentials directory) for `tls-creds=ID`.
+pub fn add_tls_creds(id: &str, dir: &str, client: bool) {
+    let mut all = TLS_CREDS.lock().unwrap_or_else(|e| e.into_inner());
+    all.push((id.to_string(), dir.to_string(), client));
+}
+
+/// The credentials directory of object `id`, refused as QEMU refuses a missing or server
+/// object.
+fn tls_dir(id: &str) -> Result<String, String> {
+    let all = TLS_CREDS.lock().unwrap_or_else(|e| e.into_inner());
+    match all.iter().rev().find(|(i, _, _)| i == id) {
+        None => Err(format!("No TLS credentials with id '{id}'")),
+        Some((_, _, false)) => Err("Expecting TLS credentials with a client endpoint".into()),
+        Some((_, dir, true)) => Ok(dir.clone()),
+    }
+}
+
+/// Escapes what would end a URI part early.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '%' | '&' | '?' | '#' | ' ' => out.push_str(&format!("%{:02X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The NBD name (`nbd://`, `nbd+unix://`, with TLS `nbds...`) of the nbd driver's options
+/// under `prefix` (`""` or `"file."`), and the keys it used.
+fn nbd_name(
+    get: &dyn Fn(&str) -> Option<String>,
+    prefix: &str,
+) -> Result<(String, Vec<String>), String> {
+    let key = |k: &str| format!("{prefix}{k}");
+    let mut used = Vec::new();
+    let mut take = |k: &str| {
+        used.push(key(k));
+        get(&key(k))
+    };
+    let export = take("export").unwrap_or_default();
+    let kind = take("server.type");
+    let (path, host, port) = (
+        take("server.path").or_else(|| take("path")),
+        take("server.host").or_else(|| take("host")),
+        take("server.port").or_else(|| take("port")),
+    );
+    let tls = take("tls-creds");
+    let hostname = take("tls-hostname");
+    for k in ["reconnect-delay", "open-timeout"] {
+        take(k);
+    }
+    let s = if tls.is_some() { "s" } else { "" };
+    let mut query = Vec::new();
+    let mut name = match (kind.as_deref(), path, host) {
+        (Some("unix") | None, Some(path), None) => {
+            query.push(format!("socket={}", escape(&path)));
+            format!("nbd{s}+unix:///{}", escape(&export))
+        }
+        (Some("inet") | None, None, Some(host)) => {
+            let host = if host.contains(':') {
+                format!("[{host}]")
+            } else {
+                host
+            };
+            let port = port.unwrap_or_else(|| "10809".into());
+            format!("nbd{s}://{host}:{port}/{}", escape(&export))
+        }
+        (Some(t), _, _) if t != "unix" && t != "inet" => {
+            return Err(format!("Parameter 'server.type' does not accept value '{t}'"));
+        }
+        _ => return Err("one of path and host must be specified".into()),
+    };
+    if let Some(id) = tls {
+        query.push(format!("tls-certificates={}", escape(&tls_dir(&id)?)));
+        if let Some(h) = hostname {
+            query.push(format!("tls-hostname={}", escape(&h)));
+        }
+    }
+    if !query.is_empty() {
+        name = format!("{name}?{}", query.join("&"));
+    }
+    Ok((name, used))
+}
+
 /// A JSON `null` among the flattened options (no option string can hold a NUL).
 const NULL: &str = "\0null";
 
@@ -208,27 +297,36 @@ fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(
 /// driver alone, or no driver: the format is probed), and what else it says about the image.
 fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overrides), String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+    let owned = |key: &str| get(key).cloned();
     let driver = get("driver").map(String::as_str).unwrap_or("");
     let mut ov = Overrides::default();
+    let mut nbd_keys = Vec::new();
+    let mut nbd = |prefix: &str| -> Result<Option<String>, String> {
+        let (name, used) = nbd_name(&owned, prefix)?;
+        nbd_keys = used;
+        Ok(Some(name))
+    };
     let name = match driver {
         "qcow2" | "raw" | "" => {
-            match get("file.driver").map(String::as_str) {
-                None | Some("file") => {}
-                Some(other) => return Err(format!("the protocol '{other}' is not supported")),
-            }
             if !driver.is_empty() {
                 ov.format = Some(driver.to_string());
             }
-            get("file.filename").or_else(|| get("file"))
+            match get("file.driver").map(String::as_str) {
+                None | Some("file") => get("file.filename").or_else(|| get("file")).cloned(),
+                Some("nbd") => nbd("file.")?,
+                Some(other) => return Err(format!("the protocol '{other}' is not supported")),
+            }
         }
-        "file" => get("filename"),
+        "file" => get("filename").cloned(),
+        // The export itself as the image, read as raw (what QEMU's protocol node reads).
+        "nbd" => nbd("")?,
         other => return Err(format!("Unknown driver '{other}'")),
     };
     for (k, v) in pairs {
         let known = matches!(
             k.as_str(),
             "driver" | "file" | "file.driver" | "file.filename" | "filename"
-        );
+        ) || nbd_keys.contains(k);
         match k.as_str() {
             _ if known || IGNORED.contains(&k.as_str()) => {}
             "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,
@@ -254,9 +352,8 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
     if driver.is_empty() && name.is_none() {
         return Err("Parameter 'driver' is required".into());
     }
-    let name = name
-        .cloned()
-        .ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
+    let name =
+        name.ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
     Ok((name, ov))
 }
 
@@ -322,6 +419,44 @@ mod tests {
     }
 
     #[test]
+    fn nbd_options_become_nbd_names() {
+        let args = |spec: &str| run(&["qimg", "info", "--image-opts", spec]);
+        assert_eq!(
+            args("driver=nbd,server.type=unix,server.path=/r/s.sock,export=e").unwrap(),
+            ["qimg", "info", "nbd+unix:///e?socket=/r/s.sock"]
+        );
+        assert_eq!(
+            args("driver=raw,file.driver=nbd,file.host=h,file.port=99").unwrap(),
+            ["qimg", "info", "nbd://h:99/"]
+        );
+        assert_eq!(
+            run(&[
+                "qimg",
+                "info",
+                r#"json:{"driver":"nbd","server":{"type":"inet","host":"::1","port":"7"},"export":"a&b"}"#
+            ])
+            .unwrap(),
+            ["qimg", "info", "nbd://[::1]:7/a%26b"]
+        );
+        let e = args("driver=nbd,path=/s,tls-creds=nope").unwrap_err();
+        assert_eq!(e, "No TLS credentials with id 'nope'");
+        add_tls_creds("srv", "/d", false);
+        let e = args("driver=nbd,path=/s,tls-creds=srv").unwrap_err();
+        assert_eq!(e, "Expecting TLS credentials with a client endpoint");
+        add_tls_creds("cli", "/d", true);
+        assert_eq!(
+            args("driver=nbd,path=/s,tls-creds=cli,tls-hostname=x").unwrap(),
+            [
+                "qimg",
+                "info",
+                "nbds+unix:///?socket=/s&tls-certificates=/d&tls-hostname=x"
+            ]
+        );
+        let e = args("driver=nbd,path=/s,bogus=1").unwrap_err();
+        assert!(e.contains("'bogus'"), "{e}");
+    }
+
+    #[test]
     fn bench_keeps_its_own_image_opts() {
         let args = [
             "qimg",
@@ -345,10 +480,10 @@ mod tests {
         let e = run(&[
             "qimg",
             "info",
-            r#"json:{"driver":"qcow2","file":{"driver":"nbd","host":"h"}}"#,
+            r#"json:{"driver":"qcow2","file":{"driver":"ssh","host":"h"}}"#,
         ])
         .unwrap_err();
-        assert!(e.contains("nbd"), "{e}");
+        assert!(e.contains("ssh"), "{e}");
         let e = run(&["qimg", "info", "json:{nope"]).unwrap_err();
         assert!(e.contains("JSON"), "{e}");
         let e = run(&[

@@ -204,7 +204,28 @@ fn check_object(value: &str) -> Result<(), String> {
         .unwrap_or_default();
     match kind {
         "secret" => {}
-        "tls-creds-x509" | "tls-creds-psk" | "tls-creds-anon" | "throttle-group" | "iothread" => {
+        "tls-creds-x509" => {
+            let id = get("id").ok_or("Parameter 'id' is missing")?;
+            let endpoint = get("endpoint").unwrap_or("client");
+            if !matches!(endpoint, "client" | "server") {
+                return Err(format!(
+                    "Parameter 'endpoint' does not accept value '{endpoint}'"
+                ));
+            }
+            // QEMU's default directory, and its check when the object is made.
+            let dir = get("dir").unwrap_or("/etc/pki/qemu");
+            let ca = std::path::Path::new(dir).join("ca-cert.pem");
+            if let Err(e) = std::fs::metadata(&ca) {
+                return Err(format!(
+                    "Unable to access credentials {}: {}",
+                    ca.display(),
+                    status::os_msg(&e)
+                ));
+            }
+            image_spec::add_tls_creds(id, dir, endpoint == "client");
+            return Ok(());
+        }
+        "tls-creds-psk" | "tls-creds-anon" | "throttle-group" | "iothread" => {
             return Err(format!(
                 "qimg does not support objects of type '{kind}' yet"
             ));

@@ -7,9 +7,11 @@
 //! on one connection, each request at most 32 MiB (the protocol's default maximum). Names
 //! are parsed as QEMU parses them: the URI forms `nbd://HOST[:PORT]/EXPORT` (also
 //! `nbd+tcp://`), `nbd+unix:///EXPORT?socket=PATH`, and the legacy forms
-//! `nbd:HOST:PORT[:exportname=NAME]` and `nbd:unix:PATH[:exportname=NAME]`. TLS (`nbds://`)
-//! is refused clearly. Requests run inline on the calling thread, as the file backend's
-//! default strategy does.
+//! `nbd:HOST:PORT[:exportname=NAME]` and `nbd:unix:PATH[:exportname=NAME]`. With the
+//! `nbd-tls` feature, TLS (`NBD_OPT_STARTTLS`, rustls) is spoken for libnbd's URIs
+//! `nbds://...?tls-certificates=DIR[&tls-hostname=NAME]` and `nbds+unix://...`, which the
+//! CLI also makes of QEMU's `tls-creds=` option ([`NbdTls`]). Requests run inline on the
+//! calling thread, as the file backend's default strategy does.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
@@ -27,6 +29,7 @@ const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 
+const OPT_STARTTLS: u32 = 5;
 const OPT_STRUCTURED_REPLY: u32 = 8;
 const OPT_SET_META_CONTEXT: u32 = 10;
 const REP_META_CONTEXT: u32 = 4;
@@ -80,214 +83,14 @@ static SHARED: Mutex<Vec<(String, bool, Weak<NbdStorage>)>> = Mutex::new(Vec::ne
 
 /// The largest request sent (the protocol's default maximum payload).
 const MAX_REQUEST: u64 = 32 << 20;
-/// The default port.
-const PORT: u16 = 10809;
 
-/// Where an NBD export is: its server and name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NbdAddress {
-    /// The server.
-    pub server: NbdServer,
-    /// The export name ("" for the default export).
-    pub export: String,
-}
+mod address;
+mod stream;
+#[cfg(feature = "nbd-tls")]
+mod tls;
 
-/// An NBD server's address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NbdServer {
-    /// TCP: host and port.
-    Tcp(String, u16),
-    /// A Unix socket path.
-    Unix(String),
-}
-
-impl NbdAddress {
-    /// Parses an image name as QEMU does: `None` when it names no NBD export (a file name);
-    /// an error for an NBD name qimg cannot use (TLS, a malformed URI).
-    pub fn parse(name: &str) -> std::result::Result<Option<Self>, String> {
-        let uri = |rest: &str, unix: bool| -> std::result::Result<Self, String> {
-            let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
-            let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
-            let export = percent_decode(path);
-            let mut socket = None;
-            for pair in query.split('&').filter(|p| !p.is_empty()) {
-                match pair.split_once('=') {
-                    Some(("socket", s)) => socket = Some(percent_decode(s)),
-                    _ => return Err(format!("unexpected query parameter '{pair}' in '{name}'")),
-                }
-            }
-            let server = if unix {
-                if !authority.is_empty() {
-                    return Err(format!("'{name}': an nbd+unix URI takes no host"));
-                }
-                NbdServer::Unix(socket.ok_or_else(|| format!("'{name}': missing socket"))?)
-            } else {
-                if socket.is_some() {
-                    return Err(format!("'{name}': socket= is only for nbd+unix URIs"));
-                }
-                let (host, port) = split_host_port(authority)?;
-                NbdServer::Tcp(
-                    if host.is_empty() {
-                        "localhost".into()
-                    } else {
-                        host
-                    },
-                    port,
-                )
-            };
-            Ok(NbdAddress { server, export })
-        };
-        if let Some(rest) = name
-            .strip_prefix("nbd://")
-            .or(name.strip_prefix("nbd+tcp://"))
-        {
-            return uri(rest, false).map(Some);
-        }
-        if let Some(rest) = name.strip_prefix("nbd+unix://") {
-            return uri(rest, true).map(Some);
-        }
-        if name.starts_with("nbds://") || name.starts_with("nbds+") {
-            return Err(format!(
-                "'{name}': NBD over TLS is not supported by qimg yet"
-            ));
-        }
-        let Some(rest) = name.strip_prefix("nbd:") else {
-            return Ok(None);
-        };
-        // Legacy: nbd:unix:PATH[:exportname=NAME] or nbd:HOST:PORT[:exportname=NAME].
-        let (main, export) = match rest.split_once(":exportname=") {
-            Some((m, e)) => (m, e.to_string()),
-            None => (rest, String::new()),
-        };
-        let server = match main.strip_prefix("unix:") {
-            Some(path) => NbdServer::Unix(path.to_string()),
-            None => {
-                let (host, port) = main
-                    .rsplit_once(':')
-                    .ok_or_else(|| format!("'{name}': expected nbd:HOST:PORT"))?;
-                let port = port
-                    .parse()
-                    .map_err(|_| format!("'{name}': bad port '{port}'"))?;
-                NbdServer::Tcp(host.to_string(), port)
-            }
-        };
-        Ok(Some(NbdAddress { server, export }))
-    }
-}
-
-impl std::fmt::Display for NbdAddress {
-    /// The name as QEMU writes it back (what `qemu-img info` shows): the URI form, the
-    /// default port left out, no export part for the default export.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let export = if self.export.is_empty() {
-            String::new()
-        } else {
-            format!("/{}", self.export)
-        };
-        match &self.server {
-            NbdServer::Unix(path) => write!(f, "nbd+unix://{export}?socket={path}"),
-            NbdServer::Tcp(host, port) => {
-                let host = if host.contains(':') {
-                    format!("[{host}]")
-                } else {
-                    host.clone()
-                };
-                match *port {
-                    PORT => write!(f, "nbd://{host}{export}"),
-                    p => write!(f, "nbd://{host}:{p}{export}"),
-                }
-            }
-        }
-    }
-}
-
-/// Whether `name` names an NBD export (see [`NbdAddress::parse`]) rather than a file: the
-/// one test every open by name makes.
-pub fn is_nbd_name(name: &str) -> bool {
-    name.starts_with("nbd") && NbdAddress::parse(name) != Ok(None)
-}
-
-fn split_host_port(authority: &str) -> std::result::Result<(String, u16), String> {
-    if let Some(rest) = authority.strip_prefix('[') {
-        let (host, after) = rest.split_once(']').ok_or("unterminated [ in host")?;
-        let port = match after.strip_prefix(':') {
-            Some(p) => p.parse().map_err(|_| format!("bad port '{p}'"))?,
-            None => PORT,
-        };
-        return Ok((host.to_string(), port));
-    }
-    match authority.rsplit_once(':') {
-        Some((h, p)) => Ok((
-            h.to_string(),
-            p.parse().map_err(|_| format!("bad port '{p}'"))?,
-        )),
-        None => Ok((authority.to_string(), PORT)),
-    }
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    let hex = |c: u8| (c as char).to_digit(16);
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// A connection: a TCP or Unix stream.
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn set_read_timeout(&self, t: Option<Duration>) {
-        let _ = match self {
-            Stream::Tcp(s) => s.set_read_timeout(t),
-            Stream::Unix(s) => s.set_read_timeout(t),
-        };
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
-        }
-    }
-}
+pub use address::{NbdAddress, NbdServer, NbdTls, is_nbd_name};
+use stream::Stream;
 
 /// The connection and the next request's cookie.
 struct Conn {
@@ -413,8 +216,19 @@ impl NbdStorage {
         };
         let mut stream = stream;
         stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+        let no_zeroes = greet(&mut stream).map_err(open_err)?;
+        let mut stream = match &addr.tls {
+            None => stream,
+            Some(tls) => {
+                let host = match &addr.server {
+                    NbdServer::Tcp(host, _) => Some(host.as_str()),
+                    NbdServer::Unix(_) => None,
+                };
+                start_tls(stream, tls, host).map_err(open_err)?
+            }
+        };
         let (size, flags, structured, agreed) =
-            handshake(&mut stream, &addr.export, contexts).map_err(open_err)?;
+            handshake(&mut stream, no_zeroes, &addr.export, contexts).map_err(open_err)?;
         stream.set_read_timeout(None);
         if writable && flags & TFLAG_READ_ONLY != 0 {
             return Err(open_err(io::Error::new(
@@ -755,10 +569,9 @@ fn read_reply(
 /// replies are on, and the metadata contexts agreed to with their ids.
 type Handshaken = (u64, u16, bool, Vec<(String, u32)>);
 
-/// The fixed newstyle handshake for `export`: its size and transmission flags, whether
-/// structured replies are on, and the metadata contexts agreed to (`base:allocation` and
-/// `extra`) with their ids.
-fn handshake(s: &mut Stream, export: &str, extra: &[&str]) -> io::Result<Handshaken> {
+/// The server's greeting and the client's flags: whether the server leaves out the zero
+/// padding of `NBD_OPT_EXPORT_NAME`'s reply.
+fn greet(s: &mut Stream) -> io::Result<bool> {
     if read_u64(s)? != NBDMAGIC {
         return Err(proto("not an NBD server (no NBDMAGIC)"));
     }
@@ -771,9 +584,42 @@ fn handshake(s: &mut Stream, export: &str, extra: &[&str]) -> io::Result<Handsha
     if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
         return Err(proto("the server does not speak fixed newstyle"));
     }
-    let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     let client_flags = u32::from(FLAG_FIXED_NEWSTYLE | (server_flags & FLAG_NO_ZEROES));
     s.write_all(&client_flags.to_be_bytes())?;
+    Ok(server_flags & FLAG_NO_ZEROES != 0)
+}
+
+/// `NBD_OPT_STARTTLS`, then the TLS handshake: the stream becomes a TLS session.
+fn start_tls(mut s: Stream, tls: &NbdTls, host: Option<&str>) -> io::Result<Stream> {
+    send_option(&mut s, OPT_STARTTLS, &[])?;
+    if !option_acked(&mut s, |s, _, len| skip(s, u64::from(len)))? {
+        // QEMU's words.
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "Server don't support STARTTLS option",
+        ));
+    }
+    #[cfg(feature = "nbd-tls")]
+    return tls::start(s, tls, host);
+    #[cfg(not(feature = "nbd-tls"))]
+    {
+        let _ = (tls, host);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "NBD over TLS needs qimg-io's `nbd-tls` feature, which this build lacks",
+        ))
+    }
+}
+
+/// The fixed newstyle handshake for `export` after the greeting: its size and transmission
+/// flags, whether structured replies are on, and the metadata contexts agreed to
+/// (`base:allocation` and `extra`) with their ids.
+fn handshake(
+    s: &mut Stream,
+    no_zeroes: bool,
+    export: &str,
+    extra: &[&str],
+) -> io::Result<Handshaken> {
     // Structured replies, then the allocation context (block status) and those asked for,
     // when offered.
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
