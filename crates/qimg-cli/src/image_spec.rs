@@ -44,7 +44,7 @@ fn tls_dir(id: &str) -> Result<String, String> {
     let all = TLS_CREDS.lock().unwrap_or_else(|e| e.into_inner());
     match all.iter().rev().find(|(i, _, _)| i == id) {
         None => Err(format!("No TLS credentials with id '{id}'")),
-        Some((_, _, false)) => Err("Expecting TLS credentials with a client endpoint".into()),
+        Some((_, _, false)) => Err("Expected TLS credentials for a client endpoint".into()),
         Some((_, dir, true)) => Ok(dir.clone()),
     }
 }
@@ -102,12 +102,19 @@ fn nbd_name(
             format!("nbd{s}://{host}:{port}/{}", escape(&export))
         }
         (Some(t), _, _) if t != "unix" && t != "inet" => {
-            return Err(format!("Parameter 'server.type' does not accept value '{t}'"));
+            return Err(format!(
+                "Parameter 'server.type' does not accept value '{t}'"
+            ));
         }
         _ => return Err("one of path and host must be specified".into()),
     };
     if let Some(id) = tls {
-        query.push(format!("tls-certificates={}", escape(&tls_dir(&id)?)));
+        let dir = tls_dir(&id)?;
+        // QEMU's refusal, before it connects: nothing to check the certificate against.
+        if hostname.is_none() && name.starts_with("nbds+unix") {
+            return Err("No hostname for certificate validation".into());
+        }
+        query.push(format!("tls-certificates={}", escape(&dir)));
         if let Some(h) = hostname {
             query.push(format!("tls-hostname={}", escape(&h)));
         }
@@ -187,6 +194,13 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
     }
     let image_opts = args.iter().any(|a| a == "--image-opts");
     args.retain(|a| a != "--image-opts");
+    // How the tool names the image it could not open (qemu-io's words differ).
+    let io = program == "qemu-io" || args.get(1).is_some_and(|a| a == "io");
+    let failed = |s: &str, e: String| match (io, s.starts_with("json:")) {
+        (true, true) => format!("can't open device {s}: {e}"),
+        (true, false) => format!("can't open: {e}"),
+        (false, _) => format!("Could not open '{s}': {e}"),
+    };
     for a in args.iter_mut().skip(1) {
         let Some(s) = a.to_str() else { continue };
         if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
@@ -195,11 +209,10 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             continue;
         }
         let pairs = if let Some(json) = s.strip_prefix("json:") {
-            let v: Value = serde_json::from_str(json).map_err(|e| {
-                format!("Could not open '{s}': Could not parse the JSON options: {e}")
-            })?;
+            let v: Value = serde_json::from_str(json)
+                .map_err(|e| failed(s, format!("Could not parse the JSON options: {e}")))?;
             let mut pairs = Vec::new();
-            flatten(&v, "", &mut pairs).map_err(|e| format!("Could not open '{s}': {e}"))?;
+            flatten(&v, "", &mut pairs).map_err(|e| failed(s, e))?;
             pairs
         } else if image_opts && is_option_string(s) {
             split_opts(s)
@@ -212,8 +225,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         } else {
             continue;
         };
-        let (name, ov) =
-            file_name(&pairs, program).map_err(|e| format!("Could not open '{s}': {e}"))?;
+        let (name, ov) = file_name(&pairs, program).map_err(|e| failed(s, e))?;
         OVERRIDES
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -319,7 +331,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         }
         "file" => get("filename").cloned(),
         // The export itself as the image, read as raw (what QEMU's protocol node reads).
-        "nbd" => nbd("")?,
+        "nbd" => {
+            ov.format = Some("raw".into());
+            nbd("")?
+        }
         other => return Err(format!("Unknown driver '{other}'")),
     };
     for (k, v) in pairs {
@@ -352,8 +367,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
     if driver.is_empty() && name.is_none() {
         return Err("Parameter 'driver' is required".into());
     }
-    let name =
-        name.ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
+    let name = name.ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
     Ok((name, ov))
 }
 
@@ -439,11 +453,19 @@ mod tests {
             ["qimg", "info", "nbd://[::1]:7/a%26b"]
         );
         let e = args("driver=nbd,path=/s,tls-creds=nope").unwrap_err();
-        assert_eq!(e, "No TLS credentials with id 'nope'");
+        assert!(e.ends_with(": No TLS credentials with id 'nope'"), "{e}");
         add_tls_creds("srv", "/d", false);
         let e = args("driver=nbd,path=/s,tls-creds=srv").unwrap_err();
-        assert_eq!(e, "Expecting TLS credentials with a client endpoint");
+        assert!(
+            e.ends_with(": Expected TLS credentials for a client endpoint"),
+            "{e}"
+        );
         add_tls_creds("cli", "/d", true);
+        let e = args("driver=nbd,path=/s,tls-creds=cli").unwrap_err();
+        assert!(
+            e.ends_with(": No hostname for certificate validation"),
+            "{e}"
+        );
         assert_eq!(
             args("driver=nbd,path=/s,tls-creds=cli,tls-hostname=x").unwrap(),
             [

@@ -24,8 +24,8 @@ pub struct NbdTls {
     /// to), and `client-cert.pem` / `client-key.pem` when the server wants a client
     /// certificate.
     pub certificates: PathBuf,
-    /// The name the server's certificate must carry: this, else the host of a TCP address;
-    /// for a Unix socket without it no name is checked (as QEMU).
+    /// The name the server's certificate must carry: this, else the host of a TCP address
+    /// (a Unix socket needs it, as in QEMU).
     pub hostname: Option<String>,
 }
 
@@ -208,3 +208,72 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_as_qemu_parses_them() {
+        let p = |s: &str| NbdAddress::parse(s).unwrap().unwrap();
+        assert_eq!(
+            p("nbd://example.com:1234/disk"),
+            NbdAddress {
+                server: NbdServer::Tcp("example.com".into(), 1234),
+                export: "disk".into(),
+                tls: None,
+            }
+        );
+        assert_eq!(
+            p("nbd://localhost/").server,
+            NbdServer::Tcp("localhost".into(), PORT)
+        );
+        assert_eq!(
+            p("nbd://[::1]:99/x").server,
+            NbdServer::Tcp("::1".into(), 99)
+        );
+        assert_eq!(
+            p("nbd+unix:///exp%20a?socket=/tmp/s.sock"),
+            NbdAddress {
+                server: NbdServer::Unix("/tmp/s.sock".into()),
+                export: "exp a".into(),
+                tls: None,
+            }
+        );
+        assert_eq!(
+            p("nbd:unix:/tmp/s:exportname=e"),
+            NbdAddress {
+                server: NbdServer::Unix("/tmp/s".into()),
+                export: "e".into(),
+                tls: None,
+            }
+        );
+        assert_eq!(p("nbd:h:10810").server, NbdServer::Tcp("h".into(), 10810));
+        assert_eq!(NbdAddress::parse("disk.qcow2").unwrap(), None);
+        assert!(
+            NbdAddress::parse("nbds://h/x")
+                .unwrap_err()
+                .contains("tls-certificates")
+        );
+        assert_eq!(
+            p("nbds+unix:///e?socket=/s&tls-certificates=/c&tls-hostname=h").tls,
+            Some(NbdTls {
+                certificates: "/c".into(),
+                hostname: Some("h".into()),
+            })
+        );
+        assert!(NbdAddress::parse("nbd://h/x?tls-certificates=/c").is_err());
+        assert!(NbdAddress::parse("nbd+unix:///x").is_err(), "no socket");
+        assert!(NbdAddress::parse("nbd://h:port/x").is_err());
+    }
+
+    #[test]
+    fn names_are_written_back_as_qemu_writes_them() {
+        let show = |s: &str| NbdAddress::parse(s).unwrap().unwrap().to_string();
+        assert_eq!(show("nbd+unix:///?socket=/s"), "nbd+unix://?socket=/s");
+        assert_eq!(show("nbd+unix:///e?socket=/s"), "nbd+unix:///e?socket=/s");
+        assert_eq!(show("nbd://h:10809/e"), "nbd://h/e");
+        assert_eq!(show("nbd:h:99"), "nbd://h:99");
+        assert_eq!(show("nbd:unix:/s:exportname=e"), "nbd+unix:///e?socket=/s");
+        assert_eq!(show("nbds://h:99/e?tls-certificates=/c"), "nbds://h:99/e");
+    }
+}
