@@ -217,6 +217,22 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         ],
     );
     assert_eq!(want, got, "dd with options last");
+    // bench prints qemu-img's lines and no more (timings masked).
+    let (want, got) = both(
+        &s,
+        &ours,
+        "qemu-img",
+        &["a.qcow2"],
+        &["bench", "-c", "10", "-w", "a.qcow2"],
+    );
+    let unclocked = |o: &(String, String, String)| {
+        let out: Vec<&str> =
+            o.0.lines()
+                .filter(|l| !l.starts_with("Run completed in"))
+                .collect();
+        (out.join("\n"), o.1.clone(), o.2.clone())
+    };
+    assert_eq!(unclocked(&want), unclocked(&got), "bench");
 }
 
 #[test]
@@ -465,6 +481,33 @@ fn qemu_io_open_options_reopen_snapshot_mode_and_crashes_as_qemu_io() {
             "a.qcow2",
         ],
         &["-c", "reopen -r -w", "a.qcow2"],
+        // A qcow2 image is no zoned device: each zone command fails once its arguments
+        // parsed.
+        &[
+            "-c",
+            "zone_report 0 1",
+            "-c",
+            "zrp 0 1",
+            "-c",
+            "zone_open 0 64k",
+            "-c",
+            "zo 0 64k",
+            "-c",
+            "zone_close 0 64k",
+            "-c",
+            "zone_finish 0 64k",
+            "-c",
+            "zone_reset 0 64k",
+            "-c",
+            "zap -p 0 0 512",
+            "-c",
+            "zone_append 0 64k",
+            "-c",
+            "zone_report",
+            "-c",
+            "zone_report x 1",
+            "a.qcow2",
+        ],
         &[
             "-s",
             "-c",

@@ -124,7 +124,9 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
         return Ok(());
     }
     println!("Run completed in {secs:3.3} seconds.");
-    if cfg.quiet {
+    // Installed as qemu-img, bench prints what qemu-img prints and no more (a script may
+    // read every line); `qimg bench` adds its own report.
+    if cfg.quiet || crate::status::program() == "qemu-img" {
         return Ok(());
     }
     println!(

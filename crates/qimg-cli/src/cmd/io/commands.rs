@@ -216,6 +216,54 @@ const COMMANDS: &[Cmd] = &[
         "[-Cfq] [-P pattern] off len [len..]",
         "write several buffers",
     ),
+    cmd(
+        "zone_append",
+        Some("zap"),
+        (3, Some(4)),
+        READS,
+        "offset len [len..]",
+        "append write a number of bytes at a specified offset",
+    ),
+    cmd(
+        "zone_close",
+        Some("zc"),
+        (2, Some(2)),
+        READS,
+        "offset len",
+        "close a range of zones in zone block device",
+    ),
+    cmd(
+        "zone_finish",
+        Some("zf"),
+        (2, Some(2)),
+        READS,
+        "offset len",
+        "finish a range of zones in zone block device",
+    ),
+    cmd(
+        "zone_open",
+        Some("zo"),
+        (2, Some(2)),
+        READS,
+        "offset len",
+        "explicit open a range of zones in zone block device",
+    ),
+    cmd(
+        "zone_report",
+        Some("zrp"),
+        (2, Some(2)),
+        READS,
+        "offset number",
+        "report zone information",
+    ),
+    cmd(
+        "zone_reset",
+        Some("zrs"),
+        (2, Some(2)),
+        READS,
+        "offset len",
+        "reset a zone write pointer in zone block device",
+    ),
 ];
 
 /// The usage line of a command.
@@ -303,6 +351,8 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "info" => info(s),
         "truncate" => truncate(s, args).await,
         "sleep" => sleep(&args[0]).await,
+        "zone_append" | "zone_close" | "zone_finish" | "zone_open" | "zone_report"
+        | "zone_reset" => zone(c.name, args),
         _ => unreachable!("every command of the table is dispatched"),
     };
     (ControlFlow::Continue(()), outcome)
@@ -650,6 +700,22 @@ async fn discard(s: &mut Session, args: &[String]) -> Outcome {
         .map_err(|e| io_failed("discard", e))?;
     print_report(&o, "discard", t0, offset, count);
     Ok(())
+}
+
+/// The zone commands: a qcow2 image is no zoned device, so each fails as qemu-io's does
+/// on one, after its arguments parsed.
+fn zone(name: &str, args: &[String]) -> Outcome {
+    let operands = if name == "zone_append" {
+        options(name, args, "p:")?.operands
+    } else {
+        args.to_vec()
+    };
+    for a in &operands {
+        num(a)?;
+    }
+    let what = name.strip_prefix("zone_").unwrap_or(name);
+    say!("zone {what} failed: Operation not supported");
+    Err(Failed)
 }
 
 /// `flush`.
