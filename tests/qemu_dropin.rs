@@ -106,6 +106,10 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["convert", "-s", "x", "a.qcow2", "b.raw"],
         &["info", "--object", "foo,id=x", "a.qcow2"],
         &["info", "--object", "secret,id=x", "a.qcow2"],
+        // A negative size is an option to getopt, unless after `--`.
+        &["create", "-f", "qcow2", "n.qcow2", "-1"],
+        &["create", "-f", "qcow2", "n.qcow2", "--", "-1"],
+        &["resize", "a.qcow2", "--", "-512"],
         &[
             "create",
             "-f",

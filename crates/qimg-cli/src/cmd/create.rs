@@ -33,8 +33,8 @@ pub struct CreateArgs {
     unsafe_backing: bool,
     /// The image to create.
     filename: Option<String>,
-    /// Virtual size, with an optional k, M, G, T, P or E suffix.
-    #[arg(allow_hyphen_values = true)]
+    /// Virtual size, with an optional k, M, G, T, P or E suffix (`-1` is an option, as
+    /// getopt reads it; `-- -1` a size).
     size: Option<String>,
 }
 

@@ -118,10 +118,11 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         }
         if total < current && !args.shrink {
             bail!(
-                "Use the --shrink option to perform a shrink operation.\nqimg: warning: \
+                "Use the --shrink option to perform a shrink operation.\n{}: warning: \
                  Shrinking an image will delete all data beyond the shrunken image's end. \
                  Before performing such an operation, make sure there is no important data \
-                 there."
+                 there.",
+                crate::status::program()
             );
         }
         Ok(total)
