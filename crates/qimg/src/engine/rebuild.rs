@@ -113,7 +113,10 @@ impl<S: Storage> Inner<S> {
             );
             return Err(self.signal_corruption(m, what).await);
         }
-        let start = m.end_cluster.max(refs.max_cluster().map_or(0, |c| c + 1));
+        // Right after the last referenced cluster: what lies past it is referenced by nothing
+        // (a crash can leave a writer's reservation there, zeros), so the new structure goes
+        // where QEMU's rebuild puts it and the file is cut after it below.
+        let start = refs.max_cluster().map_or(0, |c| c + 1);
         // Blocks below the new area that would hold only zeros are left out: mark them as
         // present for the planner, then clear them from the table.
         let used: BTreeSet<u64> = refs
@@ -163,8 +166,14 @@ impl<S: Storage> Inner<S> {
                 source,
             }
         })?;
-        m.end_cluster = m.end_cluster.max(end);
+        m.end_cluster = end;
         m.free_hint = 0;
+        if file_len > end * cs {
+            self.file
+                .set_len(end * cs)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
         Ok(())
     }
 }
