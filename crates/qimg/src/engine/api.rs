@@ -191,7 +191,9 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// Writes back every cached metadata change in the safe order and makes everything
-    /// written so far durable.
+    /// written so far durable. On an image with lazy refcounts (marked dirty by its first
+    /// allocation) the refcount blocks are the exception, as in QEMU: they stay cached until
+    /// the close, and a crash is repaired by rebuilding them at the next read-write open.
     ///
     /// After a failed flush nothing written since the last successful one is promised. The
     /// engine keeps its write-back order, so a later flush that works makes everything
@@ -201,7 +203,14 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn flush(&self) -> Result<()> {
         let mut m = self.inner.meta.lock().await;
         self.inner.free_abandoned(&mut m).await?;
-        self.inner.flush_meta(&mut m).await
+        self.inner.flush_guest(&mut m).await
+    }
+
+    /// The lines QEMU prints when its read-write open repairs a dirty image (lazy refcounts
+    /// after a crash), for the repair this open made, once; empty when the open repaired
+    /// nothing. `qimg io` prints them as qemu-io does.
+    pub async fn take_open_messages(&self) -> Vec<String> {
+        std::mem::take(&mut self.inner.meta.lock().await.open_messages)
     }
 
     /// Grows the virtual disk to `new_size` bytes (shrinking is refused).

@@ -219,78 +219,124 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
             _ => None,
         };
 
-        if opts.writable && backing.is_none() && c0.backing_file.is_some() && !opts.backing_null {
-            // Copy-on-write would fill new clusters with zeros instead of the backing data.
-            return Err(Error::InvalidOption(format!(
-                "{}: the image has a backing file that was not opened; it cannot be opened \
-                 for writing without it",
-                path.display()
-            )));
-        }
-        let facts = ImageFacts {
-            virtual_size: h.size,
-            cluster_size: geo.cluster_size(),
-            extended_l2: geo.extended_l2(),
-        };
-        let resolved = opts.cache.resolve(facts).map_err(|source| Error::Cache {
-            path: path.clone(),
-            source,
-        })?;
-        let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
-        let reservation = Reservation::new(meta.end_cluster * geo.cluster_size());
-        let shared = Shared {
-            file,
-            data_file,
-            geo,
-            rgeo,
-            ctx,
-            writable: opts.writable,
-            compression: h.compression_type().unwrap_or(CompressionType::Zlib),
-            data_file_raw: h.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0,
-            lazy: h.compatible_features & COMPAT_LAZY_REFCOUNTS != 0,
-            allocation: opts.allocation,
-            version: h.version,
-            size: AtomicU64::new(h.size),
-            counters: Counters::default(),
-            epoch: tokio::time::Instant::now(),
-            clean_interval: resolved.clean_interval,
-            marked_corrupt: AtomicBool::new(false),
-            halted: std::sync::OnceLock::new(),
-            abandoned: std::sync::Mutex::new(Vec::new()),
-            close_on_drop: opts.close_on_drop && opts.writable,
-            reservation,
-            slice_loads: Default::default(),
-            bitmaps: Default::default(),
-            path,
-        };
-        let inner = Arc::new(Inner {
-            shared,
-            backing,
-            meta: tokio::sync::Mutex::new(meta),
-            locks: RangeLocks::default(),
-        });
-        // Boxed: this function recurses down the backing chain, and every level's frame
-        // counts.
-        inner
-            .bitmaps
-            .set_crash_consistent(opts.crash_consistent_bitmaps);
-        if opts.writable {
-            Box::pin(inner.prepare_for_writing(&c0.header, c0.bitmaps())).await?;
-        } else if let Some(ext) = c0.bitmaps() {
-            if c0.header.autoclear_features & AUTOCLEAR_BITMAPS != 0 {
-                Box::pin(inner.list_bitmaps(ext)).await;
-            }
-        }
-        if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
-            match tokio::runtime::Handle::try_current() {
-                Ok(handle) if !opts.timer_thread => {
-                    handle.spawn(cleaner(Arc::downgrade(&inner), interval));
-                }
-                _ => cleaner_thread(&inner.path, Arc::downgrade(&inner), interval)?,
-            }
-        }
-        Ok(Image { inner })
+        // Boxed: this function recurses down the backing chain, and everything after the
+        // backing file is open (metadata, caches, state) would otherwise count in the stack
+        // frame of every level.
+        Box::pin(assemble(
+            Parts {
+                file,
+                path,
+                c0,
+                geo,
+                rgeo,
+                ctx,
+                data_file,
+                backing,
+            },
+            opts,
+        ))
+        .await
     })
+}
+
+/// What [`open_chain`] found before it builds the image: the file, its first cluster,
+/// geometry, data file and (opened) backing file.
+struct Parts<S: Storage> {
+    file: S,
+    path: PathBuf,
+    c0: Cluster0,
+    geo: Geometry,
+    rgeo: RefcountGeometry,
+    ctx: L2Context,
+    data_file: Option<(PathBuf, S)>,
+    backing: Option<Backing<S>>,
+}
+
+/// The rest of [`open_chain`] once the backing chain is open: the metadata loaded, the
+/// image assembled and prepared for writing.
+async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> Result<Image<S>> {
+    let Parts {
+        file,
+        path,
+        c0,
+        geo,
+        rgeo,
+        ctx,
+        data_file,
+        backing,
+    } = parts;
+    let h = &c0.header;
+    if opts.writable && backing.is_none() && c0.backing_file.is_some() && !opts.backing_null {
+        // Copy-on-write would fill new clusters with zeros instead of the backing data.
+        return Err(Error::InvalidOption(format!(
+            "{}: the image has a backing file that was not opened; it cannot be opened \
+             for writing without it",
+            path.display()
+        )));
+    }
+    let facts = ImageFacts {
+        virtual_size: h.size,
+        cluster_size: geo.cluster_size(),
+        extended_l2: geo.extended_l2(),
+    };
+    let resolved = opts.cache.resolve(facts).map_err(|source| Error::Cache {
+        path: path.clone(),
+        source,
+    })?;
+    let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
+    let reservation = Reservation::new(meta.end_cluster * geo.cluster_size());
+    let shared = Shared {
+        file,
+        data_file,
+        geo,
+        rgeo,
+        ctx,
+        writable: opts.writable,
+        compression: h.compression_type().unwrap_or(CompressionType::Zlib),
+        data_file_raw: h.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0,
+        lazy: h.compatible_features & COMPAT_LAZY_REFCOUNTS != 0,
+        allocation: opts.allocation,
+        version: h.version,
+        size: AtomicU64::new(h.size),
+        counters: Counters::default(),
+        epoch: tokio::time::Instant::now(),
+        clean_interval: resolved.clean_interval,
+        marked_corrupt: AtomicBool::new(false),
+        halted: std::sync::OnceLock::new(),
+        abandoned: std::sync::Mutex::new(Vec::new()),
+        close_on_drop: opts.close_on_drop && opts.writable,
+        reservation,
+        slice_loads: Default::default(),
+        bitmaps: Default::default(),
+        path,
+    };
+    let inner = Arc::new(Inner {
+        shared,
+        backing,
+        meta: tokio::sync::Mutex::new(meta),
+        locks: RangeLocks::default(),
+    });
+    // Boxed: this function recurses down the backing chain, and every level's frame
+    // counts.
+    inner
+        .bitmaps
+        .set_crash_consistent(opts.crash_consistent_bitmaps);
+    if opts.writable {
+        Box::pin(inner.prepare_for_writing(&c0.header, c0.bitmaps())).await?;
+    } else if let Some(ext) = c0.bitmaps() {
+        if c0.header.autoclear_features & AUTOCLEAR_BITMAPS != 0 {
+            Box::pin(inner.list_bitmaps(ext)).await;
+        }
+    }
+    if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) if !opts.timer_thread => {
+                handle.spawn(cleaner(Arc::downgrade(&inner), interval));
+            }
+            _ => cleaner_thread(&inner.path, Arc::downgrade(&inner), interval)?,
+        }
+    }
+    Ok(Image { inner })
 }
 
 /// For an untrusted image ([`Trust::Untrusted`]), refuses a stored file name that is
@@ -435,7 +481,9 @@ impl<S: Storage> Inner<S> {
             self.maintain_bitmaps();
         }
         if h.incompatible_features & INCOMPAT_DIRTY != 0 {
-            self.rebuild_refcounts(&mut m).await?;
+            // Boxed: a large future, rarely run, that every open of a backing chain would
+            // otherwise nest once per file on the caller's stack.
+            Box::pin(self.rebuild_refcounts(&mut m)).await?;
             // A crash inside a snapshot change can leave COPIED flags that disagree with the
             // refcounts (QEMU's dirty-open repair fixes them too).
             self.sync_copied(&mut m).await?;

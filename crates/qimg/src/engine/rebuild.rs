@@ -92,6 +92,83 @@ impl<S: Storage> Inner<S> {
         Ok(refs)
     }
 
+    /// The first cluster past the refcount table and every block it names.
+    fn structure_end(m: &Meta, cs: u64) -> u64 {
+        let table_clusters = (m.reftable.len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
+        let blocks = m.reftable.iter().filter(|&&b| b != 0).map(|&b| b / cs + 1);
+        blocks
+            .chain(std::iter::once(m.reftable_offset / cs + table_clusters))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// What QEMU's repair of this dirty image prints (`qcow2_check` with both fixes, run by
+    /// its read-write open, which qemu-io shows): a line per cluster whose refcount on disk
+    /// differs from its references (`ERROR` where the disk says 0, which makes QEMU rebuild
+    /// the structure; `Repairing` otherwise), then, after a rebuild, `Rebuilding refcount
+    /// structure` and the old table's and blocks' clusters left behind as leaks. The old
+    /// structure counts as referenced until then, as QEMU counts it. Bounded by the blocks
+    /// the table names within the file.
+    async fn repair_messages(
+        &self,
+        m: &Meta,
+        refs: &ReferenceCounts,
+        file_len: u64,
+    ) -> Result<Vec<String>> {
+        use qimg_format::refcount;
+        let cs = self.geo.cluster_size();
+        let e = self.rgeo.refblock_entries();
+        let order = self.rgeo.refcount_order();
+        let mut old: BTreeSet<u64> = BTreeSet::new();
+        let table_clusters = (m.reftable.len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
+        old.extend((0..table_clusters).map(|k| m.reftable_offset / cs + k));
+        let mut disk: std::collections::BTreeMap<u64, u64> = Default::default();
+        let mut block = vec![0u8; cs as usize];
+        for (j, &at) in m.reftable.iter().enumerate() {
+            if at == 0 || at % cs != 0 || at + cs > file_len {
+                continue;
+            }
+            old.insert(at / cs);
+            self.file
+                .read_at(&mut block, at)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            let values = refcount::decode_block(&block, order).map_err(|e| self.fmt_err(e))?;
+            for (k, v) in values.into_iter().enumerate().filter(|&(_, v)| v != 0) {
+                disk.insert(j as u64 * e + k as u64, v);
+            }
+        }
+        let referenced = |c: u64| refs.get(c) + u64::from(old.contains(&c));
+        let mut clusters: BTreeSet<u64> = disk.keys().copied().collect();
+        if let Some(max) = refs.max_cluster() {
+            clusters.extend(refs.nonzero_in(0, max + 1).into_iter().map(|(c, _)| c));
+        }
+        clusters.extend(old.iter().copied());
+        let mut lines = Vec::new();
+        let mut rebuild = false;
+        for c in clusters {
+            let (r1, r2) = (disk.get(&c).copied().unwrap_or(0), referenced(c));
+            if r1 == r2 {
+                continue;
+            }
+            let word = if r1 == 0 {
+                rebuild = true;
+                "ERROR"
+            } else {
+                "Repairing"
+            };
+            lines.push(format!("{word} cluster {c} refcount={r1} reference={r2}"));
+        }
+        if rebuild {
+            lines.push("Rebuilding refcount structure".into());
+            lines.extend(
+                old.iter()
+                    .map(|c| format!("Repairing cluster {c} refcount=1 reference=0")),
+            );
+        }
+        Ok(lines)
+    }
+
     /// Replaces the refcount structure with one computed from the references.
     ///
     /// Bounded by what the image holds: a reference lying wholly past the end of the file is
@@ -113,10 +190,13 @@ impl<S: Storage> Inner<S> {
             );
             return Err(self.signal_corruption(m, what).await);
         }
+        m.open_messages = self.repair_messages(m, &refs, file_len).await?;
         // Right after the last referenced cluster: what lies past it is referenced by nothing
         // (a crash can leave a writer's reservation there, zeros), so the new structure goes
         // where QEMU's rebuild puts it and the file is cut after it below.
-        let start = refs.max_cluster().map_or(0, |c| c + 1);
+        // The structure in use stays until the new one replaces it: after it, too.
+        let live_end = Self::structure_end(m, cs);
+        let start = refs.max_cluster().map_or(0, |c| c + 1).max(live_end);
         // Blocks below the new area that would hold only zeros are left out: mark them as
         // present for the planner, then clear them from the table.
         let used: BTreeSet<u64> = refs

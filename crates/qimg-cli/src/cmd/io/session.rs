@@ -300,6 +300,10 @@ impl Session {
             .clean_timer(false);
         match opts.open(path).await {
             Ok(img) => {
+                // What QEMU's open prints when it repairs a dirty image.
+                for line in img.take_open_messages().await {
+                    eprintln!("{line}");
+                }
                 self.version =
                     read_cluster0(path, OpenMode::ReadOnly).map_or(3, |c0| c0.header.version);
                 self.img = Some(img);

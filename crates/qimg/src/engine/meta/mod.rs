@@ -71,6 +71,9 @@ pub(crate) struct Meta {
     pub(crate) end_cluster: u64,
     /// The dirty bit is set in the header on disk.
     pub(crate) dirty_on_disk: bool,
+    /// QEMU's messages of the repair the open made of a dirty image (see
+    /// [`Image::take_open_messages`](crate::Image::take_open_messages)).
+    pub(crate) open_messages: Vec<String>,
     /// The incompatible feature bits as on disk.
     pub(crate) incompatible: u64,
     /// Freed clusters to punch once the metadata that stopped using them is durable.
@@ -185,6 +188,7 @@ impl Meta {
             free_hint: 0,
             end_cluster: len.div_ceil(cs),
             dirty_on_disk: h.incompatible_features & INCOMPAT_DIRTY != 0,
+            open_messages: Vec::new(),
             incompatible: h.incompatible_features,
             pending_punch: BTreeSet::new(),
             closed: false,

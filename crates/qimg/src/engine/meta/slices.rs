@@ -385,8 +385,25 @@ impl<S: Storage> Shared<S> {
 
     /// Guest flush: L2 slices, refcount blocks, then a storage flush; then queued punches.
     pub(crate) async fn flush_meta(&self, m: &mut Meta) -> Result<()> {
+        self.flush_meta_with(m, true).await
+    }
+
+    /// A guest's flush (`Image::flush`, and so every flush a queue, an export or `qimg io`
+    /// asks for): [`flush_meta`](Self::flush_meta), except that on an image with lazy
+    /// refcounts already marked dirty the refcount blocks stay in the cache, as QEMU's
+    /// `qcow2_write_caches` leaves them (`qcow2_need_accurate_refcounts`): the dirty bit
+    /// says they are rebuilt after a crash, and the close writes them before it clears it.
+    /// So a writer killed after a flush leaves what QEMU's leaves (iotest 039's errors).
+    pub(crate) async fn flush_guest(&self, m: &mut Meta) -> Result<()> {
+        let accurate = !(self.lazy && m.dirty_on_disk);
+        self.flush_meta_with(m, accurate).await
+    }
+
+    async fn flush_meta_with(&self, m: &mut Meta, refcounts: bool) -> Result<()> {
         self.write_back(m, CacheKind::L2).await?;
-        self.write_back(m, CacheKind::Refcount).await?;
+        if refcounts {
+            self.write_back(m, CacheKind::Refcount).await?;
+        }
         self.flush_data().await?;
         let punches = std::mem::take(&mut m.pending_punch);
         let cs = self.geo.cluster_size();

@@ -54,9 +54,10 @@ impl<S: Storage> Shared<S> {
                 .await
                 .map_err(|e| self.storage_error(e))?;
         }
-        if !self.lazy {
-            self.write_back(m, CacheKind::Refcount).await?;
-        }
+        // The new table's refcount durable before anything names it, with lazy refcounts
+        // too (QEMU's `l2_allocate` flushes the refcount cache here either way): only data
+        // clusters' refcounts are left to the rebuild after a crash.
+        self.write_back(m, CacheKind::Refcount).await?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         let linked = L1Entry {
             l2_offset: Some(HostOffset(new)),
@@ -131,9 +132,9 @@ impl<S: Storage> Shared<S> {
         let mut raw = l1::encode_table(&l1);
         raw.resize((clusters * cs) as usize, 0);
         self.write_guarded(m, at, &raw, Writing::Data).await?;
-        if !self.lazy {
-            self.write_back(m, CacheKind::Refcount).await?;
-        }
+        // As for a new L2 table (QEMU's `qcow2_grow_l1_table` flushes the refcount cache
+        // here, lazy refcounts or not).
+        self.write_back(m, CacheKind::Refcount).await?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         let pointer = header::encode_l1_table_pointer(entries as u32, at);
         self.switch_header(&pointer, header::field::L1_TABLE, || {
