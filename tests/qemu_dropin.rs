@@ -106,6 +106,13 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["convert", "-s", "x", "a.qcow2", "b.raw"],
         &["info", "--object", "foo,id=x", "a.qcow2"],
         &["info", "--object", "secret,id=x", "a.qcow2"],
+        // `-o help`: the format's options alone, or with the file protocol's once the
+        // target is named.
+        &["create", "-f", "qcow2", "-o", "help"],
+        &["create", "-f", "qcow2", "-o", "help", "h.qcow2"],
+        &["create", "-f", "raw", "-o", "?", "h.raw"],
+        &["convert", "-O", "qcow2", "-o", "help", "a.qcow2", "h.qcow2"],
+        &["convert", "-O", "raw", "-o", "help"],
         // A negative size is an option to getopt, unless after `--`.
         &["create", "-f", "qcow2", "n.qcow2", "-1"],
         &["create", "-f", "qcow2", "n.qcow2", "--", "-1"],

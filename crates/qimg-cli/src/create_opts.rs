@@ -87,17 +87,144 @@ pub const RAW_OPTIONS: &[(&str, &str, &str)] = &[
     ("size", "<size>", "Virtual disk size"),
 ];
 
-/// The `-o help` text.
-pub fn help_text(fmt: &str) -> String {
-    let list = if fmt == "raw" {
-        RAW_OPTIONS
+/// qcow2's creation options as QEMU 10 lists them for `-o help` (the encryption options
+/// included: QEMU names them; qimg refuses them when given).
+const QCOW2_HELP: &[(&str, &str, &str)] = &[
+    ("backing_file", "<str>", "File name of a base image"),
+    ("backing_fmt", "<str>", "Image format of the base image"),
+    ("cluster_size", "<size>", "qcow2 cluster size"),
+    (
+        "compat",
+        "<str>",
+        "Compatibility level (v2 [0.10] or v3 [1.1])",
+    ),
+    (
+        "compression_type",
+        "<str>",
+        "Compression method used for image cluster compression",
+    ),
+    ("data_file", "<str>", "File name of an external data file"),
+    (
+        "data_file_raw",
+        "<bool (on/off)>",
+        "The external data file must stay valid as a raw image",
+    ),
+    (
+        "encrypt.cipher-alg",
+        "<str>",
+        "Name of encryption cipher algorithm",
+    ),
+    (
+        "encrypt.cipher-mode",
+        "<str>",
+        "Name of encryption cipher mode",
+    ),
+    (
+        "encrypt.format",
+        "<str>",
+        "Encrypt the image, format choices: 'aes', 'luks'",
+    ),
+    (
+        "encrypt.hash-alg",
+        "<str>",
+        "Name of encryption hash algorithm",
+    ),
+    (
+        "encrypt.iter-time",
+        "<num>",
+        "Time to spend in PBKDF in milliseconds",
+    ),
+    (
+        "encrypt.ivgen-alg",
+        "<str>",
+        "Name of IV generator algorithm",
+    ),
+    (
+        "encrypt.ivgen-hash-alg",
+        "<str>",
+        "Name of IV generator hash algorithm",
+    ),
+    (
+        "encrypt.key-secret",
+        "<str>",
+        "ID of secret providing qcow AES key or LUKS passphrase",
+    ),
+    (
+        "encryption",
+        "<bool (on/off)>",
+        "Encrypt the image with format 'aes'. (Deprecated in favor of encrypt.format=aes)",
+    ),
+    ("extended_l2", "<bool (on/off)>", "Extended L2 tables"),
+    (
+        "lazy_refcounts",
+        "<bool (on/off)>",
+        "Postpone refcount updates",
+    ),
+    (
+        "preallocation",
+        "<str>",
+        "Preallocation mode (allowed values: off, metadata, falloc, full)",
+    ),
+    (
+        "refcount_bits",
+        "<num>",
+        "Width of a reference count entry in bits",
+    ),
+    ("size", "<size>", "Virtual disk size"),
+];
+
+/// The raw format's own creation options (QEMU's list).
+const RAW_HELP: &[(&str, &str, &str)] = &[("size", "<size>", "Virtual disk size")];
+
+/// The file protocol's creation options (QEMU's list), shown with a format's when the
+/// target file is named.
+const FILE_HELP: &[(&str, &str, &str)] = &[
+    (
+        "extent_size_hint",
+        "<size>",
+        "Extent size hint for the image file, 0 to disable",
+    ),
+    (
+        "nocow",
+        "<bool (on/off)>",
+        "Turn off copy-on-write (valid only on btrfs)",
+    ),
+    (
+        "preallocation",
+        "<str>",
+        "Preallocation mode (allowed values: off, falloc, full)",
+    ),
+    ("size", "<size>", "Virtual disk size"),
+];
+
+/// The `-o help` text, as qemu-img prints it: the format's options alone with a pointer to
+/// the protocol's when no target file is named (`with_file` false), else both, merged by name
+/// (the format's entry first when both have one).
+pub fn help_text(fmt: &str, with_file: bool) -> String {
+    let own = if fmt == "raw" { RAW_HELP } else { QCOW2_HELP };
+    let mut list: Vec<&(&str, &str, &str)> = own.iter().collect();
+    if with_file {
+        for o in FILE_HELP {
+            if !list.iter().any(|l| l.0 == o.0) {
+                list.push(o);
+            }
+        }
+        list.sort_by_key(|o| o.0);
+    }
+    let mut s = if with_file {
+        "Supported options:\n".to_string()
     } else {
-        QCOW2_OPTIONS
+        format!("Supported {fmt} options:\n")
     };
-    let mut s = format!("Supported {fmt} options:\n");
     for (k, t, d) in list {
         let left = format!("{k}={t}");
         s.push_str(&format!("  {left:<22} - {d}\n"));
+    }
+    if !with_file {
+        s.push_str(
+            "\nThe protocol level may support further options.\n\
+             Specify the target filename to include those options.\n",
+        );
     }
     s
 }

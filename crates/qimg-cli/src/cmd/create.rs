@@ -48,7 +48,10 @@ pub fn run(args: CreateArgs) -> Result<()> {
     }
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
     if pairs.iter().any(|p| p == "help" || p == "?") {
-        print!("{}", create_opts::help_text(&args.fmt));
+        print!(
+            "{}",
+            create_opts::help_text(&args.fmt, args.filename.is_some())
+        );
         return Ok(());
     }
     let Some(file) = args.filename else {

@@ -85,7 +85,12 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         image_format(&out_name).ok_or_else(|| anyhow!("Unknown file format '{out_name}'"))?;
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
     if pairs.iter().any(|p| p == "help" || p == "?") {
-        print!("{}", create_opts::help_text(&out_name));
+        // (QEMU names the protocol options once it knows the target: given a source and
+        // the destination.)
+        print!(
+            "{}",
+            create_opts::help_text(&out_name, args.files.len() >= 2)
+        );
         return Ok(None);
     }
     if args.target_is_zero && !args.no_create {
