@@ -113,6 +113,7 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["create", "-f", "raw", "-o", "?", "h.raw"],
         &["convert", "-O", "qcow2", "-o", "help", "a.qcow2", "h.qcow2"],
         &["convert", "-O", "raw", "-o", "help"],
+        &["amend", "-o", "help", "a.qcow2"],
         // A negative size is an option to getopt, unless after `--`.
         &["create", "-f", "qcow2", "n.qcow2", "-1"],
         &["create", "-f", "qcow2", "n.qcow2", "--", "-1"],

@@ -64,6 +64,36 @@ const AMEND_OPTIONS: &[(&str, &str, &str)] = &[
     ("size", "<size>", "Virtual disk size"),
 ];
 
+/// The LUKS keyslot options QEMU lists among amend's (between `data_file_raw` and
+/// `lazy_refcounts`); qimg has no encrypted images to amend, and refuses them.
+const AMEND_ENCRYPT_HELP: &[(&str, &str, &str)] = &[
+    (
+        "encrypt.iter-time",
+        "<num>",
+        "Time to spend in PBKDF in milliseconds",
+    ),
+    (
+        "encrypt.keyslot",
+        "<num>",
+        "Select a single keyslot to modify explicitly",
+    ),
+    (
+        "encrypt.new-secret",
+        "<str>",
+        "New secret to set in the matching keyslots. Empty string to erase",
+    ),
+    (
+        "encrypt.old-secret",
+        "<str>",
+        "Select all keyslots that match this password",
+    ),
+    (
+        "encrypt.state",
+        "<str>",
+        "Select new state of affected keyslots (active/inactive)",
+    ),
+];
+
 /// Options that only `create` takes.
 const CREATE_ONLY: &[&str] = &[
     "cluster_size",
@@ -79,7 +109,9 @@ pub fn run(args: AmendArgs) -> Result<()> {
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
     if pairs.iter().any(|p| p == "help" || p == "?") {
         println!("Amend options for 'qcow2':");
-        for (k, t, d) in AMEND_OPTIONS {
+        let mut list: Vec<_> = AMEND_OPTIONS.iter().chain(AMEND_ENCRYPT_HELP).collect();
+        list.sort_by_key(|o| o.0);
+        for (k, t, d) in list {
             let left = format!("{k}={t}");
             println!("  {left:<22} - {d}");
         }
