@@ -188,6 +188,7 @@ enum Event {
     Queue,
     Reply(Option<Reply>),
     Wrote(io::Result<usize>),
+    Flushed(io::Result<()>),
     Read(io::Result<usize>),
 }
 
@@ -213,6 +214,11 @@ struct Conn<S: Storage + 'static> {
     blocked: bool,
     /// Writing to the client failed: replies are dropped.
     write_failed: bool,
+    /// Bytes were written since the last flush of the stream. A TLS session can keep part of
+    /// what a write accepted (the socket was full) until it is flushed: once no reply is
+    /// left to write, the stream is flushed, or the client waits for the end of a reply
+    /// for ever (found with qimg's own client under load).
+    unflushed: bool,
     /// Buffers of finished requests, for the next ones (no allocation and zeroing per
     /// request), and their bytes.
     pool: Vec<AlignedBuf>,
@@ -255,6 +261,7 @@ pub async fn run<S: Storage + 'static>(
         result: Ok(()),
         blocked: false,
         write_failed: false,
+        unflushed: false,
         pool: Vec::new(),
         pool_bytes: 0,
     };
@@ -301,6 +308,7 @@ impl<S: Storage + 'static> Conn<S> {
             }
             let want_read = self.reading && !self.blocked;
             let want_write = !self.out.is_empty();
+            let want_flush = self.unflushed && !want_write && !self.write_failed;
             let queued = self.queue.as_ref().is_some_and(|q| q.in_flight() > 0);
             let event = {
                 let mut iov: Vec<IoSlice<'_>> = Vec::new();
@@ -320,7 +328,14 @@ impl<S: Storage + 'static> Conn<S> {
                     _ = &mut drain, if draining => Event::DrainTimeout,
                     _ = async { if let Some(ready) = queue { ready.await } }, if queued => Event::Queue,
                     r = rx.recv() => Event::Reply(r),
-                    r = wr.write_vectored(&iov), if want_write => Event::Wrote(r),
+                    // One branch: a write, or, with nothing left to write, a flush.
+                    r = async {
+                        if want_write {
+                            Event::Wrote(wr.write_vectored(&iov).await)
+                        } else {
+                            Event::Flushed(wr.flush().await)
+                        }
+                    }, if want_write || want_flush => r,
                     r = rd.read(target), if want_read => Event::Read(r),
                 }
             };
@@ -333,8 +348,12 @@ impl<S: Storage + 'static> Conn<S> {
                 Event::Queue => {}
                 Event::Reply(Some(r)) => self.push(r),
                 Event::Reply(None) => {}
-                Event::Wrote(Ok(n)) if n > 0 => self.advance(n),
-                Event::Wrote(_) => {
+                Event::Wrote(Ok(n)) if n > 0 => {
+                    self.unflushed = true;
+                    self.advance(n);
+                }
+                Event::Flushed(Ok(())) => self.unflushed = false,
+                Event::Wrote(_) | Event::Flushed(Err(_)) => {
                     // The client is gone (the reader will see it): drop what it would get.
                     self.write_failed = true;
                     while let Some(r) = self.out.pop_front() {
