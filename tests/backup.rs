@@ -113,11 +113,12 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use qimg::io::Storage;
 use qimg::io::nbd::NbdStorage;
+use qimg_testkit::HangGuard;
 use qimg_testkit::rng::Rng;
 use serde_json::{Value, json};
 
@@ -156,16 +157,15 @@ impl Drop for Served {
     }
 }
 
-/// Waits for `path` to exist. Hang guard: a server listens within 100 ms on a quiet
-/// machine; 60 s is over ten times that.
+/// Waits for `path` to exist (a server listens within 100 ms on a quiet machine).
 fn wait_for(path: &Path) {
-    let start = Instant::now();
+    let guard = HangGuard::start(
+        format!("{} to appear", path.display()),
+        Duration::from_millis(100),
+        Duration::from_secs(60),
+    );
     while !path.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "hang guard: {} did not appear",
-            path.display()
-        );
+        guard.check();
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -347,16 +347,17 @@ impl Load {
         self.allowed.fetch_add(n, Ordering::AcqRel);
     }
 
-    /// Waits until `n` more writes were answered. Hang guard: the load answers hundreds of
-    /// writes a second on a quiet machine; 120 s is far over ten times what `n` takes.
+    /// Waits until `n` more writes were answered (the load answers hundreds a second on a
+    /// quiet machine: `n` of them take well under a second).
     fn wait_more(&self, n: u64) {
         let want = self.done.load(Ordering::Acquire) + n;
-        let start = Instant::now();
+        let guard = HangGuard::start(
+            format!("{n} writes of the load"),
+            Duration::from_secs(1),
+            Duration::from_secs(120),
+        );
         while self.done.load(Ordering::Acquire) < want {
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "hang guard: the load stalled"
-            );
+            guard.check();
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -664,13 +665,13 @@ fn scenario(transport: Transport, kill: bool) {
         json!({"device": "disk", "name": "ck3"}),
     );
     qmp.ok("quit", json!({}));
-    let start = Instant::now();
-    // Hang guard: the server closes within a second on a quiet machine; 60 s is far more.
+    let guard = HangGuard::start(
+        "the server's exit after quit",
+        Duration::from_secs(1),
+        Duration::from_secs(60),
+    );
     while served.0.try_wait().unwrap().is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "hang guard: quit"
-        );
+        guard.check();
         std::thread::sleep(Duration::from_millis(20));
     }
     // After a SIGKILL, clusters allocated for writes not yet linked are leaked (exit 3),
