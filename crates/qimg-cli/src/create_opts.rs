@@ -27,65 +27,14 @@ impl Given {
     }
 }
 
-/// Every option qimg create knows, with its help text (as `-o help` prints them).
-pub const QCOW2_OPTIONS: &[(&str, &str, &str)] = &[
-    ("backing_file", "<str>", "File name of a base image"),
-    ("backing_fmt", "<str>", "Image format of the base image"),
-    ("cluster_size", "<size>", "qcow2 cluster size"),
-    (
-        "compat",
-        "<str>",
-        "Compatibility level (v2 [0.10] or v3 [1.1])",
-    ),
-    (
-        "compression_type",
-        "<str>",
-        "Compression method used for image cluster compression (zlib, zstd)",
-    ),
-    ("data_file", "<str>", "File name of an external data file"),
-    (
-        "data_file_raw",
-        "<bool (on/off)>",
-        "The external data file must stay valid as a raw image",
-    ),
-    ("extended_l2", "<bool (on/off)>", "Extended L2 tables"),
-    (
-        "extent_size_hint",
-        "<size>",
-        "Extent size hint for the image file, 0 to disable",
-    ),
-    (
-        "lazy_refcounts",
-        "<bool (on/off)>",
-        "Postpone refcount updates",
-    ),
-    (
-        "preallocation",
-        "<str>",
-        "Preallocation mode (allowed values: off, metadata, falloc, full)",
-    ),
-    (
-        "refcount_bits",
-        "<num>",
-        "Width of a reference count entry in bits",
-    ),
-    ("size", "<size>", "Virtual disk size"),
-];
-
-/// Options of the raw format.
-pub const RAW_OPTIONS: &[(&str, &str, &str)] = &[
-    (
-        "extent_size_hint",
-        "<size>",
-        "Extent size hint for the image file, 0 to disable",
-    ),
-    (
-        "preallocation",
-        "<str>",
-        "Preallocation mode (allowed values: off, falloc, full)",
-    ),
-    ("size", "<size>", "Virtual disk size"),
-];
+/// Whether qimg takes option `key` when creating a `fmt` image: the format's and the file
+/// protocol's options as QEMU lists them (the `-o help` tables below), less those qimg does
+/// not implement (encryption, btrfs's `nocow`).
+pub fn takes(fmt: &str, key: &str) -> bool {
+    let own = if fmt == "raw" { RAW_HELP } else { QCOW2_HELP };
+    let implemented = !(key.starts_with("encrypt") || key == "nocow");
+    implemented && own.iter().chain(FILE_HELP).any(|o| o.0 == key)
+}
 
 /// qcow2's creation options as QEMU 10 lists them for `-o help` (the encryption options
 /// included: QEMU names them; qimg refuses them when given).
@@ -236,17 +185,9 @@ pub fn apply(
     pairs: &[String],
     fmt: &str,
 ) -> Result<()> {
-    let known: Vec<&str> = if fmt == "raw" {
-        RAW_OPTIONS
-    } else {
-        QCOW2_OPTIONS
-    }
-    .iter()
-    .map(|o| o.0)
-    .collect();
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
-        if !known.contains(&k) {
+        if !takes(fmt, k) {
             bail!("Invalid parameter '{k}'");
         }
         match k {

@@ -12,7 +12,7 @@ use qimg::tools::measure::{MeasureOptions, data_bytes};
 
 use crate::args::{image_format, json_output, parse_size, split_opts};
 use crate::chain::{Layer, open_chain, source_format, status};
-use crate::create_opts::{QCOW2_OPTIONS, RAW_OPTIONS};
+use crate::create_opts::takes;
 use crate::status::open_msg;
 
 /// Arguments of `qimg measure`.
@@ -50,11 +50,6 @@ struct Target {
 
 /// Parses the `-o` pairs for format `fmt` with qemu-img's checks and messages.
 fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
-    let known = if fmt == "raw" {
-        RAW_OPTIONS
-    } else {
-        QCOW2_OPTIONS
-    };
     // qemu-img prints this as a second error line.
     let invalid = format!(
         "{}: Invalid options for file format '{fmt}'",
@@ -63,7 +58,7 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
     let mut get = std::collections::HashMap::new();
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
-        if !known.iter().any(|o| o.0 == k) {
+        if !takes(fmt, k) {
             bail!("Invalid parameter '{k}'\n{invalid}");
         }
         match k {
