@@ -816,3 +816,90 @@ fn image_names_as_qemu_takes_them() {
         "convert of an image without its backing file"
     );
 }
+
+/// Runs `program args` under `sh` with standard error merged into standard output (`2>&1`,
+/// as scripts filter them) and returns that one stream, timings masked.
+fn merged(dir: &Path, program: &Path, args: &[&str]) -> String {
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("\"$0\" \"$@\" 2>&1")
+        .arg(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    masked(&o).0
+}
+
+#[test]
+fn merged_streams_come_out_in_qemus_order() {
+    if !have_qemu("merged_streams_come_out_in_qemus_order") {
+        return;
+    }
+    let s = Scratch::new("merged-streams");
+    let ours = Ours::new(&s);
+    let cases: &[(&str, &[&str])] = &[
+        // stdio buffers standard output in a pipe: the errors come first.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write 0 64k",
+                "-c",
+                "open -r nonexist",
+                "-c",
+                "read 0 1",
+                "-c",
+                "foo",
+                "-c",
+                "read 0 1",
+                "t.qcow2",
+            ],
+        ),
+        // The header is printed, then the error: the error comes first.
+        ("qemu-img", &["map", "c.qcow2"]),
+        // qemu-img flushes the Formatting line before the driver refuses.
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "cluster_size=3",
+                "x.qcow2",
+                "1M",
+            ],
+        ),
+        // sigraise flushes standard output before the signal.
+        (
+            "qemu-io",
+            &["-c", "write 0 512", "-c", "sigraise 9", "t.qcow2"],
+        ),
+    ];
+    for (tool, args) in cases {
+        let mut outs = Vec::new();
+        for who in ["qemu", "qimg"] {
+            let dir = s.path(who);
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            for made in [
+                qemu_img(&dir, &["create", "-f", "qcow2", "t.qcow2", "1M"]),
+                qemu_img(&dir, &["create", "-f", "qcow2", "c.qcow2", "1M"]),
+                qemu_io_run(&dir, &["-c", "write -c 0 64k", "c.qcow2"]),
+            ] {
+                assert!(made.status.success(), "{made:?}");
+            }
+            let program = match who {
+                "qemu" => PathBuf::from(tool),
+                _ => ours.bin.join(tool),
+            };
+            outs.push(merged(&dir, &program, args));
+        }
+        assert_eq!(
+            outs[1], outs[0],
+            "{tool} {args:?}: qimg's merged output (right) differs from QEMU's (left)"
+        );
+        assert!(!outs[0].is_empty());
+    }
+}

@@ -9,6 +9,8 @@
 
 #![forbid(unsafe_code)]
 
+#[macro_use]
+mod out;
 mod args;
 mod cache_mode;
 mod chain;
@@ -90,7 +92,7 @@ fn quiet_on_closed_stdout() {
             .or_else(|| info.payload().downcast_ref::<&str>().copied())
             .unwrap_or("");
         if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
-            std::process::exit(141);
+            crate::out::exit(141);
         }
         default(info);
     }));
@@ -112,6 +114,9 @@ fn parse() -> Cli {
         _ => "qimg",
     };
     status::set_program(name);
+    if name != "qimg" {
+        out::block_buffered();
+    }
     if name == "qemu-io" {
         args.insert(1, "io".into());
     }
@@ -125,24 +130,24 @@ fn parse() -> Cli {
         };
         if let Some(r) = refusal {
             eprintln!("qemu-img: {r}\nTry 'qemu-img --help' for more info");
-            std::process::exit(1);
+            crate::out::exit(1);
         }
     }
     if let Err(e) = take_objects(&mut args) {
         eprintln!("{name}: {e}");
-        std::process::exit(1);
+        crate::out::exit(1);
     }
     if let Err(e) = image_spec::rewrite(&mut args, name) {
         eprintln!("{name}: {e}");
-        std::process::exit(1);
+        crate::out::exit(1);
     }
     if name != "qimg" && asks_version(&args, name) {
-        println!(
+        outln!(
             "{name} version {QEMU_INTERFACE} (qimg {})",
             env!("CARGO_PKG_VERSION")
         );
-        println!("qimg implements the command line of QEMU's tools of that version");
-        std::process::exit(0);
+        outln!("qimg implements the command line of QEMU's tools of that version");
+        crate::out::exit(0);
     }
     let command = Cli::command()
         .name(name)
@@ -328,19 +333,25 @@ fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
     if name == "qemu-io" {
         // qemu-io: the reason on stderr, the usage on stdout.
         eprintln!("qemu-io: {why}");
-        println!("Usage: qemu-io [OPTIONS]... [-c STRING]... [file]");
-        println!("Try 'qemu-io --help' for the options, 'qemu-io -c help' for the commands.");
+        outln!("Usage: qemu-io [OPTIONS]... [-c STRING]... [file]");
+        outln!("Try 'qemu-io --help' for the options, 'qemu-io -c help' for the commands.");
     } else {
         let sub = std::env::args().nth(1).unwrap_or_default();
         eprintln!("qemu-img {sub}: {why}");
         eprintln!("Try 'qemu-img {sub} --help' for more info");
     }
-    std::process::exit(1);
+    crate::out::exit(1);
 }
 
 fn main() -> ExitCode {
     quiet_on_closed_stdout();
-    match parse().cmd {
+    let code = run(parse().cmd);
+    out::flush();
+    code
+}
+
+fn run(cmd: Command) -> ExitCode {
+    match cmd {
         Command::Create(a) => exit_status(cmd::create::run(a)),
         Command::Info(a) => exit_status(cmd::info::run(a)),
         // check has qemu-img check's exit codes (2 corruptions, 3 leaks, 63 no checks).

@@ -1,8 +1,6 @@
 //! qemu-img's progress line (`-p`): `    (12.34/100%)\r` on stdout, printed again whenever one
 //! more whole percent is done, and a newline at the end.
 
-use std::io::Write;
-
 /// A progress line over `total` units of work.
 pub struct Progress {
     on: bool,
@@ -27,8 +25,8 @@ impl Progress {
     }
 
     fn print(&self, pct: f64) {
-        print!("    ({pct:3.2}/100%)\r");
-        let _ = std::io::stdout().flush();
+        out!("    ({pct:3.2}/100%)\r");
+        crate::out::flush();
     }
 
     /// Counts `n` more units done.
@@ -47,7 +45,7 @@ impl Progress {
     /// Ends the line (qemu-img prints a newline whether or not the work finished).
     pub fn end(&mut self) {
         if self.on {
-            println!();
+            outln!();
             self.on = false;
         }
     }

@@ -108,12 +108,12 @@ const CREATE_ONLY: &[&str] = &[
 pub fn run(args: AmendArgs) -> Result<()> {
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
     if pairs.iter().any(|p| p == "help" || p == "?") {
-        println!("Amend options for 'qcow2':");
+        outln!("Amend options for 'qcow2':");
         let mut list: Vec<_> = AMEND_OPTIONS.iter().chain(AMEND_ENCRYPT_HELP).collect();
         list.sort_by_key(|o| o.0);
         for (k, t, d) in list {
             let left = format!("{k}={t}");
-            println!("  {left:<22} - {d}");
+            outln!("  {left:<22} - {d}");
         }
         return Ok(());
     }

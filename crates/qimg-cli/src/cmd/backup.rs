@@ -253,7 +253,7 @@ fn backup(
     })?;
     progress.lock().unwrap_or_else(|e| e.into_inner()).end();
     if !a.quiet {
-        println!(
+        outln!(
             "Backed up '{source}' into '{}': {total} bytes copied in {count} requests, of {size}",
             output.display()
         );
@@ -326,12 +326,12 @@ fn verify(source: &str, chain: &Path, quiet: bool) -> Result<u8> {
         }
         image.close().await?;
         if let Some(off) = differ {
-            println!("Content mismatch at offset {off}!");
+            outln!("Content mismatch at offset {off}!");
             return Ok(1);
         }
         if size != image.size() {
             if !quiet {
-                println!(
+                outln!(
                     "Image sizes differ: {size} (export) and {} (chain)",
                     image.size()
                 );
@@ -339,7 +339,7 @@ fn verify(source: &str, chain: &Path, quiet: bool) -> Result<u8> {
             return Ok(1);
         }
         if !quiet {
-            println!("Images are identical.");
+            outln!("Images are identical.");
         }
         Ok(0)
     })

@@ -2,7 +2,7 @@
 //! check's options, messages, JSON and exit codes (0 clean, 1 check not completed,
 //! 2 corruptions, 3 leaks only, 63 format without checks).
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -94,12 +94,11 @@ pub fn run(args: CheckArgs) -> ExitCode {
             corruptions_fixed,
         } => {
             if human {
-                print!(
+                out!(
                     "The following inconsistencies were found and repaired:\n\n    \
                      {leaks_fixed} leaked clusters\n    {corruptions_fixed} corruptions\n\n\
                      Double checking the fixed image now...\n"
                 );
-                let _ = std::io::stdout().flush();
             }
         }
         CheckEvent::Progress { done, total } => {
@@ -136,9 +135,9 @@ pub fn run(args: CheckArgs) -> ExitCode {
     }
     if !args.quiet {
         if json {
-            print!("{}", json_text(&report));
+            out!("{}", json_text(&report));
         } else {
-            print!("{}", human_text(&report));
+            out!("{}", human_text(&report));
         }
     }
     if report.check_errors > 0 {

@@ -78,7 +78,7 @@ pub fn run(args: CommitArgs) -> Result<()> {
         .context("cannot start the I/O runtime")?;
     rt.block_on(commit(&args, path, &file))?;
     if !args.quiet {
-        println!("Image committed.");
+        outln!("Image committed.");
     }
     Ok(())
 }

@@ -110,7 +110,7 @@ pub fn run(args: CompareArgs) -> ExitCode {
             progress.end();
             eprintln!("{}: {msg}", crate::status::program());
         } else if !quiet {
-            println!("{msg}");
+            outln!("{msg}");
         }
     }
     progress.end();
@@ -328,7 +328,7 @@ async fn compare(args: &CompareArgs, progress: &mut Progress) -> Result<Outcome>
 
     if a.size != b.size {
         if !args.quiet {
-            println!("Warning: Image size mismatch!");
+            outln!("Warning: Image size mismatch!");
         }
         let over = if a.size > b.size { &a } else { &b };
         let mut at = min;

@@ -48,7 +48,7 @@ pub fn run(args: CreateArgs) -> Result<()> {
     }
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
     if pairs.iter().any(|p| p == "help" || p == "?") {
-        print!(
+        out!(
             "{}",
             create_opts::help_text(&args.fmt, args.filename.is_some())
         );
@@ -99,10 +99,11 @@ pub fn run(args: CreateArgs) -> Result<()> {
         let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
         if !args.quiet {
             let shown = o.size.unwrap_or(size);
-            println!(
+            outln!(
                 "{}",
                 create_opts::formatting_line(&file, "raw", &o, &given, shown)
             );
+            crate::out::flush();
         }
         if let Some(refused) = &given.refused {
             bail!("{file}: {refused}");
@@ -139,10 +140,12 @@ pub fn run(args: CreateArgs) -> Result<()> {
     // As qemu-img: the options parsed and the size known, the `Formatting` line comes first;
     // what the qcow2 driver refuses comes after it.
     if !args.quiet {
-        println!(
+        outln!(
             "{}",
             create_opts::formatting_line(&file, "qcow2", &o, &given, o.size.unwrap_or(size))
         );
+        // qemu-img flushes standard output after this line.
+        crate::out::flush();
     }
     if let Some(refused) = &given.refused {
         bail!("{file}: {refused}");

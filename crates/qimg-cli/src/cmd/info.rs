@@ -78,11 +78,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
             } else {
                 serde_json::to_value(&list[0])?
             };
-            println!("{}", crate::qjson::pretty(&v));
+            outln!("{}", crate::qjson::pretty(&v));
         }
         Output::Human => {
             let texts: Vec<String> = list.iter().map(human::info).collect();
-            print!("{}", texts.join("\n"));
+            out!("{}", texts.join("\n"));
         }
     }
     Ok(())

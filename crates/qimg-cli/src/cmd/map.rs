@@ -128,8 +128,7 @@ pub fn run(args: MapArgs) -> Result<()> {
         if let Some(m) = max_length {
             length = length.min(start.saturating_add(m));
         }
-        let stdout = std::io::stdout();
-        let mut w = BufWriter::new(stdout.lock());
+        let mut w = BufWriter::new(crate::out::stdout());
         let r = walk(&layers, start, length, json, &mut w).await;
         w.flush().context("cannot write the map")?;
         r

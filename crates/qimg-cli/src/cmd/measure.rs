@@ -183,18 +183,18 @@ pub fn run(args: MeasureArgs) -> Result<()> {
         }
     };
     if json {
-        println!("{{");
+        outln!("{{");
         if let Some(b) = m.bitmaps {
-            println!("    \"bitmaps\": {b},");
+            outln!("    \"bitmaps\": {b},");
         }
-        println!("    \"required\": {},", m.required);
-        println!("    \"fully-allocated\": {}", m.fully_allocated);
-        println!("}}");
+        outln!("    \"required\": {},", m.required);
+        outln!("    \"fully-allocated\": {}", m.fully_allocated);
+        outln!("}}");
     } else {
-        println!("required size: {}", m.required);
-        println!("fully allocated size: {}", m.fully_allocated);
+        outln!("required size: {}", m.required);
+        outln!("fully allocated size: {}", m.fully_allocated);
         if let Some(b) = m.bitmaps {
-            println!("bitmaps size: {b}");
+            outln!("bitmaps size: {b}");
         }
     }
     Ok(())

@@ -138,7 +138,7 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         }
     }
     if !args.quiet {
-        println!("Image resized.");
+        outln!("Image resized.");
     }
     Ok(())
 }

@@ -155,7 +155,7 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
                     .await
                     .map_err(|e| anyhow!(lib_msg(&e, &file)))?;
                 if !snaps.is_empty() {
-                    print!("{}", table(&snaps));
+                    out!("{}", table(&snaps));
                 }
                 Ok(())
             }

@@ -317,9 +317,9 @@ fn announce(cfg: &Config, size: u64, mem_align: usize) -> Result<Plan> {
         }
     };
     if !cfg.json {
-        println!("{}", sending_line(cfg));
+        outln!("{}", sending_line(cfg));
         if cfg.flush_interval > 0 {
-            println!("Sending flush every {} requests", cfg.flush_interval);
+            outln!("Sending flush every {} requests", cfg.flush_interval);
         }
     }
     let plan = Plan {

@@ -120,16 +120,16 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
             "cow-bytes": r.stats.map(|s| s.cow_bytes),
             "clusters-allocated": r.stats.map(|s| s.clusters_allocated),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("Run completed in {secs:3.3} seconds.");
+    outln!("Run completed in {secs:3.3} seconds.");
     // Installed as qemu-img, bench prints what qemu-img prints and no more (a script may
     // read every line); `qimg bench` adds its own report.
     if cfg.quiet || crate::status::program() == "qemu-img" {
         return Ok(());
     }
-    println!(
+    outln!(
         "qimg: {} requests, {iops:.0} IOPS, {mibs:.1} MiB/s ({} on {}, cache={}, {})",
         o.completed,
         fmt.name(),
@@ -141,7 +141,7 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
             (false, false) => "async API, current-thread runtime",
         }
     );
-    println!(
+    outln!(
         "qimg: latency us: p50 {:.1}, p99 {:.1}, p99.9 {:.1}, mean {:.1}, max {:.1}",
         us(h.quantile(0.50)),
         us(h.quantile(0.99)),
@@ -150,17 +150,20 @@ pub(super) fn print_report(cfg: &Config, fmt: ImageFormat, r: &Report) -> Result
         us(h.max())
     );
     if cfg.flush_interval > 0 {
-        println!("qimg: {} flushes", o.flushes);
+        outln!("qimg: {} flushes", o.flushes);
     }
     if let Some(q) = &o.queue {
-        println!(
+        outln!(
             "qimg: queue: {} requests direct from the caller's buffers, {} on the engine, \
              {} without I/O, {} io_uring_enter calls",
-            q.direct, q.engine, q.immediate, q.ring_enters
+            q.direct,
+            q.engine,
+            q.immediate,
+            q.ring_enters
         );
     }
     if let Some((s, rate)) = l2 {
-        println!(
+        outln!(
             "qimg: L2 cache {:.2}% hits ({} hits, {} misses), copy-on-write {} bytes, \
              {} clusters allocated",
             rate * 100.0,

@@ -168,9 +168,8 @@ pub(super) struct Progress {
 
 impl Progress {
     fn print(&self, pct: f64) {
-        use std::io::Write;
-        print!("    ({pct:3.2}/100%)\r");
-        let _ = std::io::stdout().flush();
+        out!("    ({pct:3.2}/100%)\r");
+        crate::out::flush();
     }
 
     pub(super) fn start(&mut self) {
@@ -194,7 +193,7 @@ impl Progress {
     pub(super) fn end(&mut self) {
         if self.on {
             self.print(100.0);
-            println!();
+            outln!();
         }
     }
 }

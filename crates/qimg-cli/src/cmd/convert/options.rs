@@ -87,7 +87,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if pairs.iter().any(|p| p == "help" || p == "?") {
         // (QEMU names the protocol options once it knows the target: given a source and
         // the destination.)
-        print!(
+        out!(
             "{}",
             create_opts::help_text(&out_name, args.files.len() >= 2)
         );

@@ -1015,7 +1015,7 @@ fn sigraise(args: &[String]) -> Outcome {
         complain!("Invalid signal '{}'", args[0]);
         return Err(Failed);
     };
-    let _ = std::io::Write::flush(&mut std::io::stdout());
+    crate::out::flush();
     if let Err(e) = nix::sys::signal::raise(signal) {
         complain!("sigraise: {e}");
         return Err(Failed);

@@ -16,7 +16,7 @@
 macro_rules! say {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($t)*);
+        let _ = writeln!($crate::out::stdout(), $($t)*);
     }};
 }
 
@@ -24,7 +24,7 @@ macro_rules! say {
 macro_rules! say_raw {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = write!(std::io::stdout(), $($t)*);
+        let _ = write!($crate::out::stdout(), $($t)*);
     }};
 }
 
@@ -41,7 +41,7 @@ mod out;
 mod parse;
 mod session;
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::process::ExitCode;
 
 use qimg::io::Backend;
@@ -127,7 +127,7 @@ pub fn run(args: IoArgs) -> ExitCode {
             let mut input = String::new();
             loop {
                 say_raw!("qemu-io> ");
-                let _ = std::io::stdout().flush();
+                crate::out::flush();
                 input.clear();
                 match lines.read_line(&mut input) {
                     Ok(0) | Err(_) => break,
@@ -146,7 +146,7 @@ pub fn run(args: IoArgs) -> ExitCode {
         }
         s.finish().await
     });
-    let _ = std::io::stdout().flush();
+    crate::out::flush();
     if ok {
         ExitCode::SUCCESS
     } else {
