@@ -903,3 +903,88 @@ fn merged_streams_come_out_in_qemus_order() {
         assert!(!outs[0].is_empty());
     }
 }
+
+#[test]
+fn blkdebug_injects_errors_where_qemus_does() {
+    if !have_qemu("blkdebug_injects_errors_where_qemus_does") {
+        return;
+    }
+    let s = Scratch::new("blkdebug");
+    let ours = Ours::new(&s);
+    let commands = [
+        "-c",
+        "write 0 128k",
+        "-c",
+        "write 70k 8k",
+        "-c",
+        "read 0 4k",
+    ];
+    // (event, once, errno): each fails a different request of the same three commands.
+    let rules: &[(&str, &str, u32)] = &[
+        ("write_aio", "on", 5),
+        ("write_aio", "off", 28),
+        ("l2_alloc_write", "on", 28),
+        ("l2_alloc_write", "off", 5),
+        ("refblock_update_part", "on", 5),
+        ("cluster_alloc", "on", 28),
+        ("read_aio", "off", 28),
+        ("flush_to_os", "off", 5),
+    ];
+    let mut names: Vec<(String, String)> = Vec::new();
+    for (event, once, errno) in rules {
+        let config = format!(
+            "# {event}\n[inject-error]\nevent = \"{event}\"\nerrno = \"{errno}\"\nonce = \"{once}\"\n"
+        );
+        names.push((config, "blkdebug:rules.cfg:t.qcow2".into()));
+    }
+    // The same rules as a json: name and as --image-opts, with a state machine.
+    names.push((
+        String::new(),
+        r#"json:{"driver":"qcow2","file":{"driver":"blkdebug","image":{"driver":"file","filename":"t.qcow2"},"set-state":[{"event":"l2_alloc_write","new_state":2}],"inject-error":[{"event":"write_aio","state":2,"errno":28,"once":true}]}}"#
+            .into(),
+    ));
+    names.push((
+        String::new(),
+        "--image-opts\ndriver=qcow2,file.driver=blkdebug,file.image.filename=t.qcow2,\
+         file.inject-error.0.event=refblock_update_part,file.inject-error.0.errno=28,\
+         file.inject-error.0.once=on"
+            .into(),
+    ));
+    for (config, name) in &names {
+        let mut outs = Vec::new();
+        for who in ["qemu", "qimg"] {
+            let dir = s.path(who);
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("rules.cfg"), config).unwrap();
+            let made = qemu_img(&dir, &["create", "-f", "qcow2", "t.qcow2", "1G"]);
+            assert!(made.status.success(), "{made:?}");
+            let program = match who {
+                "qemu" => PathBuf::from("qemu-io"),
+                _ => ours.bin.join("qemu-io"),
+            };
+            let mut args: Vec<&str> = commands.to_vec();
+            // Several arguments are given one per line.
+            args.extend(name.lines());
+            let io = merged(&dir, &program, &args);
+
+            // The image each leaves, as QEMU's check sees it.
+            let check = qemu_img(&dir, &["check", "t.qcow2"]);
+            let check = String::from_utf8_lossy(&check.stdout)
+                .lines()
+                .filter(|l| !l.starts_with("Image end offset") && !l.contains("allocated"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            outs.push(format!("{io}\n--- check:\n{check}"));
+        }
+        assert_eq!(
+            outs[1], outs[0],
+            "{name} with {config:?}: qimg (left) differs from QEMU (right)"
+        );
+        assert!(
+            outs[0].contains("failed"),
+            "{config}: nothing failed: {}",
+            outs[0]
+        );
+    }
+}

@@ -208,6 +208,22 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             *a = name.to_string().into();
             continue;
         }
+        if let Some(rest) = s.strip_prefix("blkdebug:") {
+            // `blkdebug:CONFIG:IMAGE`: error injection over the file IMAGE.
+            let (config, image) = rest.split_once(':').ok_or_else(|| {
+                failed(
+                    s,
+                    "Invalid filename, expected blkdebug:[config]:image".into(),
+                )
+            })?;
+            let mut rules = qimg::io::BlkdebugConfig::default();
+            if !config.is_empty() {
+                rules = blkdebug_file(config).map_err(|e| failed(s, e))?;
+            }
+            qimg::io::blkdebug::attach(image, rules);
+            *a = image.to_string().into();
+            continue;
+        }
         let pairs = if let Some(json) = s.strip_prefix("json:") {
             let v: Value = serde_json::from_str(json)
                 .map_err(|e| failed(s, format!("Could not parse the JSON options: {e}")))?;
@@ -281,6 +297,72 @@ fn is_option_string(s: &str) -> bool {
     })
 }
 
+/// The rules of a blkdebug config file, refused in QEMU's words.
+fn blkdebug_file(path: &str) -> Result<qimg::io::BlkdebugConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!(
+            "Could not read blkdebug config file: {}",
+            crate::status::os_msg(&e)
+        )
+    })?;
+    qimg::io::BlkdebugConfig::parse_file(&text)
+}
+
+/// The image file a `blkdebug` node under `prefix` (`"file."`) names, with its rules
+/// attached to it ([`qimg::io::blkdebug::attach`]), and the keys it used.
+fn blkdebug_node(
+    pairs: &[(String, String)],
+    prefix: &str,
+) -> Result<(Option<String>, Vec<String>), String> {
+    let mut own = Vec::new();
+    let mut used = Vec::new();
+    for (k, v) in pairs {
+        if let Some(rest) = k.strip_prefix(prefix) {
+            own.push((rest.to_string(), v.clone()));
+            used.push(k.clone());
+        }
+    }
+    let get = |key: &str| {
+        own.iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    let mut rules = match get("config") {
+        Some(path) => blkdebug_file(&path)?,
+        None => qimg::io::BlkdebugConfig::default(),
+    };
+    let rest = rules.from_options(&own)?;
+    for k in rest {
+        let ok = matches!(
+            k.as_str(),
+            "driver"
+                | "config"
+                | "image"
+                | "image.filename"
+                | "align"
+                | "max-transfer"
+                | "opt-write-zero"
+                | "max-write-zero"
+                | "opt-discard"
+                | "max-discard"
+                | "take-child-perms"
+                | "unshare-child-perms"
+                | "node-name"
+        ) || (k == "image.driver" && get("image.driver").as_deref() == Some("file"));
+        if !ok {
+            return Err(format!(
+                "Block protocol 'blkdebug' does not support the option '{k}'"
+            ));
+        }
+    }
+    let image = get("image.filename").or_else(|| get("image"));
+    if let Some(image) = &image {
+        qimg::io::blkdebug::attach(image.as_str(), rules);
+    }
+    Ok((image, used))
+}
+
 /// Flattens JSON objects into qemu's dotted keys.
 fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(), String> {
     let Value::Object(map) = v else {
@@ -299,7 +381,19 @@ fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(
             Value::Number(n) => out.push((key, n.to_string())),
             // `"backing": null`: no backing file.
             Value::Null => out.push((key, NULL.to_string())),
-            _ => return Err(format!("option '{key}': arrays and null are not taken")),
+            // Lists (blkdebug's rules) as QEMU flattens them: `key.0.field`.
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    let key = format!("{key}.{i}");
+                    match item {
+                        Value::Object(_) => flatten(item, &key, out)?,
+                        Value::String(s) => out.push((key, s.clone())),
+                        Value::Number(n) => out.push((key, n.to_string())),
+                        Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+                        _ => return Err(format!("option '{key}': nested lists are not taken")),
+                    }
+                }
+            }
         }
     }
     Ok(())
@@ -318,6 +412,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         nbd_keys = used;
         Ok(Some(name))
     };
+    let mut blkdebug_keys = Vec::new();
     let name = match driver {
         "qcow2" | "raw" | "" => {
             if !driver.is_empty() {
@@ -326,6 +421,11 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             match get("file.driver").map(String::as_str) {
                 None | Some("file") => get("file.filename").or_else(|| get("file")).cloned(),
                 Some("nbd") => nbd("file.")?,
+                Some("blkdebug") => {
+                    let (image, used) = blkdebug_node(pairs, "file.")?;
+                    blkdebug_keys = used;
+                    image
+                }
                 Some(other) => return Err(format!("the protocol '{other}' is not supported")),
             }
         }
@@ -341,7 +441,8 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         let known = matches!(
             k.as_str(),
             "driver" | "file" | "file.driver" | "file.filename" | "filename"
-        ) || nbd_keys.contains(k);
+        ) || nbd_keys.contains(k)
+            || blkdebug_keys.contains(k);
         match k.as_str() {
             _ if known || IGNORED.contains(&k.as_str()) => {}
             "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,

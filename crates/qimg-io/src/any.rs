@@ -7,6 +7,7 @@
 use std::io::IoSlice;
 use std::path::Path;
 
+use crate::blkdebug::BlkdebugStorage;
 use crate::bounce::BounceStorage;
 use crate::error::Result;
 use crate::file::{FileOptions, FileStorage};
@@ -47,6 +48,11 @@ pub enum AnyStorage {
     /// An export of an NBD server ([`NbdStorage`]), for an NBD name: the process's one
     /// connection to it ([`NbdStorage::shared`]).
     Nbd(std::sync::Arc<NbdStorage>),
+    /// A buffered file with error injection ([`BlkdebugStorage`]): a path given rules with
+    /// [`blkdebug::attach`](crate::blkdebug::attach).
+    Blkdebug(Box<BlkdebugStorage<FileStorage>>),
+    /// The same with `O_DIRECT`, any alignment.
+    BlkdebugDirect(Box<BlkdebugStorage<BounceStorage<FileStorage>>>),
 }
 
 impl AnyStorage {
@@ -62,6 +68,22 @@ impl AnyStorage {
             if crate::nbd::is_nbd_name(name) {
                 return Ok(Self::Nbd(NbdStorage::shared(name, writable)?));
             }
+        }
+        if let Some(config) = crate::blkdebug::attached(path.as_ref()) {
+            // Error injection over the file, always on the thread backend (QEMU's blkdebug
+            // sits over its file node whatever its aio mode).
+            let s = FileOptions::new()
+                .read_write(writable)
+                .direct(direct)
+                .open(path)?;
+            return Ok(if direct {
+                Self::BlkdebugDirect(Box::new(BlkdebugStorage::new(
+                    BounceStorage::new(s),
+                    config,
+                )))
+            } else {
+                Self::Blkdebug(Box::new(BlkdebugStorage::new(s, config)))
+            });
         }
         match backend {
             Backend::Threads => {
@@ -131,6 +153,8 @@ macro_rules! each {
             #[cfg(target_os = "linux")]
             AnyStorage::UringDirect($s) => $e,
             AnyStorage::Nbd($s) => $e,
+            AnyStorage::Blkdebug($s) => $e,
+            AnyStorage::BlkdebugDirect($s) => $e,
         }
     };
 }
@@ -202,5 +226,9 @@ impl Storage for AnyStorage {
 
     fn direct_access(&self) -> Option<crate::DirectAccess<'_>> {
         each!(self, s => s.direct_access())
+    }
+
+    fn debug_event(&self, event: crate::DebugEvent) {
+        each!(self, s => s.debug_event(event))
     }
 }

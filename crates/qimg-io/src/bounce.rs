@@ -261,6 +261,10 @@ impl<S: Storage> Storage for BounceStorage<S> {
         self.inner.unlock_image()
     }
 
+    fn debug_event(&self, event: crate::DebugEvent) {
+        self.inner.debug_event(event)
+    }
+
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         self.inner.lock_image(lock)
     }

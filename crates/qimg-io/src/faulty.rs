@@ -830,6 +830,10 @@ impl<S: Storage> Storage for FaultyStorage<S> {
         self.inner.unlock_image()
     }
 
+    fn debug_event(&self, event: crate::DebugEvent) {
+        self.inner.debug_event(event)
+    }
+
     fn lock_image(&self, lock: crate::ImageLock) -> Result<()> {
         self.inner.lock_image(lock)
     }

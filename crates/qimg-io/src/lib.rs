@@ -101,6 +101,7 @@
 
 mod aligned;
 mod any;
+pub mod blkdebug;
 mod bounce;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -121,6 +122,7 @@ mod uring;
 
 pub use aligned::AlignedBuf;
 pub use any::{AnyStorage, Backend};
+pub use blkdebug::{BlkdebugConfig, BlkdebugStorage, DebugEvent};
 pub use bounce::BounceStorage;
 pub use error::{MAX_OFFSET, Op, Result, StorageError};
 pub use faulty::{

@@ -207,6 +207,18 @@ pub trait Storage: Send + Sync {
     fn direct_access(&self) -> Option<DirectAccess<'_>> {
         None
     }
+
+    /// Tells the storage what the requests that follow are for, for error injection
+    /// ([`BlkdebugStorage`](crate::BlkdebugStorage), QEMU's `blkdebug` events). Storages
+    /// that wrap another pass it on; the others ignore it (the default). qimg's engine
+    /// announces `l1_update`, `l2_load`, `l2_update`, `l2_alloc_write`, `refblock_load`,
+    /// `refblock_update`, `refblock_alloc`, `reftable_update`, `cluster_alloc`,
+    /// `read_aio`, `read_backing_aio`, `read_compressed`, `write_aio`, `write_compressed`,
+    /// `cow_read`, `cow_write`, `flush_to_os` and `flush_to_disk`, each just before the
+    /// requests it names, as QEMU's qcow2 driver does.
+    fn debug_event(&self, event: crate::DebugEvent) {
+        let _ = event;
+    }
 }
 
 /// A file descriptor requests may use directly, and the alignment they need: offsets and
@@ -226,6 +238,10 @@ pub struct DirectAccess<'a> {
 impl<S: Storage + ?Sized> Storage for Arc<S> {
     fn direct_access(&self) -> Option<DirectAccess<'_>> {
         (**self).direct_access()
+    }
+
+    fn debug_event(&self, event: crate::DebugEvent) {
+        (**self).debug_event(event)
     }
 
     fn read_at_most(

@@ -83,7 +83,7 @@ impl<S: Storage> Inner<S> {
         if self.writable {
             self.free_abandoned(&mut m).await?;
             self.store_bitmaps(&mut m).await?;
-            self.flush_meta(&mut m).await?;
+            self.flush_closing(&mut m).await?;
             self.trim_reservation(m.end_cluster).await?;
             self.mark_clean(&mut m).await?;
         }

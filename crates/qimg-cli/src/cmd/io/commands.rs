@@ -169,6 +169,38 @@ const COMMANDS: &[Cmd] = &[
         "read into several buffers",
     ),
     cmd(
+        "break",
+        None,
+        (2, Some(2)),
+        READS,
+        "event tag",
+        "sets a breakpoint on event and tags the stopped request as tag",
+    ),
+    cmd(
+        "remove_break",
+        None,
+        (1, Some(1)),
+        READS,
+        "tag",
+        "remove a breakpoint by tag",
+    ),
+    cmd(
+        "resume",
+        None,
+        (1, Some(1)),
+        READS,
+        "tag",
+        "resumes the request tagged as tag",
+    ),
+    cmd(
+        "wait_break",
+        None,
+        (1, Some(1)),
+        READS,
+        "tag",
+        "waits for the suspension of a request",
+    ),
+    cmd(
         "reopen",
         None,
         (0, None),
@@ -332,6 +364,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "reopen" => reopen(s, args).await,
         "abort" => std::process::abort(),
         "sigraise" => sigraise(args),
+        "break" | "remove_break" | "resume" | "wait_break" => breakpoint(c.name, args),
         "close" => s.close().await,
         "read" => read(s, args).await,
         "readv" => readv(s, "readv", args, false).await,
@@ -1001,6 +1034,29 @@ async fn reopen(s: &mut Session, args: &[String]) -> Outcome {
     }
     s.close().await?;
     s.open(&file, &spec).await
+}
+
+/// `break`, `remove_break`, `resume`, `wait_break`: qimg's error injection
+/// (`blkdebug:`) fails requests but does not suspend them, so there is no breakpoint to set,
+/// remove or wait for. The refusals are qemu-io's for an image without blkdebug (where
+/// QEMU's `wait_break` waits for ever; this one says so and goes on).
+fn breakpoint(name: &str, args: &[String]) -> Outcome {
+    let why = strerror(libc_enotsup());
+    match name {
+        "break" => say!("Could not set breakpoint: {why}"),
+        "remove_break" => say!("Could not remove breakpoint {}: {why}", args[0]),
+        "resume" => say!("Could not resume request: {why}"),
+        _ => say!(
+            "Could not wait for a request suspended at {}: {why}",
+            args[0]
+        ),
+    }
+    Err(Failed)
+}
+
+/// `EOPNOTSUPP` (95 on Linux).
+fn libc_enotsup() -> i32 {
+    nix::errno::Errno::EOPNOTSUPP as i32
 }
 
 /// `sigraise SIGNAL`: the process raises the signal; one whose default action ends the

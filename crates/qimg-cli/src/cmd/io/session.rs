@@ -404,6 +404,14 @@ impl Session {
         }
         if let Some(img) = self.img.take() {
             if let Err(e) = img.close().await {
+                if let qimg::Error::Storage { source, .. } = &e {
+                    // QEMU's close writes back its two caches and reports each failure; a
+                    // failing file fails both.
+                    let why = strerror(source.raw_os_error().unwrap_or(EIO));
+                    complain!("qemu-io: Failed to flush the L2 table cache: {why}");
+                    complain!("qemu-io: Failed to flush the refcount block cache: {why}");
+                    return Err(Failed);
+                }
                 let name = img.path().display().to_string();
                 complain!("qemu-io: closing the image failed: {}", lib_msg(&e, &name));
                 return Err(Failed);

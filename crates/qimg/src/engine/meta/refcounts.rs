@@ -1,6 +1,7 @@
 //! Refcounts: reading and updating them through the refcount cache, allocating and freeing
 //! host clusters, creating refcount blocks and growing the refcount table.
 
+use qimg_io::DebugEvent;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -113,6 +114,7 @@ impl<S: Storage> Shared<S> {
         // may be allocated (a request that passed its entry check before the switch failed
         // ends here).
         self.check_not_halted()?;
+        self.file.debug_event(DebugEvent::ClusterAlloc);
         let cs = self.geo.cluster_size();
         let entries = self.rgeo.refblock_entries();
         'search: loop {
@@ -384,6 +386,7 @@ impl<S: Storage> Shared<S> {
         if self.refcount(m, place).await? != 0 {
             return Ok(());
         }
+        self.file.debug_event(DebugEvent::RefblockAlloc);
         let covers_itself = place / entries == index;
         let mut block = self.io_buf(cs as usize)?;
         if covers_itself {
@@ -401,12 +404,14 @@ impl<S: Storage> Shared<S> {
             Box::pin(self.update_refcount(m, place, 1)).await?;
             self.write_back(m, CacheKind::Refcount).await?;
         }
+        self.file.debug_event(DebugEvent::RefblockAllocWrite);
         self.file
             .write_at(&block, at)
             .await
             .map_err(|e| self.storage_error(e))?;
         self.file.flush().await.map_err(|e| self.storage_error(e))?;
         m.overlap.insert(Region::RefcountBlock, at, cs);
+        self.file.debug_event(DebugEvent::RefblockAllocHookup);
         self.file
             .write_at(&encode_words(&[at]), entry_at)
             .await
@@ -455,6 +460,7 @@ impl<S: Storage> Shared<S> {
             }
             let order = self.rgeo.refcount_order();
             let e = self.rgeo.refblock_entries();
+            self.file.debug_event(DebugEvent::RefblockAllocWriteBlocks);
             for (k, &j) in plan.blocks.iter().enumerate() {
                 let mut block = vec![0u8; cs as usize];
                 for c in (j * e).max(start)..((j + 1) * e).min(end) {

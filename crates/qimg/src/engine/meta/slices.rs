@@ -1,6 +1,7 @@
 //! L2 entries through the slice caches, and writing the caches back in the crash-safe order:
 //! a slice is written only after what it depends on is durable (QEMU's cache dependencies).
 
+use qimg_io::DebugEvent;
 use std::time::Duration;
 
 use qimg_cache::{Dependencies, DirtySlice, SliceCache, SliceKey};
@@ -205,6 +206,10 @@ impl<S: Storage> Shared<S> {
         let size = m.cache(kind).slice_size();
         let mut buf = vec![0u8; size];
         let at = self.slice_location(m, kind, key);
+        self.file.debug_event(match kind {
+            CacheKind::L2 => DebugEvent::L2Load,
+            CacheKind::Refcount => DebugEvent::RefblockLoad,
+        });
         if let Err(e) = self.file.read_at(&mut buf, at).await {
             let what = format!(
                 "{} at {at:#x} cannot be read: {e}",
@@ -221,9 +226,14 @@ impl<S: Storage> Shared<S> {
             if past_end && self.writable {
                 return Err(self.signal_corruption(m, what).await);
             }
+            if !past_end {
+                // The file failed to read (an I/O error, not the image's fault): its errno
+                // reaches the caller.
+                return Err(self.storage_error(e));
+            }
             // Read-only, an L2 table past the end of the file reads as zeros (unallocated), as
             // QEMU reads it (its check reports the table).
-            let zeros = past_end && kind == CacheKind::L2;
+            let zeros = kind == CacheKind::L2;
             if !zeros || self.file.read_at_zero_fill(&mut buf, at).await.is_err() {
                 return Err(Error::corrupt(&self.path, what));
             }
@@ -273,6 +283,14 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// The blkdebug event of a slice write-back (QEMU's cache announces it per table).
+    fn update_event(kind: CacheKind) -> DebugEvent {
+        match kind {
+            CacheKind::L2 => DebugEvent::L2Update,
+            CacheKind::Refcount => DebugEvent::RefblockUpdatePart,
+        }
+    }
+
     pub(crate) async fn write_evicted(
         &self,
         m: &mut Meta,
@@ -283,6 +301,7 @@ impl<S: Storage> Shared<S> {
         let at = self.slice_location(m, kind, d.key);
         self.guard_write(m, at, d.data.len() as u64, Self::own(kind, d.key))
             .await?;
+        self.file.debug_event(Self::update_event(kind));
         self.file
             .write_at(&d.data, at)
             .await
@@ -334,6 +353,7 @@ impl<S: Storage> Shared<S> {
                 let at = at + span.start as u64;
                 self.guard_write(m, at, data.len() as u64, Self::own(kind, entry.key))
                     .await?;
+                self.file.debug_event(Self::update_event(kind));
                 self.file
                     .write_at(&data, at)
                     .await
@@ -385,7 +405,13 @@ impl<S: Storage> Shared<S> {
 
     /// Guest flush: L2 slices, refcount blocks, then a storage flush; then queued punches.
     pub(crate) async fn flush_meta(&self, m: &mut Meta) -> Result<()> {
-        self.flush_meta_with(m, true).await
+        self.flush_meta_with(m, true, false).await
+    }
+
+    /// The flush of [`Image::close`](crate::Image::close): [`flush_meta`](Self::flush_meta),
+    /// announced as a guest flush is.
+    pub(crate) async fn flush_closing(&self, m: &mut Meta) -> Result<()> {
+        self.flush_meta_with(m, true, true).await
     }
 
     /// A guest's flush (`Image::flush`, and so every flush a queue, an export or `qimg io`
@@ -396,13 +422,22 @@ impl<S: Storage> Shared<S> {
     /// So a writer killed after a flush leaves what QEMU's leaves (iotest 039's errors).
     pub(crate) async fn flush_guest(&self, m: &mut Meta) -> Result<()> {
         let accurate = !(self.lazy && m.dirty_on_disk);
-        self.flush_meta_with(m, accurate).await
+        self.flush_meta_with(m, accurate, true).await
     }
 
-    async fn flush_meta_with(&self, m: &mut Meta, refcounts: bool) -> Result<()> {
+    /// Writes back the caches (the refcount blocks if `refcounts`) and flushes the files.
+    /// A `guest` flush (asked for by the guest or the close, not one the engine needs for its
+    /// own ordering) announces QEMU's `flush_to_os` and `flush_to_disk` events.
+    async fn flush_meta_with(&self, m: &mut Meta, refcounts: bool, guest: bool) -> Result<()> {
+        if guest {
+            self.file.debug_event(DebugEvent::FlushToOs);
+        }
         self.write_back(m, CacheKind::L2).await?;
         if refcounts {
             self.write_back(m, CacheKind::Refcount).await?;
+        }
+        if guest {
+            self.file.debug_event(DebugEvent::FlushToDisk);
         }
         self.flush_data().await?;
         let punches = std::mem::take(&mut m.pending_punch);

@@ -6,6 +6,7 @@ use qimg_format::features::INCOMPAT_DIRTY;
 use qimg_format::header;
 use qimg_format::l1::{self, L1Entry};
 use qimg_format::units::HostOffset;
+use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::{CacheKind, Meta};
@@ -35,30 +36,12 @@ impl<S: Storage> Shared<S> {
         let cs = self.geo.cluster_size();
         let new = self.alloc_clusters(m, 1).await?;
         self.guard_write(m, new, cs, Writing::Data).await?;
-        if let Some(old) = entry.l2_offset {
-            let mut content = self.io_buf(cs as usize)?;
-            self.write_back(m, CacheKind::L2).await?;
-            self.file
-                .read_at(&mut content, old.0)
-                .await
-                .map_err(|e| self.storage_error(e))?;
-            self.file
-                .write_at(&content, new)
-                .await
-                .map_err(|e| self.storage_error(e))?;
-        } else {
-            // A table of zeros: `fallocate(FALLOC_FL_ZERO_RANGE)` where the file takes it
-            // (a 2 MiB table costs an extent change, not a 2 MiB write), zero bytes otherwise.
-            self.file
-                .write_zeroes(new, cs)
-                .await
-                .map_err(|e| self.storage_error(e))?;
+        if let Err(e) = self.fill_new_l2(m, new, entry.l2_offset).await {
+            // Nothing names the new table yet: give its cluster back (as QEMU's
+            // `l2_allocate` does) instead of leaking it.
+            let _ = self.free_clusters(m, new, 1).await;
+            return Err(e);
         }
-        // The new table's refcount durable before anything names it, with lazy refcounts
-        // too (QEMU's `l2_allocate` flushes the refcount cache here either way): only data
-        // clusters' refcounts are left to the rebuild after a crash.
-        self.write_back(m, CacheKind::Refcount).await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
         let linked = L1Entry {
             l2_offset: Some(HostOffset(new)),
             copied: true,
@@ -77,6 +60,40 @@ impl<S: Storage> Shared<S> {
             self.free_clusters(m, old.0, 1).await?;
         }
         Ok((new, entry.l2_offset.is_none()))
+    }
+
+    /// Writes the new L2 table at `new` (a copy of the table at `old`, or zeros) and makes it
+    /// and its refcount durable, before the L1 table names it.
+    async fn fill_new_l2(&self, m: &mut Meta, new: u64, old: Option<HostOffset>) -> Result<()> {
+        let cs = self.geo.cluster_size();
+        if let Some(old) = old {
+            let mut content = self.io_buf(cs as usize)?;
+            self.write_back(m, CacheKind::L2).await?;
+            self.file.debug_event(DebugEvent::L2AllocCowRead);
+            self.file
+                .read_at(&mut content, old.0)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+            self.file.debug_event(DebugEvent::L2AllocWrite);
+            self.file
+                .write_at(&content, new)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        } else {
+            // A table of zeros: `fallocate(FALLOC_FL_ZERO_RANGE)` where the file takes it
+            // (a 2 MiB table costs an extent change, not a 2 MiB write), zero bytes otherwise.
+            self.file.debug_event(DebugEvent::L2AllocWrite);
+            self.file
+                .write_zeroes(new, cs)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
+        // The new table's refcount durable before anything names it, with lazy refcounts
+        // too (QEMU's `l2_allocate` flushes the refcount cache here either way): only data
+        // clusters' refcounts are left to the rebuild after a crash.
+        self.write_back(m, CacheKind::Refcount).await?;
+        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        Ok(())
     }
 
     /// Writes `hdr` at header offset `at` and flushes: the switch to a new table, whose
@@ -112,6 +129,7 @@ impl<S: Storage> Shared<S> {
         let at = l1::table_entry_offset(m.l1_offset, l1i as u64);
         let own = Writing::Own(Region::ActiveL1, m.l1_offset);
         self.guard_write(m, at, raw.len() as u64, own).await?;
+        self.file.debug_event(DebugEvent::L1Update);
         self.file
             .write_at(&raw, at)
             .await

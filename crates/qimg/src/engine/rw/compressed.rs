@@ -69,6 +69,7 @@ impl<S: Storage> Inner<S> {
         self.guard_write(&mut m, at, plen, Writing::Data).await?;
         drop(m);
 
+        self.file.debug_event(qimg_io::DebugEvent::WriteCompressed);
         let written = self
             .file
             .write_at(&packed, at)

@@ -1,5 +1,6 @@
 //! Reads: allocated data, zeros, compressed clusters, and what the backing chain holds.
 
+use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
@@ -66,6 +67,7 @@ impl<S: Storage> Inner<S> {
     /// Reads guest data at host offset `host` of the data file (zeros past its end).
     async fn read_data(&self, dst: &mut [u8], host: u64) -> Result<()> {
         let (data, path) = self.data();
+        data.debug_event(DebugEvent::ReadAio);
         data.read_at_zero_fill(dst, host)
             .await
             .map_err(|e| Error::storage(path, e))
@@ -121,6 +123,7 @@ impl<S: Storage> Inner<S> {
                 token: Some(token),
             };
             let mut buf = vec![0u8; size];
+            self.file.debug_event(DebugEvent::L2Load);
             let read = self.file.read_at(&mut buf, at).await;
             let mut m = self.meta.lock().await;
             let current = load.end();
@@ -164,6 +167,7 @@ impl<S: Storage> Inner<S> {
                 SubclusterState::Normal => {
                     let host = entry.entry().host_cluster().map_or(0, |h| h.0);
                     let (data, path) = self.data();
+                    data.debug_event(DebugEvent::ReadAio);
                     data.read_at_zero_fill(dst, host + pos as u64)
                         .await
                         .map_err(|e| Error::storage(path, e))?;
@@ -199,6 +203,7 @@ impl<S: Storage> Inner<S> {
     ) -> Result<Vec<u8>> {
         let mut input = vec![0u8; d.compressed_size_bytes() as usize];
         let at = d.host_offset().0;
+        self.file.debug_event(DebugEvent::ReadCompressed);
         self.file
             .read_at_zero_fill(&mut input, at)
             .await
@@ -224,6 +229,9 @@ impl<S: Storage> Inner<S> {
         offset: u64,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            if self.backing.is_some() {
+                self.file.debug_event(DebugEvent::ReadBackingAio);
+            }
             match &self.backing {
                 None => {
                     buf.fill(0);

@@ -2,6 +2,7 @@
 //! cluster into the L2 table, in the order crash safety needs (data before the entry). Write
 //! leases use the same three steps (prepare, write copy-on-write, link).
 
+use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
@@ -256,7 +257,9 @@ impl<S: Storage> Inner<S> {
         for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
             if from < to {
                 let mut buf = self.io_buf(to - from)?;
+                storage.debug_event(DebugEvent::CowRead);
                 self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
+                storage.debug_event(DebugEvent::CowWrite);
                 storage
                     .write_at(&buf, p.host + from as u64)
                     .await
@@ -283,12 +286,15 @@ impl<S: Storage> Inner<S> {
         }
         let b = a + data.len();
         if plan.start == a && plan.end == b {
+            storage.debug_event(DebugEvent::WriteAio);
             return storage
                 .write_at(data, host + a as u64)
                 .await
                 .map_err(|e| Error::storage(path, e));
         }
         let mut buf = self.io_buf(plan.end - plan.start)?;
+        // QEMU's events for a write merged with its copy-on-write (`merge_cow`).
+        storage.debug_event(DebugEvent::CowRead);
         if plan.start < a {
             self.read_entry_range(old, gc, plan.start, &mut buf[..a - plan.start])
                 .await?;
@@ -298,6 +304,7 @@ impl<S: Storage> Inner<S> {
             self.read_entry_range(old, gc, b, &mut buf[b - plan.start..])
                 .await?;
         }
+        storage.debug_event(DebugEvent::CowWrite);
         storage
             .write_at(&buf, host + plan.start as u64)
             .await
