@@ -988,3 +988,90 @@ fn blkdebug_injects_errors_where_qemus_does() {
         );
     }
 }
+
+#[test]
+fn the_vm_state_area_is_read_and_written_as_qemu_io_does() {
+    if !have_qemu("the_vm_state_area_is_read_and_written_as_qemu_io_does") {
+        return;
+    }
+    let s = Scratch::new("vmstate");
+    let ours = Ours::new(&s);
+    // Each step: (tool, arguments); the image is made by qemu-img in each directory.
+    let steps: &[(&str, &[&str])] = &[
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -b -P 0x11 0 64k",
+                "-c",
+                "read -b -P 0x11 0 64k",
+                "-c",
+                "read -b -P 0 64k 64k",
+                "-c",
+                "write -b -P 0x22 100k 200k",
+                "-c",
+                "read -b -P 0x22 100k 200k",
+                "-c",
+                "read -P 0 0 1M",
+                "-c",
+                "read -b 1M 1",
+                "-c",
+                "write -b 3 512",
+                "t.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-r", "-c", "read -b -v 99k 1k", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s1", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-io", &["-f", "raw", "-c", "write -b 0 64k", "t.qcow2"]),
+        ("qemu-img", &["resize", "t.qcow2", "2M"]),
+        (
+            "qemu-io",
+            &["-c", "read -b -P 0 0 64k", "-c", "info", "t.qcow2"],
+        ),
+        ("qemu-img", &["check", "t.qcow2"]),
+    ];
+    let mut outs = Vec::new();
+    for who in ["qemu", "qimg"] {
+        let dir = s.path(who);
+        std::fs::create_dir_all(&dir).unwrap();
+        let made = qemu_img(&dir, &["create", "-f", "qcow2", "t.qcow2", "1M"]);
+        assert!(made.status.success(), "{made:?}");
+        let mut out = String::new();
+        for (tool, args) in steps {
+            let program = match who {
+                "qemu" => PathBuf::from(tool),
+                _ => ours.bin.join(tool),
+            };
+            out.push_str(&format!(
+                "$ {tool} {args:?}\n{}\n",
+                merged(&dir, &program, args)
+            ));
+        }
+        outs.push(out);
+    }
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    // Each reads what the other saved.
+    let dir = s.path("qemu");
+    let read = [
+        "-r",
+        "-c",
+        "read -b -P 0x22 100k 200k",
+        "-c",
+        "read -b -P 0x11 0 64k",
+        "t.qcow2",
+    ];
+    let o = ours.io(&dir, &read);
+    assert!(
+        o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("fail"),
+        "{o:?}"
+    );
+    let dir = s.path("qimg");
+    let o = qemu_io_run(&dir, &read);
+    assert!(
+        o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("fail"),
+        "{o:?}"
+    );
+}

@@ -211,11 +211,14 @@ pub trait Storage: Send + Sync {
     /// Tells the storage what the requests that follow are for, for error injection
     /// ([`BlkdebugStorage`](crate::BlkdebugStorage), QEMU's `blkdebug` events). Storages
     /// that wrap another pass it on; the others ignore it (the default). qimg's engine
-    /// announces `l1_update`, `l2_load`, `l2_update`, `l2_alloc_write`, `refblock_load`,
-    /// `refblock_update`, `refblock_alloc`, `reftable_update`, `cluster_alloc`,
-    /// `read_aio`, `read_backing_aio`, `read_compressed`, `write_aio`, `write_compressed`,
-    /// `cow_read`, `cow_write`, `flush_to_os` and `flush_to_disk`, each just before the
-    /// requests it names, as QEMU's qcow2 driver does.
+    /// announces `l1_update`, `l2_load`, `l2_update`, `l2_alloc_cow_read`, `l2_alloc_write`,
+    /// `refblock_load`, `refblock_update_part`, `refblock_alloc`, `refblock_alloc_write`,
+    /// `refblock_alloc_hookup`, `refblock_alloc_write_blocks`, `cluster_alloc`, `read_aio`,
+    /// `read_backing_aio`, `read_compressed`, `write_aio`, `write_compressed`, `cow_read`,
+    /// `cow_write`, `flush_to_os` and `flush_to_disk` (guest flushes and the close), each
+    /// just before the requests it names, as QEMU's qcow2 driver does; a
+    /// [`BlkdebugStorage`](crate::BlkdebugStorage) adds `pwritev`, `pwritev_zero` and
+    /// `pwritev_done` around each write, as QEMU's block layer does.
     fn debug_event(&self, event: crate::DebugEvent) {
         let _ = event;
     }

@@ -78,6 +78,19 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.read_vectored(bufs, offset).await
     }
 
+    /// Reads `buf` from position `pos` of the VM-state area (where QEMU saves a VM's state
+    /// with an internal snapshot: guest offsets past the disk; qemu-io's `read -b`). Zeros
+    /// where nothing was saved.
+    pub async fn read_vmstate(&self, buf: &mut [u8], pos: u64) -> Result<()> {
+        self.inner.read_vmstate(buf, pos).await
+    }
+
+    /// Writes `buf` at position `pos` of the VM-state area (qemu-io's `write -b`), growing
+    /// the L1 table to map it. Dirty bitmaps do not track it.
+    pub async fn write_vmstate(&self, buf: &[u8], pos: u64) -> Result<()> {
+        self.inner.write_vmstate(buf, pos).await
+    }
+
     /// Writes `buf` at guest `offset`, allocating (and copying on write) as needed.
     pub async fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.inner.write(buf, offset).await

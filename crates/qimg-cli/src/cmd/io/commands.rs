@@ -475,10 +475,6 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     if pat.is_none() && (s_off.is_some() || l_len.is_some()) {
         return usage("read");
     }
-    if o.has('b') {
-        say!("qimg io: -b (VM state) is not supported");
-        return Err(Failed);
-    }
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST {
@@ -494,13 +490,21 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
         say!("pattern verification range exceeds end of read data");
         return Err(Failed);
     }
-    s.check_request(offset, count)
-        .map_err(|e| io_failed("read", e))?;
+    let vm_state = o.has('b');
+    if vm_state {
+        sector_aligned(offset, count)?;
+    } else {
+        s.check_request(offset, count)
+            .map_err(|e| io_failed("read", e))?;
+    }
     let mut buf = vec![0u8; count as usize];
     let t0 = Instant::now();
-    s.read(&mut buf, offset)
-        .await
-        .map_err(|e| io_failed("read", e))?;
+    if vm_state {
+        s.read_vmstate(&mut buf, offset).await
+    } else {
+        s.read(&mut buf, offset).await
+    }
+    .map_err(|e| io_failed("read", e))?;
     let mut outcome = Ok(());
     if let Some(p) = pat {
         let range = &buf[p_off as usize..(p_off + p_len) as usize];
@@ -616,10 +620,6 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
         say!("Only one of -z, -P, and -s can be specified at the same time");
         return Err(Failed);
     }
-    if o.has('b') {
-        say!("qimg io: -b (VM state) is not supported");
-        return Err(Failed);
-    }
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST && !(z && o.has('n')) {
@@ -630,10 +630,21 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
         return Err(Failed);
     }
     let fua = o.has('f');
-    s.check_request(offset, count)
-        .map_err(|e| io_failed("write", e))?;
+    let vm_state = o.has('b');
+    if vm_state {
+        sector_aligned(offset, count)?;
+    } else {
+        s.check_request(offset, count)
+            .map_err(|e| io_failed("write", e))?;
+    }
     let t0 = Instant::now();
-    let r = if z {
+    let r = if vm_state {
+        let buf = match o.arg('s') {
+            Some(file) => pattern_file(file, count)?,
+            None => vec![pat.unwrap_or(0xcd); count as usize],
+        };
+        s.write_vmstate(&buf, offset).await
+    } else if z {
         s.write_zeroes(offset, count, o.has('u'), fua).await
     } else {
         let buf = match o.arg('s') {
@@ -648,6 +659,17 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
     };
     r.map_err(|e| io_failed("write", e))?;
     print_report(&o, "wrote", t0, offset, count);
+    Ok(())
+}
+
+/// The VM-state area is read and written in 512-byte sectors, as qemu-io's `-b` requires.
+fn sector_aligned(offset: u64, count: u64) -> Result<(), Failed> {
+    for (value, name) in [(offset, "offset"), (count, "count")] {
+        if value % 512 != 0 {
+            say!("{value} is not a sector-aligned value for '{name}'");
+            return Err(Failed);
+        }
+    }
     Ok(())
 }
 

@@ -472,6 +472,28 @@ impl Session {
         self.copy_on_read(offset, buf.len() as u64).await
     }
 
+    /// `read -b`: the VM-state area (qcow2 only; a raw image has none, as QEMU's).
+    pub async fn read_vmstate(&self, buf: &mut [u8], pos: u64) -> Result<(), i32> {
+        if self.raw.is_some() {
+            return Err(nix::errno::Errno::EOPNOTSUPP as i32);
+        }
+        self.image()
+            .read_vmstate(buf, pos)
+            .await
+            .map_err(|e| e.errno())
+    }
+
+    /// `write -b`: the VM-state area (qcow2 only).
+    pub async fn write_vmstate(&self, buf: &[u8], pos: u64) -> Result<(), i32> {
+        if self.raw.is_some() {
+            return Err(nix::errno::Errno::EOPNOTSUPP as i32);
+        }
+        self.image()
+            .write_vmstate(buf, pos)
+            .await
+            .map_err(|e| e.errno())
+    }
+
     /// `-C`: what the image does not hold itself in the (sub)clusters a read touched is
     /// written into it, as QEMU's copy-on-read does (zeros as zero (sub)clusters). A raw
     /// image, or one opened without `-C`, is left alone.

@@ -36,6 +36,7 @@ mod cow;
 mod empty;
 mod read;
 mod resize;
+mod vmstate;
 mod write;
 mod zero;
 

@@ -25,6 +25,17 @@ impl<S: Storage> Inner<S> {
         offset: u64,
     ) -> Result<()> {
         let len = self.request_len(bufs.iter().map(|b| b.len()), offset)?;
+        self.read_span(bufs, offset, len).await
+    }
+
+    /// [`read_vectored`](Self::read_vectored) of `len` bytes at `offset`, which the caller
+    /// checked (the disk, or the VM-state area past it).
+    pub(super) async fn read_span(
+        &self,
+        bufs: &mut [IoSliceMut<'_>],
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }

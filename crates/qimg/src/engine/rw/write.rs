@@ -32,6 +32,17 @@ impl<S: Storage> Inner<S> {
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
         self.recorded(recorded, offset, len).await?;
+        self.write_locked(bufs, offset, len).await
+    }
+
+    /// Writes `len` bytes of `bufs` at `offset`, a range the caller checked and holds
+    /// exclusively: prepare, write, link.
+    pub(super) async fn write_locked(
+        &self,
+        bufs: &[IoSlice<'_>],
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
         let spans: Vec<(u64, usize, usize)> = self
             .pieces(offset, len)
             .map(|(gc, a, n, _)| (gc, a, a + n))
