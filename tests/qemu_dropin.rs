@@ -1033,25 +1033,8 @@ fn the_vm_state_area_is_read_and_written_as_qemu_io_does() {
         ),
         ("qemu-img", &["check", "t.qcow2"]),
     ];
-    let mut outs = Vec::new();
-    for who in ["qemu", "qimg"] {
-        let dir = s.path(who);
-        std::fs::create_dir_all(&dir).unwrap();
-        let made = qemu_img(&dir, &["create", "-f", "qcow2", "t.qcow2", "1M"]);
-        assert!(made.status.success(), "{made:?}");
-        let mut out = String::new();
-        for (tool, args) in steps {
-            let program = match who {
-                "qemu" => PathBuf::from(tool),
-                _ => ours.bin.join(tool),
-            };
-            out.push_str(&format!(
-                "$ {tool} {args:?}\n{}\n",
-                merged(&dir, &program, args)
-            ));
-        }
-        outs.push(out);
-    }
+    let prepare: Prep = &[("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "1M"])];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     // Each reads what the other saved.
     let dir = s.path("qemu");
@@ -1073,5 +1056,136 @@ fn the_vm_state_area_is_read_and_written_as_qemu_io_does() {
     assert!(
         o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("fail"),
         "{o:?}"
+    );
+}
+
+/// Steps run with QEMU's tools or ours: `(tool, arguments)`.
+type Prep<'a> = &'a [(&'a str, &'a [&'a str])];
+
+/// Runs `steps` in a directory for QEMU's tools and one for ours, each prepared alike (the
+/// `files` written, the `prepare` steps run with QEMU's tools), and returns the merged
+/// output of every step, QEMU's then ours.
+fn side_by_side(
+    s: &Scratch,
+    ours: &Ours,
+    files: &[(&str, &str)],
+    prepare: Prep<'_>,
+    steps: Prep<'_>,
+) -> Vec<String> {
+    let mut outs = Vec::new();
+    for who in ["qemu", "qimg"] {
+        let dir = s.path(who);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        for (tool, args) in prepare {
+            let done = merged(&dir, Path::new(tool), args);
+            assert!(!done.contains("rror"), "{tool} {args:?}: {done}");
+        }
+        let mut out = String::new();
+        for (tool, args) in steps {
+            let program = match who {
+                "qemu" => PathBuf::from(tool),
+                _ => ours.bin.join(tool),
+            };
+            out.push_str(&format!(
+                "$ {tool} {args:?}\n{}\n",
+                merged(&dir, &program, args)
+            ));
+        }
+        outs.push(out);
+    }
+    outs
+}
+
+#[test]
+fn convert_salvage_copies_what_can_be_read_as_qemu_img() {
+    if !have_qemu("convert_salvage_copies_what_can_be_read_as_qemu_img") {
+        return;
+    }
+    let s = Scratch::new("salvage");
+    let ours = Ours::new(&s);
+    // One sector of the source's data (host byte 1 MiB) cannot be read.
+    let files = [(
+        "rd.cfg",
+        "[inject-error]\nevent = \"read_aio\"\nerrno = \"5\"\nsector = \"2048\"\n",
+    )];
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "s.qcow2", "4M"]),
+        ("qemu-io", &["-c", "write -P 0x11 0 4M", "s.qcow2"]),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--salvage",
+                "-O",
+                "qcow2",
+                "blkdebug:rd.cfg:s.qcow2",
+                "d1.qcow2",
+            ],
+        ),
+        ("qemu-img", &["compare", "s.qcow2", "d1.qcow2"]),
+        ("qemu-img", &["check", "d1.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read -P 0 720896 512",
+                "-c",
+                "read -P 0x11 721408 512",
+                "-c",
+                "read -P 0x11 720384 512",
+                "d1.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-O",
+                "qcow2",
+                "blkdebug:rd.cfg:s.qcow2",
+                "d2.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--salvage",
+                "-C",
+                "-O",
+                "qcow2",
+                "s.qcow2",
+                "d5.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--salvage",
+                "-q",
+                "-O",
+                "raw",
+                "blkdebug:rd.cfg:s.qcow2",
+                "d6.raw",
+            ],
+        ),
+        (
+            "qemu-img",
+            &["compare", "-f", "qcow2", "-F", "raw", "d1.qcow2", "d6.raw"],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &files, prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("warning: error while reading offset 720896"),
+        "{}",
+        outs[0]
     );
 }

@@ -79,9 +79,8 @@ async fn run_job(
     let mut bufs = Vec::with_capacity(ranges.len());
     for (s, e) in ranges {
         let mut buf = vec![0u8; (e - s) as usize];
-        src.read(&mut buf, s)
-            .await
-            .with_context(|| format!("error while reading at byte {s}"))?;
+        src.read_salvaging(&mut buf, s, plan.salvage, plan.quiet)
+            .await?;
         bufs.push((s, buf));
     }
     if let Some(turn) = turn {

@@ -104,6 +104,9 @@ pub struct ConvertArgs {
     /// With --bitmaps: leave inconsistent bitmaps out (with a warning) instead of failing.
     #[arg(long = "skip-broken-bitmaps")]
     skip_broken_bitmaps: bool,
+    /// Copy what can be read: a sector whose read fails is copied as zeros, with a warning.
+    #[arg(long = "salvage")]
+    salvage: bool,
     /// With `-n`: the output already reads as zeros, so zeros are not written to it.
     #[arg(long = "target-is-zero")]
     target_is_zero: bool,
@@ -200,6 +203,8 @@ fn execute(settings: Settings) -> Result<()> {
             // Compressed clusters are packed wherever they land; compress them in parallel.
             in_order: !settings.out_of_order && compress_cluster == 0,
             skip_backing: has_backing,
+            salvage: settings.salvage,
+            quiet: settings.quiet,
             zeros_from: match &target.out {
                 OutputImage::Qcow2(img) if has_backing && !no_create => backing_len(img).await?,
                 _ => u64::MAX,

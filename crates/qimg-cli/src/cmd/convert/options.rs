@@ -32,6 +32,10 @@ pub(super) struct Settings {
     pub(super) compress: bool,
     /// `-C`.
     pub(super) copy_range: bool,
+    /// `--salvage`.
+    pub(super) salvage: bool,
+    /// `-q`.
+    pub(super) quiet: bool,
     /// `-S`: smallest run of zeros left unwritten (0: write everything).
     pub(super) sparse: u64,
     /// `-m`: chunks in flight.
@@ -112,6 +116,9 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     }
     if args.compress && out_fmt != ImageFormat::Qcow2 {
         bail!("Compression not supported for this file format");
+    }
+    if args.copy_range && args.salvage {
+        bail!("Cannot use copy offloading in salvaging mode");
     }
     if args.copy_range && (args.compress || args.sparse.is_some()) {
         bail!(
@@ -197,6 +204,8 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         no_create: args.no_create,
         compress: args.compress,
         copy_range: args.copy_range,
+        salvage: args.salvage,
+        quiet: args.quiet,
         sparse,
         parallel,
         out_of_order: args.out_of_order,

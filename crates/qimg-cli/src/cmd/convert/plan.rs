@@ -34,6 +34,11 @@ pub(super) struct Plan {
     /// The output has a backing file: ranges the source reads from its backing chain are
     /// not copied, and read ranges are not widened (the widening could reach such ranges).
     pub(super) skip_backing: bool,
+    /// `--salvage`: sectors that cannot be read are copied as zeros, with a warning unless
+    /// `quiet`.
+    pub(super) salvage: bool,
+    /// `-q`.
+    pub(super) quiet: bool,
     /// Where the backing file of a new output ends: past it the output reads zeros, so ranges
     /// the source maps as zero are not written there (`u64::MAX`: everywhere).
     pub(super) zeros_from: u64,

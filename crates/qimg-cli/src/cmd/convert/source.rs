@@ -25,12 +25,26 @@ pub(super) enum SourceImage {
 impl SourceImage {
     pub(super) async fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         match self {
-            SourceImage::Qcow2(img) => img.read(buf, offset).await.map_err(|e| anyhow!("{e}")),
+            SourceImage::Qcow2(img) => img
+                .read(buf, offset)
+                .await
+                .map_err(|e| anyhow!("{}", read_error_words(&e, e.os_error()))),
             SourceImage::Raw(f) => f
                 .read_at_zero_fill(buf, offset)
                 .await
-                .map_err(|e| anyhow!("{e}")),
+                .map_err(|e| anyhow!("{}", read_error_words(&e, e.raw_os_error()))),
         }
+    }
+}
+
+/// A failed read in the words of the tool qimg speaks as: qemu-img names only the OS error
+/// (`Input/output error`), qimg the request too.
+fn read_error_words(e: &dyn std::fmt::Display, errno: Option<i32>) -> String {
+    match errno {
+        Some(n) if crate::status::program() != "qimg" => {
+            crate::status::os_msg(&std::io::Error::from_raw_os_error(n))
+        }
+        _ => e.to_string(),
     }
 }
 
@@ -48,6 +62,36 @@ impl Source {
             if s < e {
                 let part = &mut buf[(s - offset) as usize..(e - offset) as usize];
                 r.read(part, s - start).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads as [`read`](Self::read); with `--salvage` (`salvage`) a failed read is read
+    /// again sector by sector and the sectors that still fail read as zeros, each with a
+    /// warning unless `quiet`, as qemu-img's `--salvage`.
+    pub(super) async fn read_salvaging(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        salvage: bool,
+        quiet: bool,
+    ) -> Result<()> {
+        let whole = self.read(buf, offset).await;
+        let Err(e) = whole else { return Ok(()) };
+        if !salvage {
+            return Err(e.context(format!("error while reading at byte {offset}")));
+        }
+        for (i, sector) in buf.chunks_mut(512).enumerate() {
+            let at = offset + (i * 512) as u64;
+            if let Err(e) = self.read(sector, at).await {
+                if !quiet {
+                    eprintln!(
+                        "{}: warning: error while reading offset {at}: {e}",
+                        crate::status::program()
+                    );
+                }
+                sector.fill(0);
             }
         }
         Ok(())
