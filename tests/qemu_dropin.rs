@@ -1189,3 +1189,29 @@ fn convert_salvage_copies_what_can_be_read_as_qemu_img() {
         outs[0]
     );
 }
+
+#[test]
+fn a_second_open_of_a_locked_image_is_refused_in_qemus_words() {
+    if !have_qemu("a_second_open_of_a_locked_image_is_refused_in_qemus_words") {
+        return;
+    }
+    let s = Scratch::new("lock-words");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "1M"]),
+        ("qemu-img", &["bitmap", "--add", "t.qcow2", "b0"]),
+        ("qemu-img", &["bitmap", "--add", "t.qcow2", "b1"]),
+    ];
+    // The merge source is the image being changed: its second open meets the first's lock.
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["bitmap", "--merge", "b0", "-b", "t.qcow2", "t.qcow2", "b1"],
+        ),
+        ("qemu-img", &["bitmap", "--remove", "t.qcow2", "b0"]),
+        ("qemu-img", &["bitmap", "--remove", "t.qcow2", "b0"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("lock"), "{}", outs[0]);
+}

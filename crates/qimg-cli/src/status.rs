@@ -70,6 +70,11 @@ pub fn os_msg(e: &std::io::Error) -> String {
 pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
     use std::error::Error as _;
     let mut s = match e {
+        // Another process's lock, in QEMU's words when qimg speaks as QEMU's tools.
+        qimg::Error::Storage {
+            path,
+            source: qimg::io::StorageError::Locked { holder },
+        } if program() != "qimg" => return lock_error(holder, &path.display().to_string()),
         qimg::Error::Io { source, .. } => return os_msg(source),
         // An NBD export that could not be reached or refused: what the client said, as QEMU
         // says it.
@@ -134,4 +139,18 @@ pub async fn open_writable(
                 file,
             )
         })
+}
+
+/// QEMU's message for a lock another process holds on `file`. The engine names the lock
+/// byte the other process holds: its "shared" byte (it does not share a permission this
+/// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this
+/// open does not share) QEMU's failure to get the shared lock.
+pub fn lock_error(holder: &str, file: &str) -> String {
+    let shared = if holder.contains("QEMU's shared") {
+        ""
+    } else {
+        "shared "
+    };
+    let perm = holder.split('"').nth(1).unwrap_or("write");
+    format!("Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{file}]?")
 }

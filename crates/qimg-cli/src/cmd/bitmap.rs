@@ -226,9 +226,14 @@ fn run(args: BitmapArgs) -> Result<()> {
                 Action::Clear => img.clear_bitmap(name),
                 Action::Enable => img.enable_bitmap(name, true),
                 Action::Disable => img.enable_bitmap(name, false),
-                Action::Merge(source) => match merge_source(&p, &img, file, source).await {
-                    Ok(bits) => img.merge_bitmap(name, &bits),
-                    Err(e) => Err(e),
+                Action::Merge(source) => match merge_source(&p, &img, source).await {
+                    Ok(Ok(bits)) => img.merge_bitmap(name, &bits),
+                    Ok(Err(e)) => Err(e),
+                    // The source file did not open: qemu-img's open error, as is.
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
                 },
             };
             if let Err(e) = done {
@@ -252,18 +257,22 @@ fn bitmap_msg(e: &qimg::Error) -> String {
 }
 
 /// The bits to merge: bitmap `source` of `-b FILE` (opened read-only), or of the image.
+/// The outer error is the source file's failure to open.
 async fn merge_source(
     p: &Parsed,
     img: &qimg::Image<qimg::io::AnyStorage>,
-    file: &str,
     source: &str,
-) -> qimg::Result<DirtyBitmap> {
+) -> Result<qimg::Result<DirtyBitmap>> {
     let Some(other) = &p.source_file else {
-        return img.dirty_bitmap(source).await;
+        return Ok(img.dirty_bitmap(source).await);
     };
-    let _ = file;
-    let src = OpenOptions::new().clean_timer(false).open(other).await?;
+    let src = match OpenOptions::new().clean_timer(false).open(other).await {
+        Ok(src) => src,
+        Err(e) => return Err(anyhow!("Could not open '{other}': {}", lib_msg(&e, other))),
+    };
     let bits = src.dirty_bitmap(source).await;
-    src.close().await?;
-    bits
+    Ok(match src.close().await {
+        Ok(()) => bits,
+        Err(e) => Err(e),
+    })
 }

@@ -38,7 +38,7 @@ use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
-use crate::status::{lib_msg, os_msg};
+use crate::status::{lib_msg, lock_error, os_msg};
 
 /// `EIO`.
 pub const EIO: i32 = 5;
@@ -105,20 +105,6 @@ fn storage_errno(e: StorageError) -> i32 {
 /// C's `strerror` text of `errno`.
 pub fn strerror(errno: i32) -> String {
     os_msg(&std::io::Error::from_raw_os_error(errno))
-}
-
-/// QEMU's message for a lock another process holds on `file`. The engine names the lock
-/// byte the other process holds: its "shared" byte (it does not share a permission this
-/// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this
-/// open does not share) QEMU's failure to get the shared lock.
-fn lock_error(holder: &str, file: &str) -> String {
-    let shared = if holder.contains("QEMU's shared") {
-        ""
-    } else {
-        "shared "
-    };
-    let perm = holder.split('"').nth(1).unwrap_or("write");
-    format!("Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{file}]?")
 }
 
 /// Why `file` did not open, as QEMU words it: a system error names the file it happened on
