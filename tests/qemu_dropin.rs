@@ -1215,3 +1215,61 @@ fn a_second_open_of_a_locked_image_is_refused_in_qemus_words() {
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("lock"), "{}", outs[0]);
 }
+
+#[test]
+fn corruption_is_reported_and_repaired_in_qemus_words() {
+    if !have_qemu("corruption_is_reported_and_repaired_in_qemus_words") {
+        return;
+    }
+    let s = Scratch::new("corruption-words");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "8M"]),
+        ("qemu-io", &["-c", "write -P 1 0 128k", "t.qcow2"]),
+        ("qemu-img", &["create", "-f", "qcow2", "c.qcow2", "8M"]),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "c.qcow2"]),
+    ];
+    let steps: Prep = &[
+        // The refcount of data cluster 5 (entry at 0x2000a of the refcount block) dropped.
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0 0x2000a 2", "t.qcow2"],
+        ),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-img", &["check", "-r", "leaks", "t.qcow2"]),
+        ("qemu-img", &["check", "-r", "all", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        // A free cluster counted: a leak.
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 1 0x20015 1", "t.qcow2"],
+        ),
+        ("qemu-img", &["check", "--output=json", "t.qcow2"]),
+        ("qemu-img", &["check", "-r", "leaks", "t.qcow2"]),
+        // The L2 entry of guest cluster 0 pointed at the refcount table (0x10000): the write
+        // is refused and the image marked corrupt; a read-write open is then refused.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0 0x40000 8",
+                "-c",
+                "write -P 0x80 0x40000 1",
+                "-c",
+                "write -P 0x01 0x40005 1",
+                "c.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 2 0 4k", "c.qcow2"]),
+        ("qemu-io", &["-c", "read 0 4k", "c.qcow2"]),
+        ("qemu-io", &["-r", "-c", "read 0 4k", "c.qcow2"]),
+        ("qemu-img", &["check", "c.qcow2"]),
+        ("qemu-img", &["check", "-r", "all", "c.qcow2"]),
+        ("qemu-io", &["-c", "read 0 4k", "c.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("Marking image as corrupt"), "{}", outs[0]);
+}

@@ -219,11 +219,12 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.flush_guest(&mut m).await
     }
 
-    /// The lines QEMU prints when its read-write open repairs a dirty image (lazy refcounts
-    /// after a crash), for the repair this open made, once; empty when the open repaired
-    /// nothing. `qimg io` prints them as qemu-io does.
-    pub async fn take_open_messages(&self) -> Vec<String> {
-        std::mem::take(&mut self.inner.meta.lock().await.open_messages)
+    /// The lines QEMU's qcow2 driver prints on standard error for what happened since the
+    /// last call, each once: the repair of a dirty image at a read-write open (lazy refcounts
+    /// after a crash), and the moment the image was marked corrupt (`qcow2: Marking image as
+    /// corrupt: ...`). Empty when nothing happened. `qimg io` prints them as qemu-io does.
+    pub async fn take_messages(&self) -> Vec<String> {
+        std::mem::take(&mut self.inner.meta.lock().await.messages)
     }
 
     /// Grows the virtual disk to `new_size` bytes (shrinking is refused).

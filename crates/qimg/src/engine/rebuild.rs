@@ -190,7 +190,7 @@ impl<S: Storage> Inner<S> {
             );
             return Err(self.signal_corruption(m, what).await);
         }
-        m.open_messages = self.repair_messages(m, &refs, file_len).await?;
+        m.messages = self.repair_messages(m, &refs, file_len).await?;
         // Right after the last referenced cluster: what lies past it is referenced by nothing
         // (a crash can leave a writer's reservation there, zeros), so the new structure goes
         // where QEMU's rebuild puts it and the file is cut after it below.

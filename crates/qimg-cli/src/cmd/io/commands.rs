@@ -322,6 +322,7 @@ pub async fn line(s: &mut Session, line: &str) -> ControlFlow<()> {
         return ControlFlow::Continue(());
     }
     let (flow, outcome) = run(s, &words).await;
+    s.print_messages().await;
     if outcome.is_err() {
         s.failed = true;
     }

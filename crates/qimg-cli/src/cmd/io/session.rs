@@ -110,6 +110,27 @@ pub fn strerror(errno: i32) -> String {
 /// Why `file` did not open, as QEMU words it: a system error names the file it happened on
 /// (the image, its data file or a backing file).
 fn open_error(e: &qimg::Error, file: &str) -> String {
+    // A read-write open of an image marked corrupt, in QEMU's words.
+    if let qimg::Error::Format {
+        source:
+            qimg::format::FormatError::InvalidField {
+                what,
+                offset,
+                value,
+                reason,
+            },
+        ..
+    } = e
+    {
+        let corrupt = value & qimg::format::features::INCOMPAT_CORRUPT != 0;
+        if *what == "incompatible_features"
+            && *offset == 72
+            && corrupt
+            && reason.starts_with("the corrupt bit")
+        {
+            return "qcow2: Image is corrupt; cannot be opened read/write".into();
+        }
+    }
     if let qimg::Error::Storage {
         path,
         source: StorageError::Locked { holder },
@@ -286,15 +307,13 @@ impl Session {
             .clean_timer(false);
         match opts.open(path).await {
             Ok(img) => {
-                // What QEMU's open prints when it repairs a dirty image.
-                for line in img.take_open_messages().await {
-                    eprintln!("{line}");
-                }
                 self.version =
                     read_cluster0(path, OpenMode::ReadOnly).map_or(3, |c0| c0.header.version);
                 self.img = Some(img);
                 self.cache = spec.cache;
                 self.read_only = spec.read_only;
+                // What QEMU's open prints when it repairs a dirty image.
+                self.print_messages().await;
                 Ok(())
             }
             Err(e) => fail(open_error(&e, file)),
@@ -456,6 +475,16 @@ impl Session {
             .await
             .map_err(|e| e.errno())?;
         self.copy_on_read(offset, buf.len() as u64).await
+    }
+
+    /// Prints what the qcow2 driver reported since the last call, on standard error, as
+    /// QEMU's does while it works (the repair of a dirty image, the image marked corrupt).
+    pub async fn print_messages(&self) {
+        if let Some(img) = &self.img {
+            for line in img.take_messages().await {
+                complain!("{line}");
+            }
+        }
     }
 
     /// `read -b`: the VM-state area (qcow2 only; a raw image has none, as QEMU's).

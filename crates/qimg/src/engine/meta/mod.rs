@@ -71,9 +71,10 @@ pub(crate) struct Meta {
     pub(crate) end_cluster: u64,
     /// The dirty bit is set in the header on disk.
     pub(crate) dirty_on_disk: bool,
-    /// QEMU's messages of the repair the open made of a dirty image (see
-    /// [`Image::take_open_messages`](crate::Image::take_open_messages)).
-    pub(crate) open_messages: Vec<String>,
+    /// QEMU's messages of what happened (the repair of a dirty image at open, the image
+    /// marked corrupt), not yet taken (see
+    /// [`Image::take_messages`](crate::Image::take_messages)).
+    pub(crate) messages: Vec<String>,
     /// The incompatible feature bits as on disk.
     pub(crate) incompatible: u64,
     /// Freed clusters to punch once the metadata that stopped using them is durable.
@@ -188,7 +189,7 @@ impl Meta {
             free_hint: 0,
             end_cluster: len.div_ceil(cs),
             dirty_on_disk: h.incompatible_features & INCOMPAT_DIRTY != 0,
-            open_messages: Vec::new(),
+            messages: Vec::new(),
             incompatible: h.incompatible_features,
             pending_punch: BTreeSet::new(),
             closed: false,
@@ -246,8 +247,12 @@ impl<S: Storage> Shared<S> {
             Writing::Own(r, s) => format!("an update of {r} at {s:#x}"),
         };
         Err(self
-            .signal_corruption(
+            .signal_corruption_as(
                 m,
+                format!(
+                    "Preventing invalid write on metadata (overlaps with {})",
+                    hit.region.qemu_name()
+                ),
                 format!(
                     "metadata overlap: {what} ({len} bytes at host offset {at:#x}) would overwrite {} at {:#x}..{:#x}; the write was refused",
                     hit.region, hit.start, hit.end
@@ -276,7 +281,22 @@ impl<S: Storage> Shared<S> {
     /// disk (incompatible bit 1) and refuses further writes, as QEMU does; `qimg check -r all`
     /// repairs it and clears the mark.
     pub(crate) async fn signal_corruption(&self, m: &mut Meta, what: String) -> Error {
+        self.signal_corruption_as(m, what.clone(), what).await
+    }
+
+    /// [`signal_corruption`](Self::signal_corruption) where QEMU words the event (`event`,
+    /// the line [`Image::take_messages`](crate::Image::take_messages) gives) differently
+    /// from qimg's error (`what`).
+    pub(crate) async fn signal_corruption_as(
+        &self,
+        m: &mut Meta,
+        event: String,
+        what: String,
+    ) -> Error {
         if self.writable && !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+            m.messages.push(format!(
+                "qcow2: Marking image as corrupt: {event}; further corruption events will be suppressed"
+            ));
             let bits = m.incompatible | INCOMPAT_CORRUPT;
             // Best effort: the error below is what matters if this write fails too.
             if self.write_incompatible(m, bits).await.is_ok() {
