@@ -1273,3 +1273,62 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("Marking image as corrupt"), "{}", outs[0]);
 }
+
+#[test]
+fn qemu_io_help_and_discard_modes_as_qemu_io() {
+    if !have_qemu("qemu_io_help_and_discard_modes_as_qemu_io") {
+        return;
+    }
+    let s = Scratch::new("help-discard");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[("qemu-img", &["create", "-f", "qcow2", "d.qcow2", "1M"])];
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "help",
+                "-c",
+                "help map",
+                "-c",
+                "help sleep",
+                "d.qcow2",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-d",
+                "ignore",
+                "-c",
+                "write -P 1 0 64k",
+                "-c",
+                "discard 0 64k",
+                "-c",
+                "read -P 1 0 64k",
+                "-c",
+                "close",
+                "-c",
+                "open -d off d.qcow2",
+                "-c",
+                "discard 0 64k",
+                "-c",
+                "read -P 1 0 64k",
+                "-c",
+                "close",
+                "-c",
+                "open -d unmap d.qcow2",
+                "-c",
+                "discard 0 64k",
+                "-c",
+                "read -P 0 0 64k",
+                "-c",
+                "open -d bogus d.qcow2",
+                "d.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-d", "bad", "d.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+}

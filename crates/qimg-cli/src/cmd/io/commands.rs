@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::out::{hex_dump, report, size_str};
 use super::parse::{MAX_REQUEST, NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
 use super::session::{
-    Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, strerror,
+    Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, discard_mode, strerror,
 };
 
 /// What dispatch checks before running a command.
@@ -75,23 +75,23 @@ const COMMANDS: &[Cmd] = &[
         NONE,
         READS,
         "",
-        "wait for the aio requests (qimg runs them at once)",
+        "completes all outstanding aio requests",
     ),
     cmd(
         "aio_read",
         None,
         AT_LEAST_2,
         READS,
-        "[-Ciqv] [-P pattern] off len [len..]",
-        "read into several buffers, as an aio request",
+        "[-Ciqrv] [-P pattern] off len [len..]",
+        "asynchronously reads a number of bytes",
     ),
     cmd(
         "aio_write",
         None,
         AT_LEAST_2,
         WRITES,
-        "[-Cfiquz] [-P pattern] off len [len..]",
-        "write several buffers, as an aio request",
+        "[-Cfiqruz] [-P pattern] off len [len..]",
+        "asynchronously writes a number of bytes",
     ),
     cmd(
         "alloc",
@@ -99,16 +99,23 @@ const COMMANDS: &[Cmd] = &[
         (1, Some(2)),
         READS,
         "offset [count]",
-        "count the bytes the image itself allocates in a range",
+        "checks if offset is allocated in the file",
     ),
-    cmd("close", Some("c"), NONE, READS, "", "close the image"),
+    cmd(
+        "close",
+        Some("c"),
+        NONE,
+        READS,
+        "",
+        "close the current open file",
+    ),
     cmd(
         "discard",
         None,
         AT_LEAST_2,
         WRITES,
         "[-Cq] off len",
-        "discard whole clusters of a range",
+        "discards a number of bytes at a specified offset",
     ),
     cmd(
         "flush",
@@ -116,7 +123,7 @@ const COMMANDS: &[Cmd] = &[
         NONE,
         READS,
         "",
-        "make everything written durable",
+        "flush all in-core file state to disk",
     ),
     cmd(
         "help",
@@ -124,7 +131,7 @@ const COMMANDS: &[Cmd] = &[
         (0, Some(1)),
         FREE,
         "[command]",
-        "list the commands, or show one",
+        "help for one or all commands",
     ),
     cmd(
         "info",
@@ -132,41 +139,48 @@ const COMMANDS: &[Cmd] = &[
         NONE,
         READS,
         "",
-        "show the format and its settings",
+        "prints information about the current file",
     ),
-    cmd("length", None, NONE, READS, "", "show the disk size"),
+    cmd(
+        "length",
+        None,
+        NONE,
+        READS,
+        "",
+        "gets the length of the current file",
+    ),
     cmd(
         "map",
         None,
         NONE,
         READS,
-        "",
-        "list the allocated and unallocated ranges of the image",
+        " ",
+        "prints the allocated areas of a file",
     ),
     cmd(
         "open",
         Some("o"),
         (1, None),
         FREE,
-        "[-rsCnkU] [-t cache] [-i aio] [-o options] [path]",
-        "open an image",
+        "[-rsCnkU] [-t cache] [-d discard] [-o options] [path]",
+        "open the file specified by path",
     ),
-    cmd("quit", Some("q"), (0, None), FREE, "", "stop"),
+    cmd("quit", Some("q"), (0, None), FREE, "", "exit the program"),
     cmd(
         "read",
         Some("r"),
         AT_LEAST_2,
         READS,
-        "[-Cqv] [-P pattern [-s off] [-l len]] off len",
-        "read bytes, optionally checking or dumping them",
+        "[-abCqrv] [-P pattern [-s off] [-l len]] off len",
+        "reads a number of bytes at a specified offset",
     ),
     cmd(
         "readv",
         None,
         AT_LEAST_2,
         READS,
-        "[-Cqv] [-P pattern] off len [len..]",
-        "read into several buffers",
+        "[-Cqrv] [-P pattern] off len [len..]",
+        "reads a number of bytes at a specified offset",
     ),
     cmd(
         "break",
@@ -214,39 +228,39 @@ const COMMANDS: &[Cmd] = &[
         (1, Some(1)),
         FREE,
         "signal",
-        "raises a signal (the process dies as a crash would leave the image)",
+        "raises a signal",
     ),
     cmd(
         "sleep",
         None,
         (1, Some(1)),
         FREE,
-        "ms",
-        "wait this many milliseconds",
+        "",
+        "waits for the given value in milliseconds",
     ),
     cmd(
         "truncate",
         Some("t"),
         (1, Some(3)),
         WRITES,
-        "[-m off] size",
-        "grow the disk to a size",
+        "[-m prealloc_mode] off",
+        "truncates the current file at the given offset",
     ),
     cmd(
         "write",
         Some("w"),
         AT_LEAST_2,
         WRITES,
-        "[-cCfnquz] [-P pattern | -s file] off len",
-        "write a pattern, zeros (-z) or compressed clusters (-c)",
+        "[-bcCfnqruz] [-P pattern | -s source_file] off len",
+        "writes a number of bytes at a specified offset",
     ),
     cmd(
         "writev",
         None,
         AT_LEAST_2,
         WRITES,
-        "[-Cfq] [-P pattern] off len [len..]",
-        "write several buffers",
+        "[-Cfqr] [-P pattern] off len [len..]",
+        "writes a number of bytes at a specified offset",
     ),
     cmd(
         "zone_append",
@@ -300,10 +314,12 @@ const COMMANDS: &[Cmd] = &[
 
 /// The usage line of a command.
 fn usage_line(c: &Cmd) -> String {
+    // QEMU prints "NAME -- ABOUT" for a command without an argument string and
+    // "NAME ARGS -- ABOUT" otherwise; `map`'s is empty (`" "` here), hence its two spaces.
     if c.args.is_empty() {
         format!("{} -- {}", c.name, c.about)
     } else {
-        format!("{} {} -- {}", c.name, c.args, c.about)
+        format!("{} {} -- {}", c.name, c.args.trim(), c.about)
     }
 }
 
@@ -396,11 +412,14 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
 fn help(args: &[String]) -> Outcome {
     match args.first() {
         None => {
-            for c in COMMANDS {
+            // In the order of their names, as qemu-io lists them.
+            let mut all: Vec<&Cmd> = COMMANDS.iter().collect();
+            all.sort_by_key(|c| c.name);
+            for c in all {
                 say!("{}", usage_line(c));
             }
             say!();
-            say!("'help COMMAND' shows the usage of one command.");
+            say!("Use 'help commandname' for extended help.");
             Ok(())
         }
         Some(name) => match COMMANDS
@@ -945,12 +964,6 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     if o.operands.len() > 1 {
         return usage("open");
     }
-    for unsupported in ['d'] {
-        if o.has(unsupported) {
-            complain!("qemu-io: qimg io: open -{unsupported} is not supported");
-            return Err(Failed);
-        }
-    }
     // `-o` runtime options: the driver and file name they may name, the rest as
     // `--image-opts` takes them.
     let pairs: Vec<(String, String)> = o
@@ -974,8 +987,10 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     };
     let mut cache = default_cache();
     let mut backend = qimg::io::Backend::Threads;
+    let mut discard_ignored = false;
     for (opt, arg) in &o.opts {
         let r = match (opt, arg.as_deref()) {
+            ('d', Some(d)) => discard_mode(d).map(|i| discard_ignored = i),
             ('n', _) => cache_mode("none").map(|c| cache = c),
             ('t', Some(t)) => cache_mode(t).map(|c| cache = c),
             ('i', Some(a)) => aio_mode(a).map(|b| backend = b),
@@ -1003,6 +1018,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         backend,
         snapshot: o.has('s'),
         copy_on_read: o.has('C'),
+        discard_ignored,
     };
     s.open(file, &spec).await
 }

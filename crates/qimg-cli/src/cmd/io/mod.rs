@@ -47,7 +47,7 @@ use std::process::ExitCode;
 use qimg::io::Backend;
 
 use self::commands::line;
-use self::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache};
+use self::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache, discard_mode};
 
 /// Arguments of `qimg io`.
 #[derive(clap::Args)]
@@ -82,7 +82,8 @@ pub struct IoArgs {
     /// Misalign allocations for O_DIRECT (accepted; qimg's buffers are its own).
     #[arg(short = 'm', long = "misalign")]
     misalign: bool,
-    /// Discard mode, `ignore`/`off` or `unmap`/`on` (accepted: qimg passes discards down).
+    /// Discard mode: `unmap`/`on` (the default: discards free clusters) or `ignore`/`off`
+    /// (discard requests succeed and do nothing).
     #[arg(short = 'd', long = "discard")]
     discard: Option<String>,
     /// Tracing options (accepted and ignored: qimg has no QEMU trace events).
@@ -168,11 +169,10 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
         None if args.native_aio => aio_mode("native")?,
         None => Backend::Threads,
     };
-    if let Some(d) = args.discard.as_deref() {
-        if !matches!(d, "ignore" | "off" | "unmap" | "on") {
-            return Err(format!("qemu-io: Invalid discard option: {d}"));
-        }
-    }
+    let discard_ignored = match args.discard.as_deref() {
+        Some(d) => discard_mode(d)?,
+        None => false,
+    };
     let _ = (args.misalign, &args.trace);
     Ok(OpenSpec {
         fmt: args.fmt.clone(),
@@ -182,5 +182,6 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
         backend,
         snapshot: args.snapshot,
         copy_on_read: args.copy_on_read,
+        discard_ignored,
     })
 }

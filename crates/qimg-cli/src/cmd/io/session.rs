@@ -64,6 +64,9 @@ pub struct OpenSpec {
     pub snapshot: bool,
     /// `-C`: what reads find below the image is copied into it.
     pub copy_on_read: bool,
+    /// `-d ignore` / `-d off`: discard requests succeed and do nothing (QEMU's open without
+    /// `BDRV_O_UNMAP`); qemu-io's default is `unmap`.
+    pub discard_ignored: bool,
 }
 
 /// qemu-io's default cache mode, `writethrough`.
@@ -79,6 +82,15 @@ pub fn default_cache() -> CacheMode {
 /// A `-t` value, or the line qemu-io prints for a bad one.
 pub fn cache_mode(value: &str) -> Result<CacheMode, String> {
     CacheMode::parse(value).map_err(|_| format!("qemu-io: Invalid cache option: {value}"))
+}
+
+/// A `-d` value: whether discards are ignored, or the line qemu-io prints for a bad one.
+pub fn discard_mode(value: &str) -> Result<bool, String> {
+    match value {
+        "ignore" | "off" => Ok(true),
+        "unmap" | "on" => Ok(false),
+        other => Err(format!("qemu-io: Invalid discard option: {other}")),
+    }
 }
 
 /// An `-i` value, or the line qemu-io prints for a bad one.
@@ -236,6 +248,8 @@ pub struct Session {
     pub opened: Option<(String, OpenSpec)>,
     /// Copy-on-read (`-C`).
     pub copy_on_read: bool,
+    /// Discards ignored (`-d ignore`).
+    pub discard_ignored: bool,
 }
 
 impl Session {
@@ -250,6 +264,7 @@ impl Session {
             failed: false,
             opened: None,
             copy_on_read: false,
+            discard_ignored: false,
         }
     }
 
@@ -268,6 +283,7 @@ impl Session {
         }
         self.opened = Some((file.to_string(), spec.clone()));
         self.copy_on_read = spec.copy_on_read;
+        self.discard_ignored = spec.discard_ignored;
         let path = Path::new(file);
         let given = crate::image_spec::format_for(file);
         let fmt = match spec.fmt.as_ref().or(given.as_ref()) {
@@ -791,6 +807,9 @@ impl Session {
     /// `discard`: QEMU's qcow2 discard (module notes).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), i32> {
         self.check_request(offset, len)?;
+        if self.discard_ignored {
+            return Ok(());
+        }
         if let Some(r) = &self.raw {
             // QEMU punches the range out of a raw file: it reads as zeros.
             self.raw_zeroes(r, offset, len).await?;
