@@ -1332,3 +1332,75 @@ fn qemu_io_help_and_discard_modes_as_qemu_io() {
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
 }
+
+#[test]
+fn image_files_hold_what_qemus_hold() {
+    if !have_qemu("image_files_hold_what_qemus_hold") {
+        return;
+    }
+    let s = Scratch::new("file-layout");
+    let ours = Ours::new(&s);
+    // `info` prints the file's length and its allocated size ("disk size"); `map` depends on
+    // the allocation through QEMU's metadata-preallocation heuristic.
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"],
+        ),
+        ("qemu-img", &["info", "a.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "cluster_size=2M,preallocation=falloc",
+                "y.qcow2",
+                "5M",
+            ],
+        ),
+        ("qemu-img", &["map", "--output=json", "y.qcow2"]),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "e.qcow2", "4M"],
+        ),
+        (
+            "qemu-io",
+            &["-c", "write -P 1 0 4k", "-c", "write -c 64k 64k", "e.qcow2"],
+        ),
+        ("qemu-img", &["map", "--output=json", "e.qcow2"]),
+        ("qemu-img", &["info", "e.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on,cluster_size=128k",
+                "x.qcow2",
+                "8M",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 0x11 0 64k",
+                "-c",
+                "write -P 0x22 3 5",
+                "-c",
+                "write -z 4k 4k",
+                "x.qcow2",
+            ],
+        ),
+        ("qemu-img", &["info", "x.qcow2"]),
+        ("qemu-img", &["check", "x.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], &[], steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("disk size"), "{}", outs[0]);
+}

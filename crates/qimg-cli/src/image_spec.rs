@@ -140,6 +140,13 @@ fn overrides(name: &str) -> Option<Overrides> {
 /// option string or `json:` name said about it (no backing file, another data file).
 pub fn options_for(path: &Path) -> OpenOptions {
     let mut o = OpenOptions::new();
+    if crate::status::program() != "qimg" {
+        // As QEMU's tools: a new cluster holds only what was written (the rest stays a hole
+        // of the file), so the file has QEMU's length and allocation, which `qemu-img info`
+        // and QEMU's metadata-preallocation heuristic (`map`) read. qimg's own default
+        // reserves whole clusters ahead, for speed.
+        o = o.allocation(qimg::Allocation::Sparse);
+    }
     if let Some(ov) = path.to_str().and_then(overrides) {
         if ov.no_backing {
             o = o.without_backing();

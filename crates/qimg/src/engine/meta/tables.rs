@@ -82,11 +82,16 @@ impl<S: Storage> Shared<S> {
         } else {
             // A table of zeros: `fallocate(FALLOC_FL_ZERO_RANGE)` where the file takes it
             // (a 2 MiB table costs an extent change, not a 2 MiB write), zero bytes otherwise.
+            // With sparse allocation (QEMU's layout) the zeros are written, as QEMU writes a
+            // new table, so the file's extents are QEMU's.
             self.file.debug_event(DebugEvent::L2AllocWrite);
-            self.file
-                .write_zeroes(new, cs)
-                .await
-                .map_err(|e| self.storage_error(e))?;
+            let zeroed = if self.allocation == crate::Allocation::Sparse {
+                let zeros = self.io_buf(cs as usize)?;
+                self.file.write_at(&zeros, new).await
+            } else {
+                self.file.write_zeroes(new, cs).await.map(|_| ())
+            };
+            zeroed.map_err(|e| self.storage_error(e))?;
         }
         // The new table's refcount durable before anything names it, with lazy refcounts
         // too (QEMU's `l2_allocate` flushes the refcount cache here either way): only data

@@ -257,7 +257,10 @@ impl<S: Storage> Inner<S> {
                     let n = size.saturating_sub(offset).min(buf.len() as u64) as usize;
                     buf[n..].fill(0);
                     if n > 0 {
-                        img.inner.read(&mut buf[..n], offset).await?;
+                        // Straight to the body (the range is inside the backing disk): one
+                        // future fewer per level keeps a deep chain's stack small.
+                        let mut part = [IoSliceMut::new(&mut buf[..n])];
+                        img.inner.read_span(&mut part, offset, n as u64).await?;
                     }
                     Ok(())
                 }

@@ -262,7 +262,7 @@ impl<S: Storage> Inner<S> {
     pub(crate) async fn write_cow(&self, p: &PreparedWrite) -> Result<()> {
         let (storage, path) = self.data();
         if p.fresh {
-            self.reserve_fresh(p.host).await?;
+            self.prepare_fresh(p.host, &p.plan).await?;
         }
         let plan = &p.plan;
         for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
@@ -280,6 +280,29 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    /// Before the first write of a new cluster at `host`, which writes `plan`'s range of it:
+    /// reserves the cluster ([`Allocation::Contiguous`](crate::Allocation::Contiguous)), or,
+    /// with [`Allocation::Sparse`](crate::Allocation::Sparse), does what QEMU does to a
+    /// cluster a write covers only in part and whose other bytes read as zeros
+    /// (`handle_alloc_space`): one zero-range request over the whole cluster, so the file
+    /// holds (and counts) what QEMU's holds. Extended L2 entries need no such zeroing (the
+    /// rest of the cluster stays unallocated subclusters), nor does a write of the whole
+    /// cluster or one to an external data file.
+    async fn prepare_fresh(&self, host: u64, plan: &WritePlan) -> Result<()> {
+        if self.allocation != crate::Allocation::Sparse {
+            return self.reserve_fresh(host).await;
+        }
+        let cs = self.geo.cluster_size();
+        let partial = plan.start > 0 || plan.end < cs as usize;
+        if partial && !self.geo.extended_l2() && self.data_file.is_none() {
+            self.file
+                .write_zeroes(host, cs)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn write_data(
         &self,
@@ -293,7 +316,7 @@ impl<S: Storage> Inner<S> {
     ) -> Result<()> {
         let (storage, path) = self.data();
         if fresh {
-            self.reserve_fresh(host).await?;
+            self.prepare_fresh(host, plan).await?;
         }
         let b = a + data.len();
         if plan.start == a && plan.end == b {

@@ -186,7 +186,12 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     if !l1.is_empty() {
         w(&l1::encode_table(&l1), layout.l1_at() * cs)?;
     }
-    w(&cluster0, 0)?;
+    // The whole header cluster, as QEMU writes it: the file holds (and `st_blocks` counts)
+    // the same clusters as QEMU's, which its metadata-preallocation heuristic and `disk size`
+    // read.
+    let mut header_cluster = cluster0;
+    header_cluster.resize(header_cluster.len().max(cs as usize), 0);
+    w(&header_cluster, 0)?;
 
     // File length: the end of the L1 table as QEMU leaves it, or of the preallocated area.
     let end = if layout.prealloc_clusters > 0 {
