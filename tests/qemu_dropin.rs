@@ -1399,8 +1399,24 @@ fn image_files_hold_what_qemus_hold() {
         ),
         ("qemu-img", &["info", "x.qcow2"]),
         ("qemu-img", &["check", "x.qcow2"]),
+        // A snapshot writes its L1 copy and table as QEMU does (the table's last entry
+        // unpadded), and a grown L1 table (the VM-state area) 512-byte rounded.
+        ("qemu-img", &["snapshot", "-c", "s1", "e.qcow2"]),
+        ("qemu-io", &["-c", "write -b 0 512", "x.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], &[], steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("disk size"), "{}", outs[0]);
+    use std::os::unix::fs::MetadataExt;
+    for file in ["a.qcow2", "y.qcow2", "e.qcow2", "x.qcow2"] {
+        let layout = |who: &str| {
+            let m = std::fs::metadata(s.path(who).join(file)).unwrap();
+            (m.len(), m.blocks())
+        };
+        assert_eq!(
+            layout("qimg"),
+            layout("qemu"),
+            "{file}: (length, 512-byte blocks) of qimg's (left) and QEMU's (right)"
+        );
+    }
 }

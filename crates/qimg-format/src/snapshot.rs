@@ -174,7 +174,15 @@ pub fn decode_table(bytes: &[u8], table_offset: u64, nb: u32) -> Result<Vec<Snap
 
 /// Encodes a whole table.
 pub fn encode_table(snapshots: &[Snapshot]) -> Vec<u8> {
-    snapshots.iter().flat_map(Snapshot::encode).collect()
+    let mut table: Vec<u8> = snapshots.iter().flat_map(Snapshot::encode).collect();
+    // Each entry starts 8-aligned; the last one's padding is not part of the table (QEMU's
+    // table size, so the file ends where QEMU's does).
+    if let Some(last) = snapshots.last() {
+        let unpadded =
+            ENTRY_HEADER_LEN as usize + last.extra_data.len() + last.id.len() + last.name.len();
+        table.truncate(table.len() - last.encoded_len() + unpadded);
+    }
+    table
 }
 
 /// Bytes of the fixed part of a snapshot table entry.
@@ -259,7 +267,16 @@ mod tests {
         #[test]
         fn snapshot_tables_round_trip(snaps in proptest::collection::vec(arb_snapshot(), 0..8)) {
             let bytes = encode_table(&snaps);
-            prop_assert_eq!(bytes.len() % 8, 0);
+            // QEMU's table size: each entry starts 8-aligned, the last is not padded.
+            let mut qemu_size = 0usize;
+            for s in &snaps {
+                qemu_size = qemu_size.next_multiple_of(8)
+                    + ENTRY_HEADER_LEN as usize
+                    + s.extra_data.len()
+                    + s.id.len()
+                    + s.name.len();
+            }
+            prop_assert_eq!(bytes.len(), qemu_size);
             prop_assert_eq!(decode_table(&bytes, 0x50000, snaps.len() as u32).unwrap(), snaps);
         }
 

@@ -210,8 +210,9 @@ impl<S: Storage> Image<S> {
         } else {
             let clusters = l1_bytes.div_ceil(cs);
             let at = inner.alloc_clusters(&mut m, clusters).await?;
-            let mut raw = l1::encode_table(&sn_l1);
-            raw.resize((clusters * cs) as usize, 0);
+            // The table's bytes only, as QEMU writes them (the file then ends where QEMU's
+            // does); the rest of the cluster is never read.
+            let raw = l1::encode_table(&sn_l1);
             inner
                 .guard_write(&mut m, at, raw.len() as u64, Writing::Data)
                 .await?;
@@ -724,7 +725,7 @@ impl<S: Storage> Inner<S> {
                 s
             })
             .collect();
-        let mut raw = fsnap::encode_table(&snaps);
+        let raw = fsnap::encode_table(&snaps);
         let len = raw.len() as u64;
         if len > MAX_TABLE_SIZE {
             return Err(Error::Unsupported {
@@ -740,7 +741,7 @@ impl<S: Storage> Inner<S> {
         } else {
             let clusters = len.div_ceil(cs);
             let at = self.alloc_clusters(m, clusters).await?;
-            raw.resize((clusters * cs) as usize, 0);
+            // The table's bytes only, as QEMU writes them.
             self.write_guarded(m, at, &raw, Writing::Data).await?;
             at
         };

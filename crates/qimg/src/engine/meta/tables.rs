@@ -153,7 +153,8 @@ impl<S: Storage> Shared<S> {
         let mut l1 = m.l1.clone();
         l1.resize(entries as usize, L1Entry::UNALLOCATED);
         let mut raw = l1::encode_table(&l1);
-        raw.resize((clusters * cs) as usize, 0);
+        // Rounded up to 512 bytes, as QEMU's `qcow2_grow_l1_table` writes it.
+        raw.resize(bytes.next_multiple_of(512) as usize, 0);
         self.write_guarded(m, at, &raw, Writing::Data).await?;
         // As for a new L2 table (QEMU's `qcow2_grow_l1_table` flushes the refcount cache
         // here, lazy refcounts or not).

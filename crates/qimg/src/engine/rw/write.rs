@@ -284,19 +284,32 @@ impl<S: Storage> Inner<S> {
     /// reserves the cluster ([`Allocation::Contiguous`](crate::Allocation::Contiguous)), or,
     /// with [`Allocation::Sparse`](crate::Allocation::Sparse), does what QEMU does to a
     /// cluster a write covers only in part and whose other bytes read as zeros
-    /// (`handle_alloc_space`): one zero-range request over the whole cluster, so the file
-    /// holds (and counts) what QEMU's holds. Extended L2 entries need no such zeroing (the
-    /// rest of the cluster stays unallocated subclusters), nor does a write of the whole
-    /// cluster or one to an external data file.
+    /// (`handle_alloc_space`): one zero-range request over what the write allocates (the
+    /// cluster; with extended L2 entries the subclusters it touches), so the file holds (and
+    /// counts) what QEMU's holds. A write that covers all of that needs none, nor does one to
+    /// an external data file.
     async fn prepare_fresh(&self, host: u64, plan: &WritePlan) -> Result<()> {
         if self.allocation != crate::Allocation::Sparse {
             return self.reserve_fresh(host).await;
         }
-        let cs = self.geo.cluster_size();
-        let partial = plan.start > 0 || plan.end < cs as usize;
-        if partial && !self.geo.extended_l2() && self.data_file.is_none() {
+        if self.data_file.is_some() {
+            return Ok(());
+        }
+        // What the write allocates: the cluster, or with extended L2 entries the subclusters
+        // it touches.
+        let cs = self.geo.cluster_size() as usize;
+        let (start, end) = if self.geo.extended_l2() {
+            let scs = self.geo.subcluster_size() as usize;
+            (
+                plan.start / scs * scs,
+                plan.end.next_multiple_of(scs).min(cs),
+            )
+        } else {
+            (0, cs)
+        };
+        if plan.start > start || plan.end < end {
             self.file
-                .write_zeroes(host, cs)
+                .write_zeroes(host + start as u64, (end - start) as u64)
                 .await
                 .map_err(|e| self.storage_error(e))?;
         }
