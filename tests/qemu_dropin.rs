@@ -1403,12 +1403,19 @@ fn image_files_hold_what_qemus_hold() {
         // unpadded), and a grown L1 table (the VM-state area) 512-byte rounded.
         ("qemu-img", &["snapshot", "-c", "s1", "e.qcow2"]),
         ("qemu-io", &["-c", "write -b 0 512", "x.qcow2"]),
+        // A compressed cluster goes after the L2 table that maps it.
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "z.qcow2", "1M"],
+        ),
+        ("qemu-io", &["-c", "write -c -P 3 0 64k", "z.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "z.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], &[], steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("disk size"), "{}", outs[0]);
     use std::os::unix::fs::MetadataExt;
-    for file in ["a.qcow2", "y.qcow2", "e.qcow2", "x.qcow2"] {
+    for file in ["a.qcow2", "y.qcow2", "e.qcow2", "x.qcow2", "z.qcow2"] {
         let layout = |who: &str| {
             let m = std::fs::metadata(s.path(who).join(file)).unwrap();
             (m.len(), m.blocks())

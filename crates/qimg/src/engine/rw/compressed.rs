@@ -49,6 +49,7 @@ impl<S: Storage> Inner<S> {
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
         let old = self.lookup(&mut m, offset).await?;
+        self.table_before_data(&mut m, offset).await?;
         // Pack into the tail of the last compressed cluster when the bytes fit there.
         let at = match m.compressed_tail {
             Some(t) if t % cs + plen <= cs => {

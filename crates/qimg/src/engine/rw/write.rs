@@ -123,14 +123,8 @@ impl<S: Storage> Inner<S> {
         }
         let mut fresh = prepared.iter().filter(|p| p.fresh).count() as u64;
         if fresh > 0 {
-            // QEMU's order: a missing L2 table is made before the data clusters it maps, so
-            // that a large write to an empty area lands as one host extent after it.
-            let coverage = self.geo.l2_coverage();
             for p in prepared.iter().filter(|p| p.fresh) {
-                let l1i = (p.gc / coverage) as usize;
-                if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
-                    self.writable_l2_slice(&mut m, p.gc).await?;
-                }
+                self.table_before_data(&mut m, p.gc).await?;
             }
             // Clusters past everything allocated since open and past the end of the file at
             // open have never held data: they read as zeros.
@@ -276,6 +270,17 @@ impl<S: Storage> Inner<S> {
                     .await
                     .map_err(|e| Error::storage(path, e))?;
             }
+        }
+        Ok(())
+    }
+
+    /// QEMU's order: a missing L2 table for guest cluster `gc` is made before the data
+    /// clusters it maps are allocated, so that a large write to an empty area lands as one
+    /// host extent after it (and the file ends where QEMU's does).
+    pub(super) async fn table_before_data(&self, m: &mut Meta, gc: u64) -> Result<()> {
+        let l1i = (gc / self.geo.l2_coverage()) as usize;
+        if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
+            self.writable_l2_slice(m, gc).await?;
         }
         Ok(())
     }
