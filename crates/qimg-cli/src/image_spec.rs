@@ -158,6 +158,28 @@ pub fn options_for(path: &Path) -> OpenOptions {
     o
 }
 
+/// Opens `path` (named `file` in messages) read-write through the engine, without the clean
+/// timer (a command's short life needs none), with qemu-img's wording when that fails.
+pub async fn open_writable(
+    path: &std::path::Path,
+    file: &str,
+) -> anyhow::Result<qimg::Image<qimg::io::AnyStorage>> {
+    options_for(path)
+        .writable(true)
+        .clean_timer(false)
+        .open(path)
+        .await
+        .map_err(|e| {
+            crate::status::open_msg(
+                anyhow::anyhow!(
+                    "Could not open '{file}': {}",
+                    crate::status::lib_msg(&e, file)
+                ),
+                file,
+            )
+        })
+}
+
 /// The format an option string or `json:` name gave the image the user named `name`.
 pub fn format_for(name: &str) -> Option<String> {
     overrides(name).and_then(|o| o.format)

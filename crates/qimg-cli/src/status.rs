@@ -122,25 +122,6 @@ pub fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
     }
 }
 
-/// Opens `path` (named `file` in messages) read-write through the engine, without the clean
-/// timer (a command's short life needs none), with qemu-img's wording when that fails.
-pub async fn open_writable(
-    path: &std::path::Path,
-    file: &str,
-) -> anyhow::Result<qimg::Image<qimg::io::AnyStorage>> {
-    crate::image_spec::options_for(path)
-        .writable(true)
-        .clean_timer(false)
-        .open(path)
-        .await
-        .map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                file,
-            )
-        })
-}
-
 /// QEMU's message for a lock another process holds on `file`. The engine names the lock
 /// byte the other process holds: its "shared" byte (it does not share a permission this
 /// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this

@@ -186,7 +186,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
         progress.end();
         return Ok(());
     }
-    let top = crate::status::open_writable(path, file).await?;
+    let top = crate::image_spec::open_writable(path, file).await?;
     let r = top.make_empty().await;
     let closed = top.close().await;
     progress.end();

@@ -209,7 +209,7 @@ async fn copy_differences(
     show: bool,
     compress: bool,
 ) -> Result<()> {
-    let img = crate::status::open_writable(path, file).await?;
+    let img = crate::image_spec::open_writable(path, file).await?;
     let r = copy_into(&img, path, new, new_fmt, show, compress).await;
     let closed = img
         .close()

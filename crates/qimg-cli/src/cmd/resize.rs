@@ -211,7 +211,7 @@ async fn resize_qcow2(
             )
         },
     )?;
-    let img = crate::status::open_writable(path, file).await?;
+    let img = crate::image_spec::open_writable(path, file).await?;
     let r = change_size(&img, &c0.header, prealloc, new_size).await;
     let closed = img
         .close()
