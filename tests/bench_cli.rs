@@ -259,9 +259,12 @@ fn sparse_allocation_writes_only_the_subclusters() {
             check_clean(dir, &name);
         }
     }
-    // 16 clusters reserved whole: 32 MiB; sparse: 16 subclusters and the metadata.
+    // 16 clusters reserved whole: 32 MiB; sparse: 16 subclusters (each zeroed whole before
+    // its 4 KiB, as QEMU does) and the metadata: the header, refcount table, refcount block
+    // and L2 table clusters, written whole as QEMU writes them (2 MiB each), and the L1 table.
+    let sparse_most = 4 * (2 << 20) + 16 * (64 << 10) + (1 << 20);
     assert!(used[0] >= 32 << 20, "contiguous: {used:?}");
-    assert!(used[1] <= 8 << 20, "sparse: {used:?}");
+    assert!(used[1] <= sparse_most, "sparse: {used:?}");
 }
 
 #[test]
