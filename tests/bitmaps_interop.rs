@@ -1050,6 +1050,18 @@ fn a_killed_server_leaves_bitmaps_an_incremental_backup_can_use() {
         let _ = server.0.wait();
         let _ = copy.kill();
         let _ = copy.wait();
+        // The killed server's file locks go with its last file reference, which an io_uring
+        // ring tearing down in the kernel may hold a moment after the process is reaped.
+        // Wait for them (a few milliseconds when quiet; the 10 s guard is far beyond that).
+        let guard = qimg_testkit::HangGuard::start(
+            "the killed server's image locks",
+            Duration::from_millis(100),
+            Duration::from_secs(10),
+        );
+        while !qemu_img(&d.0, &["info", img]).status.success() {
+            guard.check();
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let info = bitmap_list(&d.0, img);
         if !ours {
             // QEMU's own writer: the bitmap is unusable after the kill.
