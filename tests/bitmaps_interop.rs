@@ -10,10 +10,11 @@ mod common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{Scratch, have_qemu, ok, qemu_img, qimg, run};
 use qimg::OpenOptions;
+use qimg_testkit::HangGuard;
 
 const REQUIRE_ENV: &str = "QIMG_REQUIRE_QEMU";
 
@@ -115,14 +116,13 @@ fn dirty_map(dir: &Path, file: &str, name: &str) -> String {
         .spawn()
         .expect("qemu-nbd");
     let _server = Nbd(child);
-    // Hang guard: qemu-nbd listens within 100 ms on a quiet machine; 60 s is over ten
-    // times that.
-    let start = Instant::now();
+    let guard = HangGuard::start(
+        "qemu-nbd listening",
+        Duration::from_millis(100),
+        Duration::from_secs(60),
+    );
     while !sock.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "hang guard: qemu-nbd did not listen"
-        );
+        guard.check();
         std::thread::sleep(Duration::from_millis(20));
     }
     let uri = format!("nbd+unix:///?socket={}", sock.display());
@@ -471,10 +471,13 @@ impl Drop for Served {
     fn drop(&mut self) {
         let pid = self.0.id().to_string();
         let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        // Hang guard: servers stop within 100 ms on a quiet machine; 60 s (over ten times
-        // that) allowed, then SIGKILL.
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(60) {
+        // Then SIGKILL, if the server has not stopped at the guard's limit.
+        let guard = HangGuard::start(
+            "the server's stop",
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        );
+        while !guard.expired() {
             if let Ok(Some(_)) = self.0.try_wait() {
                 return;
             }
@@ -495,15 +498,13 @@ fn serve(dir: &Path, prog: &Path, args: &[&str], sock: &Path) -> Served {
         .spawn()
         .expect("server");
     let served = Served(child);
-    // Hang guard: servers listen within 100 ms on a quiet machine; 60 s is over ten times
-    // that.
-    let start = Instant::now();
+    let guard = HangGuard::start(
+        format!("{} listening", prog.display()),
+        Duration::from_millis(100),
+        Duration::from_secs(60),
+    );
     while !sock.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "hang guard: {} did not listen",
-            prog.display()
-        );
+        guard.check();
         std::thread::sleep(Duration::from_millis(20));
     }
     served
@@ -1036,14 +1037,14 @@ fn a_killed_server_leaves_bitmaps_an_incremental_backup_can_use() {
             .stderr(Stdio::null())
             .spawn()
             .expect("nbdcopy");
-        // Work, not time: kill once 16 MiB more are in the image. The 120 s is a hang guard
-        // (the whole copy takes about a second on a quiet machine: over ten times that).
-        let t0 = Instant::now();
+        // Work, not time: kill once 16 MiB more are in the image.
+        let guard = HangGuard::start(
+            format!("{img} growing by 16 MiB"),
+            Duration::from_secs(1),
+            Duration::from_secs(120),
+        );
         while std::fs::metadata(d.path(img)).unwrap().len() < start_len + (16 << 20) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "hang guard: {img} does not grow"
-            );
+            guard.check();
             std::thread::sleep(Duration::from_millis(5));
         }
         server.0.kill().unwrap();
@@ -1053,7 +1054,7 @@ fn a_killed_server_leaves_bitmaps_an_incremental_backup_can_use() {
         // The killed server's file locks go with its last file reference, which an io_uring
         // ring tearing down in the kernel may hold a moment after the process is reaped.
         // Wait for them (a few milliseconds when quiet; the 10 s guard is far beyond that).
-        let guard = qimg_testkit::HangGuard::start(
+        let guard = HangGuard::start(
             "the killed server's image locks",
             Duration::from_millis(100),
             Duration::from_secs(10),

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -64,17 +64,16 @@ impl Server {
             child,
             what: format!("{} {}", prog.display(), args.join(" ")),
         };
-        let start = Instant::now();
+        let guard = qimg_testkit::HangGuard::start(
+            format!("{} writing its pid file", s.what),
+            Duration::from_millis(500),
+            Duration::from_secs(20),
+        );
         while !pidfile.exists() {
             if let Some(status) = s.child.try_wait().unwrap() {
                 panic!("{} exited before serving: {status}", s.what);
             }
-            // A hang guard: servers write their pid file within a fraction of a second.
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "{} did not start",
-                s.what
-            );
+            guard.check();
             std::thread::sleep(Duration::from_millis(20));
         }
         s
@@ -85,18 +84,17 @@ impl Server {
         let pid = self.child.id().to_string();
         let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
         assert!(st.success());
-        let start = Instant::now();
+        let guard = qimg_testkit::HangGuard::start(
+            format!("{} stopping on SIGTERM", self.what),
+            Duration::from_millis(500),
+            Duration::from_secs(30),
+        );
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 assert!(status.success(), "{} ended with {status}", self.what);
                 return;
             }
-            // A hang guard: a server stops within a fraction of a second of SIGTERM.
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "{} did not stop",
-                self.what
-            );
+            guard.check();
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -652,15 +650,16 @@ fn without_persistent_the_server_exits_after_its_client_and_leaves_the_image_cle
         &uri("", &sock),
         &["write -P 7 100k 300k".into()],
     );
-    let start = Instant::now();
+    let guard = qimg_testkit::HangGuard::start(
+        "the server's exit",
+        Duration::from_millis(500),
+        Duration::from_secs(30),
+    );
     let status = loop {
         if let Some(st) = server.child.try_wait().unwrap() {
             break st;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the server did not exit"
-        );
+        guard.check();
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");

@@ -14,7 +14,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use common::{Scratch, assert_clean, assert_same_as_model, have_qemu, qemu_create, qimg_bin};
@@ -86,9 +86,13 @@ impl Daemon {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the daemon starts");
-        let start = Instant::now();
+        let guard = qimg_testkit::HangGuard::start(
+            "the daemon's pid file",
+            Duration::from_millis(500),
+            Duration::from_secs(30),
+        );
         while !pid.exists() {
-            assert!(start.elapsed() < Duration::from_secs(30), "no pid file");
+            guard.check();
             std::thread::sleep(Duration::from_millis(20));
         }
         Daemon {
@@ -108,16 +112,17 @@ impl Daemon {
                 .unwrap()
                 .success()
         );
-        let start = Instant::now();
+        let guard = qimg_testkit::HangGuard::start(
+            "qimg serve stopping on SIGTERM",
+            Duration::from_millis(500),
+            Duration::from_secs(60),
+        );
         loop {
             if let Some(status) = child.try_wait().unwrap() {
                 assert!(status.success(), "qimg serve exited with {status}");
                 return;
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "qimg serve did not stop"
-            );
+            guard.check();
             std::thread::sleep(Duration::from_millis(20));
         }
     }

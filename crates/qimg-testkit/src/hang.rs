@@ -34,10 +34,15 @@ impl HangGuard {
         }
     }
 
+    /// Whether the limit has passed (for a wait that must not panic, a `Drop` that falls
+    /// back to a harder stop).
+    pub fn expired(&self) -> bool {
+        self.start.elapsed() > self.limit
+    }
+
     /// Panics, naming the wait, once the limit has passed.
     pub fn check(&self) {
-        let waited = self.start.elapsed();
-        if waited > self.limit {
+        if self.expired() {
             panic!(
                 "hang guard: {} did not end within {:?} (it takes about {:?} on a quiet machine)",
                 self.what, self.limit, self.quiet
