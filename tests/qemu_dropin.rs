@@ -950,32 +950,23 @@ fn blkdebug_injects_errors_where_qemus_does() {
          file.inject-error.0.once=on"
             .into(),
     ));
+    let prepare: Prep = &[("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "1G"])];
     for (config, name) in &names {
-        let mut outs = Vec::new();
-        for who in ["qemu", "qimg"] {
-            let dir = s.path(who);
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            std::fs::write(dir.join("rules.cfg"), config).unwrap();
-            let made = qemu_img(&dir, &["create", "-f", "qcow2", "t.qcow2", "1G"]);
-            assert!(made.status.success(), "{made:?}");
-            let program = match who {
-                "qemu" => PathBuf::from("qemu-io"),
-                _ => ours.bin.join("qemu-io"),
-            };
-            let mut args: Vec<&str> = commands.to_vec();
-            // Several arguments are given one per line.
-            args.extend(name.lines());
-            let io = merged(&dir, &program, &args);
-
-            // The image each leaves, as QEMU's check sees it.
-            let check = qemu_img(&dir, &["check", "t.qcow2"]);
+        let mut args: Vec<&str> = commands.to_vec();
+        // Several arguments are given one per line.
+        args.extend(name.lines());
+        let steps: Prep = &[("qemu-io", &args)];
+        let files = [("rules.cfg", config.as_str())];
+        let mut outs = side_by_side(&s, &ours, &files, prepare, steps);
+        // The image each left, as QEMU's check sees it.
+        for (out, who) in outs.iter_mut().zip(["qemu", "qimg"]) {
+            let check = qemu_img(&s.path(who), &["check", "t.qcow2"]);
             let check = String::from_utf8_lossy(&check.stdout)
                 .lines()
                 .filter(|l| !l.starts_with("Image end offset") && !l.contains("allocated"))
                 .collect::<Vec<_>>()
                 .join("\n");
-            outs.push(format!("{io}\n--- check:\n{check}"));
+            out.push_str(&format!("--- check:\n{check}"));
         }
         assert_eq!(
             outs[1], outs[0],

@@ -326,7 +326,7 @@ fn usage_line(c: &Cmd) -> String {
 /// Prints the usage line of `name` and fails.
 fn usage(name: &str) -> Outcome {
     if let Some(c) = COMMANDS.iter().find(|c| c.name == name) {
-        say!("{}", usage_line(c));
+        outln!("{}", usage_line(c));
     }
     Err(Failed)
 }
@@ -395,7 +395,7 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "alloc" => alloc(s, args).await,
         "map" => map(s).await,
         "length" => {
-            say!("{}", size_str(s.size() as f64));
+            outln!("{}", size_str(s.size() as f64));
             Ok(())
         }
         "info" => info(s),
@@ -416,10 +416,10 @@ fn help(args: &[String]) -> Outcome {
             let mut all: Vec<&Cmd> = COMMANDS.iter().collect();
             all.sort_by_key(|c| c.name);
             for c in all {
-                say!("{}", usage_line(c));
+                outln!("{}", usage_line(c));
             }
-            say!();
-            say!("Use 'help commandname' for extended help.");
+            outln!();
+            outln!("Use 'help commandname' for extended help.");
             Ok(())
         }
         Some(name) => match COMMANDS
@@ -427,11 +427,11 @@ fn help(args: &[String]) -> Outcome {
             .find(|c| c.name == name.as_str() || c.alt == Some(name.as_str()))
         {
             Some(c) => {
-                say!("{}", usage_line(c));
+                outln!("{}", usage_line(c));
                 Ok(())
             }
             None => {
-                say!("command {name} not found");
+                outln!("command {name} not found");
                 Err(Failed)
             }
         },
@@ -450,7 +450,7 @@ fn options(name: &str, args: &[String], spec: &str) -> Result<Opts, Failed> {
 /// A number operand; a bad one prints qemu-io's parsing error.
 fn num(arg: &str) -> Result<u64, Failed> {
     parse_num(arg).map_err(|e: NumError| {
-        say!("{}", num_error_line(e, arg));
+        outln!("{}", num_error_line(e, arg));
         Failed
     })
 }
@@ -462,7 +462,7 @@ fn pattern(o: &Opts) -> Result<Option<u8>, Failed> {
         Some(p) => match parse_pattern(p) {
             Some(b) => Ok(Some(b)),
             None => {
-                say!("{p} is not a valid pattern byte");
+                outln!("{p} is not a valid pattern byte");
                 Err(Failed)
             }
         },
@@ -473,13 +473,13 @@ fn pattern(o: &Opts) -> Result<Option<u8>, Failed> {
 fn print_report(o: &Opts, op: &str, t0: Instant, offset: u64, count: u64) {
     let t = t0.elapsed();
     if !o.has('q') {
-        say_raw!("{}", report(op, t, offset, count, count, o.has('C')));
+        out!("{}", report(op, t, offset, count, count, o.has('C')));
     }
 }
 
 /// The request's error line, `OP failed: strerror`.
 fn io_failed(op: &str, errno: i32) -> Failed {
-    say!("{op} failed: {}", strerror(errno));
+    outln!("{op} failed: {}", strerror(errno));
     Failed
 }
 
@@ -498,7 +498,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST {
-        say!(
+        outln!(
             "length cannot exceed {MAX_REQUEST}, given {}",
             o.operands[1]
         );
@@ -507,7 +507,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     let p_off = s_off.unwrap_or(0);
     let p_len = l_len.unwrap_or(count.saturating_sub(p_off));
     if p_off.saturating_add(p_len) > count {
-        say!("pattern verification range exceeds end of read data");
+        outln!("pattern verification range exceeds end of read data");
         return Err(Failed);
     }
     let vm_state = o.has('b');
@@ -529,7 +529,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
     if let Some(p) = pat {
         let range = &buf[p_off as usize..(p_off + p_len) as usize];
         if range.iter().any(|&b| b != p) {
-            say!(
+            outln!(
                 "Pattern verification failed at offset {}, {p_len} bytes",
                 offset + p_off
             );
@@ -540,7 +540,7 @@ async fn read(s: &mut Session, args: &[String]) -> Outcome {
         return outcome;
     }
     if o.has('v') {
-        say_raw!("{}", hex_dump(&buf, offset));
+        out!("{}", hex_dump(&buf, offset));
     }
     print_report(&o, "read", t0, offset, count);
     outcome
@@ -553,14 +553,14 @@ fn vector_operands(o: &Opts) -> Result<(u64, Vec<u64>), Failed> {
     for a in &o.operands[1..] {
         let n = num(a)?;
         if n > MAX_REQUEST {
-            say!("Argument '{a}' exceeds maximum size {MAX_REQUEST}");
+            outln!("Argument '{a}' exceeds maximum size {MAX_REQUEST}");
             return Err(Failed);
         }
         lens.push(n);
     }
     let total: u64 = lens.iter().sum();
     if total > MAX_REQUEST {
-        say!("The total number of bytes exceeds the maximum size {MAX_REQUEST}");
+        outln!("The total number of bytes exceeds the maximum size {MAX_REQUEST}");
         return Err(Failed);
     }
     Ok((offset, lens))
@@ -596,7 +596,7 @@ async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outco
     let mut outcome = Ok(());
     if let Some(p) = pat {
         if data.iter().any(|&b| b != p) {
-            say!("Pattern verification failed at offset {offset}, {total} bytes");
+            outln!("Pattern verification failed at offset {offset}, {total} bytes");
             if !aio {
                 outcome = Err(Failed);
             }
@@ -606,7 +606,7 @@ async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outco
         return outcome;
     }
     if o.has('v') {
-        say_raw!("{}", hex_dump(&data, offset));
+        out!("{}", hex_dump(&data, offset));
     }
     print_report(&o, "read", t0, offset, total);
     outcome
@@ -621,29 +621,29 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
     }
     let z = o.has('z');
     if o.has('b') && z {
-        say!("-b and -z cannot be specified at the same time");
+        outln!("-b and -z cannot be specified at the same time");
         return Err(Failed);
     }
     if o.has('f') && o.has('b') {
-        say!("-f and -b cannot be specified at the same time");
+        outln!("-f and -b cannot be specified at the same time");
         return Err(Failed);
     }
     if o.has('u') && !z {
-        say!("-u requires -z to be specified");
+        outln!("-u requires -z to be specified");
         return Err(Failed);
     }
     if o.has('n') && !z {
-        say!("-n requires -z to be specified");
+        outln!("-n requires -z to be specified");
         return Err(Failed);
     }
     if usize::from(z) + usize::from(pat.is_some()) + usize::from(o.has('s')) > 1 {
-        say!("Only one of -z, -P, and -s can be specified at the same time");
+        outln!("Only one of -z, -P, and -s can be specified at the same time");
         return Err(Failed);
     }
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST && !(z && o.has('n')) {
-        say!(
+        outln!(
             "length cannot exceed {MAX_REQUEST} without -n, given {}",
             o.operands[1]
         );
@@ -658,20 +658,17 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
             .map_err(|e| io_failed("write", e))?;
     }
     let t0 = Instant::now();
-    let r = if vm_state {
-        let buf = match o.arg('s') {
-            Some(file) => pattern_file(file, count)?,
-            None => vec![pat.unwrap_or(0xcd); count as usize],
-        };
-        s.write_vmstate(&buf, offset).await
-    } else if z {
+    // -b and -z never come together (refused above).
+    let r = if z {
         s.write_zeroes(offset, count, o.has('u'), fua).await
     } else {
         let buf = match o.arg('s') {
             Some(file) => pattern_file(file, count)?,
             None => vec![pat.unwrap_or(0xcd); count as usize],
         };
-        if o.has('c') {
+        if vm_state {
+            s.write_vmstate(&buf, offset).await
+        } else if o.has('c') {
             s.write_compressed(&buf, offset, fua).await
         } else {
             s.write(&buf, offset, fua).await
@@ -686,7 +683,7 @@ async fn write(s: &mut Session, args: &[String]) -> Outcome {
 fn sector_aligned(offset: u64, count: u64) -> Result<(), Failed> {
     for (value, name) in [(offset, "offset"), (count, "count")] {
         if value % 512 != 0 {
-            say!("{value} is not a sector-aligned value for '{name}'");
+            outln!("{value} is not a sector-aligned value for '{name}'");
             return Err(Failed);
         }
     }
@@ -719,11 +716,11 @@ async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outc
     }
     let z = o.has('z');
     if o.has('u') && !z {
-        say!("-u requires -z to be specified");
+        outln!("-u requires -z to be specified");
         return Err(Failed);
     }
     if z && o.operands.len() != 2 {
-        say!("-z supports only a single length parameter");
+        outln!("-z supports only a single length parameter");
         return Err(Failed);
     }
     let (offset, lens) = vector_operands(&o)?;
@@ -763,7 +760,7 @@ async fn discard(s: &mut Session, args: &[String]) -> Outcome {
     let offset = num(&o.operands[0])?;
     let count = num(&o.operands[1])?;
     if count > MAX_REQUEST {
-        say!(
+        outln!(
             "length cannot exceed {MAX_REQUEST}, given {}",
             o.operands[1]
         );
@@ -789,7 +786,7 @@ fn zone(name: &str, args: &[String]) -> Outcome {
         num(a)?;
     }
     let what = name.strip_prefix("zone_").unwrap_or(name);
-    say!("zone {what} failed: Operation not supported");
+    outln!("zone {what} failed: Operation not supported");
     Err(Failed)
 }
 
@@ -812,7 +809,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
     let end = offset + count;
     while at < end {
         let (allocated, n) = s.allocation(at, end - at).await.map_err(|e| {
-            say!("is_allocated failed: {}", strerror(e));
+            outln!("is_allocated failed: {}", strerror(e));
             Failed
         })?;
         if n == 0 {
@@ -823,7 +820,7 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
         }
         at += n;
     }
-    say!(
+    outln!(
         "{sum}/{count} bytes allocated at offset {}",
         size_str(offset as f64)
     );
@@ -836,13 +833,13 @@ async fn map(s: &mut Session) -> Outcome {
     let mut at = 0;
     while at < size {
         let (allocated, n) = s.allocation(at, size - at).await.map_err(|e| {
-            say!("map_is_allocated failed: {}", strerror(e));
+            outln!("map_is_allocated failed: {}", strerror(e));
             Failed
         })?;
         if n == 0 {
             break;
         }
-        say!(
+        outln!(
             "{} (0x{n:x}) bytes {} at offset {} (0x{at:x})",
             size_str(n as f64),
             if allocated {
@@ -860,9 +857,9 @@ async fn map(s: &mut Session) -> Outcome {
 /// `info`: format, cluster size, VM state offset and the format-specific settings.
 fn info(s: &mut Session) -> Outcome {
     if s.raw.is_some() {
-        say!("format name: raw");
-        say!("cluster size: 0 bytes");
-        say!("vm state offset: 0 bytes");
+        outln!("format name: raw");
+        outln!("cluster size: 0 bytes");
+        outln!("vm state offset: 0 bytes");
         return Ok(());
     }
     let img = s.image();
@@ -871,9 +868,9 @@ fn info(s: &mut Session) -> Outcome {
     // The VM state goes after the last guest byte, at the next L1 entry boundary.
     let per_l1 = cs * (cs / entry);
     let vm_state = img.size().div_ceil(per_l1) * per_l1;
-    say!("format name: qcow2");
-    say!("cluster size: {}", size_str(cs as f64));
-    say!("vm state offset: {}", size_str(vm_state as f64));
+    outln!("format name: qcow2");
+    outln!("cluster size: {}", size_str(cs as f64));
+    outln!("vm state offset: {}", size_str(vm_state as f64));
     match qimg::tools::info::image_info(img.path(), Some(qimg::chain::ImageFormat::Qcow2)) {
         Ok(i) => {
             // The format-specific block of qemu-img's human `info` text.
@@ -881,16 +878,16 @@ fn info(s: &mut Session) -> Outcome {
             if let Some(at) = text.find("Format specific information:\n") {
                 let mut lines = text[at..].lines();
                 if let Some(first) = lines.next() {
-                    say!("{first}");
+                    outln!("{first}");
                 }
                 for l in lines.take_while(|l| l.starts_with("    ")) {
-                    say!("{l}");
+                    outln!("{l}");
                 }
             }
             Ok(())
         }
         Err(e) => {
-            say!("qimg io: cannot read the image information: {e}");
+            outln!("qimg io: cannot read the image information: {e}");
             Err(Failed)
         }
     }
@@ -909,7 +906,7 @@ async fn sleep(arg: &str) -> Outcome {
             Ok(())
         }
         _ => {
-            say!("{arg} is not a valid number");
+            outln!("{arg} is not a valid number");
             Err(Failed)
         }
     }
@@ -1082,10 +1079,10 @@ async fn reopen(s: &mut Session, args: &[String]) -> Outcome {
 fn breakpoint(name: &str, args: &[String]) -> Outcome {
     let why = strerror(libc_enotsup());
     match name {
-        "break" => say!("Could not set breakpoint: {why}"),
-        "remove_break" => say!("Could not remove breakpoint {}: {why}", args[0]),
-        "resume" => say!("Could not resume request: {why}"),
-        _ => say!(
+        "break" => outln!("Could not set breakpoint: {why}"),
+        "remove_break" => outln!("Could not remove breakpoint {}: {why}", args[0]),
+        "resume" => outln!("Could not resume request: {why}"),
+        _ => outln!(
             "Could not wait for a request suspended at {}: {why}",
             args[0]
         ),

@@ -11,24 +11,8 @@
 //! dumps), [`session`] (the open image and how qemu-io's requests map onto the engine),
 //! [`commands`] (the command table and each command).
 
-/// `println!` that ignores a standard output nobody reads any more (`qimg io ... | head`),
-/// where `println!` would panic.
-macro_rules! say {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!($crate::out::stdout(), $($t)*);
-    }};
-}
-
-/// `print!` with [`say!`]'s tolerance.
-macro_rules! say_raw {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!($crate::out::stdout(), $($t)*);
-    }};
-}
-
-/// `eprintln!` with [`say!`]'s tolerance.
+/// `eprintln!` that ignores a standard error nobody reads any more, as
+/// [`outln!`](crate::outln)'s standard output does.
 macro_rules! complain {
     ($($t:tt)*) => {{
         use std::io::Write as _;
@@ -127,7 +111,7 @@ pub fn run(args: IoArgs) -> ExitCode {
             let mut lines = stdin.lock();
             let mut input = String::new();
             loop {
-                say_raw!("qemu-io> ");
+                out!("qemu-io> ");
                 crate::out::flush();
                 input.clear();
                 match lines.read_line(&mut input) {

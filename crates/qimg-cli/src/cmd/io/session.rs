@@ -503,26 +503,25 @@ impl Session {
         }
     }
 
-    /// `read -b`: the VM-state area (qcow2 only; a raw image has none, as QEMU's).
-    pub async fn read_vmstate(&self, buf: &mut [u8], pos: u64) -> Result<(), i32> {
-        if self.raw.is_some() {
-            return Err(nix::errno::Errno::EOPNOTSUPP as i32);
+    /// The image whose VM-state area `read -b`/`write -b` use: qcow2 only (a raw image has
+    /// none, as QEMU's).
+    fn vm_state_image(&self) -> Result<&Image<AnyStorage>, i32> {
+        match self.raw {
+            Some(_) => Err(nix::errno::Errno::EOPNOTSUPP as i32),
+            None => Ok(self.image()),
         }
-        self.image()
-            .read_vmstate(buf, pos)
-            .await
-            .map_err(|e| e.errno())
     }
 
-    /// `write -b`: the VM-state area (qcow2 only).
+    /// `read -b`: the VM-state area.
+    pub async fn read_vmstate(&self, buf: &mut [u8], pos: u64) -> Result<(), i32> {
+        let img = self.vm_state_image()?;
+        img.read_vmstate(buf, pos).await.map_err(|e| e.errno())
+    }
+
+    /// `write -b`: the VM-state area.
     pub async fn write_vmstate(&self, buf: &[u8], pos: u64) -> Result<(), i32> {
-        if self.raw.is_some() {
-            return Err(nix::errno::Errno::EOPNOTSUPP as i32);
-        }
-        self.image()
-            .write_vmstate(buf, pos)
-            .await
-            .map_err(|e| e.errno())
+        let img = self.vm_state_image()?;
+        img.write_vmstate(buf, pos).await.map_err(|e| e.errno())
     }
 
     /// `-C`: what the image does not hold itself in the (sub)clusters a read touched is
