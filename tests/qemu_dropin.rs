@@ -1401,12 +1401,49 @@ fn image_files_hold_what_qemus_hold() {
         ),
         ("qemu-io", &["-c", "write -c -P 3 0 64k", "z.qcow2"]),
         ("qemu-img", &["map", "--output=json", "z.qcow2"]),
+        // `commit` empties the top image to its four first clusters (QEMU's
+        // make_completely_empty); an image with a snapshot keeps its clusters.
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "z.qcow2", "-F", "qcow2", "t.qcow2",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 4 64k 4k",
+                "-c",
+                "write -c 128k 64k",
+                "t.qcow2",
+            ],
+        ),
+        ("qemu-img", &["commit", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-io", &["-c", "write -P 5 0 4k", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s", "t.qcow2"]),
+        ("qemu-img", &["commit", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        // A grown L1 table is written to its last entry; shrinking ends the file after the
+        // last cluster in use, even when that lengthens it.
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "r.qcow2", "1G"],
+        ),
+        ("qemu-img", &["resize", "r.qcow2", "+1G"]),
+        ("qemu-img", &["check", "r.qcow2"]),
+        ("qemu-img", &["resize", "--shrink", "r.qcow2", "512M"]),
+        ("qemu-img", &["check", "r.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], &[], steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("disk size"), "{}", outs[0]);
     use std::os::unix::fs::MetadataExt;
-    for file in ["a.qcow2", "y.qcow2", "e.qcow2", "x.qcow2", "z.qcow2"] {
+    for file in [
+        "a.qcow2", "y.qcow2", "e.qcow2", "x.qcow2", "z.qcow2", "t.qcow2", "r.qcow2",
+    ] {
         let layout = |who: &str| {
             let m = std::fs::metadata(s.path(who).join(file)).unwrap();
             (m.len(), m.blocks())

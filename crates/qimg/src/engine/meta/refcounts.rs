@@ -357,7 +357,9 @@ impl<S: Storage> Shared<S> {
                 break;
             }
         }
-        if end * cs < file_len {
+        // QEMU's `qcow2_co_truncate` sets the file's length to the end of that cluster,
+        // which lengthens a file whose last table was written short (a grown L1 table).
+        if end * cs != file_len {
             self.file
                 .set_len(end * cs)
                 .await

@@ -152,9 +152,8 @@ impl<S: Storage> Shared<S> {
         let at = self.alloc_clusters(m, clusters).await?;
         let mut l1 = m.l1.clone();
         l1.resize(entries as usize, L1Entry::UNALLOCATED);
-        let mut raw = l1::encode_table(&l1);
-        // Rounded up to 512 bytes, as QEMU's `qcow2_grow_l1_table` writes it.
-        raw.resize(bytes.next_multiple_of(512) as usize, 0);
+        // Exactly the table's bytes, as QEMU's `qcow2_grow_l1_table` writes it.
+        let raw = l1::encode_table(&l1);
         self.write_guarded(m, at, &raw, Writing::Data).await?;
         // As for a new L2 table (QEMU's `qcow2_grow_l1_table` flushes the refcount cache
         // here, lazy refcounts or not).
@@ -212,5 +211,98 @@ impl<S: Storage> Shared<S> {
             m.dirty_on_disk = false;
         }
         Ok(())
+    }
+}
+
+impl<S: Storage> Shared<S> {
+    /// QEMU's `make_completely_empty` (what `qemu-img commit` does to the top image when it
+    /// can): the image becomes the header, a one-cluster refcount table at cluster 1, its one
+    /// refcount block at cluster 2 and an all-zero L1 table from cluster 3, and the file ends
+    /// there. Only where QEMU does it: version 3 (the dirty bit covers the moment the
+    /// refcounts are wrong: a crash leaves an image whose next open rebuilds them), no
+    /// snapshots, no persistent bitmaps, no external data file, and the L1 table and three
+    /// clusters counted by one refcount block. `false` (nothing done) otherwise.
+    pub(crate) async fn empty_completely(&self, m: &mut Meta) -> Result<bool> {
+        let cs = self.geo.cluster_size();
+        let l1_bytes = l1::table_bytes(m.l1.len() as u64);
+        let l1_clusters = l1_bytes.div_ceil(cs);
+        let (directory, tables) = self.bitmaps.layout();
+        if self.version < 3
+            || m.snapshots.1 != 0
+            || directory.is_some()
+            || !tables.is_empty()
+            || self.data_file.is_some()
+            || 3 + l1_clusters > self.rgeo.refblock_entries()
+        {
+            return Ok(false);
+        }
+        self.check_not_halted()?;
+        self.flush_meta(m).await?;
+        let io = |e| self.storage_error(e);
+        // Refcounts will be wrong until the end: the dirty bit first.
+        self.write_incompatible(m, m.incompatible | INCOMPAT_DIRTY)
+            .await?;
+        m.dirty_on_disk = true;
+        self.file.debug_event(DebugEvent::L1Update);
+        self.file
+            .write_zeroes(m.l1_offset, l1_clusters * cs)
+            .await
+            .map_err(io)?;
+        self.file
+            .write_zeroes(cs, (2 + l1_clusters) * cs)
+            .await
+            .map_err(io)?;
+        self.file.debug_event(DebugEvent::L1Update);
+        self.file.debug_event(DebugEvent::ReftableUpdate);
+        let mut pointers = header::encode_l1_table_pointer(m.l1.len() as u32, 3 * cs).to_vec();
+        pointers.extend(header::encode_refcount_table_pointer(cs, 1));
+        self.file
+            .write_at(&pointers, header::field::L1_TABLE)
+            .await
+            .map_err(io)?;
+        self.file.flush().await.map_err(io)?;
+        self.file.debug_event(DebugEvent::RefblockAlloc);
+        let first = qimg_format::refcount::RefcountTableEntry {
+            block_offset: Some(HostOffset(2 * cs)),
+        };
+        self.file
+            .write_at(&qimg_format::refcount::encode_table(&[first]), cs)
+            .await
+            .map_err(io)?;
+        self.file.flush().await.map_err(io)?;
+
+        // The tables in memory as on disk now: the old ones' slices leave the caches (their
+        // dirty slices were written back above), and every unlocked load is stale.
+        for table in m.l1.iter().filter_map(|e| e.l2_offset) {
+            let _ = m.l2.remove(table.0);
+        }
+        for &block in m.reftable.iter().filter(|&&b| b != 0) {
+            let _ = m.rc.remove(block);
+        }
+        m.l1.iter_mut().for_each(|e| *e = L1Entry::UNALLOCATED);
+        m.l1_offset = 3 * cs;
+        m.l1_epoch += 1;
+        m.reftable = vec![0; (cs / qimg_format::refcount::REFTABLE_ENTRY_SIZE as u64) as usize];
+        m.reftable[0] = 2 * cs;
+        m.reftable_offset = cs;
+        m.overlap = crate::engine::overlap::OverlapIndex::new(cs);
+        m.overlap.insert(Region::Header, 0, cs);
+        m.overlap.insert(Region::RefcountTable, cs, cs);
+        m.overlap.insert(Region::RefcountBlock, 2 * cs, cs);
+        m.overlap.insert(Region::ActiveL1, 3 * cs, l1_bytes);
+        m.pending_punch.clear();
+        m.compressed_tail = None;
+        m.free_hint = 0;
+        m.end_cluster = 3 + l1_clusters;
+        for c in 0..3 + l1_clusters {
+            self.update_refcount(m, c, 1).await?;
+        }
+        self.flush_meta(m).await?;
+        self.mark_clean(m).await?;
+        self.file
+            .set_len((3 + l1_clusters) * cs)
+            .await
+            .map_err(io)?;
+        Ok(true)
     }
 }

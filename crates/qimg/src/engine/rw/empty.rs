@@ -10,8 +10,19 @@ use crate::error::Result;
 impl<S: Storage + 'static> Image<S> {
     /// Makes every cluster of the image unallocated: reads then come from the backing file
     /// (or are zeros without one). Data, zero and compressed clusters alike are dropped and
-    /// their host clusters freed; only ranges the image allocates are visited.
+    /// their host clusters freed. Where QEMU's `qcow2_make_empty` resets the whole image
+    /// (version 3, no snapshots, bitmaps or data file) so does this, leaving the same four
+    /// clusters; otherwise only ranges the image allocates are visited.
     pub async fn make_empty(&self) -> Result<()> {
+        self.inner.check_writable()?;
+        {
+            let _all = self.inner.locks.lock(0, u64::MAX, true).await;
+            let mut m = self.inner.meta.lock().await;
+            self.inner.ensure_open(&m)?;
+            if self.inner.empty_completely(&mut m).await? {
+                return Ok(());
+            }
+        }
         let size = self.size();
         if size == 0 {
             return Ok(());
