@@ -1436,6 +1436,34 @@ fn image_files_hold_what_qemus_hold() {
         ("qemu-img", &["check", "r.qcow2"]),
         ("qemu-img", &["resize", "--shrink", "r.qcow2", "512M"]),
         ("qemu-img", &["check", "r.qcow2"]),
+        // Persistent bitmaps move at every read-write close as QEMU moves them: new data
+        // clusters, tables and directory, the old ones freed after (data punched, tables and
+        // directory kept); a removed bitmap leaves through a directory of its own.
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "b.qcow2", "1M"],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "b.qcow2"]),
+        ("qemu-img", &["bitmap", "--add", "b.qcow2", "b0"]),
+        ("qemu-io", &["-c", "write -P 2 128k 64k", "b.qcow2"]),
+        ("qemu-img", &["check", "b.qcow2"]),
+        ("qemu-img", &["bitmap", "--disable", "b.qcow2", "b0"]),
+        (
+            "qemu-img",
+            &["bitmap", "--add", "-g", "128k", "b.qcow2", "b1"],
+        ),
+        ("qemu-io", &["-c", "write -P 3 256k 64k", "b.qcow2"]),
+        ("qemu-img", &["bitmap", "--remove", "b.qcow2", "b0"]),
+        ("qemu-img", &["check", "b.qcow2"]),
+        ("qemu-img", &["info", "b.qcow2"]),
+        // A writer killed leaves its bitmaps in use, as QEMU's does (qimg's own default,
+        // crash-consistent bitmaps, is for the library and `qimg` itself).
+        ("qemu-img", &["bitmap", "--add", "b.qcow2", "k"]),
+        (
+            "qemu-io",
+            &["-c", "write -P 1 0 64k", "-c", "sigraise 9", "b.qcow2"],
+        ),
+        ("qemu-img", &["info", "b.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], &[], steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");

@@ -144,8 +144,12 @@ pub fn options_for(path: &Path) -> OpenOptions {
         // As QEMU's tools: a new cluster holds only what was written (the rest stays a hole
         // of the file), so the file has QEMU's length and allocation, which `qemu-img info`
         // and QEMU's metadata-preallocation heuristic (`map`) read. qimg's own default
-        // reserves whole clusters ahead, for speed.
-        o = o.allocation(qimg::Allocation::Sparse);
+        // reserves whole clusters ahead, for speed. Bitmaps are QEMU's too: `in_use` on disk
+        // from the open to the close (a killed writer leaves them inconsistent, as QEMU's
+        // does) instead of qimg's crash-consistent bitmaps, which write bits as they go.
+        o = o
+            .allocation(qimg::Allocation::Sparse)
+            .crash_consistent_bitmaps(false);
     }
     if let Some(ov) = path.to_str().and_then(overrides) {
         if ov.no_backing {

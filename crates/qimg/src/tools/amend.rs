@@ -287,7 +287,11 @@ async fn expand(img: &Image<crate::io::AnyStorage>) -> Result<()> {
 /// Replaces the refcount structure with one of width `1 << order`, computed from every
 /// reference in the image and placed past its end; then switches the header.
 async fn change_refcount_width(path: &Path, order: u32) -> Result<()> {
-    let img = open(path).await?;
+    // A read-write open and close first (a dirty image repaired, the bitmaps stored: a
+    // close moves them to new clusters, as QEMU's does); the plan is then made on a
+    // read-only open, whose close writes nothing the plan did not count.
+    open(path).await?.close().await?;
+    let img = OpenOptions::new().clean_timer(false).open(path).await?;
     let planned = plan_refcounts(&img, order).await;
     img.close().await?;
     let (blocks, table, table_at, table_clusters) = planned?;

@@ -236,146 +236,144 @@ impl<S: Storage> Inner<S> {
         self.write_guarded(m, at, bytes, own).await
     }
 
-    /// Stores the bitmaps (close): each one's data clusters (an all-clear cluster needs none)
-    /// and table, durable, then the directory with `in_use` cleared (in place, or, when
-    /// bitmaps were added or removed, a new directory the header then points at, or no
-    /// extension at all when none is left); then frees what the old tables and directory
-    /// held and the new ones do not. Inconsistent bitmaps are left as they are.
+    /// Stores the bitmaps (close), as QEMU's `qcow2_store_persistent_dirty_bitmaps` lays
+    /// them out: bitmaps removed since the open leave first (a new directory without them,
+    /// as `qemu-img bitmap --remove` writes at once, then their clusters are freed); then
+    /// each consistent bitmap, in directory order, gets new clusters for the data clusters
+    /// that are not all clear and a new table (its exact bytes), then a new directory
+    /// (`in_use` cleared) that the header names once all of it and its refcounts are
+    /// durable; the old directory, tables and data clusters are freed last. A crash before
+    /// the header switch leaves the old directory (bitmaps in use); after it, leaked
+    /// clusters at worst. Inconsistent bitmaps are left as they are.
     pub(crate) async fn store_bitmaps(&self, m: &mut Meta) -> Result<()> {
         let cs = self.geo.cluster_size();
-        let (old_dir, mut list, removed, reshaped) = {
+        let (mut old_dir, mut list, removed) = {
             let mut state = self.bitmaps.write();
             if state.read_only || (state.directory.is_none() && !state.reshaped) {
                 return Ok(());
             }
+            state.reshaped = false;
             (
                 state.directory,
                 std::mem::take(&mut state.list),
                 std::mem::take(&mut state.removed),
-                std::mem::replace(&mut state.reshaped, false),
             )
         };
         self.bitmaps.recording.store(false, Ordering::Release);
-        let changed = self.bitmaps.changed.swap(false, Ordering::AcqRel);
-        let mut to_free: Vec<(u64, u64)> = Vec::new();
-        for gone in &removed {
-            if gone.table_offset == 0 || gone.table_size == 0 {
-                continue;
+        self.bitmaps.changed.store(false, Ordering::Release);
+        if !removed.is_empty() {
+            // The directory without them, the bitmaps still there as on disk (in use).
+            let entries: Vec<BitmapEntry> = list
+                .iter()
+                .map(|b| b.entry.clone())
+                .filter(|e| !removed.iter().any(|r| r.name == e.name))
+                .collect();
+            let mut on_disk: Vec<BitmapEntry> = self.bitmaps.read().disk.clone();
+            on_disk.retain(|e| entries.iter().any(|k| k.name == e.name));
+            old_dir = self.switch_directory(m, old_dir, &on_disk).await?;
+            for gone in &removed {
+                self.free_bitmap_table(m, gone.table_offset, gone.table_size)
+                    .await?;
             }
-            let n = u64::from(gone.table_size);
-            for e in self.read_bitmap_table(gone.table_offset, n).await? {
-                if let TableEntry::Data(o) = e {
-                    to_free.push((o, 1));
-                }
-            }
-            to_free.push((gone.table_offset, (n * 8).div_ceil(cs)));
+            // Their clusters free for the bitmaps stored next, as after QEMU's removal.
+            self.flush_meta(m).await?;
         }
         let mut data = vec![0u8; cs as usize];
-        let mut in_place: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut dropped: Vec<(u64, Vec<TableEntry>, u64)> = Vec::new();
         for b in list.iter_mut().filter(|b| !b.inconsistent) {
-            if !changed && b.entry.table_offset != 0 {
-                // As loaded: only `in_use` goes.
-                b.entry.flags &= !FLAG_IN_USE;
-                continue;
-            }
             let n = bitmap::table_entries(b.bits, cs) as usize;
             let words: Vec<u64> = b.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
             let mut table = Vec::with_capacity(n);
             for t in 0..n {
                 bitmap::words_to_bytes(&words, t * cs as usize, &mut data);
-                let old = b.table.get(t).copied().unwrap_or(TableEntry::Zeros);
                 if data.iter().all(|&x| x == 0) {
-                    if let TableEntry::Data(o) = old {
-                        to_free.push((o, 1));
-                    }
                     table.push(TableEntry::Zeros);
                     continue;
                 }
-                let at = match old {
-                    TableEntry::Data(o) => o,
-                    _ => self.alloc_clusters(m, 1).await?,
-                };
+                let at = self.alloc_clusters(m, 1).await?;
                 self.write_guarded(m, at, &data, Writing::Data).await?;
                 table.push(TableEntry::Data(at));
             }
-            for old in b.table.iter().skip(n) {
-                if let TableEntry::Data(o) = *old {
-                    to_free.push((o, 1));
-                }
-            }
             let bytes = bitmap::encode_table(&table);
-            let clusters = (bytes.len() as u64).div_ceil(cs).max(1);
-            let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs).max(1);
-            let table_at = if b.entry.table_offset != 0 && clusters == old_clusters {
-                // The directory on disk names this table: rewritten only once the
-                // refcounts of the data clusters it now names are durable.
-                in_place.push((b.entry.table_offset, bytes));
-                b.entry.table_offset
-            } else {
-                if b.entry.table_offset != 0 {
-                    to_free.push((b.entry.table_offset, old_clusters));
-                }
-                let at = self.alloc_clusters(m, clusters).await?;
-                self.write_guarded(m, at, &bytes, Writing::Data).await?;
-                at
-            };
-            b.entry.table_offset = table_at;
+            let at = self
+                .alloc_clusters(m, (bytes.len() as u64).div_ceil(cs).max(1))
+                .await?;
+            self.write_guarded(m, at, &bytes, Writing::Data).await?;
+            if b.entry.table_offset != 0 {
+                let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs).max(1);
+                let old = std::mem::take(&mut b.table);
+                dropped.push((b.entry.table_offset, old, old_clusters));
+            }
+            b.entry.table_offset = at;
             b.entry.table_size = n as u32;
             b.entry.flags &= !FLAG_IN_USE;
             b.table = table;
         }
         let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
-        let dir = bitmap::encode_directory(&entries);
-        let new_dir = match (old_dir, reshaped) {
-            (Some((at, len)), false) if len == dir.len() as u64 => Some((at, len)),
-            _ if entries.is_empty() => None,
-            _ => {
-                let at = self
-                    .alloc_clusters(m, (dir.len() as u64).div_ceil(cs))
-                    .await?;
-                Some((at, dir.len() as u64))
-            }
-        };
-        // Data, new tables, a new directory and their refcounts durable before anything on
-        // disk names them: tables rewritten in place, then (durable too) the directory in
-        // place or the header. A crash in between leaves the bitmaps in use.
-        if let Some((at, len)) = new_dir {
-            if Some((at, len)) != old_dir {
-                self.write_guarded(m, at, &dir, Writing::Data).await?;
-            }
-        }
-        self.flush_meta(m).await?;
-        if !in_place.is_empty() {
-            for (at, bytes) in &in_place {
-                self.write_guarded(m, *at, bytes, Writing::Data).await?;
-            }
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        }
-        match new_dir {
-            Some(d) if Some(d) == old_dir => {
-                self.write_directory(m, d.0, &dir).await?;
-                self.file.flush().await.map_err(|e| self.storage_error(e))?;
-            }
-            _ => {
-                self.point_header_at_directory(new_dir, entries.len() as u32)
-                    .await?;
-                if let Some((at, len)) = old_dir {
-                    m.overlap.remove(Region::BitmapDirectory, at);
-                    to_free.push((at, len.div_ceil(cs)));
-                }
-                if let Some((at, len)) = new_dir {
-                    m.overlap.insert(Region::BitmapDirectory, at, len);
+        let new_dir = self.switch_directory(m, old_dir, &entries).await?;
+        for (at, table, clusters) in dropped {
+            for e in table {
+                if let TableEntry::Data(o) = e {
+                    self.free_clusters(m, o, 1).await?;
                 }
             }
-        }
-        for (at, n) in to_free {
-            self.free_clusters(m, at, n).await?;
+            self.free_clusters_as(m, at, clusters, false).await?;
         }
         let mut state = self.bitmaps.write();
-        state.disk = list.iter().map(|b| b.entry.clone()).collect();
+        state.disk = entries;
         state.list = list;
         state.directory = new_dir;
         Ok(())
+    }
+
+    /// QEMU's `update_ext_header_and_dir`: a new directory of `entries` (none: no extension),
+    /// durable with every refcount before the header names it; then the old one is freed.
+    async fn switch_directory(
+        &self,
+        m: &mut Meta,
+        old_dir: Option<(u64, u64)>,
+        entries: &[BitmapEntry],
+    ) -> Result<Option<(u64, u64)>> {
+        let cs = self.geo.cluster_size();
+        let new_dir = if entries.is_empty() {
+            None
+        } else {
+            let dir = bitmap::encode_directory(entries);
+            let at = self
+                .alloc_clusters(m, (dir.len() as u64).div_ceil(cs))
+                .await?;
+            self.write_guarded(m, at, &dir, Writing::Data).await?;
+            Some((at, dir.len() as u64))
+        };
+        self.flush_meta(m).await?;
+        self.point_header_at_directory(new_dir, entries.len() as u32)
+            .await?;
+        if let Some((at, len)) = old_dir {
+            m.overlap.remove(Region::BitmapDirectory, at);
+            self.free_clusters_as(m, at, len.div_ceil(cs), false)
+                .await?;
+        }
+        if let Some((at, len)) = new_dir {
+            m.overlap.insert(Region::BitmapDirectory, at, len);
+        }
+        Ok(new_dir)
+    }
+
+    /// Frees a bitmap table of `entries` entries at `at` read from disk, and the data
+    /// clusters it names (QEMU's `free_bitmap_clusters`: the data clusters punched, the
+    /// table's bytes kept).
+    async fn free_bitmap_table(&self, m: &mut Meta, at: u64, entries: u32) -> Result<()> {
+        if at == 0 || entries == 0 {
+            return Ok(());
+        }
+        let n = u64::from(entries);
+        for e in self.read_bitmap_table(at, n).await? {
+            if let TableEntry::Data(o) = e {
+                self.free_clusters(m, o, 1).await?;
+            }
+        }
+        let clusters = (n * 8).div_ceil(self.geo.cluster_size());
+        self.free_clusters_as(m, at, clusters, false).await
     }
 
     /// Rewrites the header cluster so that its bitmaps extension names the directory at

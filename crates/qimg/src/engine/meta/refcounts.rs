@@ -275,6 +275,20 @@ impl<S: Storage> Shared<S> {
     /// Drops one reference to each of `n` clusters from `offset`; clusters reaching zero are
     /// dropped from the caches and queued for punching.
     pub(crate) async fn free_clusters(&self, m: &mut Meta, offset: u64, n: u64) -> Result<()> {
+        self.free_clusters_as(m, offset, n, true).await
+    }
+
+    /// [`free_clusters`](Self::free_clusters), punching the clusters that reach zero only
+    /// when `punch`: QEMU passes a discard down for data, snapshot and bitmap clusters, and
+    /// keeps the bytes of the metadata it moves (an old L1 table, a bitmap directory: its
+    /// `discard-other` is off), so `disk size` counts them as QEMU's does.
+    pub(crate) async fn free_clusters_as(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        n: u64,
+        punch: bool,
+    ) -> Result<()> {
         let cs = self.geo.cluster_size();
         let first = offset / cs;
         for c in first..first + n {
@@ -286,7 +300,9 @@ impl<S: Storage> Shared<S> {
                 m.free_hint = m.free_hint.min(c);
                 let _ = m.l2.remove(c * cs);
                 let _ = m.rc.remove(c * cs);
-                m.pending_punch.insert(c);
+                if punch {
+                    m.pending_punch.insert(c);
+                }
             }
         }
         if m.pending_punch.len() > MAX_PENDING_PUNCHES {

@@ -173,7 +173,8 @@ impl<S: Storage> Shared<S> {
         m.overlap
             .insert(Region::ActiveL1, at, l1::table_bytes(entries));
         if old_clusters > 0 && old_at != 0 {
-            self.free_clusters(m, old_at, old_clusters).await?;
+            self.free_clusters_as(m, old_at, old_clusters, false)
+                .await?;
         }
         Ok(())
     }
