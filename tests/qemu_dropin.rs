@@ -1456,6 +1456,26 @@ fn image_files_hold_what_qemus_hold() {
         ("qemu-img", &["bitmap", "--remove", "b.qcow2", "b0"]),
         ("qemu-img", &["check", "b.qcow2"]),
         ("qemu-img", &["info", "b.qcow2"]),
+        // `convert` leaves zero runs of `-S` bytes out and a new subcluster holds what was
+        // written (the rest a hole of the file, as QEMU zeroes it).
+        (
+            "qemu-io",
+            &["-c", "write -P 2 3M 4k", "-c", "write -z 1M 1M", "e.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-O",
+                "qcow2",
+                "-o",
+                "cluster_size=2M,extended_l2=on",
+                "e.qcow2",
+                "c.qcow2",
+            ],
+        ),
+        ("qemu-img", &["map", "--output=json", "c.qcow2"]),
+        ("qemu-img", &["check", "c.qcow2"]),
         // A writer killed leaves its bitmaps in use, as QEMU's does (qimg's own default,
         // crash-consistent bitmaps, is for the library and `qimg` itself).
         ("qemu-img", &["bitmap", "--add", "b.qcow2", "k"]),

@@ -212,7 +212,7 @@ fn run(args: BitmapArgs) -> Result<()> {
                 format!("Can't store persistent bitmaps to '{file}': Operation not supported"),
             ));
         }
-        let img = OpenOptions::new()
+        let img = crate::image_spec::options_for(std::path::Path::new(file))
             .writable(true)
             .clean_timer(false)
             .open(file)

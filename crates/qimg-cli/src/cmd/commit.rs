@@ -12,8 +12,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
+use qimg::Image;
 use qimg::chain::{ImageFormat, probe_format};
-use qimg::{Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
@@ -168,7 +168,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
     if base.raw {
         copy_to_raw(top, &base.path, &base_name, size, &ranges, &mut progress).await?;
     } else {
-        let b = OpenOptions::new()
+        let b = crate::image_spec::options_for(&base.path)
             .writable(true)
             .clean_timer(false)
             .open(&base.path)

@@ -184,7 +184,7 @@ pub fn run(a: DdArgs) -> Result<()> {
     let mut out_pos = 0u64;
     let out_img = match out_fmt {
         ImageFormat::Qcow2 => Some(
-            OpenOptions::new()
+            crate::image_spec::options_for(out_path)
                 .writable(true)
                 .clean_timer(false)
                 .open_blocking(out_path)

@@ -187,7 +187,8 @@ fn execute(settings: Settings) -> Result<()> {
 
         let (zero_unit, compress_cluster) = match &target.out {
             OutputImage::Qcow2(img) if settings.compress => (sparse, img.cluster_size()),
-            OutputImage::Qcow2(img) if sparse > 0 => (img.subcluster_size(), 0),
+            // Zero runs of `-S` bytes stay out, as qemu-img's: a new (sub)cluster gets what
+            // was written and the engine zeroes the rest of it as QEMU's does.
             _ => (sparse, 0),
         };
         let plan = Plan {

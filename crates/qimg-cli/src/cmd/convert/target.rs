@@ -6,11 +6,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Result, anyhow, bail};
+use qimg::Image;
 use qimg::chain::ImageFormat;
 use qimg::io::{
     AllocateOutcome, AnyStorage, Backend, DiscardOutcome, Storage, StorageError, ZeroOutcome,
 };
-use qimg::{Image, OpenOptions};
 
 use crate::cache_mode::CacheMode;
 use crate::chain::raw_virtual_size;
@@ -313,7 +313,7 @@ pub(super) async fn open_target(
     }
     let out = match fmt {
         ImageFormat::Qcow2 => {
-            let o = OpenOptions::new()
+            let o = crate::image_spec::options_for(path)
                 .writable(true)
                 .direct(cache.direct)
                 .clean_timer(false);
