@@ -1286,6 +1286,46 @@ fn qemu_io_help_and_discard_modes_as_qemu_io() {
                 "d.qcow2",
             ],
         ),
+        // Every command's long help, as qemu-io prints it.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "help aio_read",
+                "-c",
+                "help aio_write",
+                "-c",
+                "help discard",
+                "-c",
+                "help open",
+                "-c",
+                "help read",
+                "-c",
+                "help readv",
+                "-c",
+                "help reopen",
+                "-c",
+                "help sigraise",
+                "-c",
+                "help write",
+                "-c",
+                "help writev",
+                "d.qcow2",
+            ],
+        ),
+        // `-i` counts an invalid request and stops there.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "aio_read -i 0 512",
+                "-c",
+                "aio_write -i -P 1 0 x",
+                "-c",
+                "read -P 0 0 512",
+                "d.qcow2",
+            ],
+        ),
         (
             "qemu-io",
             &[

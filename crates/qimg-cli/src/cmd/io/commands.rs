@@ -428,6 +428,9 @@ fn help(args: &[String]) -> Outcome {
         {
             Some(c) => {
                 outln!("{}", usage_line(c));
+                if let Some(text) = super::help::long_help(c.name) {
+                    out!("{text}");
+                }
                 Ok(())
             }
             None => {
@@ -566,18 +569,26 @@ fn vector_operands(o: &Opts) -> Result<(u64, Vec<u64>), Failed> {
     Ok((offset, lens))
 }
 
+/// `-i` of `aio_read`/`aio_write`: qemu-io counts an invalid request and stops there.
+fn invalid_request(o: &Opts, what: &str) -> bool {
+    if o.has('i') {
+        outln!("injecting invalid {what} request");
+    }
+    o.has('i')
+}
+
 /// `readv` and `aio_read` (`aio`: failures are reported but do not fail the command).
 async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
     let spec = if aio { "CiP:qrv" } else { "CP:qrv" };
     let o = options(name, args, spec)?;
+    if invalid_request(&o, "read") {
+        return Ok(());
+    }
     let pat = pattern(&o)?;
     if o.operands.len() < 2 {
         return usage(name);
     }
     let (offset, lens) = vector_operands(&o)?;
-    if o.has('i') {
-        return Ok(());
-    }
     let total: u64 = lens.iter().sum();
     // The aio path answers with the message of qemu-io's vectored read.
     let failed = |e| {
@@ -710,6 +721,9 @@ fn pattern_file(file: &str, count: u64) -> Result<Vec<u8>, Failed> {
 async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
     let spec = if aio { "CfiP:qruz" } else { "CfP:qr" };
     let o = options(name, args, spec)?;
+    if invalid_request(&o, "write") {
+        return Ok(());
+    }
     let pat = pattern(&o)?;
     if o.operands.len() < 2 {
         return usage(name);
@@ -724,9 +738,6 @@ async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outc
         return Err(Failed);
     }
     let (offset, lens) = vector_operands(&o)?;
-    if o.has('i') {
-        return Ok(());
-    }
     let total: u64 = lens.iter().sum();
     let fua = o.has('f');
     if let Err(e) = s.check_request(offset, total) {

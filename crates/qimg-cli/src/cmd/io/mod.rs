@@ -21,6 +21,7 @@ macro_rules! complain {
 }
 
 mod commands;
+mod help;
 mod out;
 mod parse;
 mod session;
