@@ -1555,3 +1555,127 @@ fn image_files_hold_what_qemus_hold() {
         );
     }
 }
+
+#[test]
+fn breakpoints_hold_requests_as_qemu_ios_blkdebug() {
+    if !have_qemu("breakpoints_hold_requests_as_qemu_ios_blkdebug") {
+        return;
+    }
+    let s = Scratch::new("breakpoints");
+    let ours = Ours::new(&s);
+    let files = [("b.cfg", "")];
+    let prepare: Prep = &[(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "t.qcow2", "1M"],
+    )];
+    let image = "blkdebug:b.cfg:t.qcow2";
+    let steps: Prep = &[
+        // A request stops at its breakpoint and goes on when resumed.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "break write_aio A",
+                "-c",
+                "aio_write -P 1 0 4k",
+                "-c",
+                "wait_break A",
+                "-c",
+                "resume A",
+                "-c",
+                "aio_flush",
+                "-c",
+                "read -P 1 0 4k",
+                image,
+            ],
+        ),
+        // Refusals, and a breakpoint removed before any request reaches it.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "break nosuch A",
+                "-c",
+                "resume B",
+                "-c",
+                "remove_break B",
+                "-c",
+                "break write_aio A",
+                "-c",
+                "remove_break A",
+                "-c",
+                "aio_write -P 2 0 4k",
+                "-c",
+                "aio_flush",
+                image,
+            ],
+        ),
+        // A request held at its allocation while another allocates.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "break cluster_alloc A",
+                "-c",
+                "aio_write -P 3 128k 4k",
+                "-c",
+                "wait_break A",
+                "-c",
+                "aio_write -P 4 192k 4k",
+                "-c",
+                "resume A",
+                "-c",
+                "aio_flush",
+                "-c",
+                "read -P 3 128k 4k",
+                "-c",
+                "read -P 4 192k 4k",
+                image,
+            ],
+        ),
+        // remove_break resumes the request but reports that no breakpoint was left.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "break write_aio A",
+                "-c",
+                "aio_write -P 5 0 4k",
+                "-c",
+                "wait_break A",
+                "-c",
+                "remove_break A",
+                "-c",
+                "aio_flush",
+                "-c",
+                "read -P 5 0 4k",
+                image,
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "break read_aio A",
+                "-c",
+                "aio_read -P 5 0 4k",
+                "-c",
+                "wait_break A",
+                "-c",
+                "resume A",
+                "-c",
+                "aio_flush",
+                image,
+            ],
+        ),
+        ("qemu-img", &["check", "t.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &files, prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert_eq!(
+        outs[0].matches("Suspended request 'A'").count(),
+        4,
+        "{}",
+        outs[0]
+    );
+}

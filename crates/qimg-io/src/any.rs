@@ -69,7 +69,7 @@ impl AnyStorage {
                 return Ok(Self::Nbd(NbdStorage::shared(name, writable)?));
             }
         }
-        if let Some(config) = crate::blkdebug::attached(path.as_ref()) {
+        if let Some((config, breaks)) = crate::blkdebug::attached(path.as_ref()) {
             // Error injection over the file, always on the thread backend (QEMU's blkdebug
             // sits over its file node whatever its aio mode).
             let s = FileOptions::new()
@@ -77,12 +77,13 @@ impl AnyStorage {
                 .direct(direct)
                 .open(path)?;
             return Ok(if direct {
-                Self::BlkdebugDirect(Box::new(BlkdebugStorage::new(
-                    BounceStorage::new(s),
-                    config,
-                )))
+                Self::BlkdebugDirect(Box::new(
+                    BlkdebugStorage::new(BounceStorage::new(s), config).with_breakpoints(breaks),
+                ))
             } else {
-                Self::Blkdebug(Box::new(BlkdebugStorage::new(s, config)))
+                Self::Blkdebug(Box::new(
+                    BlkdebugStorage::new(s, config).with_breakpoints(breaks),
+                ))
             });
         }
         match backend {

@@ -223,8 +223,14 @@ impl<S: Storage + 'static> Image<S> {
     /// last call, each once: the repair of a dirty image at a read-write open (lazy refcounts
     /// after a crash), and the moment the image was marked corrupt (`qcow2: Marking image as
     /// corrupt: ...`). Empty when nothing happened. `qimg io` prints them as qemu-io does.
+    ///
+    /// Never waits: while a request holds the metadata (one stopped at a `blkdebug`
+    /// breakpoint, say) the messages stay for a later call.
     pub async fn take_messages(&self) -> Vec<String> {
-        std::mem::take(&mut self.inner.meta.lock().await.messages)
+        match self.inner.meta.try_lock() {
+            Ok(mut m) => std::mem::take(&mut m.messages),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Grows the virtual disk to `new_size` bytes (shrinking is refused).

@@ -381,15 +381,20 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "reopen" => reopen(s, args).await,
         "abort" => std::process::abort(),
         "sigraise" => sigraise(args),
-        "break" | "remove_break" | "resume" | "wait_break" => breakpoint(c.name, args),
+        "break" | "remove_break" | "resume" | "wait_break" => {
+            super::aio::breakpoint(s, c.name, args).await
+        }
         "close" => s.close().await,
         "read" => read(s, args).await,
         "readv" => readv(s, "readv", args, false).await,
-        "aio_read" => readv(s, "aio_read", args, true).await,
+        "aio_read" => super::aio::submit(s, "aio_read", args).await,
         "write" => write(s, args).await,
         "writev" => writev(s, "writev", args, false).await,
-        "aio_write" => writev(s, "aio_write", args, true).await,
-        "aio_flush" => Ok(()),
+        "aio_write" => super::aio::submit(s, "aio_write", args).await,
+        "aio_flush" => {
+            s.drain().await;
+            Ok(())
+        }
         "discard" => discard(s, args).await,
         "flush" => flush(s).await,
         "alloc" => alloc(s, args).await,
@@ -578,7 +583,7 @@ fn invalid_request(o: &Opts, what: &str) -> bool {
 }
 
 /// `readv` and `aio_read` (`aio`: failures are reported but do not fail the command).
-async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
+pub(super) async fn readv(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
     let spec = if aio { "CiP:qrv" } else { "CP:qrv" };
     let o = options(name, args, spec)?;
     if invalid_request(&o, "read") {
@@ -718,7 +723,7 @@ fn pattern_file(file: &str, count: u64) -> Result<Vec<u8>, Failed> {
 }
 
 /// `writev` and `aio_write` (`aio`: failures are reported but do not fail the command).
-async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
+pub(super) async fn writev(s: &mut Session, name: &str, args: &[String], aio: bool) -> Outcome {
     let spec = if aio { "CfiP:qruz" } else { "CfP:qr" };
     let o = options(name, args, spec)?;
     if invalid_request(&o, "write") {
@@ -1079,31 +1084,8 @@ async fn reopen(s: &mut Session, args: &[String]) -> Outcome {
     if o.has('w') {
         spec.read_only = false;
     }
-    s.close().await?;
+    s.close_keeping_breakpoints().await?;
     s.open(&file, &spec).await
-}
-
-/// `break`, `remove_break`, `resume`, `wait_break`: qimg's error injection
-/// (`blkdebug:`) fails requests but does not suspend them, so there is no breakpoint to set,
-/// remove or wait for. The refusals are qemu-io's for an image without blkdebug (where
-/// QEMU's `wait_break` waits for ever; this one says so and goes on).
-fn breakpoint(name: &str, args: &[String]) -> Outcome {
-    let why = strerror(libc_enotsup());
-    match name {
-        "break" => outln!("Could not set breakpoint: {why}"),
-        "remove_break" => outln!("Could not remove breakpoint {}: {why}", args[0]),
-        "resume" => outln!("Could not resume request: {why}"),
-        _ => outln!(
-            "Could not wait for a request suspended at {}: {why}",
-            args[0]
-        ),
-    }
-    Err(Failed)
-}
-
-/// `EOPNOTSUPP` (95 on Linux).
-fn libc_enotsup() -> i32 {
-    nix::errno::Errno::EOPNOTSUPP as i32
 }
 
 /// `sigraise SIGNAL`: the process raises the signal; one whose default action ends the

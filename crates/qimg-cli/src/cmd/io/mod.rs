@@ -20,6 +20,7 @@ macro_rules! complain {
     }};
 }
 
+mod aio;
 mod commands;
 mod help;
 mod out;
@@ -100,7 +101,11 @@ pub fn run(args: IoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let ok = rt.block_on(async {
+    // What QEMU's blkdebug prints when a request stops at a breakpoint, in the output.
+    qimg::io::blkdebug::set_reporter(|line| outln!("{line}"));
+    // The session's tasks (qemu-io's asynchronous requests) run on this thread.
+    let local = tokio::task::LocalSet::new();
+    let ok = local.block_on(&rt, async {
         let mut s = Session::new();
         if let Some(file) = &args.file {
             if s.open(file, &spec).await.is_err() {

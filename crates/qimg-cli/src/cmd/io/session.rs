@@ -235,7 +235,7 @@ pub struct Session {
     /// The qcow2 image, when one is open.
     pub img: Option<Image<AnyStorage>>,
     /// The raw image, when one is open.
-    pub raw: Option<RawFile>,
+    pub raw: Option<std::rc::Rc<RawFile>>,
     /// The cache mode it was opened with.
     pub cache: CacheMode,
     /// Whether it was opened read-only.
@@ -250,6 +250,9 @@ pub struct Session {
     pub copy_on_read: bool,
     /// Discards ignored (`-d ignore`).
     pub discard_ignored: bool,
+    /// `aio_read`/`aio_write` requests in flight, each answering whether its command line
+    /// was good (see [`Session::drain`]).
+    pub aio: Vec<tokio::task::JoinHandle<bool>>,
 }
 
 impl Session {
@@ -265,6 +268,35 @@ impl Session {
             opened: None,
             copy_on_read: false,
             discard_ignored: false,
+            aio: Vec::new(),
+        }
+    }
+
+    /// A session on the same open image, for one asynchronous request to run on by itself
+    /// (qemu-io's `aio_read`/`aio_write`).
+    pub fn for_request(&self) -> Session {
+        Session {
+            img: self.img.clone(),
+            raw: self.raw.clone(),
+            cache: self.cache,
+            read_only: self.read_only,
+            version: self.version,
+            failed: false,
+            opened: None,
+            copy_on_read: self.copy_on_read,
+            discard_ignored: self.discard_ignored,
+            aio: Vec::new(),
+        }
+    }
+
+    /// Waits until every asynchronous request has completed (qemu-io's `aio_flush`, and what
+    /// closing the image or ending the run does first); one whose command line was bad
+    /// fails the run, as it would have failed its command.
+    pub async fn drain(&mut self) {
+        for request in std::mem::take(&mut self.aio) {
+            if !request.await.unwrap_or(false) {
+                self.failed = true;
+            }
         }
     }
 
@@ -396,10 +428,10 @@ impl Session {
         };
         storage.lock_image(lock)?;
         let len = storage.len().await?;
-        self.raw = Some(RawFile {
+        self.raw = Some(std::rc::Rc::new(RawFile {
             storage,
             len: std::cell::Cell::new(len),
-        });
+        }));
         self.cache = spec.cache;
         self.read_only = spec.read_only;
         Ok(())
@@ -420,6 +452,17 @@ impl Session {
 
     /// Closes the image (writing back its caches).
     pub async fn close(&mut self) -> Outcome {
+        // The blkdebug node's breakpoints go with the image; a request stopped at one goes
+        // on (QEMU's close would wait for it for ever).
+        if let Some(bp) = qimg::io::blkdebug::attached_breakpoints() {
+            bp.release_all();
+        }
+        self.close_keeping_breakpoints().await
+    }
+
+    /// [`close`](Self::close) for a reopen: the blkdebug node, and its breakpoints, stay.
+    pub async fn close_keeping_breakpoints(&mut self) -> Outcome {
+        self.drain().await;
         if let Some(r) = self.raw.take() {
             r.storage.unlock_image();
         }

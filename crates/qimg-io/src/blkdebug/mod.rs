@@ -27,8 +27,11 @@
 
 use std::io::{self, IoSlice};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+mod breakpoints;
+pub use breakpoints::{Breakpoints, NoSuchBreakpoint, set_reporter};
 
 use crate::error::{Op, Result, StorageError};
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
@@ -374,7 +377,7 @@ fn libc_eio() -> i32 {
 }
 
 /// Files opened through [`AnyStorage::open`](crate::AnyStorage::open) with blkdebug rules.
-static ATTACHED: Mutex<Vec<(PathBuf, BlkdebugConfig)>> = Mutex::new(Vec::new());
+static ATTACHED: Mutex<Vec<(PathBuf, BlkdebugConfig, Arc<Breakpoints>)>> = Mutex::new(Vec::new());
 
 /// Makes every later [`AnyStorage::open`](crate::AnyStorage::open) of `path` in this process
 /// wrap the file in a [`BlkdebugStorage`] with `config`'s rules (each open starting from the
@@ -384,14 +387,23 @@ static ATTACHED: Mutex<Vec<(PathBuf, BlkdebugConfig)>> = Mutex::new(Vec::new());
 pub fn attach(path: impl Into<PathBuf>, config: BlkdebugConfig) {
     let mut all = ATTACHED.lock().unwrap_or_else(|p| p.into_inner());
     let path = path.into();
-    all.retain(|(p, _)| *p != path);
-    all.push((path, config));
+    all.retain(|(p, ..)| *p != path);
+    all.push((path, config, Arc::default()));
 }
 
-/// The rules [`attach`] gave `path`.
-pub(crate) fn attached(path: &Path) -> Option<BlkdebugConfig> {
+/// The rules [`attach`] gave `path`, and its node's breakpoints.
+pub(crate) fn attached(path: &Path) -> Option<(BlkdebugConfig, Arc<Breakpoints>)> {
     let all = ATTACHED.lock().unwrap_or_else(|p| p.into_inner());
-    all.iter().find(|(p, _)| p == path).map(|(_, c)| c.clone())
+    all.iter()
+        .find(|(p, ..)| p == path)
+        .map(|(_, c, b)| (c.clone(), b.clone()))
+}
+
+/// The breakpoints of the first node [`attach`] made (what qemu-io's `break` finds first),
+/// or `None` when there is no `blkdebug` node.
+pub fn attached_breakpoints() -> Option<Arc<Breakpoints>> {
+    let all = ATTACHED.lock().unwrap_or_else(|p| p.into_inner());
+    all.first().map(|(.., b)| b.clone())
 }
 
 /// The live state of a node: the rules left, the active ones, the state number.
@@ -416,6 +428,9 @@ pub struct BlkdebugStorage<S> {
     /// not reach the storage (nor the rules).
     written: AtomicU64,
     flushed: AtomicU64,
+    breaks: Arc<Breakpoints>,
+    /// The tag of the breakpoint the last event hit: the next request stops under it.
+    stop_next: Mutex<Option<String>>,
 }
 
 impl<S: Storage> BlkdebugStorage<S> {
@@ -431,6 +446,31 @@ impl<S: Storage> BlkdebugStorage<S> {
             }),
             written: AtomicU64::new(0),
             flushed: AtomicU64::new(0),
+            breaks: Arc::default(),
+            stop_next: Mutex::new(None),
+        }
+    }
+
+    /// Shares `breaks` (the breakpoints of the node this storage is an open of).
+    pub fn with_breakpoints(mut self, breaks: Arc<Breakpoints>) -> Self {
+        self.breaks = breaks;
+        self
+    }
+
+    /// The breakpoints requests stop at.
+    pub fn breakpoints(&self) -> &Arc<Breakpoints> {
+        &self.breaks
+    }
+
+    /// Stops this request if the event before it hit a breakpoint, until it is resumed.
+    async fn stop_if_hit(&self) {
+        let tag = self
+            .stop_next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(tag) = tag {
+            self.breaks.suspend(tag).await;
         }
     }
 
@@ -510,17 +550,23 @@ impl<S: Storage> BlkdebugStorage<S> {
             }
         }
         r.state = new_state;
+        drop(r);
+        if let Some(tag) = self.breaks.hit(event) {
+            *self.stop_next.lock().unwrap_or_else(|p| p.into_inner()) = Some(tag);
+        }
     }
 }
 
 impl<S: Storage> Storage for BlkdebugStorage<S> {
     async fn read_at_most(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.stop_if_hit().await;
         self.check(Op::Read, IoType::Read, offset, buf.len() as u64)?;
         self.inner.read_at_most(buf, offset).await
     }
 
     async fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.event(DebugEvent::Pwritev);
+        self.stop_if_hit().await;
         self.check(Op::Write, IoType::Write, offset, buf.len() as u64)?;
         self.inner.write_at(buf, offset).await?;
         self.modifies();
@@ -531,6 +577,7 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
     async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         let len = bufs.iter().map(|b| b.len() as u64).sum();
         self.event(DebugEvent::Pwritev);
+        self.stop_if_hit().await;
         self.check(Op::Write, IoType::Write, offset, len)?;
         self.inner.write_vectored_at(bufs, offset).await?;
         self.modifies();
@@ -540,6 +587,7 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
         self.event(DebugEvent::PwritevZero);
+        self.stop_if_hit().await;
         self.check(Op::WriteZeroes, IoType::WriteZeroes, offset, len)?;
         let done = self.inner.write_zeroes(offset, len).await?;
         self.modifies();
@@ -548,6 +596,7 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<DiscardOutcome> {
+        self.stop_if_hit().await;
         self.check(Op::Discard, IoType::Discard, offset, len)?;
         let done = self.inner.discard(offset, len).await?;
         self.modifies();
@@ -561,6 +610,7 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
     }
 
     async fn flush(&self) -> Result<()> {
+        self.stop_if_hit().await;
         let covers = self.written.load(Ordering::Acquire);
         if covers == self.flushed.load(Ordering::Acquire) {
             return Ok(());
@@ -603,94 +653,4 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::MemStorage;
-
-    fn run<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap()
-            .block_on(f)
-    }
-
-    fn errno(r: Result<()>) -> Option<i32> {
-        r.err().map(|e| e.raw_os_error().unwrap())
-    }
-
-    #[test]
-    fn config_files_parse_as_qemus() {
-        let c = BlkdebugConfig::parse_file(
-            "# a comment\n[inject-error]\nevent = \"l2_update\"\nerrno = \"28\"\nonce = \"on\"\n\n\
-             [set-state]\nevent = \"write_aio\"\nnew_state = \"2\"\n",
-        )
-        .unwrap();
-        assert_eq!(c.inject.len(), 1);
-        assert_eq!(c.inject[0].event, DebugEvent::L2Update);
-        assert_eq!((c.inject[0].errno, c.inject[0].once), (28, true));
-        assert_eq!(c.set_state[0].new_state, 2);
-        let e = BlkdebugConfig::parse_file("[inject-error]\nevent = \"nope\"\n").unwrap_err();
-        assert!(e.contains("nope"), "{e}");
-        let e = BlkdebugConfig::parse_file("event = \"l2_load\"\n").unwrap_err();
-        assert!(e.contains("no group"), "{e}");
-        let mut c = BlkdebugConfig::default();
-        let rest = c
-            .from_options(&[
-                ("inject-error.0.event".into(), "write_aio".into()),
-                ("inject-error.0.sector".into(), "8".into()),
-                ("align".into(), "4096".into()),
-            ])
-            .unwrap();
-        assert_eq!(rest, ["align"]);
-        assert_eq!(c.inject[0].offset, Some(4096));
-        assert_eq!(c.inject[0].errno, 5);
-    }
-
-    #[test]
-    fn rules_fire_after_their_event_once_or_until_replaced() {
-        let c = BlkdebugConfig::parse_file(
-            "[inject-error]\nevent = \"l2_update\"\nonce = \"on\"\n\
-             [inject-error]\nevent = \"write_aio\"\nerrno = \"28\"\niotype = \"write\"\n",
-        )
-        .unwrap();
-        let s = BlkdebugStorage::new(MemStorage::new(), c);
-        run(async {
-            // Nothing is active before an event.
-            assert_eq!(errno(s.write_at(&[1; 512], 0).await), None);
-            s.debug_event(DebugEvent::L2Update);
-            assert_eq!(errno(s.flush().await), Some(5));
-            // Once: gone, also for the next l2_update.
-            assert_eq!(errno(s.flush().await), None);
-            s.debug_event(DebugEvent::L2Update);
-            assert_eq!(errno(s.write_at(&[1; 512], 0).await), None);
-            // Not once: every write from now on, but not reads (iotype).
-            s.debug_event(DebugEvent::WriteAio);
-            assert_eq!(errno(s.write_at(&[1; 512], 0).await), Some(28));
-            assert_eq!(errno(s.write_at(&[1; 512], 512).await), Some(28));
-            let mut b = [0; 512];
-            assert_eq!(errno(s.read_at(&mut b, 0).await), None);
-        });
-    }
-
-    #[test]
-    fn sectors_and_states_select_requests_and_events() {
-        let c = BlkdebugConfig::parse_file(
-            "[inject-error]\nevent = \"l2_load\"\nsector = \"2\"\nstate = \"2\"\n\
-             [set-state]\nevent = \"l2_load\"\nstate = \"1\"\nnew_state = \"2\"\n",
-        )
-        .unwrap();
-        let s = BlkdebugStorage::new(MemStorage::new(), c);
-        run(async {
-            s.write_at(&[1; 4096], 0).await.unwrap();
-            let mut b = [0; 512];
-            // State 1: the event moves to state 2 and activates nothing.
-            s.debug_event(DebugEvent::L2Load);
-            assert_eq!(s.state(), 2);
-            assert_eq!(errno(s.read_at(&mut b, 1024).await), None);
-            // State 2: active, for the request covering sector 2 only.
-            s.debug_event(DebugEvent::L2Load);
-            assert_eq!(errno(s.read_at(&mut b, 0).await), None);
-            assert_eq!(errno(s.read_at(&mut b, 1024).await), Some(5));
-        });
-    }
-}
+mod tests;
