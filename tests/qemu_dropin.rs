@@ -96,6 +96,26 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         "a",
         &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"]),
     );
+    // An image whose backing file is missing.
+    ok(
+        "nb",
+        &qemu_img(
+            &s.0,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-u",
+                "-b",
+                "gone.qcow2",
+                "-F",
+                "qcow2",
+                "nb.qcow2",
+                "1M",
+            ],
+        ),
+    );
     let mut differ = Vec::new();
     for args in [
         &["convert", "--foo", "a.qcow2", "b.raw"][..],
@@ -103,6 +123,17 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["convert", "a.qcow2", "b.raw", "-O"],
         &["info", "--bogus", "a.qcow2"],
         &["check", "-Q", "a.qcow2"],
+        // Refused values and missing names, with qemu-img's hint.
+        &["info", "--output=xml", "a.qcow2"],
+        &["map", "--output", "xml", "a.qcow2"],
+        &["check", "-r", "bogus", "a.qcow2"],
+        &["info"],
+        &["check"],
+        &["map"],
+        &["compare", "a.qcow2"],
+        &["create", "-f", "qcow2"],
+        &["map", "-s", "64k", "-l", "128k", "--output=json", "a.qcow2"],
+        &["info", "--backing-chain", "nb.qcow2"],
         &["convert", "-s", "x", "a.qcow2", "b.raw"],
         &["info", "--object", "foo,id=x", "a.qcow2"],
         &["info", "--object", "secret,id=x", "a.qcow2"],

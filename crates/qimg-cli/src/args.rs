@@ -88,12 +88,15 @@ pub fn image_format(name: &str) -> Option<ImageFormat> {
     ImageFormat::from_name(name.as_bytes())
 }
 
-/// `--output human|json`: whether the output is JSON.
-pub fn json_output(value: &str) -> Result<bool, String> {
+/// `--output human|json` of command `sub`: whether the output is JSON (refused in
+/// qemu-img's words, with its hint).
+pub fn json_output(value: &str, sub: &str) -> Result<bool, String> {
     match value {
         "human" => Ok(false),
         "json" => Ok(true),
-        other => Err(format!("--output expects 'human' or 'json' not '{other}'")),
+        other => Err(format!(
+            "--output expects 'human' or 'json' not '{other}'\nTry 'qimg {sub} --help' for more info"
+        )),
     }
 }
 

@@ -24,6 +24,11 @@ pub fn program() -> &'static str {
 
 /// Prints `PROGRAM: MESSAGE` on stderr and returns exit status `code`.
 pub fn fail(msg: impl Display, code: u8) -> ExitCode {
+    let mut msg = msg.to_string();
+    if program() != "qimg" {
+        // The hint names the command as the user typed it.
+        msg = msg.replace("Try 'qimg ", &format!("Try '{} ", program()));
+    }
     eprintln!("{}: {msg}", program());
     ExitCode::from(code)
 }

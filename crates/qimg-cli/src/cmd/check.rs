@@ -42,17 +42,23 @@ pub fn run(args: CheckArgs) -> ExitCode {
         Some("all") => Some(Repair::All),
         Some(other) => {
             return fail(
-                format!("--repair (-r) expects 'leaks' or 'all' not '{other}'"),
+                format!(
+                    "--repair (-r) expects 'leaks' or 'all' not '{other}'\n\
+                     Try 'qimg check --help' for more info"
+                ),
                 1,
             );
         }
     };
-    let json = match json_output(&args.output) {
+    let json = match json_output(&args.output, "check") {
         Ok(json) => json,
         Err(msg) => return fail(msg, 1),
     };
     let Some(file) = args.filename else {
-        return fail("Expecting one image file name", 1);
+        return fail(
+            "Expecting one image file name\nTry 'qimg check --help' for more info",
+            1,
+        );
     };
     let path = Path::new(&file);
     let fmt = match args.fmt.as_deref() {

@@ -84,12 +84,10 @@ impl Outcome {
 /// Runs `qimg compare`; the exit status is qemu-img compare's.
 pub fn run(args: CompareArgs) -> ExitCode {
     if args.files.len() != 2 {
-        eprintln!(
-            "{}: Expecting two image file names",
-            crate::status::program()
+        return crate::status::fail(
+            "Expecting two image file names\nTry 'qimg compare --help' for more info",
+            1,
         );
-        eprintln!("Try 'qimg compare --help' for more info");
-        return ExitCode::from(1);
     }
     if let Err(e) = CacheMode::parse_option(args.cache.as_deref(), "source cache") {
         return fail(e, 2);

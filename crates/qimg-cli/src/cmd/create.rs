@@ -55,7 +55,7 @@ pub fn run(args: CreateArgs) -> Result<()> {
         return Ok(());
     }
     let Some(file) = args.filename else {
-        bail!("Expecting image file name");
+        bail!("Expecting image file name\nTry 'qimg create --help' for more info");
     };
     let mut o = CreateOptions::default();
     let mut given = create_opts::Given::default();

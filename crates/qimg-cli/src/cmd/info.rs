@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use anyhow::{Result, anyhow};
-use clap::ValueEnum;
 use qimg::io::{FileStorage, ImageLock, Storage};
 use qimg::tools::info::{backing_chain, image_info};
 
@@ -12,22 +11,15 @@ use crate::args::image_format;
 use crate::human;
 use crate::status::{lib_msg, open_msg};
 
-/// `--output` of `info`.
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum Output {
-    Human,
-    Json,
-}
-
 /// Arguments of `qimg info`.
 #[derive(clap::Args)]
 pub struct InfoArgs {
     /// Image format (probed when absent).
     #[arg(short = 'f')]
     fmt: Option<String>,
-    /// Output format.
-    #[arg(long, value_enum, default_value = "human")]
-    output: Output,
+    /// Output format: human or json.
+    #[arg(long, default_value = "human")]
+    output: String,
     /// Show the whole backing chain.
     #[arg(long)]
     backing_chain: bool,
@@ -36,34 +28,47 @@ pub struct InfoArgs {
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
     /// The image.
-    filename: String,
+    filename: Option<String>,
 }
 
 /// Runs `qimg info`.
 pub fn run(args: InfoArgs) -> Result<()> {
+    let json = crate::args::json_output(&args.output, "info").map_err(anyhow::Error::msg)?;
+    let Some(filename) = args.filename else {
+        anyhow::bail!("Expecting one image file name\nTry 'qimg info --help' for more info");
+    };
     let fmt = match args.fmt.as_deref() {
         Some(name) => Some(image_format(name).ok_or_else(|| {
             anyhow!("Unknown file format '{name}' (qimg supports qcow2 and raw)")
         })?),
         None => None,
     };
-    let path = Path::new(&args.filename);
+    let path = Path::new(&filename);
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
     let _lock = read_lock(path, args.force_share)
-        .map_err(|e| anyhow!("Could not open '{}': {e}", args.filename))?;
+        .map_err(|e| anyhow!("Could not open '{}': {e}", filename))?;
     // A file that cannot be opened is worded as qemu-img words it.
-    let file = &args.filename;
+    let file = &filename;
     let opened = |e: qimg::Error| match e {
         qimg::Error::Io { .. } | qimg::Error::Storage { .. }
             if qimg::io::nbd::is_nbd_name(file) =>
         {
             anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
         }
-        qimg::Error::Io { .. } => open_msg(
-            anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-            file,
-        ),
+        // The file that could not be opened: the image, or a file of its backing chain.
+        qimg::Error::Io { ref path, .. } => {
+            let name = path.display().to_string();
+            let name = if path == Path::new(file) || name.is_empty() {
+                file.to_string()
+            } else {
+                name
+            };
+            open_msg(
+                anyhow!("Could not open '{name}': {}", lib_msg(&e, &name)),
+                &name,
+            )
+        }
         other => other.into(),
     };
     let list = if args.backing_chain {
@@ -71,19 +76,16 @@ pub fn run(args: InfoArgs) -> Result<()> {
     } else {
         vec![image_info(path, fmt).map_err(opened)?]
     };
-    match args.output {
-        Output::Json => {
-            let v = if args.backing_chain {
-                serde_json::to_value(&list)?
-            } else {
-                serde_json::to_value(&list[0])?
-            };
-            outln!("{}", crate::qjson::pretty(&v));
-        }
-        Output::Human => {
-            let texts: Vec<String> = list.iter().map(human::info).collect();
-            out!("{}", texts.join("\n"));
-        }
+    if json {
+        let v = if args.backing_chain {
+            serde_json::to_value(&list)?
+        } else {
+            serde_json::to_value(&list[0])?
+        };
+        outln!("{}", crate::qjson::pretty(&v));
+    } else {
+        let texts: Vec<String> = list.iter().map(human::info).collect();
+        out!("{}", texts.join("\n"));
     }
     Ok(())
 }

@@ -34,11 +34,11 @@ pub struct MapArgs {
     /// Output format: human (the default) or json.
     #[arg(long, default_value = "human")]
     output: String,
-    /// First guest byte to map.
-    #[arg(long = "start-offset", allow_hyphen_values = true)]
+    /// First guest byte to map (`-s`, as qemu-img's getopt takes it too).
+    #[arg(short = 's', long = "start-offset", allow_hyphen_values = true)]
     start_offset: Option<String>,
-    /// Map at most this many bytes.
-    #[arg(long = "max-length", allow_hyphen_values = true)]
+    /// Map at most this many bytes (`-l`).
+    #[arg(short = 'l', long = "max-length", allow_hyphen_values = true)]
     max_length: Option<String>,
     /// Accepted for qemu-img compatibility: qimg map takes no locks and never writes.
     #[arg(short = 'U', long = "force-share")]
@@ -104,7 +104,7 @@ fn hex16(v: u64) -> String {
 
 /// Runs `qimg map`.
 pub fn run(args: MapArgs) -> Result<()> {
-    let json = json_output(&args.output).map_err(anyhow::Error::msg)?;
+    let json = json_output(&args.output, "map").map_err(anyhow::Error::msg)?;
     let start = match &args.start_offset {
         Some(s) => parse_offset(s, "start offset")?,
         None => 0,
@@ -114,7 +114,7 @@ pub fn run(args: MapArgs) -> Result<()> {
         None => None,
     };
     let Some(file) = args.filename else {
-        bail!("Expecting one image file name");
+        bail!("Expecting one image file name\nTry 'qimg map --help' for more info");
     };
     let path = Path::new(&file);
     let fmt = source_format(path, &file, args.fmt.as_deref())?;

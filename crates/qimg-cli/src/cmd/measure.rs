@@ -146,8 +146,7 @@ struct Measured {
 
 /// Runs `qimg measure`.
 pub fn run(args: MeasureArgs) -> Result<()> {
-    let json = json_output(&args.output)
-        .map_err(|e| anyhow!("{e}\nTry 'qimg measure --help' for more info"))?;
+    let json = json_output(&args.output, "measure").map_err(anyhow::Error::msg)?;
     let size = match &args.size {
         None => None,
         Some(s) => match parse_size(s) {

@@ -260,7 +260,7 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
             ));
         }
     };
-    let json = json_output(&args.output)?;
+    let json = json_output(&args.output, "bench")?;
     let Some(filename) = args.filename else {
         return Err("Expecting one image file name".into());
     };
