@@ -37,16 +37,23 @@ fn same_run(
     }
     let a = q.join(file);
     let b = m.join(file);
-    if file == "df.qcow2" {
+    let data_file = match file {
+        "df.qcow2" => Some("data.raw"),
+        "dfr.qcow2" => Some("dfr.raw"),
+        _ => None,
+    };
+    if let Some(data) = data_file {
         // qemu resolves a relative data file name against the working directory, so the two
         // copies cannot be compared from one place: their data files must be equal.
         assert_eq!(
-            std::fs::read(q.join("data.raw")).unwrap(),
-            std::fs::read(m.join("data.raw")).unwrap(),
+            std::fs::read(q.join(data)).unwrap(),
+            std::fs::read(m.join(data)).unwrap(),
             "{what}: {args:?}: data files differ"
         );
         let (iq, im) = (info(&q, file), info(&m, file));
         assert_eq!(iq["virtual-size"], im["virtual-size"], "{what}: {args:?}");
+        let raw = |i: &serde_json::Value| i["format-specific"]["data"]["data-file-raw"].clone();
+        assert_eq!(raw(&iq), raw(&im), "{what}: {args:?}: data-file-raw");
         return (m, want.2);
     }
     let o = qemu_img(work, &["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
@@ -363,6 +370,14 @@ fn amend_matches_qemu_img() {
     qemu_io(d, "qcow2", "lazy.qcow2", &["write -P 6 0 100k"]);
     qemu_img_create(d, "qcow2", "data_file=data.raw", &[], "df.qcow2", "8M");
     qemu_io(d, "qcow2", "df.qcow2", &["write -P 7 0 100k"]);
+    qemu_img_create(
+        d,
+        "qcow2",
+        "data_file=dfr.raw,data_file_raw=on",
+        &[],
+        "dfr.qcow2",
+        "8M",
+    );
     qemu_img_create(d, "qcow2", "", &[], "bm.qcow2", "8M");
     common::add_bitmaps(d, "bm.qcow2");
     qemu_img_create(d, "qcow2", "compat=0.10", &[], "v2.qcow2", "8M");
@@ -395,6 +410,8 @@ fn amend_matches_qemu_img() {
         ("lazy.qcow2", &["-o", "lazy_refcounts=off"]),
         ("lazy.qcow2", &["-o", "compat=0.10"]),
         ("df.qcow2", &["-o", "refcount_bits=8"]),
+        ("dfr.qcow2", &["-o", "data_file_raw=off"]),
+        ("dfr.qcow2", &["-o", "data_file_raw=on"]),
         ("v2.qcow2", &["-o", "compat=1.1"]),
         (
             "v2.qcow2",
@@ -462,6 +479,7 @@ fn amend_matches_qemu_img() {
         ("ext.qcow2", &["-o", "compat=0.10"]),
         ("zc.qcow2", &["-o", "compat=0.10"]),
         ("df.qcow2", &["-o", "compat=0.10"]),
+        ("df.qcow2", &["-o", "data_file_raw=on"]),
         ("v2.qcow2", &["-o", "lazy_refcounts=on"]),
         ("v2.qcow2", &["-o", "refcount_bits=8"]),
         ("v2.qcow2", &["-o", "size=16M"]),

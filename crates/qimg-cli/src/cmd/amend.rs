@@ -207,10 +207,7 @@ fn parse(pairs: &[String]) -> Result<Parsed> {
                 )
             }
             "data_file" => o.data_file = Some(v.to_string()),
-            "data_file_raw" => {
-                on_off(k, v).map_err(anyhow::Error::msg)?;
-                bail!("data-file-raw cannot be set on existing images");
-            }
+            "data_file_raw" => o.data_file_raw = Some(on_off(k, v).map_err(anyhow::Error::msg)?),
             "size" => {
                 o.size = Some(parse_size(v).ok_or_else(|| {
                     anyhow!(

@@ -6,6 +6,7 @@
 //! | `lazy_refcounts` | the compatible feature bit (v3 only) |
 //! | `refcount_bits` | a new refcount table and blocks of the new width, computed from every reference in the image, placed past the end of the file; the header then switches to them and the old structure becomes free space |
 //! | `data_file` | the name of the external data file (only for images that have one) |
+//! | `data_file_raw` | `off` clears the raw-data-file bit; `on` only where it is set already (QEMU's rule) |
 //! | `size` | the virtual size, growing or shrinking (as `qemu-img resize --shrink`) |
 //!
 //! The order is QEMU's: upgrade, refcount width, lazy refcounts, size, downgrade. Header
@@ -20,8 +21,8 @@ use std::path::Path;
 use qimg_format::cluster0::Cluster0;
 use qimg_format::extension::Extension;
 use qimg_format::features::{
-    COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
-    qemu_feature_table,
+    AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE,
+    INCOMPAT_DIRTY, qemu_feature_table,
 };
 use qimg_format::geometry::RefcountGeometry;
 use qimg_format::header::{self, CompressionType};
@@ -46,6 +47,9 @@ pub struct AmendOptions {
     pub refcount_bits: Option<u64>,
     /// The external data file name.
     pub data_file: Option<String>,
+    /// Whether the external data file is raw: can only be turned off (or left on), as
+    /// with qemu-img.
+    pub data_file_raw: Option<bool>,
     /// The virtual size in bytes.
     pub size: Option<u64>,
 }
@@ -76,6 +80,10 @@ pub async fn amend(
         return Err(refuse(
             "data-file can only be set for images that use an external data file",
         ));
+    }
+    let raw = h.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0;
+    if opts.data_file_raw == Some(true) && !raw {
+        return Err(refuse("data-file-raw cannot be set on existing images"));
     }
     if let Some(bits) = opts.refcount_bits {
         if !bits.is_power_of_two() || bits > 64 {
@@ -164,7 +172,8 @@ pub async fn amend(
         }
     }
     // Lazy refcounts, data file name.
-    if opts.lazy_refcounts.is_some() || opts.data_file.is_some() {
+    let drop_raw = opts.data_file_raw == Some(false) && raw;
+    if opts.lazy_refcounts.is_some() || opts.data_file.is_some() || drop_raw {
         // A dirty image gets its refcounts rebuilt by a writable open; close it clean.
         let img = open(path).await?;
         img.close().await?;
@@ -175,6 +184,9 @@ pub async fn amend(
                 } else {
                     c0.header.compatible_features &= !COMPAT_LAZY_REFCOUNTS;
                 }
+            }
+            if drop_raw {
+                c0.header.autoclear_features &= !AUTOCLEAR_DATA_FILE_RAW;
             }
             if let Some(name) = &opts.data_file {
                 for e in &mut c0.extensions {
