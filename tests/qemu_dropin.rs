@@ -1710,3 +1710,66 @@ fn breakpoints_hold_requests_as_qemu_ios_blkdebug() {
         outs[0]
     );
 }
+
+#[test]
+fn runtime_option_values_are_checked_as_qemu_checks_them() {
+    if !have_qemu("runtime_option_values_are_checked_as_qemu_checks_them") {
+        return;
+    }
+    let s = Scratch::new("runtime-options");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "t.qcow2", "1M"],
+    )];
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "open -o driver=qcow2,overlap-check=bogus t.qcow2",
+                "-c",
+                "open -o driver=qcow2,l2-cache-size=1M,cache-size=512k t.qcow2",
+                "-c",
+                "open -o driver=qcow2,refcount-cache-size=abc t.qcow2",
+                "-c",
+                "open -o driver=qcow2,l2-cache-size=-1 t.qcow2",
+                "-c",
+                "open -o driver=qcow2,cache-clean-interval=abc t.qcow2",
+                "-c",
+                "open -o driver=qcow2,lazy-refcounts=maybe t.qcow2",
+                "-c",
+                "open -o driver=qcow2,discard-no-unmap=on t.qcow2",
+                "-c",
+                "open -o driver=qcow2,l2-cache-entry-size=100 t.qcow2",
+                "-c",
+                "open -o driver=qcow2,cache-size=1M,l2-cache-size=512k,refcount-cache-size=1k \
+                 t.qcow2",
+                "-c",
+                "open -o driver=qcow2,overlap-check.template=all,cache-clean-interval=0x10 \
+                 t.qcow2",
+                "-c",
+                "read -q 0 512",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "info",
+                "--image-opts",
+                "driver=qcow2,file.filename=t.qcow2,l2-cache-entry-size=128k",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "info",
+                "--image-opts",
+                "driver=qcow2,file.filename=t.qcow2,cache-size=64k,refcount-cache-size=128k",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("may not exceed"), "{}", outs[0]);
+}

@@ -197,7 +197,6 @@ const IGNORED: &[&str] = &[
     "cache-size",
     "cache-clean-interval",
     "overlap-check",
-    "discard-no-unmap",
     "lazy-refcounts",
     "pass-discard-request",
     "pass-discard-snapshot",
@@ -286,13 +285,14 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
 
 /// Whether `key` is a runtime option qimg takes and leaves to its own defaults.
 pub fn ignored(key: &str) -> bool {
-    IGNORED.contains(&key)
+    IGNORED.contains(&key) || key.starts_with("overlap-check.")
 }
 
 /// qemu-io's `open -o` options: `(file name they name, driver, read-only)`. The file name may
 /// come from the command's operand instead; the driver, when named, must be qcow2 or raw.
 pub fn open_options(
     pairs: &[(String, String)],
+    operand: Option<&Path>,
 ) -> Result<(Option<String>, Option<String>, bool), String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
     let driver = get("driver").cloned();
@@ -303,6 +303,8 @@ pub fn open_options(
         None | Some("file") => {}
         Some(other) => return Err(format!("the protocol '{other}' is not supported")),
     }
+    let file = get("file.filename").or_else(|| get("file"));
+    crate::runtime_opts::check(pairs, file.map(Path::new).or(operand))?;
     for (k, _) in pairs {
         let known = matches!(
             k.as_str(),
@@ -470,6 +472,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         }
         other => return Err(format!("Unknown driver '{other}'")),
     };
+    crate::runtime_opts::check(pairs, name.as_deref().map(Path::new))?;
     for (k, v) in pairs {
         let known = matches!(
             k.as_str(),
@@ -477,7 +480,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         ) || nbd_keys.contains(k)
             || blkdebug_keys.contains(k);
         match k.as_str() {
-            _ if known || IGNORED.contains(&k.as_str()) => {}
+            _ if known || ignored(k) => {}
             "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,
             "backing" if v.is_empty() && driver == "qcow2" => {
                 eprintln!(

@@ -20,6 +20,7 @@ mod human;
 mod image_spec;
 mod progress;
 mod qjson;
+mod runtime_opts;
 mod status;
 
 use std::process::ExitCode;

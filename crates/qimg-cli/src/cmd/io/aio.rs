@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use qimg::io::blkdebug::{self, Breakpoints};
 
-use super::commands::{readv, writev};
+use super::rw::{readv, writev};
 use super::session::{Failed, Outcome, Session};
 
 /// `aio_read` and `aio_write`: the request starts, the command returns.

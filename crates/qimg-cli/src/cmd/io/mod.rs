@@ -25,7 +25,9 @@ mod commands;
 mod help;
 mod out;
 mod parse;
+mod rw;
 mod session;
+mod table;
 
 use std::io::BufRead;
 use std::process::ExitCode;

@@ -1,0 +1,186 @@
+//! The values of qcow2's runtime options (`l2-cache-size`, `overlap-check`, ...) checked as
+//! QEMU checks them when it opens an image (`read_cache_sizes`, `qcow2_update_options`),
+//! whether they come from `--image-opts`, a `json:` name or qemu-io's `open -o`. qimg takes
+//! them and leaves its engine to its own cache sizing; what QEMU refuses, qimg refuses in
+//! the same words.
+
+use std::path::Path;
+
+use crate::args::{on_off, parse_size};
+
+/// qemu's message for a size that does not parse (`qemu_opt_get_size`'s).
+pub fn size_error(key: &str) -> String {
+    format!(
+        "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, G, \
+         T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."
+    )
+}
+
+/// A size option's value.
+fn size(key: &str, v: &str) -> Result<u64, String> {
+    if v.trim_start().starts_with('-') {
+        return Err(format!("Value '{v}' is out of range for parameter '{key}'"));
+    }
+    parse_size(v).ok_or_else(|| size_error(key))
+}
+
+/// Checks the runtime options among `pairs` (later values win, as in QEMU); `file`, when
+/// given and readable, supplies the cluster size the L2 cache entry size is held to.
+pub fn check(pairs: &[(String, String)], file: Option<&Path>) -> Result<(), String> {
+    let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+    for (k, v) in pairs {
+        match k.as_str() {
+            "l2-cache-size" | "l2-cache-entry-size" | "refcount-cache-size" | "cache-size" => {
+                size(k, v)?;
+            }
+            "cache-clean-interval" => {
+                let n: i128 =
+                    parse_number(v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?;
+                if !(0..=i128::from(u32::MAX)).contains(&n) {
+                    return Err("Cache clean interval too big".into());
+                }
+            }
+            "lazy-refcounts"
+            | "pass-discard-request"
+            | "pass-discard-snapshot"
+            | "pass-discard-other" => {
+                on_off(k, v)?;
+            }
+            "overlap-check" | "overlap-check.template" => {
+                if !matches!(v.as_str(), "none" | "constant" | "cached" | "all") {
+                    return Err(format!(
+                        "Unsupported value '{v}' for qcow2 option 'overlap-check'. Allowed are \
+                         any of the following: none, constant, cached, all"
+                    ));
+                }
+            }
+            k if k.starts_with("overlap-check.") => {
+                on_off(k, v)?;
+            }
+            _ => {}
+        }
+    }
+    let l2 = get("l2-cache-size")
+        .map(|v| size("l2-cache-size", v))
+        .transpose()?;
+    let rc = get("refcount-cache-size")
+        .map(|v| size("refcount-cache-size", v))
+        .transpose()?;
+    if let Some(total) = get("cache-size")
+        .map(|v| size("cache-size", v))
+        .transpose()?
+    {
+        match (l2, rc) {
+            (Some(_), Some(_)) => {
+                return Err(
+                    "cache-size, l2-cache-size and refcount-cache-size may not be set \
+                            at the same time"
+                        .into(),
+                );
+            }
+            (Some(l2), None) if l2 > total => {
+                return Err("l2-cache-size may not exceed cache-size".into());
+            }
+            (None, Some(rc)) if rc > total => {
+                return Err("refcount-cache-size may not exceed cache-size".into());
+            }
+            _ => {}
+        }
+    }
+    if let Some(entry) = get("l2-cache-entry-size") {
+        let entry = size("l2-cache-entry-size", entry)?;
+        let cluster = file
+            .and_then(|f| {
+                qimg::chain::read_cluster0(f, qimg::format::validate::OpenMode::ReadOnly).ok()
+            })
+            .map(|c0| 1u64 << c0.header.cluster_bits);
+        if let Some(cs) = cluster {
+            if entry < 512 || entry > cs || !entry.is_power_of_two() {
+                return Err(format!(
+                    "L2 cache entry size must be a power of two between 512 and the cluster \
+                     size ({cs})"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A QemuOpts number: decimal, or hexadecimal with `0x` (no suffix).
+fn parse_number(v: &str) -> Option<i128> {
+    let v = v.trim();
+    let (neg, digits) = match v.strip_prefix('-') {
+        Some(d) => (true, d),
+        None => (false, v),
+    };
+    let n = match digits
+        .strip_prefix("0x")
+        .or_else(|| digits.strip_prefix("0X"))
+    {
+        Some(hex) => i128::from_str_radix(hex, 16).ok()?,
+        None if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
+            digits.parse().ok()?
+        }
+        None => return None,
+    };
+    Some(if neg { -n } else { n })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(s: &[(&str, &str)]) -> Vec<(String, String)> {
+        s.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn values_are_refused_in_qemus_words() {
+        let e = |p: &[(&str, &str)]| check(&pairs(p), None).unwrap_err();
+        assert!(e(&[("l2-cache-size", "abc")]).starts_with("Parameter 'l2-cache-size' expects"));
+        assert_eq!(
+            e(&[("l2-cache-size", "-1")]),
+            "Value '-1' is out of range for parameter 'l2-cache-size'"
+        );
+        assert_eq!(
+            e(&[("cache-clean-interval", "abc")]),
+            "Parameter 'cache-clean-interval' expects a number"
+        );
+        assert_eq!(
+            e(&[("cache-clean-interval", "-1")]),
+            "Cache clean interval too big"
+        );
+        assert!(e(&[("overlap-check", "x")]).contains("none, constant, cached, all"));
+        assert_eq!(
+            e(&[("cache-size", "1M"), ("l2-cache-size", "2M")]),
+            "l2-cache-size may not exceed cache-size"
+        );
+        assert_eq!(
+            e(&[("cache-size", "64k"), ("refcount-cache-size", "128k")]),
+            "refcount-cache-size may not exceed cache-size"
+        );
+        assert!(
+            e(&[
+                ("cache-size", "1M"),
+                ("l2-cache-size", "1k"),
+                ("refcount-cache-size", "1k")
+            ])
+            .contains("may not be set at the same time")
+        );
+        assert_eq!(
+            e(&[("lazy-refcounts", "maybe")]),
+            "Parameter 'lazy-refcounts' expects 'on' or 'off'"
+        );
+        check(
+            &pairs(&[
+                ("cache-clean-interval", "0x10"),
+                ("overlap-check", "all"),
+                ("l2-cache-size", "1T"),
+            ]),
+            None,
+        )
+        .unwrap();
+    }
+}
