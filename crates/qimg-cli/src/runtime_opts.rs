@@ -46,14 +46,15 @@ pub fn check(pairs: &[(String, String)], file: Option<&Path>) -> Result<(), Stri
             | "pass-discard-other" => {
                 on_off(k, v)?;
             }
-            "overlap-check" | "overlap-check.template" => {
-                if !matches!(v.as_str(), "none" | "constant" | "cached" | "all") {
-                    return Err(format!(
-                        "Unsupported value '{v}' for qcow2 option 'overlap-check'. Allowed are \
-                         any of the following: none, constant, cached, all"
-                    ));
-                }
+            "overlap-check" | "overlap-check.template"
+                if !matches!(v.as_str(), "none" | "constant" | "cached" | "all") =>
+            {
+                return Err(format!(
+                    "Unsupported value '{v}' for qcow2 option 'overlap-check'. Allowed are any \
+                     of the following: none, constant, cached, all"
+                ));
             }
+            "overlap-check" | "overlap-check.template" => {}
             k if k.starts_with("overlap-check.") => {
                 on_off(k, v)?;
             }
