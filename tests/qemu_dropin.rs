@@ -1773,3 +1773,116 @@ fn runtime_option_values_are_checked_as_qemu_checks_them() {
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("may not exceed"), "{}", outs[0]);
 }
+
+#[test]
+fn convert_targets_and_missing_files_are_named_as_qemu_names_them() {
+    if !have_qemu("convert_targets_and_missing_files_are_named_as_qemu_names_them") {
+        return;
+    }
+    let s = Scratch::new("convert-targets");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "top.qcow2", "1M"],
+        ),
+        ("qemu-io", &["-c", "write -P 2 64k 64k", "top.qcow2"]),
+        ("qemu-img", &["create", "-q", "-f", "raw", "t.raw", "1M"]),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "t2.qcow2", "1M"],
+        ),
+    ];
+    let json_missing =
+        r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"gone.qcow2"}}"#;
+    let steps: Prep = &[
+        // --target-image-opts: with -n only, the format from the option string.
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-n",
+                "--target-image-opts",
+                "top.qcow2",
+                "driver=raw,file.filename=t.raw",
+            ],
+        ),
+        (
+            "qemu-img",
+            &["compare", "-f", "qcow2", "-F", "raw", "top.qcow2", "t.raw"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-n",
+                "--target-image-opts",
+                "top.qcow2",
+                "driver=qcow2,file.filename=t2.qcow2",
+            ],
+        ),
+        ("qemu-img", &["map", "t2.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--target-image-opts",
+                "top.qcow2",
+                "driver=qcow2,file.filename=t3.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-n",
+                "-O",
+                "qcow2",
+                "--target-image-opts",
+                "top.qcow2",
+                "driver=qcow2,file.filename=t2.qcow2",
+            ],
+        ),
+        // The output is the source: its lock is held.
+        (
+            "qemu-img",
+            &["convert", "-O", "qcow2", "top.qcow2", "top.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-n", "-O", "raw", "top.qcow2", "top.qcow2"],
+        ),
+        // Files that are not there, named as typed.
+        (
+            "qemu-img",
+            &["convert", "-n", "-O", "qcow2", "top.qcow2", "gone.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-f", "raw", "-O", "qcow2", "gone", "x.qcow2"],
+        ),
+        ("qemu-img", &["map", "-f", "qcow2", "gone"]),
+        ("qemu-img", &["info", json_missing]),
+        (
+            "qemu-img",
+            &[
+                "info",
+                "--image-opts",
+                "driver=qcow2,file.filename=gone.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "read 0 512", json_missing]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read 0 512",
+                "--image-opts",
+                "driver=qcow2,file.filename=gone.qcow2",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("Images are identical"), "{}", outs[0]);
+}

@@ -226,6 +226,9 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
     }
     let image_opts = args.iter().any(|a| a == "--image-opts");
     args.retain(|a| a != "--image-opts");
+    // convert's `--target-image-opts`: its last name (the output) is an option string.
+    let target_opts = args.iter().any(|a| a == "--target-image-opts");
+    let last = args.len().saturating_sub(1);
     // How the tool names the image it could not open (qemu-io's words differ).
     let io = program == "qemu-io" || args.get(1).is_some_and(|a| a == "io");
     let failed = |s: &str, e: String| match (io, s.starts_with("json:")) {
@@ -233,7 +236,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         (true, false) => format!("can't open: {e}"),
         (false, _) => format!("Could not open '{s}': {e}"),
     };
-    for a in args.iter_mut().skip(1) {
+    for (i, a) in args.iter_mut().enumerate().skip(1) {
         let Some(s) = a.to_str() else { continue };
         if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
             // The file protocol named explicitly: the rest is the file name.
@@ -262,7 +265,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             let mut pairs = Vec::new();
             flatten(&v, "", &mut pairs).map_err(|e| failed(s, e))?;
             pairs
-        } else if image_opts && is_option_string(s) {
+        } else if (image_opts || (target_opts && i == last)) && is_option_string(s) {
             split_opts(s)
                 .into_iter()
                 .map(|p| match p.split_once('=') {
@@ -274,6 +277,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             continue;
         };
         let (name, ov) = file_name(&pairs, program).map_err(|e| failed(s, e))?;
+        crate::status::remember_typed(&name, s);
         OVERRIDES
             .lock()
             .unwrap_or_else(|e| e.into_inner())

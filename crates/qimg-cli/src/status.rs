@@ -22,6 +22,25 @@ pub fn program() -> &'static str {
     PROGRAM.get().copied().unwrap_or("qimg")
 }
 
+/// The option strings and `json:` names the user typed, by the file name they stand for.
+static TYPED: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Records that the user named file `name` as `typed` (an option string or a `json:` name),
+/// which QEMU's messages repeat.
+pub fn remember_typed(name: &str, typed: &str) {
+    let mut all = TYPED.lock().unwrap_or_else(|e| e.into_inner());
+    all.push((name.to_string(), typed.to_string()));
+}
+
+/// What the user typed for file `name`, if it was an option string or a `json:` name.
+pub fn typed_name(name: &str) -> Option<String> {
+    let all = TYPED.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter()
+        .rev()
+        .find(|(n, _)| n == name)
+        .map(|(_, t)| t.clone())
+}
+
 /// Prints `PROGRAM: MESSAGE` on stderr and returns exit status `code`.
 pub fn fail(msg: impl Display, code: u8) -> ExitCode {
     let mut msg = msg.to_string();
@@ -118,7 +137,9 @@ pub fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
                 || rest.starts_with("Permission denied")
                 || rest.starts_with("Is a directory") =>
         {
-            anyhow!("{prefix}{prefix}{rest}")
+            // The outer name is what the user typed (an option string, a `json:` name).
+            let typed = typed_name(file).unwrap_or_else(|| file.to_string());
+            anyhow!("Could not open '{typed}': {prefix}{rest}")
         }
         Some(rest) if rest.starts_with("not a qcow2 image") => {
             anyhow!("{prefix}Image is not in qcow2 format")

@@ -110,6 +110,15 @@ pub(crate) async fn open_chain(
     fmt: ImageFormat,
     force_share: bool,
 ) -> Result<Vec<Layer>> {
+    // A file that is not there (or cannot be reached) in qemu-img's words.
+    if !path.to_str().is_some_and(qimg::io::nbd::is_nbd_name) {
+        if let Err(e) = std::fs::metadata(path) {
+            return Err(crate::status::open_msg(
+                anyhow!("Could not open '{file}': {}", crate::status::os_msg(&e)),
+                file,
+            ));
+        }
+    }
     if fmt == ImageFormat::Raw {
         return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
     }

@@ -49,6 +49,10 @@ pub struct ConvertArgs {
     /// Output format: raw (the default, as qemu-img) or qcow2.
     #[arg(short = 'O')]
     out_fmt: Option<String>,
+    /// The output is an option string (`driver=qcow2,file.filename=...`), opened as it is
+    /// (with `-n` only, as qemu-img).
+    #[arg(long = "target-image-opts")]
+    target_image_opts: bool,
     /// Options of the new image, comma separated, as for `create`; `-o help` lists them.
     #[arg(short = 'o', action = clap::ArgAction::Append)]
     options: Vec<String>,
@@ -143,10 +147,10 @@ fn execute(settings: Settings) -> Result<()> {
         let (has_backing, no_create, sparse) =
             (settings.has_backing, settings.no_create, settings.sparse);
         let dst_path = Path::new(dst_file);
+        let creating = (!no_create).then(|| settings.out_fmt.name());
         let (srcs, source, size) = open_sources(
             &settings.sources,
-            dst_path,
-            dst_file,
+            (dst_path, dst_file, creating),
             settings.src_cache,
             settings.force_share,
             settings.snapshot.as_ref(),
@@ -297,18 +301,25 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
 }
 
 /// Refuses an output that is the source or a file of its chain (creating it would destroy the
-/// data being read).
-pub(super) fn refuse_overwriting_source(layers: &[Layer], dst: &Path, file: &str) -> Result<()> {
+/// data being read), in qemu-img's words: the source holds the file's lock, so creating it
+/// (`creating`: the output format's name) or opening it for writing (`-n`) fails to get it.
+pub(super) fn refuse_overwriting_source(
+    layers: &[Layer],
+    dst: &Path,
+    file: &str,
+    creating: Option<&str>,
+) -> Result<()> {
     let Ok(dst) = std::fs::canonicalize(dst) else {
         return Ok(());
     };
     for l in layers {
         for p in l.files() {
             if std::fs::canonicalize(&p).is_ok_and(|p| p == dst) {
-                bail!(
-                    "Could not open '{file}': the output is the source image or a file of its \
-                     backing chain"
-                );
+                let locked = crate::status::lock_error("QEMU's shared \"write\" lock", file);
+                match creating {
+                    Some(fmt) => bail!("{file}: error while converting {fmt}: {locked}"),
+                    None => bail!("Could not open '{file}': {locked}"),
+                }
             }
         }
     }

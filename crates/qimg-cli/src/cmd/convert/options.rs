@@ -84,7 +84,28 @@ fn snapshot_param(v: &str) -> Result<(Option<String>, Option<String>)> {
 /// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
 /// was asked for (and printed).
 pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
-    let out_name = args.out_fmt.clone().unwrap_or_else(|| "raw".to_string());
+    if args.target_image_opts {
+        if !args.no_create {
+            bail!("--target-image-opts requires use of -n flag");
+        }
+        if args.out_fmt.is_some() {
+            bail!("--image-opts and --format are mutually exclusive");
+        }
+    }
+    // With --target-image-opts the option string names the format.
+    let named = args
+        .target_image_opts
+        .then(|| {
+            args.files
+                .last()
+                .and_then(|f| crate::image_spec::format_for(f))
+        })
+        .flatten();
+    let out_name = args
+        .out_fmt
+        .clone()
+        .or(named)
+        .unwrap_or_else(|| "raw".to_string());
     let out_fmt =
         image_format(&out_name).ok_or_else(|| anyhow!("Unknown file format '{out_name}'"))?;
     let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();

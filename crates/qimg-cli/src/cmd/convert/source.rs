@@ -132,12 +132,12 @@ async fn load_snapshot(
 }
 
 /// Opens every source (`(file, format)`), for its block status and for reading, refusing one
-/// whose chain holds the output `dst_path`; returns the chains, the reader over all of them
+/// whose chain holds the output (`dst_path`, named `dst_file`, created as format `creating`
+/// unless `-n`); returns the chains, the reader over all of them
 /// and their total size.
 pub(super) async fn open_sources(
     sources: &[(String, ImageFormat)],
-    dst_path: &Path,
-    dst_file: &str,
+    (dst_path, dst_file, creating): (&Path, &str, Option<&str>),
     src_cache: CacheMode,
     force_share: bool,
     snapshot: Option<&(Option<String>, Option<String>)>,
@@ -148,7 +148,7 @@ pub(super) async fn open_sources(
     for (file, fmt) in sources {
         let path = Path::new(file);
         let mut layers = open_chain(path, file, *fmt, force_share).await?;
-        refuse_overwriting_source(&layers, dst_path, dst_file)?;
+        refuse_overwriting_source(&layers, dst_path, dst_file, creating)?;
         if let Some(sn) = snapshot {
             view_snapshot(&mut layers, sn).await?;
         }

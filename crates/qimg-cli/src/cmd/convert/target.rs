@@ -309,7 +309,10 @@ pub(super) async fn open_target(
     cache: CacheMode,
 ) -> Result<ConvertOutput> {
     if let Err(e) = std::fs::metadata(path) {
-        bail!("Could not open '{file}': {}", os_msg(&e));
+        return Err(crate::status::open_msg(
+            anyhow!("Could not open '{file}': {}", os_msg(&e)),
+            file,
+        ));
     }
     let out = match fmt {
         ImageFormat::Qcow2 => {

@@ -307,7 +307,12 @@ impl Session {
             return Err(Failed);
         }
         let fail = |msg: String| {
-            complain!("qemu-io: can't open device {file}: {msg}");
+            // Named as typed: a `json:` name is the device; an option string has none.
+            match crate::status::typed_name(file) {
+                Some(t) if !t.starts_with("json:") => complain!("qemu-io: can't open: {msg}"),
+                Some(t) => complain!("qemu-io: can't open device {t}: {msg}"),
+                None => complain!("qemu-io: can't open device {file}: {msg}"),
+            }
             Err(Failed)
         };
         if spec.force_share && !spec.read_only {
