@@ -1852,6 +1852,40 @@ fn convert_targets_and_missing_files_are_named_as_qemu_names_them() {
             "qemu-img",
             &["convert", "-n", "-O", "raw", "top.qcow2", "top.qcow2"],
         ),
+        // commit's rate limit is checked as qemu-img checks it.
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                "top.qcow2",
+                "-F",
+                "qcow2",
+                "o.qcow2",
+            ],
+        ),
+        ("qemu-img", &["commit", "-r", "abc", "o.qcow2"]),
+        ("qemu-img", &["commit", "-r", "-5", "o.qcow2"]),
+        ("qemu-img", &["commit", "-r", "1M", "o.qcow2"]),
+        // measure -l measures a snapshot, as convert -l copies it.
+        ("qemu-img", &["snapshot", "-c", "s1", "top.qcow2"]),
+        ("qemu-io", &["-c", "write -P 3 512k 512k", "top.qcow2"]),
+        ("qemu-img", &["measure", "-O", "qcow2", "top.qcow2"]),
+        (
+            "qemu-img",
+            &["measure", "-l", "s1", "-O", "qcow2", "top.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["measure", "-l", "snapshot.id=1", "-O", "raw", "top.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["measure", "-l", "nosuch", "-O", "qcow2", "top.qcow2"],
+        ),
         // Files that are not there, named as typed.
         (
             "qemu-img",

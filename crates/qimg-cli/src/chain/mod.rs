@@ -10,7 +10,7 @@ mod prealloc;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::format::validate::OpenMode;
 use qimg::io::AnyStorage;
@@ -21,7 +21,7 @@ use host_file::HostFile;
 use l2_presence::L2Presence;
 use prealloc::metadata_preallocated;
 
-use crate::args::image_format;
+use crate::args::{image_format, split_opts};
 use crate::status::lib_msg;
 
 /// QEMU's sector: a raw image's virtual size is its file length rounded up to it.
@@ -178,4 +178,59 @@ pub(crate) async fn open_chain(
         }
     }
     Ok(layers)
+}
+
+/// `-l`'s value: `NAME_OR_ID`, or `snapshot.id=ID` and/or `snapshot.name=NAME`.
+pub(crate) fn snapshot_param(v: &str) -> Result<(Option<String>, Option<String>)> {
+    if !v.starts_with("snapshot.") {
+        return Ok((Some(v.to_string()), Some(v.to_string())));
+    }
+    let (mut id, mut name) = (None, None);
+    for pair in split_opts(v) {
+        match pair.split_once('=') {
+            Some(("snapshot.id", i)) => id = Some(i.to_string()),
+            Some(("snapshot.name", n)) => name = Some(n.to_string()),
+            _ => {
+                let key = pair.split('=').next().unwrap_or_default();
+                bail!(
+                    "Invalid parameter '{key}'\n{}: Failed in parsing snapshot param '{v}'",
+                    crate::status::program()
+                );
+            }
+        }
+    }
+    Ok((id, name))
+}
+
+/// `-l`: the top image shows the snapshot, for its block status too (whose shortcut over
+/// empty L1 entries, read from the file's active table, no longer applies).
+pub(crate) async fn view_snapshot(
+    layers: &mut [Layer],
+    (id, name): &(Option<String>, Option<String>),
+) -> Result<()> {
+    match layers.first_mut() {
+        Some(Layer::Qcow2 {
+            img, l2_presence, ..
+        }) => {
+            load_snapshot(img, id, name).await?;
+            *l2_presence = None;
+            Ok(())
+        }
+        _ => bail!("Failed to load snapshot: raw images have no snapshots"),
+    }
+}
+
+/// Shows snapshot `id`/`name` in place of `img`'s disk, in qemu-img's words when there is none.
+pub(crate) async fn load_snapshot(
+    img: &Image<AnyStorage>,
+    id: &Option<String>,
+    name: &Option<String>,
+) -> Result<()> {
+    match img.view_snapshot(id.as_deref(), name.as_deref()).await {
+        Ok(()) => Ok(()),
+        Err(qimg::Error::SnapshotNotFound { .. }) => {
+            bail!("Failed to load snapshot: Can't find snapshot")
+        }
+        Err(e) => bail!("Failed to load snapshot: {e}"),
+    }
 }

@@ -42,6 +42,10 @@ pub struct CommitArgs {
     /// Quiet.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
+    /// qemu-img's rate limit (bytes per second): checked as qemu-img checks it; qimg commits
+    /// at full speed.
+    #[arg(short = 'r', long = "rate-limit", allow_hyphen_values = true)]
+    rate_limit: Option<String>,
     /// The image.
     filename: Option<String>,
 }
@@ -52,6 +56,18 @@ const CHUNK: u64 = 2 << 20;
 /// Runs `qimg commit`.
 pub fn run(args: CommitArgs) -> Result<()> {
     CacheMode::parse_option(args.cache.as_deref(), "cache")?;
+    if let Some(r) = &args.rate_limit {
+        if r.trim_start().starts_with('-') {
+            bail!("Invalid rate limit specified. Must be between 0 and 9223372036854775807.");
+        }
+        match crate::args::parse_size(r) {
+            Some(n) if n <= i64::MAX as u64 => {}
+            Some(_) => {
+                bail!("Invalid rate limit specified. Must be between 0 and 9223372036854775807.")
+            }
+            None => bail!("Invalid rate limit specified: '{r}'."),
+        }
+    }
     let Some(file) = args.filename.clone() else {
         bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");
     };

@@ -33,6 +33,10 @@ pub struct MeasureArgs {
     /// Accepted for qemu-img compatibility: measure opens FILE read-only.
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
+    /// Measure internal snapshot `NAME_OR_ID` (or `snapshot.id=ID,snapshot.name=NAME`)
+    /// instead of the disk, as `convert -l` copies it.
+    #[arg(short = 'l', long = "snapshot")]
+    snapshot: Option<String>,
     /// Measure for an empty image of this virtual size.
     #[arg(long = "size", allow_hyphen_values = true)]
     size: Option<String>,
@@ -234,9 +238,13 @@ async fn measure_file(
 ) -> Result<Measured> {
     let path = Path::new(file);
     let fmt = source_format(path, file, args.fmt.as_deref()).map_err(|e| open_msg(e, file))?;
-    let layers = open_chain(path, file, fmt, args.force_share)
+    let mut layers = open_chain(path, file, fmt, args.force_share)
         .await
         .map_err(|e| open_msg(e, file))?;
+    if let Some(sn) = &args.snapshot {
+        let sn = crate::chain::snapshot_param(sn)?;
+        crate::chain::view_snapshot(&mut layers, &sn).await?;
+    }
     let size = layers[0].size();
     if out_fmt == "raw" {
         return Ok(raw_size(size));

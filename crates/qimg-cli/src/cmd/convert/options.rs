@@ -59,28 +59,6 @@ pub(super) struct Settings {
     pub(super) snapshot: Option<(Option<String>, Option<String>)>,
 }
 
-/// `-l`'s value: `NAME_OR_ID`, or `snapshot.id=ID` and/or `snapshot.name=NAME`.
-fn snapshot_param(v: &str) -> Result<(Option<String>, Option<String>)> {
-    if !v.starts_with("snapshot.") {
-        return Ok((Some(v.to_string()), Some(v.to_string())));
-    }
-    let (mut id, mut name) = (None, None);
-    for pair in split_opts(v) {
-        match pair.split_once('=') {
-            Some(("snapshot.id", i)) => id = Some(i.to_string()),
-            Some(("snapshot.name", n)) => name = Some(n.to_string()),
-            _ => {
-                let key = pair.split('=').next().unwrap_or_default();
-                bail!(
-                    "Invalid parameter '{key}'\n{}: Failed in parsing snapshot param '{v}'",
-                    crate::status::program()
-                );
-            }
-        }
-    }
-    Ok((id, name))
-}
-
 /// Parses and checks the arguments before anything is opened or created; `None` when `-o help`
 /// was asked for (and printed).
 pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
@@ -121,7 +99,11 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
     if args.target_is_zero && !args.no_create {
         bail!("--target-is-zero requires use of -n flag");
     }
-    let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
+    let snapshot = args
+        .snapshot
+        .as_deref()
+        .map(crate::chain::snapshot_param)
+        .transpose()?;
     if args.skip_broken_bitmaps && !args.bitmaps {
         bail!("Use of --skip-broken-bitmaps requires --bitmaps");
     }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use std::path::Path;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Result, anyhow};
 use qimg::Image;
 use qimg::chain::ImageFormat;
 use qimg::io::{AnyStorage, Backend, Storage};
@@ -12,7 +12,7 @@ use qimg::io::{AnyStorage, Backend, Storage};
 use super::plan::SourceChain;
 use super::refuse_overwriting_source;
 use crate::cache_mode::CacheMode;
-use crate::chain::{Layer, open_chain};
+use crate::chain::{load_snapshot, open_chain, view_snapshot};
 use crate::status::lib_msg;
 
 /// One source image, read through its whole chain.
@@ -95,39 +95,6 @@ impl Source {
             }
         }
         Ok(())
-    }
-}
-
-/// `-l`: the top image shows the snapshot, for its block status too (whose shortcut over
-/// empty L1 entries, read from the file's active table, no longer applies).
-async fn view_snapshot(
-    layers: &mut [Layer],
-    (id, name): &(Option<String>, Option<String>),
-) -> Result<()> {
-    match layers.first_mut() {
-        Some(Layer::Qcow2 {
-            img, l2_presence, ..
-        }) => {
-            load_snapshot(img, id, name).await?;
-            *l2_presence = None;
-            Ok(())
-        }
-        _ => bail!("Failed to load snapshot: raw images have no snapshots"),
-    }
-}
-
-/// Shows snapshot `id`/`name` in place of `img`'s disk, in qemu-img's words when there is none.
-async fn load_snapshot(
-    img: &Image<AnyStorage>,
-    id: &Option<String>,
-    name: &Option<String>,
-) -> Result<()> {
-    match img.view_snapshot(id.as_deref(), name.as_deref()).await {
-        Ok(()) => Ok(()),
-        Err(qimg::Error::SnapshotNotFound { .. }) => {
-            bail!("Failed to load snapshot: Can't find snapshot")
-        }
-        Err(e) => bail!("Failed to load snapshot: {e}"),
     }
 }
 
