@@ -1344,6 +1344,23 @@ fn qemu_io_help_and_discard_modes_as_qemu_io() {
                 "d.qcow2",
             ],
         ),
+        ("qemu-io", &["-h"]),
+        // Linux AIO only with O_DIRECT, as QEMU's.
+        (
+            "qemu-io",
+            &["-i", "native", "-c", "read -q 0 512", "d.qcow2"],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "open -i native d.qcow2",
+                "-c",
+                "open -k -n d.qcow2",
+                "-c",
+                "read -q 0 512",
+            ],
+        ),
         // `-i` counts an invalid request and stops there.
         (
             "qemu-io",

@@ -288,6 +288,10 @@ fn asks_version(args: &[std::ffi::OsString], name: &str) -> bool {
 /// QEMU's hint), with their exit status 1; help goes out as clap prints it.
 fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if name == "qemu-io" && e.kind() == ErrorKind::DisplayHelp {
+        out!("{}", cmd::io::USAGE);
+        crate::out::exit(0);
+    }
     if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
         e.exit();
     }

@@ -362,14 +362,21 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     };
     let mut cache = default_cache();
     let mut backend = qimg::io::Backend::Threads;
+    let mut native_aio = false;
     let mut discard_ignored = false;
     for (opt, arg) in &o.opts {
         let r = match (opt, arg.as_deref()) {
             ('d', Some(d)) => discard_mode(d).map(|i| discard_ignored = i),
             ('n', _) => cache_mode("none").map(|c| cache = c),
             ('t', Some(t)) => cache_mode(t).map(|c| cache = c),
-            ('i', Some(a)) => aio_mode(a).map(|b| backend = b),
-            ('k', _) => aio_mode("native").map(|b| backend = b),
+            ('i', Some(a)) => aio_mode(a).map(|b| {
+                backend = b;
+                native_aio = a == "native";
+            }),
+            ('k', _) => aio_mode("native").map(|b| {
+                backend = b;
+                native_aio = true;
+            }),
             _ => Ok(()),
         };
         if let Err(line) = r {
@@ -391,6 +398,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         force_share: o.has('U'),
         cache,
         backend,
+        native_aio,
         snapshot: o.has('s'),
         copy_on_read: o.has('C'),
         discard_ignored,

@@ -195,3 +195,36 @@ pub(super) fn long_help(name: &str) -> Option<&'static str> {
         _ => return None,
     })
 }
+
+/// What `qemu-io --help` prints, as qemu-io 10 prints it.
+pub const USAGE: &str = r#"Usage: qemu-io [OPTIONS]... [-c STRING]... [file]
+QEMU Disk exerciser
+
+  --object OBJECTDEF   define an object such as 'secret' for
+                       passwords and/or encryption keys
+  --image-opts         treat file as option string
+  -c, --cmd STRING     execute command with its arguments
+                       from the given string
+  -f, --format FMT     specifies the block driver to use
+  -r, --read-only      export read-only
+  -s, --snapshot       use snapshot file
+  -n, --nocache        disable host cache, short for -t none
+  -C, --copy-on-read   enable copy-on-read
+  -m, --misalign       misalign allocations for O_DIRECT
+  -k, --native-aio     use kernel AIO implementation
+                       (Linux only, prefer use of -i)
+  -i, --aio=MODE       use AIO mode (threads, native or io_uring)
+  -t, --cache=MODE     use the given cache mode for the image
+  -d, --discard=MODE   use the given discard mode for the image
+  -T, --trace [[enable=]<pattern>][,events=<file>][,file=<file>]
+                       specify tracing options
+                       see qemu-img(1) man page for full description
+  -U, --force-share    force shared permissions
+  -h, --help           display this help and exit
+  -V, --version        output version information and exit
+
+See 'qemu-io -c help' for information on available commands.
+
+See <https://qemu.org/contribute/report-a-bug> for how to report bugs.
+More information on the QEMU project at <https://qemu.org>.
+"#;

@@ -23,6 +23,7 @@ macro_rules! complain {
 mod aio;
 mod commands;
 mod help;
+pub use help::USAGE;
 mod out;
 mod parse;
 mod rw;
@@ -172,6 +173,10 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
         force_share: args.force_share,
         cache,
         backend,
+        native_aio: args
+            .aio
+            .as_deref()
+            .map_or(args.native_aio, |a| a == "native"),
         snapshot: args.snapshot,
         copy_on_read: args.copy_on_read,
         discard_ignored,

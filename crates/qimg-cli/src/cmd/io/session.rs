@@ -60,6 +60,9 @@ pub struct OpenSpec {
     pub cache: CacheMode,
     /// `-i`.
     pub backend: Backend,
+    /// `-i native` / `-k`: Linux AIO, which QEMU allows only with `O_DIRECT` (qimg serves it
+    /// with io_uring).
+    pub native_aio: bool,
     /// `-s`: writes go to a temporary overlay, the image itself is only read.
     pub snapshot: bool,
     /// `-C`: what reads find below the image is copied into it.
@@ -317,6 +320,13 @@ impl Session {
         };
         if spec.force_share && !spec.read_only {
             return fail("force-share=on can only be used with read-only images".into());
+        }
+        if spec.native_aio && !spec.cache.direct {
+            return fail(
+                "aio=native was specified, but it requires cache.direct=on, which was not \
+                 specified."
+                    .into(),
+            );
         }
         self.opened = Some((file.to_string(), spec.clone()));
         self.copy_on_read = spec.copy_on_read;
