@@ -301,8 +301,8 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
 }
 
 /// Refuses an output that is the source or a file of its chain (creating it would destroy the
-/// data being read), in qemu-img's words: the source holds the file's lock, so creating it
-/// (`creating`: the output format's name) or opening it for writing (`-n`) fails to get it.
+/// data being read); as qemu-img, in its words: the source holds the file's lock, so creating
+/// it (`creating`: the output format's name) or opening it for writing (`-n`) fails to get it.
 pub(super) fn refuse_overwriting_source(
     layers: &[Layer],
     dst: &Path,
@@ -315,6 +315,12 @@ pub(super) fn refuse_overwriting_source(
     for l in layers {
         for p in l.files() {
             if std::fs::canonicalize(&p).is_ok_and(|p| p == dst) {
+                if crate::status::program() == "qimg" {
+                    bail!(
+                        "Could not open '{file}': the output is the source image or a file of \
+                         its backing chain"
+                    );
+                }
                 let locked = crate::status::lock_error("QEMU's shared \"write\" lock", file);
                 match creating {
                     Some(fmt) => bail!("{file}: error while converting {fmt}: {locked}"),
