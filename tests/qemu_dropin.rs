@@ -1786,6 +1786,38 @@ fn runtime_option_values_are_checked_as_qemu_checks_them() {
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("may not exceed"), "{}", outs[0]);
+    // A blkdebug node's request limits.
+    let node = "driver=qcow2,file.driver=blkdebug,file.image.filename=t.qcow2,file.";
+    let limits: Vec<String> = [
+        "align=4095",
+        "align=3G",
+        "align=abc",
+        "max-transfer=1000",
+        "align=8192,file.max-transfer=4096",
+        "align=4096,file.opt-write-zero=1024",
+        "opt-write-zero=4096,file.max-write-zero=6144",
+        "opt-discard=4096,file.max-discard=6144",
+    ]
+    .iter()
+    .map(|l| format!("{node}{l}"))
+    .collect();
+    let steps: Vec<(&str, Vec<&str>)> = limits
+        .iter()
+        .map(|l| {
+            (
+                "qemu-io",
+                vec!["-c", "read -q 0 512", "--image-opts", l.as_str()],
+            )
+        })
+        .collect();
+    let steps: Vec<(&str, &[&str])> = steps.iter().map(|(p, a)| (*p, a.as_slice())).collect();
+    let outs = side_by_side(&s, &ours, &[], prepare, &steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Cannot meet constraints with align 4095"),
+        "{}",
+        outs[0]
+    );
 }
 
 #[test]

@@ -372,6 +372,7 @@ fn blkdebug_node(
         None => qimg::io::BlkdebugConfig::default(),
     };
     let rest = rules.from_options(&own)?;
+    crate::runtime_opts::check_blkdebug(&own)?;
     for k in rest {
         let ok = matches!(
             k.as_str(),

@@ -107,6 +107,39 @@ pub fn check(pairs: &[(String, String)], file: Option<&Path>) -> Result<(), Stri
     Ok(())
 }
 
+/// QEMU's checks of a `blkdebug` node's request limits (`own`: its options without their
+/// prefix): `align` a power of two, the others multiples of it (`max-write-zero` and
+/// `max-discard` of their `opt-` value too), all below 2^31. qimg accepts them and leaves its
+/// requests as they are.
+pub fn check_blkdebug(own: &[(String, String)]) -> Result<(), String> {
+    const LIMIT: u64 = i32::MAX as u64;
+    let get = |key: &str| -> Result<u64, String> {
+        own.iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map_or(Ok(0), |(k, v)| size(k, v))
+    };
+    let refuse = |key: &str, v: u64| Err(format!("Cannot meet constraints with {key} {v}"));
+    let align = get("align")?;
+    if align != 0 && (align >= LIMIT || !align.is_power_of_two()) {
+        return refuse("align", align);
+    }
+    let unit = align.max(1);
+    let multiple = |key: &str, v: u64, of: u64| {
+        if v != 0 && (v >= LIMIT || v % of != 0) {
+            return refuse(key, v);
+        }
+        Ok(())
+    };
+    multiple("max-transfer", get("max-transfer")?, unit)?;
+    let opt_wz = get("opt-write-zero")?;
+    multiple("opt-write-zero", opt_wz, unit)?;
+    multiple("max-write-zero", get("max-write-zero")?, opt_wz.max(unit))?;
+    let opt_discard = get("opt-discard")?;
+    multiple("opt-discard", opt_discard, unit)?;
+    multiple("max-discard", get("max-discard")?, opt_discard.max(unit))
+}
+
 /// A QemuOpts number: decimal, or hexadecimal with `0x` (no suffix).
 fn parse_number(v: &str) -> Option<i128> {
     let v = v.trim();
@@ -174,6 +207,25 @@ mod tests {
             e(&[("lazy-refcounts", "maybe")]),
             "Parameter 'lazy-refcounts' expects 'on' or 'off'"
         );
+        let b = |p: &[(&str, &str)]| check_blkdebug(&pairs(p));
+        assert_eq!(
+            b(&[("align", "4095")]),
+            Err("Cannot meet constraints with align 4095".into())
+        );
+        assert_eq!(
+            b(&[("align", "8192"), ("max-transfer", "4096")]),
+            Err("Cannot meet constraints with max-transfer 4096".into())
+        );
+        assert_eq!(
+            b(&[("opt-discard", "4096"), ("max-discard", "6144")]),
+            Err("Cannot meet constraints with max-discard 6144".into())
+        );
+        b(&[
+            ("align", "0"),
+            ("max-transfer", "1000"),
+            ("opt-write-zero", "1024"),
+        ])
+        .unwrap();
         check(
             &pairs(&[
                 ("cache-clean-interval", "0x10"),
