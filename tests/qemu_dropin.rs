@@ -1898,6 +1898,55 @@ fn convert_targets_and_missing_files_are_named_as_qemu_names_them() {
             "qemu-img",
             &["convert", "-n", "-O", "raw", "top.qcow2", "top.qcow2"],
         ),
+        // rebase -p steps as qemu-img's (a step per unallocated run of at most 2 MiB, 100
+        // again at the end; -u: 0 and 100), and a missing -F is refused before a raw image.
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "big.qcow2", "9M"],
+        ),
+        ("qemu-io", &["-c", "write 3M 1M", "big.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "rebase",
+                "-p",
+                "-b",
+                "top.qcow2",
+                "-F",
+                "qcow2",
+                "big.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "rebase",
+                "-u",
+                "-p",
+                "-b",
+                "t2.qcow2",
+                "-F",
+                "qcow2",
+                "big.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &["rebase", "-f", "raw", "-b", "top.qcow2", "t.raw"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "rebase",
+                "-f",
+                "raw",
+                "-b",
+                "top.qcow2",
+                "-F",
+                "qcow2",
+                "t.raw",
+            ],
+        ),
         // commit's rate limit is checked as qemu-img checks it.
         (
             "qemu-img",

@@ -50,3 +50,51 @@ impl Progress {
         }
     }
 }
+
+/// qemu-img's progress state where a command drives it by steps (`qemu_progress_print`):
+/// each step adds a percentage, capped at 100; a line is printed when the value moved more
+/// than 2 points, or is 0 or 100 (so 100 may be printed several times, as qemu-img prints
+/// it).
+pub struct Steps {
+    on: bool,
+    current: f64,
+    last: f64,
+}
+
+impl Steps {
+    /// Prints 0% at once when `on`.
+    pub fn start(on: bool) -> Self {
+        let mut p = Self {
+            on,
+            current: 0.0,
+            last: 0.0,
+        };
+        p.set(0.0);
+        p
+    }
+
+    /// Adds `pct` points.
+    pub fn step(&mut self, pct: f64) {
+        self.set(self.current + pct);
+    }
+
+    /// Sets the value to `pct`.
+    pub fn set(&mut self, pct: f64) {
+        self.current = pct.min(100.0);
+        if self.current > self.last + 2.0 || self.current == 100.0 || self.current == 0.0 {
+            self.last = self.current;
+            if self.on {
+                out!("    ({:3.2}/100%)\r", self.current);
+                crate::out::flush();
+            }
+        }
+    }
+
+    /// Ends the line.
+    pub fn end(&mut self) {
+        if self.on {
+            outln!();
+            self.on = false;
+        }
+    }
+}

@@ -18,7 +18,7 @@ use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
-use crate::progress::Progress;
+use crate::progress::Steps;
 use crate::status::{lib_msg, open_msg, os_msg};
 
 /// Arguments of `qimg rebase`.
@@ -93,6 +93,11 @@ pub fn run(args: RebaseArgs) -> Result<()> {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
         }
+        // As QEMU's bdrv_change_backing_file: a missing format is refused before the driver
+        // is asked.
+        if let (Some(n), None) = (new, args.backing_fmt.as_deref()) {
+            bail!("Could not change the backing file to '{n}': backing format must be specified")
+        }
         bail!(
             "Could not change the backing file to '{}': Operation not supported",
             new.unwrap_or("")
@@ -105,27 +110,43 @@ pub fn run(args: RebaseArgs) -> Result<()> {
         (Some(_), Some(f)) => Some(image_format(f).ok_or_else(|| anyhow!("Unknown driver '{f}'"))?),
         (None, _) => None,
     };
+    // qemu-img's progress: 0, a step per unallocated run of at most 2 MiB, 100 at the end.
+    let mut progress = Steps::start(args.progress && !args.quiet);
     if !args.unsafe_mode {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .context("cannot start the I/O runtime")?;
-        let show = args.progress && !args.quiet;
-        rt.block_on(copy_differences(
+        let copied = rt.block_on(copy_differences(
             path,
             &file,
             new,
             new_fmt,
-            show,
+            &mut progress,
             args.compress,
-        ))?;
+        ));
+        if copied.is_err() {
+            progress.end();
+        }
+        copied?;
     }
-    finish(&args, &file, new)
+    let done = finish(&args, &file, new);
+    if done.is_ok() {
+        progress.set(100.0);
+    }
+    progress.end();
+    done
 }
 
 /// Writes the new name and format into the header.
 fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
     let path = Path::new(file);
+    if new.is_some() && args.backing_fmt.is_none() {
+        bail!(
+            "Could not change the backing file to '{}': backing format must be specified",
+            new.unwrap_or("")
+        );
+    }
     if let Some(f) = args.fmt.as_deref() {
         if image_format(f) == Some(ImageFormat::Raw) {
             bail!(
@@ -133,12 +154,6 @@ fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
                 new.unwrap_or("")
             );
         }
-    }
-    if new.is_some() && args.backing_fmt.is_none() {
-        bail!(
-            "Could not change the backing file to '{}': backing format must be specified",
-            new.unwrap_or("")
-        );
     }
     qimg::tools::amend::set_backing_file(path, new, new.and(args.backing_fmt.as_deref())).map_err(
         |e| {
@@ -206,11 +221,11 @@ async fn copy_differences(
     file: &str,
     new: Option<&str>,
     new_fmt: Option<ImageFormat>,
-    show: bool,
+    progress: &mut Steps,
     compress: bool,
 ) -> Result<()> {
     let img = crate::image_spec::open_writable(path, file).await?;
-    let r = copy_into(&img, path, new, new_fmt, show, compress).await;
+    let r = copy_into(&img, path, new, new_fmt, progress, compress).await;
     let closed = img
         .close()
         .await
@@ -223,7 +238,7 @@ async fn copy_into(
     path: &Path,
     new: Option<&str>,
     new_fmt: Option<ImageFormat>,
-    show: bool,
+    progress: &mut Steps,
     compress: bool,
 ) -> Result<()> {
     let old = old_reader(img).await?;
@@ -260,15 +275,19 @@ async fn copy_into(
     };
     let size = img.size();
     let unit = img.subcluster_size();
-    let mut progress = Progress::start(show, size);
+    // qemu-img's step: 100 / (size / min(size, 2 MiB)) points per unallocated run of at
+    // most 2 MiB.
+    let per_step = 100.0 / (size / size.min(CHUNK).max(1)).max(1) as f64;
     let mut old_buf = vec![0u8; CHUNK as usize];
     let mut new_buf = vec![0u8; CHUNK as usize];
     let old_size = old.size()?;
     let extents = img.map(0, size).await.map_err(|e| anyhow!("{e}"))?;
     for e in extents {
         if !matches!(e.kind, ExtentKind::Unallocated { .. }) {
-            progress.add(e.length);
             continue;
+        }
+        for _ in 0..e.length.div_ceil(CHUNK) {
+            progress.step(per_step);
         }
         let end = e.start + e.length;
         let mut at = e.start;
@@ -338,10 +357,8 @@ async fn copy_into(
                 }
             }
             at += n;
-            progress.add(n);
         }
     }
     img.flush().await.map_err(|e| anyhow!("{e}"))?;
-    progress.end();
     Ok(())
 }
