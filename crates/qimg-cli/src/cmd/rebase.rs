@@ -277,7 +277,7 @@ async fn copy_into(
     let unit = img.subcluster_size();
     // qemu-img's step: 100 / (size / min(size, 2 MiB)) points per unallocated run of at
     // most 2 MiB.
-    let per_step = 100.0 / (size / size.min(CHUNK).max(1)).max(1) as f64;
+    let per_step = 100.0 / (size / size.clamp(1, CHUNK)).max(1) as f64;
     let mut old_buf = vec![0u8; CHUNK as usize];
     let mut new_buf = vec![0u8; CHUNK as usize];
     let old_size = old.size()?;
