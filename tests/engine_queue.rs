@@ -22,6 +22,9 @@ use qimg_testkit::rng::Rng;
 const SIZE: u64 = 16 << 20;
 const QUEUES: u64 = 4;
 const DEPTH: usize = 8;
+/// The end of the image no queue thread touches: the probe write after the threads (one
+/// cluster of the largest size tested).
+const PROBE_ZONE: u64 = 2 << 20;
 
 /// One request in flight: its guest range and, for reads, the bytes it must return.
 struct InFlight {
@@ -129,6 +132,42 @@ fn reap(
         }
         let _ = req.offset;
     }
+}
+
+/// One write alone on a fresh queue, 4 KiB into `zone + 4096` (512 bytes when buffered: part
+/// of a subcluster either way, of a cluster nothing has written); the queue's counts and the
+/// bytes written.
+fn probe_write(image: &Image<AnyStorage>, zone: u64, direct: bool) -> (qimg::QueueStats, Vec<u8>) {
+    let mut queue = image
+        .queue(QueueOptions::new().depth(DEPTH as u32))
+        .unwrap();
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).unwrap();
+    epoll
+        .add(queue.notifier(), EpollEvent::new(EpollFlags::EPOLLIN, 0))
+        .unwrap();
+    let len = if direct { 4096 } else { 512 };
+    let data = pattern(0x9e0be, zone + 4096, len);
+    let segs = [len];
+    let request = Request::Write {
+        offset: zone + 4096,
+        buffers: buffers(&segs, true, Some(&data)),
+    };
+    let mut inflight = HashMap::new();
+    inflight.insert(
+        1,
+        InFlight {
+            offset: zone + 4096,
+            len: len as u64,
+            expect: None,
+            what: "the probe write".into(),
+        },
+    );
+    queue.submit(request, 1).unwrap();
+    let mut wakeups = 0;
+    while !inflight.is_empty() {
+        reap(&mut queue, &epoll, &mut inflight, &mut wakeups);
+    }
+    (queue.stats(), data)
 }
 
 /// One queue's thread: requests within `[lo, hi)`, never two overlapping ones in flight.
@@ -288,9 +327,8 @@ fn run_checked(
                 .queue(QueueOptions::new().depth(DEPTH as u32))
                 .unwrap();
             let model = model.clone();
-            std::thread::spawn(move || {
-                drive(queue, model, q * region, (q + 1) * region, seed * 10 + q)
-            })
+            let hi = ((q + 1) * region).min(SIZE - PROBE_ZONE);
+            std::thread::spawn(move || drive(queue, model, q * region, hi, seed * 10 + q))
         })
         .collect();
     let mut merged = vec![0u8; SIZE as usize];
@@ -320,6 +358,17 @@ fn run_checked(
         allocating += stats.allocating;
         cow += stats.cow;
     }
+    // Which path a request of the threads takes depends on timing (a busy machine sends most
+    // to the engine: the metadata lock is taken); one write alone on an idle image does not.
+    let zone = SIZE - PROBE_ZONE;
+    let (probe, probe_bytes) = probe_write(&async_image, zone, direct);
+    merged[zone as usize + 4096..][..probe_bytes.len()].copy_from_slice(&probe_bytes);
+    println!(
+        "probe: {} direct, {} allocating, {} copying on write",
+        probe.direct, probe.allocating, probe.cow
+    );
+    direct_requests += probe.direct;
+    allocating += probe.allocating;
     // With a 2-slice cache nearly every request misses with a dirty victim (the engine's
     // case), so whether any goes direct depends on timing: there only the model counts.
     if slices.is_none() {
@@ -331,7 +380,10 @@ fn run_checked(
     }
     assert!(engine_requests > 0, "no request ran on the engine");
     if expect_cow {
-        assert!(cow > 0, "no write copied on write on a queue's ring");
+        assert!(
+            probe.cow == 1,
+            "the probe write did not copy on write on its queue's ring ({cow} of the threads' did)"
+        );
     }
     println!("{slice_loads} L2 slices loaded on the queues' rings");
     drop(async_image);
