@@ -109,6 +109,14 @@ pub fn parse_offset(value: &str, what: &str) -> Result<u64> {
     }
 }
 
+/// qemu's message for a size that does not parse (`qemu_opt_get_size`'s).
+pub fn size_error(key: &str) -> String {
+    format!(
+        "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, G, \
+         T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

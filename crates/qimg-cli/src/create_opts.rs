@@ -351,10 +351,7 @@ fn refuse(given: &mut Given, qemu: String, hint: &str) {
 /// own words.
 fn not_a_size(key: &str, value: &str) -> anyhow::Error {
     if crate::status::program() == "qemu-img" {
-        return anyhow::anyhow!(
-            "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, \
-             G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."
-        );
+        return anyhow::anyhow!(crate::args::size_error(key));
     }
     anyhow::anyhow!("Parameter '{key}' expects a size: '{value}'")
 }

@@ -6,15 +6,7 @@
 
 use std::path::Path;
 
-use crate::args::{on_off, parse_size};
-
-/// qemu's message for a size that does not parse (`qemu_opt_get_size`'s).
-pub fn size_error(key: &str) -> String {
-    format!(
-        "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, G, \
-         T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."
-    )
-}
+use crate::args::{on_off, parse_size, size_error};
 
 /// A size option's value.
 fn size(key: &str, v: &str) -> Result<u64, String> {

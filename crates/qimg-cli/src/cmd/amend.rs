@@ -209,13 +209,8 @@ fn parse(pairs: &[String]) -> Result<Parsed> {
             "data_file" => o.data_file = Some(v.to_string()),
             "data_file_raw" => o.data_file_raw = Some(on_off(k, v).map_err(anyhow::Error::msg)?),
             "size" => {
-                o.size = Some(parse_size(v).ok_or_else(|| {
-                    anyhow!(
-                        "Parameter 'size' expects a non-negative number below 2^64\nOptional \
-                         suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand \
-                         exabytes, respectively."
-                    )
-                })?)
+                o.size =
+                    Some(parse_size(v).ok_or_else(|| anyhow!(crate::args::size_error("size")))?)
             }
             "backing_file" | "backing_fmt" => backing = true,
             _ => {}

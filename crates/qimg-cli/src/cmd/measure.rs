@@ -66,11 +66,9 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
             bail!("Invalid parameter '{k}'\n{invalid}");
         }
         match k {
-            "size" | "cluster_size" if parse_size(v).is_none() => bail!(
-                "Parameter '{k}' expects a non-negative number below 2^64\nOptional suffix k, \
-                 M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, \
-                 respectively.\n{invalid}"
-            ),
+            "size" | "cluster_size" if parse_size(v).is_none() => {
+                bail!("{}\n{invalid}", crate::args::size_error(k))
+            }
             "extended_l2" | "lazy_refcounts" | "data_file_raw"
                 if !matches!(v, "on" | "off" | "yes" | "no" | "true" | "false") =>
             {

@@ -49,10 +49,6 @@ enum Prealloc {
     Full,
 }
 
-const SIZE_HELP: &str = "Parameter 'size' expects a non-negative number below 2^64\nOptional \
-                         suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\nand \
-                         exabytes, respectively.";
-
 /// Bytes of zeros written at a time to preallocate.
 const ZERO_CHUNK: u64 = 1 << 20;
 
@@ -73,7 +69,7 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         _ => (0, size_arg.as_str()),
     };
     let Some(n) = parse_size(digits) else {
-        bail!("{SIZE_HELP}");
+        bail!("{}", crate::args::size_error("size"));
     };
     let prealloc = match args.preallocation.as_deref() {
         None | Some("off") => Prealloc::Off,

@@ -6,12 +6,13 @@ use std::ops::ControlFlow;
 use std::time::Instant;
 
 use super::out::size_str;
-use super::parse::MAX_REQUEST;
 use super::rw::{read, readv, write, writev};
 use super::session::{
     Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, discard_mode, strerror,
 };
-use super::table::{COMMANDS, Cmd, io_failed, num, options, print_report, usage, usage_line};
+use super::table::{
+    COMMANDS, Cmd, io_failed, num, offset_and_count, options, print_report, usage, usage_line,
+};
 
 /// Runs one command line; `Break` after `quit`.
 pub async fn line(s: &mut Session, line: &str) -> ControlFlow<()> {
@@ -134,15 +135,7 @@ async fn discard(s: &mut Session, args: &[String]) -> Outcome {
     if o.operands.len() != 2 {
         return usage("discard");
     }
-    let offset = num(&o.operands[0])?;
-    let count = num(&o.operands[1])?;
-    if count > MAX_REQUEST {
-        outln!(
-            "length cannot exceed {MAX_REQUEST}, given {}",
-            o.operands[1]
-        );
-        return Err(Failed);
-    }
+    let (offset, count) = offset_and_count(&o, "", false)?;
     let t0 = Instant::now();
     s.discard(offset, count)
         .await

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::out::hex_dump;
 use super::parse::{MAX_REQUEST, Opts};
 use super::session::{Failed, Outcome, Session};
-use super::table::{io_failed, num, options, pattern, print_report, usage};
+use super::table::{io_failed, num, offset_and_count, options, pattern, print_report, usage};
 
 /// `read [-Cqv] [-P pattern [-s off] [-l len]] off len`.
 pub(super) async fn read(s: &mut Session, args: &[String]) -> Outcome {
@@ -20,15 +20,7 @@ pub(super) async fn read(s: &mut Session, args: &[String]) -> Outcome {
     if pat.is_none() && (s_off.is_some() || l_len.is_some()) {
         return usage("read");
     }
-    let offset = num(&o.operands[0])?;
-    let count = num(&o.operands[1])?;
-    if count > MAX_REQUEST {
-        outln!(
-            "length cannot exceed {MAX_REQUEST}, given {}",
-            o.operands[1]
-        );
-        return Err(Failed);
-    }
+    let (offset, count) = offset_and_count(&o, "", false)?;
     let p_off = s_off.unwrap_or(0);
     let p_len = l_len.unwrap_or(count.saturating_sub(p_off));
     if p_off.saturating_add(p_len) > count {
@@ -173,15 +165,7 @@ pub(super) async fn write(s: &mut Session, args: &[String]) -> Outcome {
         outln!("Only one of -z, -P, and -s can be specified at the same time");
         return Err(Failed);
     }
-    let offset = num(&o.operands[0])?;
-    let count = num(&o.operands[1])?;
-    if count > MAX_REQUEST && !(z && o.has('n')) {
-        outln!(
-            "length cannot exceed {MAX_REQUEST} without -n, given {}",
-            o.operands[1]
-        );
-        return Err(Failed);
-    }
+    let (offset, count) = offset_and_count(&o, " without -n", z && o.has('n'))?;
     let fua = o.has('f');
     let vm_state = o.has('b');
     if vm_state {

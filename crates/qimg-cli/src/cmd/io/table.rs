@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::out::report;
-use super::parse::{NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
+use super::parse::{MAX_REQUEST, NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
 use super::session::{Failed, Outcome, strerror};
 
 /// What dispatch checks before running a command.
@@ -343,6 +343,26 @@ pub(super) fn num(arg: &str) -> Result<u64, Failed> {
         outln!("{}", num_error_line(e, arg));
         Failed
     })
+}
+
+/// The `OFFSET LENGTH` operands of a request command; a length over [`MAX_REQUEST`] is
+/// refused with qemu-io's line (`write`'s says `without -n`) unless `unbounded` (`write -z
+/// -n`, which moves no data).
+pub(super) fn offset_and_count(
+    o: &Opts,
+    without: &str,
+    unbounded: bool,
+) -> Result<(u64, u64), Failed> {
+    let offset = num(&o.operands[0])?;
+    let count = num(&o.operands[1])?;
+    if count > MAX_REQUEST && !unbounded {
+        outln!(
+            "length cannot exceed {MAX_REQUEST}{without}, given {}",
+            o.operands[1]
+        );
+        return Err(Failed);
+    }
+    Ok((offset, count))
 }
 
 /// The `-P` byte of the options, if given; a bad one prints qemu-io's line.
