@@ -1297,6 +1297,82 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
 }
 
 #[test]
+fn damaged_tables_open_and_fail_where_qemus_do() {
+    if !have_qemu("damaged_tables_open_and_fail_where_qemus_do") {
+        return;
+    }
+    let s = Scratch::new("damaged-tables");
+    let ours = Ours::new(&s);
+    // 64 KiB clusters: refcount table 0x10000, its block 0x20000, L1 0x30000, and after the
+    // first write the L2 table 0x40000 and the data cluster 0x50000.
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "l1.qcow2", "8M"]),
+        ("qemu-img", &["create", "-f", "qcow2", "l2.qcow2", "8M"]),
+        ("qemu-img", &["create", "-f", "qcow2", "rb.qcow2", "8M"]),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "l1.qcow2"]),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "l2.qcow2"]),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "rb.qcow2"]),
+        // L1[0] = 0x8000000000042a00: an unaligned L2 table.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x80 0x30000 1",
+                "-c",
+                "write -P 0x04 0x30005 1",
+                "-c",
+                "write -P 0x2a 0x30006 1",
+                "l1.qcow2",
+            ],
+        ),
+        // L2[0] = 0x8000000000052a00: an unaligned data cluster.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x05 0x40005 1",
+                "-c",
+                "write -P 0x2a 0x40006 1",
+                "l2.qcow2",
+            ],
+        ),
+        // Refcount table entry 0 = 0x22a00: an unaligned refcount block.
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0x2a 0x10006 1", "rb.qcow2"],
+        ),
+    ];
+    let steps: Prep = &[
+        // Opens; the read that needs the table fails (non-fatal form when read-only).
+        ("qemu-io", &["-r", "-c", "read 0 64k", "l1.qcow2"]),
+        ("qemu-io", &["-c", "read 64k 64k", "l1.qcow2"]),
+        ("qemu-io", &["-c", "read 0 64k", "l1.qcow2"]),
+        ("qemu-io", &["-c", "write 0 64k", "l1.qcow2"]),
+        ("qemu-io", &["-c", "read -P 0 1M 64k", "l2.qcow2"]),
+        ("qemu-io", &["-c", "read 0 64k", "l2.qcow2"]),
+        ("qemu-io", &["-c", "write 0 64k", "l2.qcow2"]),
+        ("qemu-img", &["check", "l2.qcow2"]),
+        // Reads need no refcount; the allocating write does.
+        ("qemu-io", &["-c", "read -P 1 0 64k", "rb.qcow2"]),
+        ("qemu-io", &["-c", "write 64k 64k", "rb.qcow2"]),
+        ("qemu-io", &["-c", "write 64k 64k", "rb.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    for event in [
+        "Image is corrupt: L2 table offset 0x42a00 unaligned (L1 index: 0)",
+        "Marking image as corrupt: Cluster allocation offset 0x52a00 unaligned",
+        "Marking image as corrupt: Refblock offset 0x22a00 unaligned (reftable index: 0)",
+    ] {
+        assert!(outs[0].contains(event), "{event}: {}", outs[0]);
+    }
+}
+
+#[test]
 fn qemu_io_help_and_discard_modes_as_qemu_io() {
     if !have_qemu("qemu_io_help_and_discard_modes_as_qemu_io") {
         return;

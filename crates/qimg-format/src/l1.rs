@@ -73,6 +73,17 @@ impl L1Entry {
         })
     }
 
+    /// Decodes `raw` as QEMU's data path reads it: reserved bits are ignored and the L2 table
+    /// offset is kept as found, aligned or not (an engine refuses an unaligned table when a
+    /// request needs it, marking the image corrupt, instead of refusing the whole image).
+    pub fn decode_lenient(raw: u64) -> Self {
+        let offset = raw & L1E_OFFSET_MASK;
+        Self {
+            l2_offset: (offset != 0).then_some(HostOffset(offset)),
+            copied: raw & QCOW_OFLAG_COPIED != 0,
+        }
+    }
+
     /// The raw 64-bit entry.
     ///
     /// Offset bits outside bits 9..=55 cannot be represented and are dropped; offsets built by
@@ -123,6 +134,14 @@ pub fn decode_table(bytes: &[u8], cluster_size: u64, base: u64) -> Result<Vec<L1
         .collect()
 }
 
+/// Decodes an L1 table with [`L1Entry::decode_lenient`]; a trailing partial word is ignored.
+pub fn decode_table_lenient(bytes: &[u8]) -> Vec<L1Entry> {
+    crate::lenient::decode_words(bytes)
+        .into_iter()
+        .map(L1Entry::decode_lenient)
+        .collect()
+}
+
 /// Encodes L1 entries as big-endian bytes.
 pub fn encode_table(entries: &[L1Entry]) -> Vec<u8> {
     entries
@@ -137,6 +156,29 @@ mod tests {
     use proptest::prelude::*;
 
     const CS: u64 = 0x10000;
+
+    #[test]
+    fn the_lenient_decoder_keeps_an_unaligned_table_and_drops_reserved_bits() {
+        let e = L1Entry::decode_lenient(0xff00_0000_0004_2bff);
+        assert_eq!(e.l2_offset, Some(HostOffset(0x4_2a00)));
+        assert!(e.copied);
+        assert_eq!(L1Entry::decode_lenient(0x1ff), L1Entry::UNALLOCATED);
+        let t = decode_table_lenient(&[0, 0, 0, 0, 0, 3, 0, 0, 1]);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].l2_offset, Some(HostOffset(0x30000)));
+    }
+
+    proptest! {
+        #[test]
+        fn the_lenient_decoder_agrees_with_the_strict_one_where_it_decodes(raw in any::<u64>()) {
+            if let Ok(strict) = L1Entry::decode(raw, CS, 0) {
+                prop_assert_eq!(L1Entry::decode_lenient(raw), strict);
+            }
+            let lenient = L1Entry::decode_lenient(raw);
+            prop_assert_eq!(lenient.l2_offset.map_or(0, |o| o.0), raw & L1E_OFFSET_MASK);
+            prop_assert_eq!(lenient.copied, raw & QCOW_OFLAG_COPIED != 0);
+        }
+    }
 
     #[test]
     fn zero_is_an_unallocated_entry() {

@@ -211,6 +211,15 @@ impl From<Error> for io::Error {
     }
 }
 
+/// `%#x` as C prints it (`0` for zero): for messages in QEMU's words.
+pub(crate) fn c_hex(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

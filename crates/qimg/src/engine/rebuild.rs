@@ -176,6 +176,7 @@ impl<S: Storage> Inner<S> {
     /// blocks are written only where something is referenced, so the work and memory follow
     /// the number of references, not the largest offset.
     pub(crate) async fn rebuild_refcounts(&self, m: &mut Meta) -> Result<()> {
+        self.refuse_unaligned_l2(m).await?;
         let cs = self.geo.cluster_size();
         let e = self.rgeo.refblock_entries();
         let refs = self.count_references(m).await?;

@@ -169,6 +169,7 @@ impl<S: Storage> Image<S> {
         let inner = &*self.inner;
         let mut m = inner.meta.lock().await;
         inner.ensure_open(&m)?;
+        inner.refuse_unaligned_l2(&mut m).await?;
         let mut snaps = inner.read_snapshot_table(&m).await?;
         if snaps.len() as u64 >= u64::from(MAX_SNAPSHOTS) {
             return Err(Error::Unsupported {
@@ -618,6 +619,7 @@ impl<S: Storage> Inner<S> {
     /// refcount is above 1, set where it is 1 (in L2 tables only when the table itself is
     /// not shared). Refcounts must be durable first; the flags are durable on return.
     pub(crate) async fn sync_copied(&self, m: &mut Meta) -> Result<()> {
+        self.refuse_unaligned_l2(m).await?;
         let cs = self.geo.cluster_size();
         let es = self.geo.l2_entry_size() as usize;
         let slice_bytes = m.l2_slice;

@@ -42,7 +42,7 @@ pub(crate) struct Shared<S: Storage> {
     pub(crate) counters: Counters,
     pub(crate) epoch: tokio::time::Instant,
     pub(crate) clean_interval: Option<Duration>,
-    /// Corruption was found while writing: further writes are refused.
+    /// Corruption was found (reported once): a writable image refuses further writes.
     pub(crate) marked_corrupt: AtomicBool,
     /// A header switch failed (see [`Error::Halted`]): further writes are refused until the
     /// image is reopened. Holds what failed.
@@ -358,7 +358,8 @@ impl<S: Storage> Shared<S> {
 
     pub(crate) fn check_writable(&self) -> Result<()> {
         self.check_not_halted()?;
-        if self.marked_corrupt.load(Ordering::Acquire) {
+        // (On a read-only image the mark only says a corruption was reported.)
+        if self.writable && self.marked_corrupt.load(Ordering::Acquire) {
             return Err(Error::Corrupt {
                 path: self.path.clone(),
                 what: "the image was marked corrupt after an inconsistency was found; \

@@ -115,8 +115,9 @@ impl Meta {
                     ),
                 )
             })?;
-        let l1 =
-            l1::decode_table(&raw, cs, h.l1_table_offset).map_err(|e| Error::format(path, e))?;
+        // Read as QEMU reads it: reserved bits are ignored, and an unaligned L2 table is
+        // refused (the image marked corrupt) when a request needs it (`Shared::l2_table`).
+        let l1 = l1::decode_table_lenient(&raw);
         let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
         let mut raw = vec![0u8; rt_bytes as usize];
         file.read_at_zero_fill(&mut raw, h.refcount_table_offset)
@@ -211,7 +212,9 @@ impl Meta {
         let table_len = refcount::table_bytes(self.reftable.len() as u64).div_ceil(cs) * cs;
         self.overlap
             .insert(Region::RefcountTable, self.reftable_offset, table_len);
-        for &b in &self.reftable {
+        // An unaligned block is never read or written (`Shared::load` refuses it, marking the
+        // image corrupt, when a refcount in it is needed): it guards nothing.
+        for &b in self.reftable.iter().filter(|&&b| b % cs == 0) {
             self.overlap.insert(Region::RefcountBlock, b, cs);
         }
     }
@@ -293,7 +296,15 @@ impl<S: Storage> Shared<S> {
         event: String,
         what: String,
     ) -> Error {
-        if self.writable && !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+        if !self.writable {
+            // QEMU's non-fatal form: a read-only image is not marked, only reported once.
+            if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+                m.messages.push(format!(
+                    "qcow2: Image is corrupt: {event}; further non-fatal corruption events will \
+                     be suppressed"
+                ));
+            }
+        } else if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
             m.messages.push(format!(
                 "qcow2: Marking image as corrupt: {event}; further corruption events will be suppressed"
             ));

@@ -12,7 +12,7 @@ use qimg_io::Storage;
 use super::{CacheKind, Meta};
 use crate::engine::overlap::{Region, Writing};
 use crate::engine::state::Shared;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, c_hex};
 
 impl<S: Storage> Shared<S> {
     /// Slice key and index in the slice of the L2 entry for `guest` in table `table`.
@@ -59,8 +59,25 @@ impl<S: Storage> Shared<S> {
         let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
         match AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at) {
             Ok(e) => Ok(e),
-            Err(e) if self.writable => Err(self.signal_corruption(m, e.to_string()).await),
-            Err(e) => Err(self.fmt_err(e)),
+            Err(e) => {
+                // QEMU's words for the event (`qcow2_get_host_offset`), ours for the error.
+                let index = (at - key.table) / es as u64;
+                let event = match e {
+                    qimg_format::FormatError::Unaligned { value, .. } => format!(
+                        "Cluster allocation offset {value:#x} unaligned (L2 offset: {:#x}, L2 \
+                         index: {})",
+                        key.table,
+                        c_hex(index)
+                    ),
+                    qimg_format::FormatError::InvalidSubclusterBitmap { .. } => format!(
+                        "Invalid cluster entry found (L2 offset: {:#x}, L2 index: {})",
+                        key.table,
+                        c_hex(index)
+                    ),
+                    _ => e.to_string(),
+                };
+                Err(self.signal_corruption_as(m, event, e.to_string()).await)
+            }
         }
     }
 
@@ -185,6 +202,38 @@ impl<S: Storage> Shared<S> {
         true
     }
 
+    /// QEMU's words for the L2 table at `table` when it is not cluster aligned (`None` when
+    /// it is). Such a table is never loaded, copied or freed: the request that needs it
+    /// fails and the image is marked corrupt ([`load`](Self::load), [`ensure_l2`]
+    /// (Self::ensure_l2), [`refuse_unaligned_l2`](Self::refuse_unaligned_l2)); the paths that
+    /// load slices without the metadata lock leave it to the locked one.
+    pub(crate) fn unaligned_l2(&self, m: &Meta, table: u64) -> Option<String> {
+        (table % self.geo.cluster_size() != 0).then(|| {
+            let l1i =
+                m.l1.iter()
+                    .position(|e| e.l2_offset.is_some_and(|o| o.0 == table))
+                    .unwrap_or(0);
+            format!(
+                "L2 table offset {table:#x} unaligned (L1 index: {})",
+                c_hex(l1i as u64)
+            )
+        })
+    }
+
+    /// Refuses (marking the image corrupt) when an L1 entry names an unaligned L2 table:
+    /// for the operations that walk every table (refcount rebuild, snapshots, shrinking,
+    /// emptying).
+    pub(crate) async fn refuse_unaligned_l2(&self, m: &mut Meta) -> Result<()> {
+        let bad =
+            m.l1.iter()
+                .filter_map(|e| e.l2_offset)
+                .find_map(|t| self.unaligned_l2(m, t.0));
+        match bad {
+            Some(what) => Err(self.signal_corruption(m, what).await),
+            None => Ok(()),
+        }
+    }
+
     /// Makes sure the slice `key` is cached, writing back a dirty victim first.
     pub(crate) async fn load(&self, m: &mut Meta, kind: CacheKind, key: SliceKey) -> Result<()> {
         // A counted lookup: hits and misses in the statistics come from here.
@@ -193,12 +242,18 @@ impl<S: Storage> Shared<S> {
             return Ok(());
         }
         let cs = self.geo.cluster_size();
+        if let Some(what) = (kind == CacheKind::L2)
+            .then(|| self.unaligned_l2(m, key.table))
+            .flatten()
+        {
+            return Err(self.signal_corruption(m, what).await);
+        }
         if kind == CacheKind::Refcount && key.table % cs != 0 {
             // QEMU's words; the image is marked corrupt (writable images), as QEMU does.
             let what = format!(
-                "Refblock offset {:#x} unaligned (reftable index: {:#x})",
+                "Refblock offset {:#x} unaligned (reftable index: {})",
                 key.table,
-                m.reftable.iter().position(|&b| b == key.table).unwrap_or(0)
+                c_hex(m.reftable.iter().position(|&b| b == key.table).unwrap_or(0) as u64)
             );
             return Err(self.signal_corruption(m, what).await);
         }

@@ -29,6 +29,9 @@ impl<S: Storage> Shared<S> {
                 ),
             )
         })?;
+        if let Some(what) = entry.l2_offset.and_then(|t| self.unaligned_l2(m, t.0)) {
+            return Err(self.signal_corruption(m, what).await);
+        }
         if let (Some(off), true) = (entry.l2_offset, entry.copied) {
             return Ok((off.0, false));
         }
@@ -224,6 +227,7 @@ impl<S: Storage> Shared<S> {
     /// snapshots, no persistent bitmaps, no external data file, and the L1 table and three
     /// clusters counted by one refcount block. `false` (nothing done) otherwise.
     pub(crate) async fn empty_completely(&self, m: &mut Meta) -> Result<bool> {
+        self.refuse_unaligned_l2(m).await?;
         let cs = self.geo.cluster_size();
         let l1_bytes = l1::table_bytes(m.l1.len() as u64);
         let l1_clusters = l1_bytes.div_ceil(cs);

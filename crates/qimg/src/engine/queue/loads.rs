@@ -238,6 +238,10 @@ fn missing_slice<S: Storage>(
         let Some(table) = m.l1.get(l1i)?.l2_offset else {
             continue;
         };
+        if inner.unaligned_l2(m, table.0).is_some() {
+            // The engine refuses it (and marks the image corrupt).
+            return None;
+        }
         let (key, _) = inner.l2_position(m, table.0, gc);
         if !m.l2.contains(key) {
             return Some(key);

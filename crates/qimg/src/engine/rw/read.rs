@@ -103,6 +103,9 @@ impl<S: Storage> Inner<S> {
                 let Some(table) = m.l1.get(l1i).and_then(|e| e.l2_offset) else {
                     return self.lookup(&mut m, gc).await;
                 };
+                if self.unaligned_l2(&m, table.0).is_some() {
+                    return self.lookup(&mut m, gc).await;
+                }
                 let (key, idx) = self.l2_position(&m, table.0, gc);
                 let dirty_victim =
                     m.l2.victim()

@@ -116,6 +116,7 @@ impl<S: Storage> Inner<S> {
         let keep_end = new_size.next_multiple_of(cs);
         let span = self.geo.l2_coverage();
         let mut m = self.meta.lock().await;
+        self.refuse_unaligned_l2(&mut m).await?;
         let first_table = keep_end / span;
         let tables = m.l1.len() as u64;
         for index in first_table..tables {

@@ -27,14 +27,7 @@ use crate::error::{Error, Result};
 /// Clusters past the end of the file remembered as referenced by uncounted ranges.
 pub(super) const BEYOND_EOF_WINDOW: u64 = 4096;
 
-/// `%#x` as C prints it: `0` for zero.
-pub(super) fn c_hex(v: u64) -> String {
-    if v == 0 {
-        "0".into()
-    } else {
-        format!("{v:#x}")
-    }
-}
+pub(super) use crate::error::c_hex;
 
 /// A walk error as the `std::io::Error` QEMU would have seen.
 pub(super) fn walk_io_error(e: WalkError) -> std::io::Error {
