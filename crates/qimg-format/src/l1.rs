@@ -134,14 +134,6 @@ pub fn decode_table(bytes: &[u8], cluster_size: u64, base: u64) -> Result<Vec<L1
         .collect()
 }
 
-/// Decodes an L1 table with [`L1Entry::decode_lenient`]; a trailing partial word is ignored.
-pub fn decode_table_lenient(bytes: &[u8]) -> Vec<L1Entry> {
-    crate::lenient::decode_words(bytes)
-        .into_iter()
-        .map(L1Entry::decode_lenient)
-        .collect()
-}
-
 /// Encodes L1 entries as big-endian bytes.
 pub fn encode_table(entries: &[L1Entry]) -> Vec<u8> {
     entries
@@ -163,7 +155,7 @@ mod tests {
         assert_eq!(e.l2_offset, Some(HostOffset(0x4_2a00)));
         assert!(e.copied);
         assert_eq!(L1Entry::decode_lenient(0x1ff), L1Entry::UNALLOCATED);
-        let t = decode_table_lenient(&[0, 0, 0, 0, 0, 3, 0, 0, 1]);
+        let t = crate::lenient::decode_l1_table(&[0, 0, 0, 0, 0, 3, 0, 0, 1]);
         assert_eq!(t.len(), 1);
         assert_eq!(t[0].l2_offset, Some(HostOffset(0x30000)));
     }

@@ -7,7 +7,7 @@
 //! them the way QEMU does (`qcow2_get_cluster_type`, `qcow2_parse_compressed_l2_entry`),
 //! never failing: every bit pattern has an answer.
 
-use crate::l1::{L1E_OFFSET_MASK, L1E_RESERVED_MASK, QCOW_OFLAG_COPIED};
+use crate::l1::{L1E_OFFSET_MASK, L1E_RESERVED_MASK, L1Entry, QCOW_OFLAG_COPIED};
 use crate::l2::{L2E_OFFSET_MASK, L2E_STD_RESERVED_MASK, QCOW_OFLAG_COMPRESSED, QCOW_OFLAG_ZERO};
 use crate::refcount::{REFT_OFFSET_MASK, REFT_RESERVED_MASK};
 
@@ -33,6 +33,15 @@ fn word_of(bytes: &[u8]) -> u64 {
     let n = bytes.len().min(8);
     w[..n].copy_from_slice(&bytes[..n]);
     u64::from_be_bytes(w)
+}
+
+/// Decodes an L1 table with [`L1Entry::decode_lenient`] (as QEMU's data path reads it); a
+/// trailing partial word is ignored.
+pub fn decode_l1_table(bytes: &[u8]) -> Vec<L1Entry> {
+    decode_words(bytes)
+        .into_iter()
+        .map(L1Entry::decode_lenient)
+        .collect()
 }
 
 /// Encodes words as big-endian bytes (the inverse of [`decode_words`]).

@@ -117,7 +117,7 @@ impl Meta {
             })?;
         // Read as QEMU reads it: reserved bits are ignored, and an unaligned L2 table is
         // refused (the image marked corrupt) when a request needs it (`Shared::l2_table`).
-        let l1 = l1::decode_table_lenient(&raw);
+        let l1 = qimg_format::lenient::decode_l1_table(&raw);
         let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
         let mut raw = vec![0u8; rt_bytes as usize];
         file.read_at_zero_fill(&mut raw, h.refcount_table_offset)
