@@ -22,7 +22,7 @@ use qimg_testkit::rng::Rng;
 const SIZE: u64 = 16 << 20;
 const QUEUES: u64 = 4;
 const DEPTH: usize = 8;
-/// The end of the image no queue thread touches: the probe write after the threads (one
+/// The end of the image no queue thread touches: the probe writes after the threads (one
 /// cluster of the largest size tested).
 const PROBE_ZONE: u64 = 2 << 20;
 
@@ -134,10 +134,19 @@ fn reap(
     }
 }
 
-/// One write alone on a fresh queue, 4 KiB into `zone + 4096` (512 bytes when buffered: part
-/// of a subcluster either way, of a cluster nothing has written); the queue's counts and the
-/// bytes written.
-fn probe_write(image: &Image<AnyStorage>, zone: u64, direct: bool) -> (qimg::QueueStats, Vec<u8>) {
+/// Writes alone (each waits for the one before) on a fresh queue, 4 KiB (512 bytes when
+/// buffered) into `zone + k * 64 KiB + 4096` for k = 0, 1, ...: part of a subcluster nothing
+/// has written. Which path a lone write takes still depends on what the engine thread is
+/// doing (extending the queues' reserved space, say), so up to `PROBES` are tried, until one
+/// took the direct path (and, with `cow`, copied on write on the ring). The queue's counts
+/// and the writes `(offset, bytes)`.
+fn probe_writes(
+    image: &Image<AnyStorage>,
+    zone: u64,
+    direct: bool,
+    cow: bool,
+) -> (qimg::QueueStats, Vec<(u64, Vec<u8>)>) {
+    const PROBES: u64 = 16;
     let mut queue = image
         .queue(QueueOptions::new().depth(DEPTH as u32))
         .unwrap();
@@ -146,28 +155,36 @@ fn probe_write(image: &Image<AnyStorage>, zone: u64, direct: bool) -> (qimg::Que
         .add(queue.notifier(), EpollEvent::new(EpollFlags::EPOLLIN, 0))
         .unwrap();
     let len = if direct { 4096 } else { 512 };
-    let data = pattern(0x9e0be, zone + 4096, len);
-    let segs = [len];
-    let request = Request::Write {
-        offset: zone + 4096,
-        buffers: buffers(&segs, true, Some(&data)),
-    };
-    let mut inflight = HashMap::new();
-    inflight.insert(
-        1,
-        InFlight {
-            offset: zone + 4096,
-            len: len as u64,
-            expect: None,
-            what: "the probe write".into(),
-        },
-    );
-    queue.submit(request, 1).unwrap();
-    let mut wakeups = 0;
-    while !inflight.is_empty() {
-        reap(&mut queue, &epoll, &mut inflight, &mut wakeups);
+    let mut written = Vec::new();
+    for k in 0..PROBES {
+        let offset = zone + k * 65536 + 4096;
+        let data = pattern(0x9e0be + k, offset, len);
+        let request = Request::Write {
+            offset,
+            buffers: buffers(&[len], true, Some(&data)),
+        };
+        let mut inflight = HashMap::new();
+        inflight.insert(
+            k,
+            InFlight {
+                offset,
+                len: len as u64,
+                expect: None,
+                what: format!("probe write {k}"),
+            },
+        );
+        queue.submit(request, k).unwrap();
+        let mut wakeups = 0;
+        while !inflight.is_empty() {
+            reap(&mut queue, &epoll, &mut inflight, &mut wakeups);
+        }
+        written.push((offset, data));
+        let stats = queue.stats();
+        if stats.direct > 0 && (!cow || stats.cow > 0) {
+            break;
+        }
     }
-    (queue.stats(), data)
+    (queue.stats(), written)
 }
 
 /// One queue's thread: requests within `[lo, hi)`, never two overlapping ones in flight.
@@ -361,11 +378,16 @@ fn run_checked(
     // Which path a request of the threads takes depends on timing (a busy machine sends most
     // to the engine: the metadata lock is taken); one write alone on an idle image does not.
     let zone = SIZE - PROBE_ZONE;
-    let (probe, probe_bytes) = probe_write(&async_image, zone, direct);
-    merged[zone as usize + 4096..][..probe_bytes.len()].copy_from_slice(&probe_bytes);
+    let (probe, probes) = probe_writes(&async_image, zone, direct, expect_cow);
+    for (offset, bytes) in &probes {
+        merged[*offset as usize..][..bytes.len()].copy_from_slice(bytes);
+    }
     println!(
-        "probe: {} direct, {} allocating, {} copying on write",
-        probe.direct, probe.allocating, probe.cow
+        "{} probe writes: {} direct, {} allocating, {} copying on write",
+        probes.len(),
+        probe.direct,
+        probe.allocating,
+        probe.cow
     );
     direct_requests += probe.direct;
     allocating += probe.allocating;
@@ -382,7 +404,7 @@ fn run_checked(
     if expect_cow {
         assert!(
             probe.cow == 1,
-            "the probe write did not copy on write on its queue's ring ({cow} of the threads' did)"
+            "no probe write copied on write on its queue's ring ({cow} of the threads' writes did)"
         );
     }
     println!("{slice_loads} L2 slices loaded on the queues' rings");
