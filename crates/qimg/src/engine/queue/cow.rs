@@ -241,7 +241,13 @@ impl<S: Storage + 'static> Queue<S> {
                     return;
                 }
                 Err(e) => {
-                    p.error = Some(super::ring_error(path, true, cow.host, span as u64, e));
+                    p.error = Some(super::ring::ring_error(
+                        path,
+                        true,
+                        cow.host,
+                        span as u64,
+                        e,
+                    ));
                 }
             }
         }
