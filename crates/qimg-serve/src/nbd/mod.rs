@@ -28,11 +28,14 @@
 //!   payload (QEMU's client sends it so, and qemu-nbd accepts it).
 //! - Block status answers at most 1 GiB per request (the client asks again for the rest).
 
+mod execute;
 pub mod handshake;
 mod host_holes;
 pub mod proto;
 #[cfg(target_os = "linux")]
 mod queued;
+mod reply;
+mod request;
 mod status;
 pub mod tls;
 pub mod transmission;
