@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use qimg::io::blkdebug::{self, Breakpoints};
 
+use super::errors::{Failed, Outcome};
 use super::rw::{readv, writev};
-use super::session::{Failed, Outcome, Session};
+use super::session::Session;
 
 /// `aio_read` and `aio_write`: the request starts, the command returns.
 pub async fn submit(s: &mut Session, name: &'static str, args: &[String]) -> Outcome {
@@ -37,7 +38,7 @@ pub async fn submit(s: &mut Session, name: &'static str, args: &[String]) -> Out
 /// one, QEMU's answer: the operation is not supported).
 pub async fn breakpoint(s: &mut Session, name: &str, args: &[String]) -> Outcome {
     let Some(bp) = blkdebug::attached_breakpoints() else {
-        let why = super::session::strerror(nix::errno::Errno::EOPNOTSUPP as i32);
+        let why = super::errors::strerror(nix::errno::Errno::EOPNOTSUPP as i32);
         fail(name, args, &why);
         return Err(Failed);
     };
@@ -48,7 +49,7 @@ pub async fn breakpoint(s: &mut Session, name: &str, args: &[String]) -> Outcome
         _ => return wait_break(s, &bp, &args[0]).await,
     };
     if done.is_err() {
-        let why = super::session::strerror(nix::errno::Errno::ENOENT as i32);
+        let why = super::errors::strerror(nix::errno::Errno::ENOENT as i32);
         fail(name, args, &why);
         return Err(Failed);
     }

@@ -5,11 +5,10 @@
 use std::ops::ControlFlow;
 use std::time::Instant;
 
+use super::errors::{Failed, Outcome, strerror};
 use super::out::size_str;
 use super::rw::{read, readv, write, writev};
-use super::session::{
-    Failed, OpenSpec, Outcome, Session, aio_mode, cache_mode, default_cache, discard_mode, strerror,
-};
+use super::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache, discard_mode};
 use super::table::{
     COMMANDS, Cmd, io_failed, num, offset_and_count, options, print_report, usage, usage_line,
 };

@@ -22,10 +22,13 @@ macro_rules! complain {
 
 mod aio;
 mod commands;
+mod data;
+mod errors;
 mod help;
 pub use help::USAGE;
 mod out;
 mod parse;
+mod raw;
 mod rw;
 mod session;
 mod table;

@@ -3,9 +3,10 @@
 
 use std::time::Instant;
 
+use super::errors::{Failed, Outcome};
 use super::out::hex_dump;
 use super::parse::{MAX_REQUEST, Opts};
-use super::session::{Failed, Outcome, Session};
+use super::session::Session;
 use super::table::{io_failed, num, offset_and_count, options, pattern, print_report, usage};
 
 /// `read [-Cqv] [-P pattern [-s off] [-l len]] off len`.

@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
+use super::errors::{Failed, Outcome, strerror};
 use super::out::report;
 use super::parse::{MAX_REQUEST, NumError, Opts, getopt, num_error_line, parse_num, parse_pattern};
-use super::session::{Failed, Outcome, strerror};
 
 /// What dispatch checks before running a command.
 pub(super) struct Cmd {

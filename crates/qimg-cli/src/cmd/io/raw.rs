@@ -1,0 +1,95 @@
+//! A raw image as qemu-io's target: opened on the storage layer, its holes, zeroes and
+//! truncation.
+
+use super::errors::*;
+use super::session::*;
+
+use std::path::Path;
+
+use qimg::io::{AnyStorage, ImageLock, Storage, StorageError};
+
+/// Whether `[offset, offset + len)` of the raw file at `path` is a hole or past its end, as
+/// the file system reports it (`SEEK_DATA`); `false` when that cannot be told.
+pub(super) fn raw_hole(path: &Path, offset: u64, len: u64) -> bool {
+    use nix::unistd::{Whence, lseek};
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let Ok(file_len) = file.metadata().map(|m| m.len()) else {
+        return false;
+    };
+    if offset >= file_len {
+        return true;
+    }
+    let Ok(at) = i64::try_from(offset) else {
+        return false;
+    };
+    match lseek(&file, at, Whence::SeekData) {
+        // The next data starts at or after the end of the range (or of the file).
+        Ok(next) => u64::try_from(next).is_ok_and(|n| n >= (offset + len).min(file_len)),
+        // No data after `offset`.
+        Err(nix::errno::Errno::ENXIO) => true,
+        Err(_) => false,
+    }
+}
+
+impl Session {
+    /// Opens a raw image with the locks QEMU takes on it.
+    pub(super) async fn open_raw(
+        &mut self,
+        path: &Path,
+        spec: &OpenSpec,
+    ) -> Result<(), StorageError> {
+        let storage = AnyStorage::open(path, !spec.read_only, spec.backend, spec.cache.direct)?;
+        let lock = match (spec.read_only, spec.force_share) {
+            (false, _) => ImageLock::ReadWrite,
+            (true, false) => ImageLock::Read,
+            (true, true) => ImageLock::SharedRead,
+        };
+        storage.lock_image(lock)?;
+        let len = storage.len().await?;
+        self.raw = Some(std::rc::Rc::new(RawFile {
+            storage,
+            len: std::cell::Cell::new(len),
+        }));
+        self.cache = spec.cache;
+        self.read_only = spec.read_only;
+        Ok(())
+    }
+
+    /// Zeroes of a raw file (growing it when they reach past its end).
+    pub(super) async fn raw_zeroes(&self, r: &RawFile, offset: u64, len: u64) -> Result<(), i32> {
+        if len == 0 {
+            return Ok(());
+        }
+        let file_len = r.len.get();
+        // Past the end of the file only the part inside it needs zeroing; the rest is
+        // written so that the file grows to the end of the request.
+        let inside = len.min(file_len.saturating_sub(offset));
+        if inside > 0 {
+            r.storage
+                .write_zeroes(offset, inside)
+                .await
+                .map_err(storage_errno)?;
+        }
+        if inside < len {
+            let from = offset + inside;
+            r.storage
+                .write_at(&vec![0; (len - inside) as usize], from)
+                .await
+                .map_err(storage_errno)?;
+            r.grew_to(offset + len);
+        }
+        Ok(())
+    }
+
+    /// `truncate` of a raw image: any size, as QEMU's file driver.
+    pub async fn truncate_raw(&self, size: u64) -> Result<bool, i32> {
+        let Some(r) = &self.raw else {
+            return Ok(false);
+        };
+        r.storage.set_len(size).await.map_err(storage_errno)?;
+        r.len.set(size);
+        Ok(true)
+    }
+}
