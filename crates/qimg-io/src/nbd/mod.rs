@@ -13,69 +13,19 @@
 //! CLI also makes of QEMU's `tls-creds=` option ([`NbdTls`]). Requests run inline on the
 //! calling thread, as the file backend's default strategy does.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use crate::error::{Op, Result, StorageError};
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
 
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-const REQUEST_MAGIC: u32 = 0x2560_9513;
-const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
-
-const OPT_STARTTLS: u32 = 5;
-const OPT_STRUCTURED_REPLY: u32 = 8;
-const OPT_SET_META_CONTEXT: u32 = 10;
-const REP_META_CONTEXT: u32 = 4;
-const BASE_ALLOCATION: &str = "base:allocation";
-
-const REPLY_FLAG_DONE: u16 = 1;
-const REPLY_TYPE_NONE: u16 = 0;
-const REPLY_TYPE_OFFSET_DATA: u16 = 1;
-const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
-const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
-const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
-
-const CMD_BLOCK_STATUS: u16 = 7;
 /// Block status: the range is a hole (not allocated).
 pub const STATE_HOLE: u32 = 1;
+
 /// Block status: the range reads as zeros.
 pub const STATE_ZERO: u32 = 2;
-
-const FLAG_FIXED_NEWSTYLE: u16 = 1;
-const FLAG_NO_ZEROES: u16 = 2;
-
-const OPT_EXPORT_NAME: u32 = 1;
-const OPT_GO: u32 = 7;
-const REP_ACK: u32 = 1;
-const REP_INFO: u32 = 3;
-const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
-const INFO_EXPORT: u16 = 0;
-
-const TFLAG_READ_ONLY: u16 = 1 << 1;
-const TFLAG_SEND_FLUSH: u16 = 1 << 2;
-const TFLAG_SEND_TRIM: u16 = 1 << 5;
-const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
-const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
-
-const CMD_READ: u16 = 0;
-const CMD_WRITE: u16 = 1;
-const CMD_DISC: u16 = 2;
-const CMD_FLUSH: u16 = 3;
-const CMD_TRIM: u16 = 4;
-const CMD_WRITE_ZEROES: u16 = 6;
-const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
-
-/// How long the handshake may take before the connection is given up (a hang guard: a
-/// server answers within milliseconds; one that serves a single client at a time and is
-/// busy with another would otherwise keep the open waiting for ever).
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Connections this process holds, by name: every open of one export shares its
 /// connection (qemu-nbd serves one client at a time unless told otherwise).
@@ -85,9 +35,18 @@ static SHARED: Mutex<Vec<(String, bool, Weak<NbdStorage>)>> = Mutex::new(Vec::ne
 const MAX_REQUEST: u64 = 32 << 20;
 
 mod address;
+mod handshake;
+mod reply;
+
 mod stream;
+
 #[cfg(feature = "nbd-tls")]
 mod tls;
+mod wire;
+
+use handshake::*;
+use reply::*;
+use wire::*;
 
 pub use address::{NbdAddress, NbdServer, NbdTls, is_nbd_name};
 use stream::Stream;
@@ -132,45 +91,6 @@ impl std::fmt::Debug for NbdStorage {
             .field("flags", &self.flags)
             .finish()
     }
-}
-
-/// An OS error's text without Rust's "(os error N)" suffix, as C tools print it.
-fn os_text(e: &io::Error) -> String {
-    match e.raw_os_error() {
-        Some(n) => nix::errno::Errno::from_raw(n).desc().to_string(),
-        None => e.to_string(),
-    }
-}
-
-fn proto(what: impl Into<String>) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, what.into())
-}
-
-fn read_u16(s: &mut impl Read) -> io::Result<u16> {
-    let mut b = [0u8; 2];
-    s.read_exact(&mut b)?;
-    Ok(u16::from_be_bytes(b))
-}
-
-fn read_u32(s: &mut impl Read) -> io::Result<u32> {
-    let mut b = [0u8; 4];
-    s.read_exact(&mut b)?;
-    Ok(u32::from_be_bytes(b))
-}
-
-fn read_u64(s: &mut impl Read) -> io::Result<u64> {
-    let mut b = [0u8; 8];
-    s.read_exact(&mut b)?;
-    Ok(u64::from_be_bytes(b))
-}
-
-/// Reads and drops `n` bytes.
-fn skip(s: &mut impl Read, n: u64) -> io::Result<()> {
-    io::copy(&mut s.take(n), &mut io::sink()).and_then(|got| {
-        (got == n)
-            .then_some(())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))
-    })
 }
 
 impl NbdStorage {
@@ -472,287 +392,6 @@ impl NbdStorage {
         }
         Ok(())
     }
-}
-
-/// Reads the reply to request `cookie` (which starts at `offset`): a simple reply, or the
-/// chunks of a structured one (read data into `out`, holes zeroed there, block status
-/// descriptors handed to `status` as `(context, length, flags)`). `Some(errno)` for an error
-/// reply.
-fn read_reply(
-    c: &mut Conn,
-    cookie: u64,
-    offset: u64,
-    mut out: Option<&mut [u8]>,
-    status: &mut dyn FnMut(u32, u32, u32),
-) -> io::Result<Option<i32>> {
-    let s = &mut c.stream;
-    let magic = read_u32(s)?;
-    if magic == SIMPLE_REPLY_MAGIC {
-        let error = read_u32(s)?;
-        if read_u64(s)? != cookie {
-            return Err(proto("the server answered another request"));
-        }
-        if error != 0 {
-            return Ok(Some(error as i32));
-        }
-        if let Some(out) = out {
-            s.read_exact(out)?;
-        }
-        return Ok(None);
-    }
-    if magic != STRUCTURED_REPLY_MAGIC || !c.structured {
-        return Err(proto("the server sent no valid reply"));
-    }
-    let mut error = None;
-    let mut first = true;
-    loop {
-        // Every chunk starts with the magic (the first one's was read above).
-        if !std::mem::take(&mut first) && read_u32(s)? != STRUCTURED_REPLY_MAGIC {
-            return Err(proto("a structured reply chunk without its magic"));
-        }
-        let flags = read_u16(s)?;
-        let kind = read_u16(s)?;
-        if read_u64(s)? != cookie {
-            return Err(proto("the server answered another request"));
-        }
-        let len = u64::from(read_u32(s)?);
-        match kind {
-            REPLY_TYPE_NONE => skip(s, len)?,
-            REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
-                let at = read_u64(s)?;
-                let n = if kind == REPLY_TYPE_OFFSET_DATA {
-                    len.checked_sub(8)
-                        .ok_or_else(|| proto("short data chunk"))?
-                } else {
-                    u64::from(read_u32(s)?)
-                };
-                let buf = out.as_deref_mut().unwrap_or(&mut []);
-                let start = at
-                    .checked_sub(offset)
-                    .filter(|st| st.saturating_add(n) <= buf.len() as u64)
-                    .ok_or_else(|| proto("a read chunk outside the request"))?
-                    as usize;
-                let dst = &mut buf[start..start + n as usize];
-                if kind == REPLY_TYPE_OFFSET_DATA {
-                    s.read_exact(dst)?;
-                } else {
-                    dst.fill(0);
-                }
-            }
-            REPLY_TYPE_BLOCK_STATUS => {
-                let context = read_u32(s)?;
-                let mut left = len
-                    .checked_sub(4)
-                    .ok_or_else(|| proto("short status chunk"))?;
-                while left >= 8 {
-                    let n = read_u32(s)?;
-                    let f = read_u32(s)?;
-                    status(context, n, f);
-                    left -= 8;
-                }
-                skip(s, left)?;
-            }
-            k if k & REPLY_TYPE_ERROR_BIT != 0 => {
-                let e = read_u32(s)?;
-                skip(s, len.saturating_sub(4))?;
-                error.get_or_insert(if e == 0 { 5 } else { e as i32 });
-            }
-            _ => skip(s, len)?,
-        }
-        if flags & REPLY_FLAG_DONE != 0 {
-            return Ok(error);
-        }
-    }
-}
-
-/// What the handshake found: the export's size and transmission flags, whether structured
-/// replies are on, and the metadata contexts agreed to with their ids.
-type Handshaken = (u64, u16, bool, Vec<(String, u32)>);
-
-/// The server's greeting and the client's flags: whether the server leaves out the zero
-/// padding of `NBD_OPT_EXPORT_NAME`'s reply.
-fn greet(s: &mut Stream) -> io::Result<bool> {
-    if read_u64(s)? != NBDMAGIC {
-        return Err(proto("not an NBD server (no NBDMAGIC)"));
-    }
-    if read_u64(s)? != IHAVEOPT {
-        return Err(proto(
-            "the server speaks the oldstyle protocol, which qimg does not",
-        ));
-    }
-    let server_flags = read_u16(s)?;
-    if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
-        return Err(proto("the server does not speak fixed newstyle"));
-    }
-    let client_flags = u32::from(FLAG_FIXED_NEWSTYLE | (server_flags & FLAG_NO_ZEROES));
-    s.write_all(&client_flags.to_be_bytes())?;
-    Ok(server_flags & FLAG_NO_ZEROES != 0)
-}
-
-/// `NBD_OPT_STARTTLS`, then the TLS handshake: the stream becomes a TLS session.
-fn start_tls(mut s: Stream, tls: &NbdTls, host: Option<&str>) -> io::Result<Stream> {
-    send_option(&mut s, OPT_STARTTLS, &[])?;
-    if !option_acked(&mut s, |s, _, len| skip(s, u64::from(len)))? {
-        // QEMU's words.
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "Server don't support STARTTLS option",
-        ));
-    }
-    #[cfg(feature = "nbd-tls")]
-    return tls::start(s, tls, host);
-    #[cfg(not(feature = "nbd-tls"))]
-    {
-        let _ = (tls, host);
-        Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "NBD over TLS needs qimg-io's `nbd-tls` feature, which this build lacks",
-        ))
-    }
-}
-
-/// The fixed newstyle handshake for `export` after the greeting: its size and transmission
-/// flags, whether structured replies are on, and the metadata contexts agreed to
-/// (`base:allocation` and `extra`) with their ids.
-fn handshake(
-    s: &mut Stream,
-    no_zeroes: bool,
-    export: &str,
-    extra: &[&str],
-) -> io::Result<Handshaken> {
-    // Structured replies, then the allocation context (block status) and those asked for,
-    // when offered.
-    send_option(s, OPT_STRUCTURED_REPLY, &[])?;
-    let structured = option_acked(s, |_, _, _| Ok(()))?;
-    let mut agreed = Vec::new();
-    if structured {
-        let wanted: Vec<&str> = std::iter::once(BASE_ALLOCATION)
-            .chain(extra.iter().copied())
-            .collect();
-        let mut q = Vec::new();
-        q.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        q.extend_from_slice(export.as_bytes());
-        q.extend_from_slice(&(wanted.len() as u32).to_be_bytes());
-        for w in &wanted {
-            q.extend_from_slice(&(w.len() as u32).to_be_bytes());
-            q.extend_from_slice(w.as_bytes());
-        }
-        send_option(s, OPT_SET_META_CONTEXT, &q)?;
-        option_acked(s, |s, kind, len| {
-            if kind == REP_META_CONTEXT && (4..4 + 4096).contains(&len) {
-                let id = read_u32(s)?;
-                let mut name = vec![0u8; (len - 4) as usize];
-                s.read_exact(&mut name)?;
-                let name = String::from_utf8_lossy(&name).into_owned();
-                if wanted.contains(&name.as_str()) {
-                    agreed.push((name, id));
-                }
-            } else {
-                skip(s, u64::from(len))?;
-            }
-            Ok(())
-        })?;
-    }
-    // NBD_OPT_GO: the export's name, and no information request beyond the default.
-    let mut data = Vec::with_capacity(export.len() + 6);
-    data.extend_from_slice(&(export.len() as u32).to_be_bytes());
-    data.extend_from_slice(export.as_bytes());
-    data.extend_from_slice(&0u16.to_be_bytes());
-    send_option(s, OPT_GO, &data)?;
-    let mut info = None;
-    loop {
-        if read_u64(s)? != REPLY_MAGIC {
-            return Err(proto("bad option reply magic"));
-        }
-        let _option = read_u32(s)?;
-        let kind = read_u32(s)?;
-        let len = read_u32(s)?;
-        match kind {
-            REP_ACK => break,
-            REP_INFO => {
-                if len < 2 {
-                    return Err(proto("short NBD_REP_INFO"));
-                }
-                let t = read_u16(s)?;
-                if t == INFO_EXPORT && len == 12 {
-                    info = Some((read_u64(s)?, read_u16(s)?));
-                } else {
-                    skip(s, u64::from(len) - 2)?;
-                }
-            }
-            REP_ERR_UNSUP => {
-                // An older server: NBD_OPT_EXPORT_NAME, which ends the handshake.
-                skip(s, u64::from(len))?;
-                send_option(s, OPT_EXPORT_NAME, export.as_bytes())?;
-                let size = read_u64(s)?;
-                let flags = read_u16(s)?;
-                if !no_zeroes {
-                    skip(s, 124)?;
-                }
-                return Ok((size, flags, structured, agreed));
-            }
-            k if k & (1 << 31) != 0 => {
-                let mut msg = vec![0u8; len.min(4096) as usize];
-                s.read_exact(&mut msg)?;
-                skip(s, u64::from(len) - msg.len() as u64)?;
-                let text = String::from_utf8_lossy(&msg);
-                let what = match k & !(1 << 31) {
-                    // QEMU's words.
-                    6 => "Requested export not available".to_string(),
-                    n => format!("Option request refused by the server (error {n})"),
-                };
-                return Err(io::Error::new(
-                    io::ErrorKind::NotFound,
-                    if text.is_empty() {
-                        what
-                    } else {
-                        format!("{what}\nserver reported: {text}")
-                    },
-                ));
-            }
-            _ => skip(s, u64::from(len))?,
-        }
-    }
-    let (size, flags) = info.ok_or_else(|| proto("the server sent no export information"))?;
-    Ok((size, flags, structured, agreed))
-}
-
-/// Reads an option's replies up to its acknowledgement, handing the others to `each` as
-/// `(stream, reply type, length)` (which must consume the payload): `true` when
-/// acknowledged, `false` when the server does not support the option.
-fn option_acked(
-    s: &mut Stream,
-    mut each: impl FnMut(&mut Stream, u32, u32) -> io::Result<()>,
-) -> io::Result<bool> {
-    loop {
-        if read_u64(s)? != REPLY_MAGIC {
-            return Err(proto("bad option reply magic"));
-        }
-        let _option = read_u32(s)?;
-        let kind = read_u32(s)?;
-        let len = read_u32(s)?;
-        match kind {
-            REP_ACK => {
-                skip(s, u64::from(len))?;
-                return Ok(true);
-            }
-            k if k & (1 << 31) != 0 => {
-                skip(s, u64::from(len))?;
-                return Ok(false);
-            }
-            k => each(s, k, len)?,
-        }
-    }
-}
-
-fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {
-    let mut head = [0u8; 16];
-    head[0..8].copy_from_slice(&IHAVEOPT.to_be_bytes());
-    head[8..12].copy_from_slice(&option.to_be_bytes());
-    head[12..16].copy_from_slice(&(data.len() as u32).to_be_bytes());
-    s.write_all(&head)?;
-    s.write_all(data)?;
-    s.flush()
 }
 
 impl Drop for NbdStorage {
