@@ -503,14 +503,15 @@ fn bad_input_is_refused_clearly() {
         "the output is the source image or a file of its backing chain",
     );
     assert_eq!(std::fs::read(d.join("src.qcow2")).unwrap(), before);
-    // A damaged source: an L2 table offset that is not aligned.
+    // A damaged source: an L2 table offset that is not aligned. It opens (as in QEMU) and
+    // the read that needs the table fails, naming it.
     let mut bytes = before.clone();
     let l1 = u64::from_be_bytes(bytes[40..48].try_into().unwrap()) as usize;
     bytes[l1..l1 + 8].copy_from_slice(&((1u64 << 63) | 0x50200).to_be_bytes());
     std::fs::write(d.join("bad.qcow2"), &bytes).unwrap();
     fails(
         &["-O", "raw", "bad.qcow2", "y.raw"],
-        "Could not open 'bad.qcow2'",
+        "bad.qcow2: L2 table offset 0x50200 unaligned (L1 index: 0)",
     );
     // -o help lists the options and converts nothing.
     let help = convert(d, &["-O", "qcow2", "-o", "help", "src.qcow2", "z"]);
