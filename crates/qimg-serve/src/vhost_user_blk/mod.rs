@@ -12,32 +12,35 @@
 //! virtio error status. One frontend is served at a time; after it disconnects the backend
 //! waits for the next one (a restarted VMM reconnects), with the same open image.
 
+mod daemon;
 pub mod request;
+mod virtqueue;
+
+pub use daemon::{Bound, Stop, bind, serve};
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd};
-use std::path::{Path, PathBuf};
+
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use qimg::Queue;
 use qimg::io::AnyStorage;
-use qimg::{Image, IoBuffers, Queue, QueueOptions, Request};
-use vhost::vhost_user::Listener;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
     VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_TOPOLOGY,
-    VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_ID_BYTES,
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use virtio_queue::QueueOwnedT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 
-use self::request::{BlkRequest, Desc, Limits, SECTOR, parse};
+use self::request::{Limits, SECTOR};
 
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 
@@ -46,10 +49,13 @@ const WRITEBACK_AT: usize = 32;
 
 /// Virtqueue size the backend offers.
 pub const QUEUE_SIZE: u16 = 1024;
+
 /// Most data segments in one request (`seg_max`).
 pub const SEG_MAX: u32 = 126;
+
 /// Most bytes in one read or write.
 pub const MAX_REQUEST: u64 = 32 << 20;
+
 /// Most sectors in one discard or write-zeroes segment.
 pub const MAX_ZERO_SECTORS: u32 = (1 << 30) / 512;
 
@@ -230,230 +236,6 @@ impl Device {
     }
 }
 
-impl Backend {
-    /// Takes every available chain of virtqueue `q` and submits it.
-    fn process_queue(&self, q: usize, vring: &VringRwLock<Mem>) -> io::Result<()> {
-        let mem = self.mem.memory();
-        let event_idx = self.event_idx.load(Ordering::Acquire);
-        let mut state = self.device.queues[q]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut answered = false;
-        loop {
-            if event_idx {
-                vring.disable_notification().map_err(io::Error::other)?;
-            }
-            let chains: Vec<_> = {
-                let mut v = vring.get_mut();
-                match v.get_queue_mut().iter(mem.clone()) {
-                    Ok(iter) => iter.collect(),
-                    Err(e) => return Err(io::Error::other(e)),
-                }
-            };
-            // The chains' engine requests, handed to the queue at once below (one
-            // `io_uring_enter` for all of them).
-            let mut batch = Vec::new();
-            for chain in chains {
-                let head = chain.head_index();
-                let descs: Vec<Desc> = chain
-                    .clone()
-                    .take(SEG_MAX as usize + 3)
-                    .map(|d| Desc {
-                        addr: d.addr().0,
-                        len: d.len(),
-                        write_only: d.is_write_only(),
-                    })
-                    .collect();
-                let too_long = chain.count() > descs.len();
-                let parsed = if too_long {
-                    request::Parsed {
-                        request: Err(VIRTIO_BLK_S_IOERR as u8),
-                        status: None,
-                    }
-                } else {
-                    parse(&*mem, &descs, &self.device.limits)
-                };
-                if let Some(done) = self.start(&mut state, &mem, head, parsed, &mut batch) {
-                    let (status, used) = done;
-                    if let Some(at) = status {
-                        let _ = mem.write_obj(used.1, GuestAddress(at));
-                    }
-                    vring.add_used(head, used.0).map_err(io::Error::other)?;
-                    answered = true;
-                }
-            }
-            if !batch.is_empty() {
-                // A batch the queue refused (its engine thread is gone; the tokens are
-                // counters, never in flight twice) never completes: answer it now.
-                if let Err(refused) = state.queue.submit_batch(batch) {
-                    for (_, token) in refused.requests {
-                        if let Some(p) = state.pending.remove(&token) {
-                            let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(p.status));
-                            vring.add_used(p.head, 1).map_err(io::Error::other)?;
-                            answered = true;
-                        }
-                    }
-                }
-            }
-            if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
-                break;
-            }
-        }
-        if answered && vring.needs_notification().map_err(io::Error::other)? {
-            vring.signal_used_queue()?;
-        }
-        Ok(())
-    }
-
-    /// Starts one parsed request: adds it to `batch` for the engine queue, or answers it at
-    /// once, returning `(status address, (used length, status))`.
-    #[allow(clippy::type_complexity)]
-    fn start(
-        &self,
-        state: &mut QueueState,
-        mem: &GuestMemoryLoadGuardOf,
-        head: u16,
-        parsed: request::Parsed,
-        batch: &mut Vec<(Request, u64)>,
-    ) -> Option<(Option<u64>, (u32, u8))> {
-        let status = parsed.status;
-        let req = match parsed.request {
-            Err(code) => return Some((status, (u32::from(status.is_some()), code))),
-            Ok(r) => r,
-        };
-        let status_at = status?;
-        let used = req.device_writes() as u32 + 1;
-        let durable = matches!(
-            req,
-            BlkRequest::Write { .. } | BlkRequest::WriteZeroes { .. }
-        ) && !self.device.write_cache.load(Ordering::Acquire)
-            && !self.device.options.no_flush;
-        let engine_req = match req {
-            BlkRequest::GetId { data } => {
-                let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
-                let serial = self.device.options.serial.as_bytes();
-                id[..serial.len()].copy_from_slice(serial);
-                let mut done = 0usize;
-                for (addr, n) in &data {
-                    if mem
-                        .write_slice(&id[done..done + n], GuestAddress(*addr))
-                        .is_err()
-                    {
-                        return Some((status, (1, VIRTIO_BLK_S_IOERR as u8)));
-                    }
-                    done += n;
-                }
-                return Some((status, (done as u32 + 1, VIRTIO_BLK_S_OK as u8)));
-            }
-            BlkRequest::Read { offset, data } => {
-                match IoBuffers::from_guest(mem.clone().into_inner(), &data) {
-                    Ok(buffers) => Request::Read { offset, buffers },
-                    Err(_) => return Some((status, (1, VIRTIO_BLK_S_IOERR as u8))),
-                }
-            }
-            BlkRequest::Write { offset, data } => {
-                match IoBuffers::from_guest(mem.clone().into_inner(), &data) {
-                    Ok(buffers) => Request::Write { offset, buffers },
-                    Err(_) => return Some((status, (1, VIRTIO_BLK_S_IOERR as u8))),
-                }
-            }
-            BlkRequest::Flush if self.device.options.no_flush => {
-                return Some((status, (1, VIRTIO_BLK_S_OK as u8)));
-            }
-            BlkRequest::Flush => Request::Flush,
-            BlkRequest::Discard { ranges } => {
-                let (offset, len) = ranges[0];
-                Request::Discard { offset, len }
-            }
-            BlkRequest::WriteZeroes { ranges, unmap } => {
-                let (offset, len) = ranges[0];
-                Request::WriteZeroes { offset, len, unmap }
-            }
-        };
-        state.next += 1;
-        let token = state.next;
-        state.pending.insert(
-            token,
-            InFlight {
-                head,
-                status: status_at,
-                used,
-                generation: self.generation,
-                durable,
-                then: Vec::new(),
-            },
-        );
-        batch.push((engine_req, token));
-        None
-    }
-
-    /// Collects virtqueue `q`'s completions and answers them. Write-through writes are
-    /// answered after a flush the device submits for all of them at once.
-    fn complete(&self, q: usize, vring: &VringRwLock<Mem>) -> io::Result<()> {
-        let mem = self.mem.memory();
-        let mut state = self.device.queues[q]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let _ = state.queue.notifier().drain();
-        let mut answered = false;
-        let mut waiting = Vec::new();
-        while let Some(c) = state.queue.next_completed() {
-            let Some(p) = state.pending.remove(&c.user_data) else {
-                continue;
-            };
-            if p.generation != self.generation {
-                continue;
-            }
-            let ok = c.result.is_ok();
-            if ok && p.durable {
-                waiting.push((p.head, p.status, p.used));
-                continue;
-            }
-            let answers = std::iter::once((p.head, p.status, p.used)).chain(p.then);
-            for (head, status, used) in answers {
-                let (code, used) = match ok {
-                    true => (VIRTIO_BLK_S_OK, used),
-                    false => (VIRTIO_BLK_S_IOERR, 1),
-                };
-                let _ = mem.write_obj(code as u8, GuestAddress(status));
-                vring.add_used(head, used).map_err(io::Error::other)?;
-                answered = true;
-            }
-        }
-        if !waiting.is_empty() {
-            // One flush makes every write completed before it durable (group commit): it
-            // answers for the first write, the others ride along.
-            state.next += 1;
-            let token = state.next;
-            let rest = waiting.split_off(1);
-            let first = waiting[0];
-            state.pending.insert(
-                token,
-                InFlight {
-                    head: first.0,
-                    status: first.1,
-                    used: first.2,
-                    generation: self.generation,
-                    durable: false,
-                    then: rest,
-                },
-            );
-            if state.queue.submit(Request::Flush, token).is_err() {
-                let p = state.pending.remove(&token).expect("just inserted");
-                for (head, status, _) in std::iter::once(first).chain(p.then) {
-                    let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, GuestAddress(status));
-                    vring.add_used(head, 1).map_err(io::Error::other)?;
-                }
-                answered = true;
-            }
-        }
-        if answered && vring.needs_notification().map_err(io::Error::other)? {
-            vring.signal_used_queue()?;
-        }
-        Ok(())
-    }
-}
-
 type GuestMemoryLoadGuardOf = vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap<()>>;
 
 impl VhostUserBackend for Backend {
@@ -566,192 +348,6 @@ impl VhostUserBackend for Backend {
         }
         Ok(())
     }
-}
-
-/// Stops a running [`serve`] from another thread.
-#[derive(Clone)]
-pub struct Stop {
-    flag: Arc<AtomicBool>,
-    current: Arc<Mutex<Option<vhost_user_backend::ShutdownHandle>>>,
-    socket: PathBuf,
-}
-
-impl std::fmt::Debug for Stop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stop")
-            .field("socket", &self.socket)
-            .finish()
-    }
-}
-
-impl Stop {
-    /// Asks the server to stop: the frontend is disconnected (or, with none, the wait for one
-    /// ends), requests in flight finish, and [`serve`] returns.
-    pub fn stop(&self) {
-        self.flag.store(true, Ordering::Release);
-        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        match &*current {
-            Some(h) => h.shutdown(),
-            // Waiting in accept: a connection of our own wakes it.
-            None => {
-                let _ = std::os::unix::net::UnixStream::connect(&self.socket);
-            }
-        }
-    }
-}
-
-/// A bound vhost-user socket: connections are accepted from the moment this returns.
-pub struct Bound {
-    listener: Listener,
-    path: PathBuf,
-}
-
-impl std::fmt::Debug for Bound {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Bound").field("path", &self.path).finish()
-    }
-}
-
-/// Binds the vhost-user socket at `path` (replacing a stale socket file).
-pub fn bind(path: &Path) -> Result<Bound, VhostError> {
-    let listener = Listener::new(path, true).map_err(|e| VhostError::Listen {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    Ok(Bound {
-        listener,
-        path: path.to_path_buf(),
-    })
-}
-
-impl Bound {
-    /// The handle that stops [`serve`] on this socket.
-    pub fn stopper(&self) -> Stop {
-        Stop {
-            flag: Arc::new(AtomicBool::new(false)),
-            current: Arc::new(Mutex::new(None)),
-            socket: self.path.clone(),
-        }
-    }
-}
-
-impl Drop for Bound {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// Serves `image` on the bound socket, one frontend at a time, until `stop` is used. Each
-/// virtqueue gets a [`Queue`] of its own on the image. Returns after the last frontend's
-/// requests finished; the caller closes the image.
-pub fn serve(
-    image: &Image<AnyStorage>,
-    mut bound: Bound,
-    options: BlkOptions,
-    stop: Stop,
-) -> Result<(), VhostError> {
-    options.check()?;
-    if !options.read_only && !image.is_writable() {
-        return Err(VhostError::Option(
-            "the image is open read-only: serve it with --readonly".into(),
-        ));
-    }
-    let queues = (0..options.num_queues)
-        .map(|_| {
-            let queue = image.queue(QueueOptions::new().depth(options.ring_depth))?;
-            Ok(Mutex::new(QueueState {
-                queue,
-                pending: HashMap::new(),
-                next: 0,
-            }))
-        })
-        .collect::<Result<Vec<_>, qimg::Error>>()?;
-    let device = Arc::new(Device {
-        limits: Limits {
-            capacity: image.size() / SECTOR * SECTOR,
-            block_size: options.logical_block_size,
-            read_only: options.read_only,
-            max_segments: SEG_MAX as usize,
-            max_bytes: MAX_REQUEST,
-            max_zero_sectors: MAX_ZERO_SECTORS,
-            max_zero_segments: 1,
-        },
-        cluster_size: image.cluster_size(),
-        subcluster_size: image.subcluster_size(),
-        write_cache: AtomicBool::new(!options.writethrough),
-        options,
-        queues,
-        generation: AtomicU64::new(0),
-    });
-    while !stop.flag.load(Ordering::Acquire) {
-        serve_one(&device, &mut bound, &stop)?;
-    }
-    // Whatever the last frontend left in flight finishes before the image is closed.
-    for q in &device.queues {
-        let mut s = q.lock().unwrap_or_else(|e| e.into_inner());
-        while s.queue.in_flight() > 0 {
-            s.queue.wait()?;
-            while s.queue.next_completed().is_some() {}
-        }
-        s.pending.clear();
-    }
-    Ok(())
-}
-
-/// One frontend, from connection to disconnect.
-fn serve_one(device: &Arc<Device>, bound: &mut Bound, stop: &Stop) -> Result<(), VhostError> {
-    let generation = device.generation.fetch_add(1, Ordering::AcqRel) + 1;
-    // A new frontend starts with the configured cache mode, whatever the last one set.
-    device
-        .write_cache
-        .store(!device.options.writethrough, Ordering::Release);
-    let mem: Mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-    let backend = Arc::new(Backend {
-        device: device.clone(),
-        mem: mem.clone(),
-        event_idx: AtomicBool::new(false),
-        generation,
-    });
-    let daemon_err = |e: vhost_user_backend::Error| VhostError::Daemon(e.to_string());
-    let mut daemon =
-        VhostUserDaemon::new("qimg-vhost-user-blk".into(), backend, mem).map_err(daemon_err)?;
-    let n = device.queues.len();
-    for (q, handler) in daemon.get_epoll_handlers().iter().enumerate() {
-        let Some(state) = device.queues.get(q) else {
-            break;
-        };
-        let fd = state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .queue
-            .notifier()
-            .as_fd()
-            .as_raw_fd();
-        handler
-            .register_listener(fd, EventSet::IN, (n + 1 + q) as u64)
-            .map_err(|e| VhostError::Daemon(format!("registering queue {q}'s eventfd: {e}")))?;
-    }
-    daemon.start(&mut bound.listener).map_err(daemon_err)?;
-    *stop.current.lock().unwrap_or_else(|e| e.into_inner()) = daemon.shutdown_handle();
-    if stop.flag.load(Ordering::Acquire) {
-        daemon.request_shutdown();
-    }
-    let waited = daemon.wait();
-    *stop.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    // Dropping the daemon stops its queue threads.
-    drop(daemon);
-    match waited {
-        // A frontend that goes away (a VM that stops, a VMM that restarts) is the normal end.
-        Ok(())
-        | Err(vhost_user_backend::Error::HandleRequest(
-            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-        )) => {}
-        Err(e) if !stop.flag.load(Ordering::Acquire) => {
-            eprintln!("qimg: vhost-user frontend: {e}");
-        }
-        Err(_) => {}
-    }
-    Ok(())
 }
 
 #[cfg(test)]
