@@ -1345,8 +1345,25 @@ fn damaged_tables_open_and_fail_where_qemus_do() {
             "qemu-io",
             &["-f", "raw", "-c", "write -P 0x2a 0x10006 1", "rb.qcow2"],
         ),
+        // Copies of the damaged L1 for qemu-img's commands.
+        (
+            "qemu-img",
+            &["convert", "-f", "raw", "-O", "raw", "l1.qcow2", "l1m.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-f", "raw", "-O", "raw", "l1.qcow2", "l1s.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-f", "raw", "-O", "raw", "l1.qcow2", "l1r.qcow2"],
+        ),
     ];
     let steps: Prep = &[
+        // qemu-img prints the driver's line, then the command's error with EIO.
+        ("qemu-img", &["map", "l1m.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s1", "l1s.qcow2"]),
+        ("qemu-img", &["resize", "--shrink", "l1r.qcow2", "4M"]),
         // Opens; the read that needs the table fails (non-fatal form when read-only).
         ("qemu-io", &["-r", "-c", "read 0 64k", "l1.qcow2"]),
         ("qemu-io", &["-c", "read 64k 64k", "l1.qcow2"]),
@@ -1365,6 +1382,9 @@ fn damaged_tables_open_and_fail_where_qemus_do() {
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     for event in [
         "Image is corrupt: L2 table offset 0x42a00 unaligned (L1 index: 0)",
+        "qemu-img: Could not read file metadata: Input/output error",
+        "qemu-img: Could not create snapshot 's1': Input/output error",
+        "qemu-img: Failed to discard cropped clusters: Input/output error",
         "Marking image as corrupt: Cluster allocation offset 0x52a00 unaligned",
         "Marking image as corrupt: Refblock offset 0x22a00 unaligned (reftable index: 0)",
     ] {

@@ -151,6 +151,11 @@ pub fn options_for(path: &Path) -> OpenOptions {
             .allocation(qimg::Allocation::Sparse)
             .crash_consistent_bitmaps(false);
     }
+    if crate::status::program() == "qemu-img" {
+        // QEMU's driver prints its messages (the image marked corrupt) on standard error as
+        // they happen; qemu-io prints them between commands (`Session::print_messages`).
+        o = o.on_message(|line| eprintln!("{line}"));
+    }
     if let Some(ov) = path.to_str().and_then(overrides) {
         if ov.no_backing {
             o = o.without_backing();

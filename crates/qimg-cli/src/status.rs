@@ -89,6 +89,17 @@ pub fn os_msg(e: &std::io::Error) -> String {
     strip_os_error(&e.to_string()).to_string()
 }
 
+/// A failed request as qemu-img prints it: the errno's text when the driver found damage (its
+/// own `qcow2: ...` line is already on standard error), qimg's words otherwise.
+pub fn request_error(e: &qimg::Error) -> String {
+    match e {
+        qimg::Error::Corrupt { .. } if program() == "qemu-img" => {
+            os_msg(&std::io::Error::from_raw_os_error(e.errno()))
+        }
+        _ => e.to_string(),
+    }
+}
+
 /// The error text of a library error without the leading file name `file`, followed by the
 /// causes its text does not already include (such as the OS error of a failed open).
 pub fn lib_msg(e: &qimg::Error, file: &str) -> String {

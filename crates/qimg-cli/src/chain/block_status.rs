@@ -89,11 +89,12 @@ async fn layer_status(
             };
             for (s, e, has_table) in runs {
                 if has_table {
-                    extents.extend(
-                        img.map(s, e - s)
-                            .await
-                            .map_err(|e| anyhow!("Could not read file metadata: {e}"))?,
-                    );
+                    extents.extend(img.map(s, e - s).await.map_err(|e| {
+                        anyhow!(
+                            "Could not read file metadata: {}",
+                            crate::status::request_error(&e)
+                        )
+                    })?);
                 } else {
                     extents.push(qimg::Extent {
                         start: s,

@@ -210,6 +210,9 @@ async fn delete<S: qimg::io::Storage + 'static>(
 fn reason(e: &qimg::Error, file: &str, unsupported: &str) -> String {
     match e {
         qimg::Error::Unsupported { .. } => unsupported.to_string(),
+        qimg::Error::Corrupt { .. } if crate::status::program() == "qemu-img" => {
+            crate::status::request_error(e)
+        }
         other => lib_msg(other, file),
     }
 }

@@ -302,6 +302,7 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
         epoch: tokio::time::Instant::now(),
         clean_interval: resolved.clean_interval,
         marked_corrupt: AtomicBool::new(false),
+        on_message: opts.on_message.clone(),
         halted: std::sync::OnceLock::new(),
         abandoned: std::sync::Mutex::new(Vec::new()),
         close_on_drop: opts.close_on_drop && opts.writable,

@@ -124,6 +124,18 @@ pub struct OpenOptions {
     /// Run the clean timer on a thread of its own even when a runtime is current (set by
     /// `open_blocking`, whose runtime runs only inside its calls).
     pub(super) timer_thread: bool,
+    /// Where the driver's messages go as they happen ([`OpenOptions::on_message`]).
+    pub(super) on_message: Option<MessageSink>,
+}
+
+/// A callback taking the driver's messages (see [`OpenOptions::on_message`]).
+#[derive(Clone)]
+pub(crate) struct MessageSink(pub(crate) std::sync::Arc<dyn Fn(&str) + Send + Sync>);
+
+impl std::fmt::Debug for MessageSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MessageSink")
+    }
 }
 
 impl Default for OpenOptions {
@@ -152,6 +164,7 @@ impl OpenOptions {
             close_on_drop: false,
             crash_consistent_bitmaps: true,
             timer_thread: false,
+            on_message: None,
         }
     }
 
@@ -267,6 +280,14 @@ impl OpenOptions {
     /// until removed). Bitmaps QEMU itself left in use stay inconsistent either way.
     pub fn crash_consistent_bitmaps(mut self, on: bool) -> Self {
         self.crash_consistent_bitmaps = on;
+        self
+    }
+
+    /// Hands the messages QEMU's qcow2 driver would print on standard error (`qcow2: Marking
+    /// image as corrupt: ...`) to `sink` as they happen, instead of keeping them for
+    /// [`Image::take_messages`](super::Image::take_messages).
+    pub fn on_message(mut self, sink: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.on_message = Some(MessageSink(std::sync::Arc::new(sink)));
         self
     }
 

@@ -44,6 +44,8 @@ pub(crate) struct Shared<S: Storage> {
     pub(crate) clean_interval: Option<Duration>,
     /// Corruption was found (reported once): a writable image refuses further writes.
     pub(crate) marked_corrupt: AtomicBool,
+    /// Where messages go as they happen (else the metadata's list, for `take_messages`).
+    pub(crate) on_message: Option<crate::engine::options::MessageSink>,
     /// A header switch failed (see [`Error::Halted`]): further writes are refused until the
     /// image is reopened. Holds what failed.
     pub(crate) halted: std::sync::OnceLock<String>,

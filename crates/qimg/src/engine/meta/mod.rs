@@ -299,15 +299,22 @@ impl<S: Storage> Shared<S> {
         if !self.writable {
             // QEMU's non-fatal form: a read-only image is not marked, only reported once.
             if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
-                m.messages.push(format!(
-                    "qcow2: Image is corrupt: {event}; further non-fatal corruption events will \
-                     be suppressed"
-                ));
+                self.report(
+                    m,
+                    format!(
+                        "qcow2: Image is corrupt: {event}; further non-fatal corruption events \
+                         will be suppressed"
+                    ),
+                );
             }
         } else if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
-            m.messages.push(format!(
-                "qcow2: Marking image as corrupt: {event}; further corruption events will be suppressed"
-            ));
+            self.report(
+                m,
+                format!(
+                    "qcow2: Marking image as corrupt: {event}; further corruption events will be \
+                     suppressed"
+                ),
+            );
             let bits = m.incompatible | INCOMPAT_CORRUPT;
             // Best effort: the error below is what matters if this write fails too.
             if self.write_incompatible(m, bits).await.is_ok() {
@@ -320,6 +327,14 @@ impl<S: Storage> Shared<S> {
         Error::Corrupt {
             path: self.path.clone(),
             what,
+        }
+    }
+
+    /// A message of the driver: to the open's sink, or kept for `take_messages`.
+    pub(crate) fn report(&self, m: &mut Meta, line: String) {
+        match &self.on_message {
+            Some(sink) => (sink.0)(&line),
+            None => m.messages.push(line),
         }
     }
 
