@@ -89,15 +89,11 @@ pub fn os_msg(e: &std::io::Error) -> String {
     strip_os_error(&e.to_string()).to_string()
 }
 
-/// A failed request as qemu-img prints it: the errno's text when the driver found damage (its
-/// own `qcow2: ...` line is already on standard error), qimg's words otherwise.
-pub fn request_error(e: &qimg::Error) -> String {
-    match e {
-        qimg::Error::Corrupt { .. } if program() == "qemu-img" => {
-            os_msg(&std::io::Error::from_raw_os_error(e.errno()))
-        }
-        _ => e.to_string(),
-    }
+/// What qemu-img says of a request the driver failed for damage (the errno's text: its own
+/// `qcow2: ...` line is already on standard error); `None` for other errors, or run as qimg.
+pub fn damage_errno_text(e: &qimg::Error) -> Option<String> {
+    (matches!(e, qimg::Error::Corrupt { .. }) && program() == "qemu-img")
+        .then(|| os_msg(&std::io::Error::from_raw_os_error(e.errno())))
 }
 
 /// The error text of a library error without the leading file name `file`, followed by the

@@ -90,10 +90,9 @@ async fn layer_status(
             for (s, e, has_table) in runs {
                 if has_table {
                     extents.extend(img.map(s, e - s).await.map_err(|e| {
-                        anyhow!(
-                            "Could not read file metadata: {}",
-                            crate::status::request_error(&e)
-                        )
+                        let why =
+                            crate::status::damage_errno_text(&e).unwrap_or_else(|| e.to_string());
+                        anyhow!("Could not read file metadata: {why}")
                     })?);
                 } else {
                     extents.push(qimg::Extent {

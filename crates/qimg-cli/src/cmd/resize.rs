@@ -235,13 +235,12 @@ async fn change_size(
         bail!("The new size must be a multiple of 512");
     }
     if total < current {
-        return img.shrink(total).await.map_err(|e| match e {
-            // Damage found while freeing the clusters past the end: QEMU's words.
-            qimg::Error::Corrupt { .. } if crate::status::program() == "qemu-img" => anyhow!(
-                "Failed to discard cropped clusters: {}",
-                crate::status::request_error(&e)
-            ),
-            e => anyhow!("{}", lib_msg(&e, &file)),
+        return img.shrink(total).await.map_err(|e| {
+            match crate::status::damage_errno_text(&e) {
+                // Damage found while freeing the clusters past the end: QEMU's words.
+                Some(why) => anyhow!("Failed to discard cropped clusters: {why}"),
+                None => anyhow!("{}", lib_msg(&e, &file)),
+            }
         });
     }
     // A v2 image cannot hold zero clusters: QEMU cannot hide a longer backing file behind

@@ -208,11 +208,11 @@ async fn delete<S: qimg::io::Storage + 'static>(
 /// The reason of a failed snapshot change: qemu-img's `strerror` text for what QEMU does
 /// not support, else the library's message.
 fn reason(e: &qimg::Error, file: &str, unsupported: &str) -> String {
+    if let Some(why) = crate::status::damage_errno_text(e) {
+        return why;
+    }
     match e {
         qimg::Error::Unsupported { .. } => unsupported.to_string(),
-        qimg::Error::Corrupt { .. } if crate::status::program() == "qemu-img" => {
-            crate::status::request_error(e)
-        }
         other => lib_msg(other, file),
     }
 }

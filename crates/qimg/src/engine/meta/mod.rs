@@ -296,18 +296,17 @@ impl<S: Storage> Shared<S> {
         event: String,
         what: String,
     ) -> Error {
-        if !self.writable {
+        let first = !self.marked_corrupt.swap(true, Ordering::AcqRel);
+        if first && !self.writable {
             // QEMU's non-fatal form: a read-only image is not marked, only reported once.
-            if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
-                self.report(
-                    m,
-                    format!(
-                        "qcow2: Image is corrupt: {event}; further non-fatal corruption events \
-                         will be suppressed"
-                    ),
-                );
-            }
-        } else if !self.marked_corrupt.swap(true, Ordering::AcqRel) {
+            self.report(
+                m,
+                format!(
+                    "qcow2: Image is corrupt: {event}; further non-fatal corruption events will \
+                     be suppressed"
+                ),
+            );
+        } else if first {
             self.report(
                 m,
                 format!(

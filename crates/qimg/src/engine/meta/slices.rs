@@ -242,11 +242,10 @@ impl<S: Storage> Shared<S> {
             return Ok(());
         }
         let cs = self.geo.cluster_size();
-        if let Some(what) = (kind == CacheKind::L2)
-            .then(|| self.unaligned_l2(m, key.table))
-            .flatten()
-        {
-            return Err(self.signal_corruption(m, what).await);
+        if kind == CacheKind::L2 {
+            if let Some(what) = self.unaligned_l2(m, key.table) {
+                return Err(self.signal_corruption(m, what).await);
+            }
         }
         if kind == CacheKind::Refcount && key.table % cs != 0 {
             // QEMU's words; the image is marked corrupt (writable images), as QEMU does.
