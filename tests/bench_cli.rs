@@ -153,9 +153,7 @@ fn make(dir: &Path, c: &Case, name: &str) {
 
 #[test]
 fn writes_the_same_bytes_as_qemu_img_bench() {
-    if !have_qemu("writes_the_same_bytes_as_qemu_img_bench") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for c in CASES {
         let d = Scratch::new("bench-same");
         let dir = &d.0;

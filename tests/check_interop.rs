@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::qemu_raw;
-use common::{Scratch, add_bitmaps, have_qemu, ok, qemu_img, qemu_img_create, qimg};
+use common::{Scratch, add_bitmaps, ok, qemu_img, qemu_img_create, qimg};
 use qimg::format::refcount;
 
 const KIB: u64 = 1024;
@@ -574,9 +574,7 @@ fn make(dir: &Path, d: &Damage) {
 
 #[test]
 fn damaged_images_are_reported_and_repaired_like_qemu_img() {
-    if !have_qemu("damaged_images_are_reported_and_repaired_like_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for d in damages() {
         let s = Scratch::new(&format!("check-{}", d.name));
         let dir = &s.0;
@@ -660,9 +658,7 @@ fn damaged_images_are_reported_and_repaired_like_qemu_img() {
 /// Clean images of every kind: `qimg check --output json` equals qemu-img's on every field.
 #[test]
 fn clean_images_report_exactly_what_qemu_img_reports() {
-    if !have_qemu("clean_images_report_exactly_what_qemu_img_reports") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let writes: &[&str] = &[
         "write -P 1 0 3M",
         "write -P 2 40M 100k",
@@ -782,9 +778,7 @@ fn clean_images_report_exactly_what_qemu_img_reports() {
 /// dirty bit; a corrupt-marked image is repaired and unmarked.
 #[test]
 fn dirty_and_corrupt_bits_are_cleared_by_a_successful_repair() {
-    if !have_qemu("dirty_and_corrupt_bits_are_cleared_by_a_successful_repair") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-flags");
     let dir = &s.0;
     for (file, bit) in [("dirty.qcow2", 1u64), ("corrupt.qcow2", 2)] {
@@ -820,9 +814,7 @@ fn dirty_and_corrupt_bits_are_cleared_by_a_successful_repair() {
 
 #[test]
 fn options_and_refusals_follow_qemu_img() {
-    if !have_qemu("options_and_refusals_follow_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-cli");
     let dir = &s.0;
     ok(
@@ -860,9 +852,7 @@ fn options_and_refusals_follow_qemu_img() {
 /// of broken entries. `-r all` must not "repair" those entries: they are guest data.
 #[test]
 fn a_table_that_is_also_guest_data_is_never_rewritten() {
-    if !have_qemu("a_table_that_is_also_guest_data_is_never_rewritten") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-table-is-data");
     let dir = &s.0;
     create(dir, "cluster_size=4k", "img.qcow2", "64M");
@@ -898,9 +888,7 @@ fn a_table_that_is_also_guest_data_is_never_rewritten() {
 /// repaired entry used to rescan the whole L1 table for the overlap check: a fuzz finding.)
 #[test]
 fn reserved_bits_in_every_l1_entry_are_repaired_like_qemu_img() {
-    if !have_qemu("reserved_bits_in_every_l1_entry_are_repaired_like_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-l1-reserved");
     let dir = &s.0;
     create(dir, "cluster_size=512", "a.qcow2", "512M");
@@ -947,9 +935,7 @@ fn reserved_bits_in_every_l1_entry_are_repaired_like_qemu_img() {
 /// to repair, `-r leaks` and `-r all` leave the same autoclear field as qemu-img.
 #[test]
 fn a_repair_clears_unknown_autoclear_bits_as_qemu_img() {
-    if !have_qemu("a_repair_clears_unknown_autoclear_bits_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-autoclear");
     let dir = &s.0;
     for repair in ["leaks", "all"] {
@@ -975,9 +961,7 @@ fn a_repair_clears_unknown_autoclear_bits_as_qemu_img() {
 /// `convert -O raw` and `check` give what qemu-img gives (output, status and converted bytes).
 #[test]
 fn images_qemu_still_reads_are_read_as_qemu_img_reads_them() {
-    if !have_qemu("images_qemu_still_reads_are_read_as_qemu_img_reads_them") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     use qimg::format::extensions::{Cluster0, Extension};
     let s = Scratch::new("qemu-reads");
     let dir = &s.0;
@@ -1066,9 +1050,7 @@ fn images_qemu_still_reads_are_read_as_qemu_img_reads_them() {
 /// refcount=1 reference=2`, which frees a cluster in use as soon as one reference goes).
 #[test]
 fn compressed_data_overlapping_its_own_l2_table_is_repaired_as_qemu_img() {
-    if !have_qemu("compressed_data_overlapping_its_own_l2_table_is_repaired_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-compressed-overlap");
     let dir = &s.0;
     create(
@@ -1103,9 +1085,7 @@ fn compressed_data_overlapping_its_own_l2_table_is_repaired_as_qemu_img() {
 /// incomplete"), after which both checkers find the image clean and the snapshots intact.
 #[test]
 fn incomplete_snapshot_entries_are_completed_by_a_repair() {
-    if !have_qemu("incomplete_snapshot_entries_are_completed_by_a_repair") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("check-incomplete-snapshots");
     let dir = &s.0;
     create(dir, "", "s.qcow2", "8M");

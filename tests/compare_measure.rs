@@ -9,7 +9,7 @@ use common::text;
 
 use std::path::Path;
 
-use common::{Scratch, have_qemu, ok, qemu_img, qemu_img_create, qemu_io, qimg};
+use common::{Scratch, ok, qemu_img, qemu_img_create, qemu_io, qimg};
 
 /// Runs `compare ARGS` with both programs and requires the same output and status; returns
 /// the status.
@@ -33,9 +33,7 @@ const SHAPES: &[(&str, &str)] = &[
 
 #[test]
 fn compare_matches_qemu_img() {
-    if !have_qemu("compare_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let mut statuses = [0usize; 3];
     for (name, opts) in SHAPES {
         let s = Scratch::new(&format!("compare-{name}"));
@@ -162,9 +160,7 @@ fn compare_matches_qemu_img() {
 
 #[test]
 fn compare_refusals_match_qemu_img() {
-    if !have_qemu("compare_refusals_match_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("compare-refusals");
     let d = &s.0;
     qemu_img_create(d, "qcow2", "", &[], "a.qcow2", "1M");
@@ -184,9 +180,7 @@ fn compare_refusals_match_qemu_img() {
 
 #[test]
 fn compare_progress_reaches_the_end() {
-    if !have_qemu("compare_progress_reaches_the_end") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("compare-progress");
     let d = &s.0;
     qemu_img_create(d, "qcow2", "", &[], "a.qcow2", "4M");
@@ -226,9 +220,7 @@ const TARGETS: &[&str] = &[
 
 #[test]
 fn measure_matches_qemu_img() {
-    if !have_qemu("measure_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("measure");
     let d = &s.0;
     // Sources: a qcow2 image with scattered data, zeros, a compressed cluster and bitmaps on
@@ -330,9 +322,7 @@ fn measure_matches_qemu_img() {
 
 #[test]
 fn measure_refusals_match_qemu_img() {
-    if !have_qemu("measure_refusals_match_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("measure-refusals");
     let d = &s.0;
     qemu_img_create(d, "qcow2", "", &[], "a.qcow2", "1M");

@@ -11,7 +11,7 @@ mod common;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use common::{Scratch, assert_clean, have_qemu, info, map_json, ok, qemu_img, qimg};
+use common::{Scratch, assert_clean, info, map_json, ok, qemu_img, qimg};
 
 const MIB: u64 = 1 << 20;
 
@@ -108,9 +108,7 @@ fn qemu_chain(d: &Path) -> &'static str {
 
 #[test]
 fn round_trip_qcow2_raw_extended_standard() {
-    if !have_qemu("round_trip_qcow2_raw_extended_standard") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-roundtrip");
     let d = &s.0;
     let src = qemu_chain(d);
@@ -176,9 +174,7 @@ fn round_trip_qcow2_raw_extended_standard() {
 
 #[test]
 fn compressed_outputs_zlib_and_zstd() {
-    if !have_qemu("compressed_outputs_zlib_and_zstd") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-compress");
     let d = &s.0;
     create(d, "qcow2", "", &[], "src.qcow2", "5M");
@@ -245,9 +241,7 @@ fn compressed_outputs_zlib_and_zstd() {
 
 #[test]
 fn zeros_are_never_written() {
-    if !have_qemu("zeros_are_never_written") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-zeros");
     let d = &s.0;
     // 1 GiB, 3 MiB of data, 10 MiB of zeros written as data, zero clusters.
@@ -309,9 +303,7 @@ fn zeros_are_never_written() {
 
 #[test]
 fn raw_sources_and_qimg_made_images() {
-    if !have_qemu("raw_sources_and_qimg_made_images") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-raw");
     let d = &s.0;
     // A raw file with holes and an odd size (read as rounded up to 512, like qemu).
@@ -366,9 +358,7 @@ fn raw_sources_and_qimg_made_images() {
 
 #[test]
 fn into_an_existing_image_with_n() {
-    if !have_qemu("into_an_existing_image_with_n") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-n");
     let d = &s.0;
     let src = qemu_chain(d);
@@ -384,9 +374,7 @@ fn into_an_existing_image_with_n() {
 
 #[test]
 fn progress_is_printed_like_qemu_img() {
-    if !have_qemu("progress_is_printed_like_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-progress");
     let d = &s.0;
     create(d, "qcow2", "", &[], "src.qcow2", "64M");
@@ -418,9 +406,7 @@ fn progress_is_printed_like_qemu_img() {
 
 #[test]
 fn bad_input_is_refused_clearly() {
-    if !have_qemu("bad_input_is_refused_clearly") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-bad");
     let d = &s.0;
     create(d, "qcow2", "", &[], "src.qcow2", "4M");
@@ -620,9 +606,7 @@ fn overlay_over_base(d: &Path) {
 
 #[test]
 fn backing_file_for_the_output_like_qemu_img() {
-    if !have_qemu("backing_file_for_the_output_like_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-backing");
     let d = &s.0;
     overlay_over_base(d);
@@ -742,9 +726,7 @@ fn backing_file_for_the_output_like_qemu_img() {
 
 #[test]
 fn cache_modes_change_nothing_in_the_output() {
-    if !have_qemu("cache_modes_change_nothing_in_the_output") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-cache");
     let d = &s.0;
     let src = qemu_chain(d);
@@ -799,9 +781,7 @@ fn cache_modes_change_nothing_in_the_output() {
 
 #[test]
 fn several_sources_are_concatenated() {
-    if !have_qemu("several_sources_are_concatenated") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("conv-concat");
     let d = &s.0;
     // Sizes are multiples of 512 but not of any cluster size; data touches every end.
@@ -912,9 +892,7 @@ fn several_sources_are_concatenated() {
 
 #[test]
 fn copy_offloading_with_c_like_qemu_img() {
-    if !have_qemu("copy_offloading_with_c_like_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let d = Scratch::new("convert-offload");
     let dir = &d.0;
     // A chain (data in every layer, zeros, a discard), a compressed cluster, a raw source.
@@ -975,9 +953,7 @@ fn copy_offloading_with_c_like_qemu_img() {
 /// stdout, stderr and exit status, the same output bytes (raw) or guest data (qcow2).
 #[test]
 fn dd_matches_qemu_img_dd() {
-    if !have_qemu("dd_matches_qemu_img_dd") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dd");
     let d = &s.0;
     let bin = s.path("bin");

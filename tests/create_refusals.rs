@@ -5,9 +5,7 @@ use common::*;
 
 #[test]
 fn qimg_refuses_what_qemu_img_refuses_and_names_the_option() {
-    if !have_qemu("qimg_refuses_what_qemu_img_refuses_and_names_the_option") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("refuse");
     ok(
         "base",
@@ -169,9 +167,7 @@ fn o_help_lists_every_create_option() {
 /// hexadecimal size.
 #[test]
 fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
-    if !have_qemu("as_qemu_img_the_refusals_print_qemu_imgs_words") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("refuse-as-qemu-img");
     let bin = s.path("bin");
     std::fs::create_dir_all(&bin).unwrap();

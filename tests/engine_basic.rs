@@ -12,9 +12,7 @@ const MIB: u64 = 1024 * KIB;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_read_back_and_the_image_checks_clean() {
-    if !have_qemu("writes_read_back_and_the_image_checks_clean") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in [
         "extended_l2=on,cluster_size=128k",
         "cluster_size=64k",
@@ -52,9 +50,7 @@ async fn writes_read_back_and_the_image_checks_clean() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aligned_subcluster_writes_over_a_full_backing_file_copy_nothing() {
-    if !have_qemu("aligned_subcluster_writes_over_a_full_backing_file_copy_nothing") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("cow");
     let size = 16 * MIB;
     let backing = pattern(0xBA5E, 0, size as usize);
@@ -125,9 +121,7 @@ async fn aligned_subcluster_writes_over_a_full_backing_file_copy_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn idle_slices_are_dropped_after_the_clean_interval() {
-    if !have_qemu("idle_slices_are_dropped_after_the_clean_interval") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for interval in [0u64, 2] {
         let dir = Scratch::new("clean");
         qemu_create(
@@ -177,9 +171,7 @@ async fn idle_slices_are_dropped_after_the_clean_interval() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_tasks_leave_a_serialisable_result() {
-    if !have_qemu("sixty_four_concurrent_tasks_leave_a_serialisable_result") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in ["extended_l2=on,cluster_size=64k", "cluster_size=64k"] {
         let dir = Scratch::new("concurrent");
         let size = 32 * MIB;
@@ -259,9 +251,7 @@ fn header_u32(path: &std::path::Path, at: usize) -> u32 {
 
 #[tokio::test]
 async fn the_refcount_table_grows_when_the_file_outgrows_it() {
-    if !have_qemu("the_refcount_table_grows_when_the_file_outgrows_it") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // 512-byte clusters with 64-bit refcounts: one table cluster covers 2 MiB of file.
     let dir = Scratch::new("reftable");
     qemu_create(
@@ -292,9 +282,7 @@ async fn the_refcount_table_grows_when_the_file_outgrows_it() {
 
 #[tokio::test]
 async fn a_dirty_image_is_repaired_when_opened_read_write() {
-    if !have_qemu("a_dirty_image_is_repaired_when_opened_read_write") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("dirty");
     let path = dir.path("d.qcow2");
     qemu_create(
@@ -345,9 +333,7 @@ async fn a_dirty_image_is_repaired_when_opened_read_write() {
 
 #[tokio::test]
 async fn a_corrupt_image_opens_read_only_but_not_read_write() {
-    if !have_qemu("a_corrupt_image_opens_read_only_but_not_read_write") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("corrupt");
     let path = dir.path("c.qcow2");
     qemu_create(&dir.0, "c.qcow2", "cluster_size=64k", MIB, None);
@@ -370,9 +356,7 @@ async fn a_corrupt_image_opens_read_only_but_not_read_write() {
 
 #[tokio::test]
 async fn resize_grows_the_l1_table_and_the_new_area_is_writable() {
-    if !have_qemu("resize_grows_the_l1_table_and_the_new_area_is_writable") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("resize");
     qemu_create(&dir.0, "r.qcow2", "cluster_size=4k", MIB, None);
     let img = OpenOptions::new()
@@ -399,9 +383,7 @@ async fn resize_grows_the_l1_table_and_the_new_area_is_writable() {
 
 #[tokio::test]
 async fn a_backing_chain_that_loops_is_refused() {
-    if !have_qemu("a_backing_chain_that_loops_is_refused") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("loop");
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
     qemu_create(
@@ -430,9 +412,7 @@ async fn a_backing_chain_that_loops_is_refused() {
 
 #[tokio::test]
 async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
-    if !have_qemu("a_backing_chain_deeper_than_the_limit_is_refused_clearly") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("deep");
     qemu_create(&dir.0, "0.qcow2", "cluster_size=64k", MIB, None);
     let depth = qimg::chain::MAX_CHAIN_DEPTH + 1;
@@ -463,9 +443,7 @@ async fn a_backing_chain_deeper_than_the_limit_is_refused_clearly() {
 
 #[tokio::test]
 async fn an_overlay_cannot_be_written_without_its_backing_file() {
-    if !have_qemu("an_overlay_cannot_be_written_without_its_backing_file") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("nobacking");
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
     qemu_create(
@@ -486,9 +464,7 @@ async fn an_overlay_cannot_be_written_without_its_backing_file() {
 /// request is one host extent, and `qemu-img check` counts few fragmented clusters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_in_flight_together_each_land_as_one_host_extent() {
-    if !have_qemu("requests_in_flight_together_each_land_as_one_host_extent") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in ["extended_l2=on,cluster_size=64k", "cluster_size=64k"] {
         let dir = Scratch::new("contiguous");
         let size = 64 * MIB;

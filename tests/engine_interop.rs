@@ -50,9 +50,7 @@ const QEMU_IO_SCRIPT: &[&str] = &[
 
 #[tokio::test]
 async fn images_written_by_qemu_io_read_back_identically() {
-    if !have_qemu("images_written_by_qemu_io_read_back_identically") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let shapes = [
         "extended_l2=on,cluster_size=64k",
         "extended_l2=on,cluster_size=128k",
@@ -114,9 +112,7 @@ fn compressible(len: usize) -> Vec<u8> {
 
 #[tokio::test]
 async fn compressed_images_read_back_and_take_writes() {
-    if !have_qemu("compressed_images_read_back_and_take_writes") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (ctype, extra) in [
         ("zlib", ""),
         ("zstd", ""),
@@ -184,9 +180,7 @@ async fn compressed_images_read_back_and_take_writes() {
 
 #[tokio::test]
 async fn clusters_qimg_compresses_check_clean_and_read_back() {
-    if !have_qemu("clusters_qimg_compresses_check_clean_and_read_back") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (opts, size) in [
         ("compression_type=zlib", 3 * MIB + 5 * KIB),
         ("compression_type=zstd", 3 * MIB),
@@ -249,9 +243,7 @@ async fn clusters_qimg_compresses_check_clean_and_read_back() {
 
 #[tokio::test]
 async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() {
-    if !have_qemu("clusters_shared_with_an_internal_snapshot_are_never_written_in_place") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in ["cluster_size=64k", "extended_l2=on,cluster_size=64k"] {
         let dir = Scratch::new("snapshot");
         qemu_create(&dir.0, "s.qcow2", opts, 4 * MIB, None);
@@ -311,9 +303,7 @@ async fn clusters_shared_with_an_internal_snapshot_are_never_written_in_place() 
 
 #[tokio::test]
 async fn external_data_files_are_written_in_place() {
-    if !have_qemu("external_data_files_are_written_in_place") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for raw in ["off", "on"] {
         let dir = Scratch::new("datafile");
         let opts = format!("data_file=d.raw,data_file_raw={raw},extended_l2=on");
@@ -347,9 +337,7 @@ async fn external_data_files_are_written_in_place() {
 
 #[tokio::test]
 async fn map_extents_point_at_the_bytes_a_read_returns() {
-    if !have_qemu("map_extents_point_at_the_bytes_a_read_returns") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in ["extended_l2=on,cluster_size=64k", "cluster_size=64k"] {
         let dir = Scratch::new("map");
         qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 6 * MIB, None);
@@ -428,9 +416,7 @@ async fn map_extents_point_at_the_bytes_a_read_returns() {
 /// image checks clean and its clusters are used by later allocations.
 #[tokio::test]
 async fn space_reserved_ahead_is_cut_off_at_close() {
-    if !have_qemu("space_reserved_ahead_is_cut_off_at_close") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("reserve-ahead");
     qemu_create(
         &dir.0,
@@ -497,9 +483,7 @@ async fn space_reserved_ahead_is_cut_off_at_close() {
 /// inside the file, or parts that come from a backing file, are still copied.
 #[tokio::test]
 async fn zeros_are_not_copied_into_clusters_that_never_held_data() {
-    if !have_qemu("zeros_are_not_copied_into_clusters_that_never_held_data") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("zero-cow");
     qemu_create(&dir.0, "z.qcow2", "cluster_size=64k", 16 * MIB, None);
     std::fs::write(dir.path("base.raw"), vec![0x3cu8; (16 * MIB) as usize]).unwrap();
@@ -567,9 +551,7 @@ fn map_json(dir: &Path, file: &str) -> String {
 /// land in place; with unmap (`write -z -u`) the space goes, as with qemu-io.
 #[tokio::test]
 async fn write_zeroes_without_unmap_keeps_preallocation_as_qemu_does() {
-    if !have_qemu("write_zeroes_without_unmap_keeps_preallocation_as_qemu_does") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("zero-keep");
     for opts in [
         "preallocation=falloc",
@@ -632,9 +614,7 @@ async fn write_zeroes_without_unmap_keeps_preallocation_as_qemu_does() {
 /// and single subclusters; `qemu-img compare` with the model.
 #[tokio::test]
 async fn discard_over_a_backing_file_reads_zeros() {
-    if !have_qemu("discard_over_a_backing_file_reads_zeros") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("discard-backing");
     qemu_create(&dir.0, "base.qcow2", "compat=1.1", 4 * MIB, None);
     qemu_io(&dir.0, "base.qcow2", &["write -P 0x77 0 4M"]);
@@ -679,9 +659,7 @@ async fn discard_over_a_backing_file_reads_zeros() {
 /// rewrite the same 4 MiB five times, as qemu-io does, and the file stays put.
 #[tokio::test]
 async fn freed_clusters_are_reused_before_the_next_flush() {
-    if !have_qemu("freed_clusters_are_reused_before_the_next_flush") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("reuse-freed");
     qemu_create(&dir.0, "a.qcow2", "compat=1.1", 64 * MIB, None);
     let img = OpenOptions::new()
@@ -720,9 +698,7 @@ async fn freed_clusters_are_reused_before_the_next_flush() {
 /// data as one host extent (`qemu-img map` equal to qemu-io's, offsets included).
 #[tokio::test]
 async fn a_fresh_write_maps_as_one_extent_after_its_l2_table() {
-    if !have_qemu("a_fresh_write_maps_as_one_extent_after_its_l2_table") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("l2-first");
     for opts in ["cluster_size=64k", "cluster_size=64k,extended_l2=on"] {
         qemu_create(&dir.0, "q.qcow2", opts, 64 * MIB, None);

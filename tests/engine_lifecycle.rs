@@ -13,9 +13,7 @@ const MIB: u64 = 1 << 20;
 #[test]
 fn the_clean_timer_runs_without_a_runtime_of_the_callers() {
     let dir = Scratch::new("timer");
-    if !have_qemu("the_clean_timer_runs_without_a_runtime_of_the_callers") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", 64 * MIB, None);
     let cache = CacheOptions {
         cache_clean_interval: Some(1),
@@ -48,9 +46,7 @@ fn the_clean_timer_runs_without_a_runtime_of_the_callers() {
 
 #[test]
 fn close_on_drop_flushes_and_releases_the_image() {
-    if !have_qemu("close_on_drop_flushes_and_releases_the_image") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("drop-close");
     qemu_create(
         &dir.0,
@@ -86,9 +82,7 @@ fn close_on_drop_flushes_and_releases_the_image() {
 /// descriptor (no second open by name), resolving the backing file next to `name`.
 #[test]
 fn a_vmm_probes_and_opens_its_own_descriptor() {
-    if !common::have_qemu("a_vmm_probes_and_opens_its_own_descriptor") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("open-file");
     common::qemu_create(&dir.0, "base.qcow2", "cluster_size=64k", 4 << 20, None);
     common::qemu_io(&dir.0, "qcow2", "base.qcow2", &["write -P 3 0 1M"]);

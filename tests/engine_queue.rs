@@ -417,9 +417,7 @@ fn run_checked(
 
 #[test]
 fn four_epoll_queues_match_the_model_buffered_on_threads() {
-    if !have_qemu("four_epoll_queues_match_the_model_buffered_on_threads") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run(
         "extended_l2=on,cluster_size=64k",
         Backend::Threads,
@@ -430,42 +428,32 @@ fn four_epoll_queues_match_the_model_buffered_on_threads() {
 
 #[test]
 fn four_epoll_queues_match_the_model_with_o_direct_on_io_uring() {
-    if !have_qemu("four_epoll_queues_match_the_model_with_o_direct_on_io_uring") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("extended_l2=on,cluster_size=64k", Backend::IoUring, true, 2);
 }
 
 #[test]
 fn four_epoll_queues_copy_on_write_on_their_rings_with_2m_clusters() {
-    if !have_qemu("four_epoll_queues_copy_on_write_on_their_rings_with_2m_clusters") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("extended_l2=on,cluster_size=2M", Backend::IoUring, true, 6);
     run("extended_l2=on,cluster_size=2M", Backend::Threads, false, 7);
 }
 
 #[test]
 fn four_epoll_queues_copy_on_write_on_their_rings_with_standard_l2_and_o_direct() {
-    if !have_qemu("four_epoll_queues_copy_on_write_on_their_rings_with_standard_l2_and_o_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("cluster_size=64k", Backend::IoUring, true, 8);
 }
 
 #[test]
 fn four_epoll_queues_match_the_model_with_standard_l2() {
-    if !have_qemu("four_epoll_queues_match_the_model_with_standard_l2") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("cluster_size=4k", Backend::Threads, false, 3);
 }
 
 #[test]
 fn four_epoll_queues_match_the_model_with_a_two_slice_l2_cache() {
-    if !have_qemu("four_epoll_queues_match_the_model_with_a_two_slice_l2_cache") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // 16 KiB clusters with extended entries: one L2 table of 4 slices for 16 MiB; 4 KiB
     // standard clusters: 8 tables of one slice. The cache holds 2 slices: misses everywhere,
     // mostly with dirty victims (the engine's case), some loaded on the queues' rings.
@@ -481,9 +469,7 @@ fn four_epoll_queues_match_the_model_with_a_two_slice_l2_cache() {
 
 #[test]
 fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
-    if !have_qemu("l2_slice_misses_load_on_the_queues_ring_and_then_go_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // 4 KiB clusters: one 4 KiB L2 slice maps 2 MiB, so 32 MiB has 16 slices; the cache
     // holds 2 and every strided request misses.
     let dir = Scratch::new("queue-loads");
@@ -559,9 +545,7 @@ fn l2_slice_misses_load_on_the_queues_ring_and_then_go_direct() {
 
 #[test]
 fn an_engine_read_does_not_wait_for_a_queue_that_stopped_collecting() {
-    if !have_qemu("an_engine_read_does_not_wait_for_a_queue_that_stopped_collecting") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-load-stall");
     let size: u64 = 8 << 20;
     let data: Vec<u8> = (0..size).map(|i| ((i / 4096) % 249) as u8 ^ 0x33).collect();
@@ -728,9 +712,7 @@ fn one(queue: &mut Queue<AnyStorage>, request: Request) -> qimg::Completion {
 
 #[test]
 fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine() {
-    if !have_qemu("aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-route");
     qemu_create(
         &dir.0,
@@ -877,9 +859,7 @@ fn contents_aligned(b: IoBuffers) -> Vec<u8> {
 
 #[test]
 fn a_batch_goes_to_the_kernel_in_one_system_call() {
-    if !have_qemu("a_batch_goes_to_the_kernel_in_one_system_call") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-batch");
     qemu_create(
         &dir.0,
@@ -978,9 +958,7 @@ fn a_batch_goes_to_the_kernel_in_one_system_call() {
 
 #[test]
 fn a_partial_subcluster_write_copies_on_write_on_the_ring() {
-    if !have_qemu("a_partial_subcluster_write_copies_on_write_on_the_ring") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // Buffered, the kernel leaves the bytes past the end of the backing file as they were in
     // the buffer; with O_DIRECT it may clear them: both must read as zeros.
     partial_subcluster_write(Backend::Threads, false);
@@ -1097,9 +1075,7 @@ fn partial_subcluster_write(backend: Backend, direct: bool) {
 /// writes let the lock go. Every read matches the model, the image ends clean and equal to it.
 #[test]
 fn batches_of_hits_misses_and_writes_match_the_model() {
-    if !have_qemu("batches_of_hits_misses_and_writes_match_the_model") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     const MIB: u64 = 1 << 20;
     const SIZE: u64 = 64 * MIB;
     let dir = Scratch::new("queue-batches");
@@ -1218,9 +1194,7 @@ fn batches_of_hits_misses_and_writes_match_the_model() {
 /// flight across the call still completes through `next_completed`.
 #[test]
 fn flush_blocking_makes_collected_writes_durable_and_keeps_other_completions() {
-    if !have_qemu("flush_blocking_makes_collected_writes_durable_and_keeps_other_completions") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-flush-blocking");
     qemu_create(
         &dir.0,
@@ -1286,9 +1260,7 @@ fn flush_blocking_makes_collected_writes_durable_and_keeps_other_completions() {
 /// the caller keeps: a completion makes the caller's descriptor readable.
 #[test]
 fn a_callers_eventfd_is_signalled_through_its_duplicate() {
-    if !have_qemu("a_callers_eventfd_is_signalled_through_its_duplicate") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     use nix::sys::eventfd::{EfdFlags, EventFd};
     let dir = Scratch::new("queue-eventfd-of");
     qemu_create(&dir.0, "d.qcow2", "cluster_size=64k", 1 << 20, None);
@@ -1446,9 +1418,7 @@ fn a_queue_runs_under_a_seccomp_filter_of_the_documented_system_calls() {
 /// writes do; a disabled one stays clear; after close QEMU sees them consistent.
 #[test]
 fn direct_writes_dirty_the_enabled_bitmaps() {
-    if !have_qemu("direct_writes_dirty_the_enabled_bitmaps") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-bitmaps");
     qemu_create(
         &dir.0,
@@ -1529,9 +1499,7 @@ fn direct_writes_dirty_the_enabled_bitmaps() {
 /// the engine and waits for them; the data and `qemu-img check` are right.
 #[test]
 fn in_place_writes_to_one_cluster_run_together() {
-    if !have_qemu("in_place_writes_to_one_cluster_run_together") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("queue-in-place");
     qemu_create(
         &dir.0,

@@ -221,9 +221,7 @@ async fn misses_on_one_slice_wait_for_its_load() {
 /// slice. The image must check clean and equal the model.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_writes_through_a_tiny_cache_match_the_model() {
-    if !have_qemu("reads_and_writes_through_a_tiny_cache_match_the_model") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for extended in [false, true] {
         let dir = Scratch::new("slice-loads-model");
         let size = 8 * PER_SLICE;

@@ -227,25 +227,19 @@ async fn model_on<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_operations_match_a_flat_model_on_uring_buffered() {
-    if !have_qemu("random_operations_match_a_flat_model_on_uring_buffered") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     model_on("uring", &uring_buffered).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_operations_match_a_flat_model_on_bounced_uring_direct() {
-    if !have_qemu("random_operations_match_a_flat_model_on_bounced_uring_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     model_on("bounce(uring O_DIRECT)", &uring_direct).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_operations_match_a_flat_model_on_bounced_file_direct() {
-    if !have_qemu("random_operations_match_a_flat_model_on_bounced_file_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     model_on("bounce(file O_DIRECT)", &file_direct).await;
 }
 
@@ -399,25 +393,19 @@ async fn stress_on<S: Storage + 'static>(name: &str, opener: &dyn Opener<S>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_queues_of_eight_tasks_on_uring_buffered() {
-    if !have_qemu("four_queues_of_eight_tasks_on_uring_buffered") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     stress_on("uring", &uring_buffered).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_queues_of_eight_tasks_on_bounced_uring_direct() {
-    if !have_qemu("four_queues_of_eight_tasks_on_bounced_uring_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     stress_on("bounce(uring O_DIRECT)", &uring_direct).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_queues_of_eight_tasks_on_bounced_file_direct() {
-    if !have_qemu("four_queues_of_eight_tasks_on_bounced_file_direct") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     stress_on("bounce(file O_DIRECT)", &file_direct).await;
 }
 
@@ -425,9 +413,7 @@ async fn four_queues_of_eight_tasks_on_bounced_file_direct() {
 /// backing file alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_any_runs_every_backend_from_options() {
-    if !have_qemu("open_any_runs_every_backend_from_options") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     use qimg::io::{AnyStorage, Backend};
     for backend in [Backend::Threads, Backend::IoUring] {
         for direct in [false, true] {

@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{IoSlice, IoSliceMut};
 
-use common::{Scratch, assert_clean, assert_same_as_model, have_qemu, qemu_create};
+use common::{Scratch, assert_clean, assert_same_as_model, qemu_create};
 use qimg::OpenOptions;
 use qimg_testkit::model::GuestModel;
 use qimg_testkit::pattern::pattern;
@@ -111,16 +111,12 @@ async fn run(options: &str, seed: u64) {
 
 #[tokio::test]
 async fn vectored_requests_match_the_model_with_extended_l2() {
-    if !have_qemu("vectored_requests_match_the_model_with_extended_l2") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("extended_l2=on,cluster_size=64k", 1).await;
 }
 
 #[tokio::test]
 async fn vectored_requests_match_the_model_with_standard_l2() {
-    if !have_qemu("vectored_requests_match_the_model_with_standard_l2") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     run("cluster_size=4k", 2).await;
 }

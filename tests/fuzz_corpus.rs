@@ -307,9 +307,7 @@ fn qemu_check(dir: &Path, name: &str) -> Option<(u64, u64)> {
 /// that flag itself reads as an L2 entry with reserved bits.
 #[test]
 fn check_repairs_never_make_qemu_img_check_worse() {
-    if !common::have_qemu("check_repairs_never_make_qemu_img_check_worse") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let mut inputs = seeds("check");
     inputs.extend(fuzzing::inputs("regressions", "check"));
     if let Ok(extra) = std::env::var("QIMG_CHECK_CORPUS") {

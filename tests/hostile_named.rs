@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use cap::Cap;
-use common::{Scratch, have_qemu, ok, qemu_img};
+use common::{Scratch, ok, qemu_img};
 use qimg::{CacheOptions, Error, OpenOptions};
 
 #[global_allocator]
@@ -119,9 +119,7 @@ fn l2_of_first_cluster(path: &Path) -> u64 {
 
 #[test]
 fn refcount_table_overlapping_the_l1_table() {
-    if !have_qemu("refcount_table_overlapping_the_l1_table") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("overlap-rt-l1");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     qemu_io(&dir.0, "a.qcow2", &["write -P 7 0 64k"]);
@@ -157,9 +155,7 @@ fn refcount_table_overlapping_the_l1_table() {
 
 #[test]
 fn l1_table_past_the_end_of_the_file() {
-    if !have_qemu("l1_table_past_the_end_of_the_file") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("l1-past-end");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "1G");
     let p = dir.path("a.qcow2");
@@ -174,9 +170,7 @@ fn l1_table_past_the_end_of_the_file() {
 
 #[test]
 fn l2_table_past_the_end_of_the_file() {
-    if !have_qemu("l2_table_past_the_end_of_the_file") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("l2-past-end");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     qemu_io(&dir.0, "a.qcow2", &["write -P 7 0 64k"]);
@@ -211,9 +205,7 @@ fn l2_table_past_the_end_of_the_file() {
 
 #[test]
 fn l1_size_in_the_billions() {
-    if !have_qemu("l1_size_in_the_billions") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("l1-huge");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     let p = dir.path("a.qcow2");
@@ -228,9 +220,7 @@ fn l1_size_in_the_billions() {
 
 #[test]
 fn backing_chain_that_loops() {
-    if !have_qemu("backing_chain_that_loops") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("loop");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     ok(
@@ -257,9 +247,7 @@ fn backing_chain_that_loops() {
 
 #[test]
 fn backing_names_that_escape_are_refused_when_names_are_confined() {
-    if !have_qemu("backing_names_that_escape_are_refused_when_names_are_confined") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("escape");
     std::fs::create_dir(dir.path("sub")).unwrap();
     std::fs::create_dir(dir.path("sub/x")).unwrap();
@@ -326,9 +314,7 @@ fn backing_names_that_escape_are_refused_when_names_are_confined() {
 
 #[test]
 fn an_l2_table_named_twice_stays_guarded_after_one_entry_unshares_it() {
-    if !have_qemu("an_l2_table_named_twice_stays_guarded_after_one_entry_unshares_it") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // 64 KiB clusters: one L1 entry covers 512 MiB, so a 1 GiB image has two. Entry 1 is made
     // to name entry 0's L2 table without the COPIED flag (refcount stays 1): a damaged image.
     let dir = Scratch::new("l2-named-twice");
@@ -370,9 +356,7 @@ fn an_l2_table_named_twice_stays_guarded_after_one_entry_unshares_it() {
 
 #[test]
 fn untrusted_limits_bound_the_chain_depth_and_the_l1_table() {
-    if !have_qemu("untrusted_limits_bound_the_chain_depth_and_the_l1_table") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("untrusted-limits");
     create(&dir.0, "c0.qcow2", "cluster_size=64k", "1G");
     for i in 1..=3 {
@@ -418,9 +402,7 @@ fn untrusted_limits_bound_the_chain_depth_and_the_l1_table() {
 
 #[test]
 fn cluster_bits_out_of_range() {
-    if !have_qemu("cluster_bits_out_of_range") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("cluster-bits");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     let p = dir.path("a.qcow2");
@@ -454,9 +436,7 @@ fn compressed_image(dir: &Path, ctype: &str) -> std::path::PathBuf {
 
 #[test]
 fn compressed_descriptor_past_the_end() {
-    if !have_qemu("compressed_descriptor_past_the_end") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("compressed-past-end");
     let p = compressed_image(&dir.0, "zlib");
     let l2 = l2_of_first_cluster(&p);
@@ -479,9 +459,7 @@ fn compressed_descriptor_past_the_end() {
 
 #[test]
 fn compressed_cluster_that_inflates_beyond_the_cluster_size() {
-    if !have_qemu("compressed_cluster_that_inflates_beyond_the_cluster_size") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (ctype, kind) in [
         ("zlib", qimg::format::header::CompressionType::Zlib),
         ("zstd", qimg::format::header::CompressionType::Zstd),
@@ -509,9 +487,7 @@ fn compressed_cluster_that_inflates_beyond_the_cluster_size() {
 
 #[test]
 fn extended_l2_entries_with_invalid_bit_combinations() {
-    if !have_qemu("extended_l2_entries_with_invalid_bit_combinations") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("ext-bits");
     create(&dir.0, "a.qcow2", "extended_l2=on,cluster_size=64k", "64M");
     qemu_io(&dir.0, "a.qcow2", &["write -P 7 0 8k"]);
@@ -535,9 +511,7 @@ fn extended_l2_entries_with_invalid_bit_combinations() {
 
 #[test]
 fn snapshot_tables_with_absurd_counts() {
-    if !have_qemu("snapshot_tables_with_absurd_counts") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snapshots");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     ok(
@@ -560,9 +534,7 @@ fn snapshot_tables_with_absurd_counts() {
 
 #[test]
 fn a_write_that_would_land_on_metadata_is_refused_and_marks_the_image_corrupt() {
-    if !have_qemu("a_write_that_would_land_on_metadata_is_refused_and_marks_the_image_corrupt") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("overlap-write");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     qemu_io(&dir.0, "a.qcow2", &["write -P 7 0 64k"]);
@@ -597,9 +569,7 @@ fn a_write_that_would_land_on_metadata_is_refused_and_marks_the_image_corrupt() 
 
 #[test]
 fn an_allocation_steered_onto_an_l2_table_by_a_bad_refcount_is_refused() {
-    if !have_qemu("an_allocation_steered_onto_an_l2_table_by_a_bad_refcount_is_refused") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("overlap-alloc");
     create(&dir.0, "a.qcow2", "cluster_size=64k", "64M");
     qemu_io(&dir.0, "a.qcow2", &["write -P 7 0 64k"]);

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 
-use common::{QEMU_IMG, QEMU_IO, Scratch, have_qemu, qemu_create};
+use common::{QEMU_IMG, QEMU_IO, Scratch, qemu_create};
 use qimg::OpenOptions;
 
 /// A qemu-io process that keeps an image open until dropped.
@@ -90,9 +90,7 @@ fn stderr_of(dir: &Path, prog: &str, args: &[&str]) -> (bool, String) {
 
 #[test]
 fn qemu_is_refused_while_qimg_writes_and_reads_with_force_share() {
-    if !have_qemu("qemu_is_refused_while_qimg_writes_and_reads_with_force_share") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = image("locks-qimg-holds");
     let p = dir.path("a.qcow2");
     let rt = runtime();
@@ -127,9 +125,7 @@ fn qemu_is_refused_while_qimg_writes_and_reads_with_force_share() {
 
 #[test]
 fn qimg_is_refused_while_qemu_writes_and_reads_with_force_share() {
-    if !have_qemu("qimg_is_refused_while_qemu_writes_and_reads_with_force_share") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = image("locks-qemu-writes");
     let p = dir.path("a.qcow2");
     let holder = QemuHolder::open(&dir.0, "a.qcow2", false);
@@ -183,9 +179,7 @@ fn qimg_is_refused_while_qemu_writes_and_reads_with_force_share() {
 
 #[test]
 fn a_qemu_reader_keeps_qimg_from_writing_but_not_from_reading() {
-    if !have_qemu("a_qemu_reader_keeps_qimg_from_writing_but_not_from_reading") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = image("locks-qemu-reads");
     let p = dir.path("a.qcow2");
     let holder = QemuHolder::open(&dir.0, "a.qcow2", true);
@@ -202,9 +196,7 @@ fn a_qemu_reader_keeps_qimg_from_writing_but_not_from_reading() {
 
 #[test]
 fn two_qimg_writers_refuse_each_other_and_locking_off_takes_no_lock() {
-    if !have_qemu("two_qimg_writers_refuse_each_other_and_locking_off_takes_no_lock") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = image("locks-two-writers");
     let p = dir.path("a.qcow2");
     let rt = runtime();

@@ -6,9 +6,7 @@ use common::*;
 
 #[test]
 fn qimg_images_pass_qemu_img_check_and_match_qemu_img_info() {
-    if !have_qemu("qimg_images_pass_qemu_img_check_and_match_qemu_img_info") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cases: Vec<Case> = matrix()
         .into_iter()
         .filter(|c| !c.snapshot && !c.bitmap)
@@ -120,9 +118,7 @@ fn qimg_images_pass_qemu_img_check_and_match_qemu_img_info() {
 
 #[test]
 fn create_prints_qemu_imgs_formatting_line() {
-    if !have_qemu("create_prints_qemu_imgs_formatting_line") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("fmtline");
     ok(
         "base",
@@ -172,9 +168,7 @@ fn create_prints_qemu_imgs_formatting_line() {
 
 #[test]
 fn size_comes_from_the_backing_file_when_omitted() {
-    if !have_qemu("size_comes_from_the_backing_file_when_omitted") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("backsize");
     ok(
         "base",
@@ -255,9 +249,7 @@ fn size_comes_from_the_backing_file_when_omitted() {
 
 #[test]
 fn preallocation_full_on_a_big_image_is_readable_and_clean() {
-    if !have_qemu("preallocation_full_on_a_big_image_is_readable_and_clean") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     // 512-byte clusters and 64-bit refcounts need several refcount blocks and table clusters.
     let s = Scratch::new("bigprealloc");
     ok(
@@ -296,9 +288,7 @@ fn preallocation_full_on_a_big_image_is_readable_and_clean() {
 /// directory finds it. The engine also finds a data file moved next to its image.
 #[test]
 fn data_file_names_are_relative_to_the_current_directory_as_in_qemu() {
-    if !have_qemu("data_file_names_are_relative_to_the_current_directory_as_in_qemu") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("datafile-cwd");
     std::fs::create_dir(dir.path("sub")).unwrap();
     ok(

@@ -5,9 +5,7 @@ use common::*;
 
 #[test]
 fn info_json_matches_qemu_img_on_the_whole_matrix() {
-    if !have_qemu("info_json_matches_qemu_img_on_the_whole_matrix") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cases = matrix();
     assert!(
         cases.len() >= 40,
@@ -111,9 +109,7 @@ fn info_json_matches_qemu_img_on_the_whole_matrix() {
 
 #[test]
 fn info_never_changes_the_image() {
-    if !have_qemu("info_never_changes_the_image") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("info-ro");
     let c = matrix()
         .into_iter()
@@ -132,9 +128,7 @@ fn info_never_changes_the_image() {
 
 #[test]
 fn human_info_matches_qemu_img_line_for_line_on_plain_images() {
-    if !have_qemu("human_info_matches_qemu_img_line_for_line_on_plain_images") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for name in [
         "cs64k",
         "cs128k-ext",
@@ -155,9 +149,7 @@ fn human_info_matches_qemu_img_line_for_line_on_plain_images() {
 
 #[test]
 fn info_on_damaged_images_fails_cleanly_naming_the_problem() {
-    if !have_qemu("info_on_damaged_images_fails_cleanly_naming_the_problem") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("damaged");
     ok(
         "qemu-img",
@@ -199,9 +191,7 @@ fn info_on_damaged_images_fails_cleanly_naming_the_problem() {
 /// qimg used to refuse).
 #[test]
 fn info_and_check_on_saved_findings_print_what_qemu_img_prints() {
-    if !have_qemu("info_and_check_on_saved_findings_print_what_qemu_img_prints") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("findings-info");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions");
     let mut n = 0;
@@ -229,9 +219,7 @@ fn info_and_check_on_saved_findings_print_what_qemu_img_prints() {
 /// stdout, stderr and exit status as qemu-img's, refusals included.
 #[test]
 fn image_opts_and_json_names_work_as_with_qemu_img() {
-    if !have_qemu("image_opts_and_json_names_work_as_with_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("image-opts");
     let bin = s.path("bin");
     std::fs::create_dir_all(&bin).unwrap();

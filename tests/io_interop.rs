@@ -15,7 +15,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{QEMU_IO, Scratch, assert_clean, have_qemu, ok, qemu_img, qimg_bin, run};
+use common::{QEMU_IO, Scratch, assert_clean, ok, qemu_img, qimg_bin, run};
 
 /// The image layouts every script runs on: name and qemu-img create options.
 const LAYOUTS: &[(&str, &str)] = &[
@@ -542,9 +542,7 @@ fn run_scripts_on(tag: &str, layouts: &[(&str, &str)], pick: impl Fn(&str) -> bo
 
 #[test]
 fn data_scripts_match_qemu_io() {
-    if !have_qemu("data_scripts_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let names = [
         "patterns",
         "overwrite",
@@ -558,9 +556,7 @@ fn data_scripts_match_qemu_io() {
 
 #[test]
 fn zero_discard_and_compressed_scripts_match_qemu_io() {
-    if !have_qemu("zero_discard_and_compressed_scripts_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let names = ["zero", "zero-unmap", "discard", "compressed", "map-alloc"];
     let n = run_scripts("zero", |s| names.contains(&s));
     assert_eq!(n, names.len() * LAYOUTS.len() * 2);
@@ -570,9 +566,7 @@ fn zero_discard_and_compressed_scripts_match_qemu_io() {
 /// written compressed, discarded and zeroed whole.
 #[test]
 fn short_last_cluster_matches_qemu_io() {
-    if !have_qemu("short_last_cluster_matches_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cmds = [
         "write -P 1 0 2M",
         "write -c -P 2 2M 1088k",
@@ -611,9 +605,7 @@ fn short_last_cluster_matches_qemu_io() {
 /// a zero subcluster, over its data a write of zeros.
 #[test]
 fn raw_backing_file_matches_qemu_io() {
-    if !have_qemu("raw_backing_file_matches_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cmds = [
         "write -z 2M 4k",
         "write -z 8k 4k",
@@ -666,9 +658,7 @@ fn raw_backing_file_matches_qemu_io() {
 /// zeros, `truncate` takes any size, compressed writes are refused.
 #[test]
 fn raw_images_match_qemu_io() {
-    if !have_qemu("raw_images_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cmds: &[&str] = &[
         "length",
         "read 0 1024",
@@ -745,9 +735,7 @@ fn raw_images_match_qemu_io() {
 /// Version 2 images have no zero clusters: write-zeroes and discard take other paths there.
 #[test]
 fn zero_and_discard_scripts_match_qemu_io_on_version_2() {
-    if !have_qemu("zero_and_discard_scripts_match_qemu_io_on_version_2") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let names = ["zero", "zero-unmap", "discard"];
     let v2 = [("v2-64k", "compat=0.10,cluster_size=64k")];
     let n = run_scripts_on("v2", &v2, |s| names.contains(&s));
@@ -756,9 +744,7 @@ fn zero_and_discard_scripts_match_qemu_io_on_version_2() {
 
 #[test]
 fn error_and_session_scripts_match_qemu_io() {
-    if !have_qemu("error_and_session_scripts_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let names = ["out-of-range", "parse-errors", "truncate", "open-close"];
     let n = run_scripts("errors", |s| names.contains(&s));
     assert_eq!(n, names.len() * LAYOUTS.len() * 2);
@@ -811,9 +797,7 @@ fn run_stdin(dir: &Path, prog: &Path, args: &[&str], input: &str) -> Output {
 
 #[test]
 fn commands_from_standard_input_match_qemu_io() {
-    if !have_qemu("commands_from_standard_input_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let inputs = [
         "write -P 3 0 4k\n\nread -P 3 0 4k\n  length  \nbogus\nquit\nlength\n",
         "length",
@@ -846,9 +830,7 @@ fn commands_from_standard_input_match_qemu_io() {
 
 #[test]
 fn bad_options_print_getopt_lines_and_usage() {
-    if !have_qemu("bad_options_print_getopt_lines_and_usage") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("io-badopt");
     make_image(&s.0, "cluster_size=64k", false);
     // The usage text is our own words; the getopt line and the status are qemu-io's.
@@ -880,9 +862,7 @@ fn bad_options_print_getopt_lines_and_usage() {
 
 #[test]
 fn command_line_errors_match_qemu_io() {
-    if !have_qemu("command_line_errors_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("io-cmdline");
     make_image(&s.0, "cluster_size=64k", false);
     for args in [
@@ -935,9 +915,7 @@ fn command_line_errors_match_qemu_io() {
 /// it. Output, guest data and `qemu-img map --output=json` agree either way.
 #[test]
 fn write_zeroes_without_unmap_keeps_the_host_cluster_as_qemu() {
-    if !have_qemu("write_zeroes_without_unmap_keeps_the_host_cluster_as_qemu") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (opts, unmap) in [
         ("cluster_size=64k", false),
         ("cluster_size=64k", true),
@@ -998,9 +976,7 @@ fn write_zeroes_without_unmap_keeps_the_host_cluster_as_qemu() {
 /// become zero subclusters, others are written with zeros.
 #[test]
 fn write_zeroes_leaves_qemus_layout() {
-    if !have_qemu("write_zeroes_leaves_qemus_layout") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cmds = [
         "write -z 8k 4k",
         "write -z -u 6200k 1k",
@@ -1042,9 +1018,7 @@ fn write_zeroes_leaves_qemus_layout() {
 /// QEMU and leaves the unallocated subclusters in qimg.
 #[test]
 fn zeroed_subclusters_free_the_host_cluster_unlike_qemu() {
-    if !have_qemu("zeroed_subclusters_free_the_host_cluster_unlike_qemu") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("io-subcluster-free");
     let template = s.path("template");
     std::fs::create_dir_all(&template).unwrap();
@@ -1095,9 +1069,7 @@ fn zeroed_subclusters_free_the_host_cluster_unlike_qemu() {
 /// fails (or works) as with qemu-io, with QEMU's lock messages.
 #[test]
 fn image_locks_match_qemu_io() {
-    if !have_qemu("image_locks_match_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("io-locks");
     make_image(&s.0, "cluster_size=64k", false);
     let qemu = Path::new(QEMU_IO).to_path_buf();
@@ -1167,9 +1139,7 @@ fn image_locks_match_qemu_io() {
 /// output, a clean image, and the same guest data as qemu-io's.
 #[test]
 fn truncate_shrinks_as_qemu_io_does() {
-    if !have_qemu("truncate_shrinks_as_qemu_io_does") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("io-shrink");
     make_image(&s.0, "cluster_size=64k", false);
     std::fs::copy(s.0.join("img.qcow2"), s.0.join("q.qcow2")).unwrap();

@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{Scratch, have_qemu, ok, qemu_img, qimg};
+use common::{Scratch, ok, qemu_img, qimg};
 
 use common::qemu_img_create as create;
 use common::qemu_io;
@@ -535,9 +535,7 @@ fn cases() -> Vec<(&'static str, Build)> {
 
 #[test]
 fn json_matches_qemu_img_over_the_matrix() {
-    if !have_qemu("json_matches_qemu_img_over_the_matrix") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let cases = cases();
     assert!(cases.len() >= 15);
     let mut entries = 0;
@@ -563,9 +561,7 @@ fn json_matches_qemu_img_over_the_matrix() {
 
 #[test]
 fn human_output_matches_qemu_img() {
-    if !have_qemu("human_output_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let wanted = [
         "standard-patterns",
         "cow-zero-ranges",
@@ -587,9 +583,7 @@ fn human_output_matches_qemu_img() {
 
 #[test]
 fn a_qcow2_file_mapped_as_raw() {
-    if !have_qemu("a_qcow2_file_mapped_as_raw") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("map-as-raw");
     create(&s.0, "qcow2", "", &[], "a.qcow2", "4M");
     qemu_io(&s.0, "qcow2", "a.qcow2", &["write -P 1 1M 64k"]);
@@ -598,9 +592,7 @@ fn a_qcow2_file_mapped_as_raw() {
 
 #[test]
 fn bad_arguments_and_damaged_images_fail_cleanly() {
-    if !have_qemu("bad_arguments_and_damaged_images_fail_cleanly") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("map-bad");
     let d = &s.0;
     let fails = |args: &[&str], needle: &str| {

@@ -87,9 +87,7 @@ fn both(
 
 #[test]
 fn command_line_refusals_and_version_speak_as_qemus_tools() {
-    if !have_qemu("command_line_refusals_and_version_speak_as_qemus_tools") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-cli");
     let ours = Ours::new(&s);
     ok(
@@ -280,9 +278,7 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
 
 #[test]
 fn convert_from_a_snapshot_and_onto_a_zeroed_target_as_qemu_img() {
-    if !have_qemu("convert_from_a_snapshot_and_onto_a_zeroed_target_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-convert");
     let ours = Ours::new(&s);
     ok(
@@ -431,9 +427,7 @@ fn convert_from_a_snapshot_and_onto_a_zeroed_target_as_qemu_img() {
 
 #[test]
 fn rebase_compressed_writes_compressed_clusters_with_the_same_guest_data() {
-    if !have_qemu("rebase_compressed_writes_compressed_clusters_with_the_same_guest_data") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-rebase");
     let ours = Ours::new(&s);
     ok(
@@ -492,9 +486,7 @@ fn rebase_compressed_writes_compressed_clusters_with_the_same_guest_data() {
 
 #[test]
 fn qemu_io_open_options_reopen_snapshot_mode_and_crashes_as_qemu_io() {
-    if !have_qemu("qemu_io_open_options_reopen_snapshot_mode_and_crashes_as_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-io");
     let ours = Ours::new(&s);
     ok(
@@ -612,9 +604,7 @@ fn qemu_io_open_options_reopen_snapshot_mode_and_crashes_as_qemu_io() {
 /// rebuild wrote over the table in use, which the overlap check refused.)
 #[test]
 fn a_killed_lazy_refcount_writer_is_repaired_as_qemu_repairs_it() {
-    if !have_qemu("a_killed_lazy_refcount_writer_is_repaired_as_qemu_repairs_it") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-lazy");
     let ours = Ours::new(&s);
     ok(
@@ -699,9 +689,7 @@ fn a_killed_lazy_refcount_writer_is_repaired_as_qemu_repairs_it() {
 
 #[test]
 fn copy_on_read_copies_what_qemu_io_copies() {
-    if !have_qemu("copy_on_read_copies_what_qemu_io_copies") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-cor");
     let ours = Ours::new(&s);
     ok(
@@ -766,9 +754,7 @@ fn copy_on_read_copies_what_qemu_io_copies() {
 
 #[test]
 fn image_names_as_qemu_takes_them() {
-    if !have_qemu("image_names_as_qemu_takes_them") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("dropin-names");
     let ours = Ours::new(&s);
     ok(
@@ -864,9 +850,7 @@ fn merged(dir: &Path, program: &Path, args: &[&str]) -> String {
 
 #[test]
 fn merged_streams_come_out_in_qemus_order() {
-    if !have_qemu("merged_streams_come_out_in_qemus_order") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("merged-streams");
     let ours = Ours::new(&s);
     let cases: &[(&str, &[&str])] = &[
@@ -937,9 +921,7 @@ fn merged_streams_come_out_in_qemus_order() {
 
 #[test]
 fn blkdebug_injects_errors_where_qemus_does() {
-    if !have_qemu("blkdebug_injects_errors_where_qemus_does") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("blkdebug");
     let ours = Ours::new(&s);
     let commands = [
@@ -1013,9 +995,7 @@ fn blkdebug_injects_errors_where_qemus_does() {
 
 #[test]
 fn the_vm_state_area_is_read_and_written_as_qemu_io_does() {
-    if !have_qemu("the_vm_state_area_is_read_and_written_as_qemu_io_does") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("vmstate");
     let ours = Ours::new(&s);
     // Each step: (tool, arguments); the image is made by qemu-img in each directory.
@@ -1124,9 +1104,7 @@ fn side_by_side(
 
 #[test]
 fn convert_salvage_copies_what_can_be_read_as_qemu_img() {
-    if !have_qemu("convert_salvage_copies_what_can_be_read_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("salvage");
     let ours = Ours::new(&s);
     // One sector of the source's data (host byte 1 MiB) cannot be read.
@@ -1214,9 +1192,7 @@ fn convert_salvage_copies_what_can_be_read_as_qemu_img() {
 
 #[test]
 fn a_second_open_of_a_locked_image_is_refused_in_qemus_words() {
-    if !have_qemu("a_second_open_of_a_locked_image_is_refused_in_qemus_words") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("lock-words");
     let ours = Ours::new(&s);
     let prepare: Prep = &[
@@ -1240,9 +1216,7 @@ fn a_second_open_of_a_locked_image_is_refused_in_qemus_words() {
 
 #[test]
 fn corruption_is_reported_and_repaired_in_qemus_words() {
-    if !have_qemu("corruption_is_reported_and_repaired_in_qemus_words") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("corruption-words");
     let ours = Ours::new(&s);
     let prepare: Prep = &[
@@ -1298,9 +1272,7 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
 
 #[test]
 fn damaged_tables_open_and_fail_where_qemus_do() {
-    if !have_qemu("damaged_tables_open_and_fail_where_qemus_do") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("damaged-tables");
     let ours = Ours::new(&s);
     // 64 KiB clusters: refcount table 0x10000, its block 0x20000, L1 0x30000, and after the
@@ -1394,9 +1366,7 @@ fn damaged_tables_open_and_fail_where_qemus_do() {
 
 #[test]
 fn qemu_io_help_and_discard_modes_as_qemu_io() {
-    if !have_qemu("qemu_io_help_and_discard_modes_as_qemu_io") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("help-discard");
     let ours = Ours::new(&s);
     let prepare: Prep = &[("qemu-img", &["create", "-f", "qcow2", "d.qcow2", "1M"])];
@@ -1510,9 +1480,7 @@ fn qemu_io_help_and_discard_modes_as_qemu_io() {
 
 #[test]
 fn image_files_hold_what_qemus_hold() {
-    if !have_qemu("image_files_hold_what_qemus_hold") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("file-layout");
     let ours = Ours::new(&s);
     // `info` prints the file's length and its allocated size ("disk size"); `map` depends on
@@ -1702,9 +1670,7 @@ fn image_files_hold_what_qemus_hold() {
 
 #[test]
 fn breakpoints_hold_requests_as_qemu_ios_blkdebug() {
-    if !have_qemu("breakpoints_hold_requests_as_qemu_ios_blkdebug") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("breakpoints");
     let ours = Ours::new(&s);
     let files = [("b.cfg", "")];
@@ -1823,9 +1789,7 @@ fn breakpoints_hold_requests_as_qemu_ios_blkdebug() {
 
 #[test]
 fn runtime_option_values_are_checked_as_qemu_checks_them() {
-    if !have_qemu("runtime_option_values_are_checked_as_qemu_checks_them") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("runtime-options");
     let ours = Ours::new(&s);
     let prepare: Prep = &[(
@@ -1918,9 +1882,7 @@ fn runtime_option_values_are_checked_as_qemu_checks_them() {
 
 #[test]
 fn convert_targets_and_missing_files_are_named_as_qemu_names_them() {
-    if !have_qemu("convert_targets_and_missing_files_are_named_as_qemu_names_them") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("convert-targets");
     let ours = Ours::new(&s);
     let prepare: Prep = &[

@@ -11,7 +11,7 @@ use common::{copy_dir, text};
 
 use std::path::Path;
 
-use common::{Scratch, assert_clean, have_qemu, info, qemu_img, qemu_img_create, qemu_io, qimg};
+use common::{Scratch, assert_clean, info, qemu_img, qemu_img_create, qemu_io, qimg};
 
 /// The files of every chain.
 const FILES: &[&str] = &["b1.qcow2", "b2.qcow2", "mid.qcow2", "top.qcow2", "r.raw"];
@@ -126,9 +126,7 @@ const SHAPES: &[(&str, &str)] = &[
 
 #[test]
 fn rebase_matches_qemu_img() {
-    if !have_qemu("rebase_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (name, opts) in SHAPES {
         let s = Scratch::new(&format!("rebase-{name}"));
         let src = s.path("src");
@@ -161,9 +159,7 @@ fn rebase_matches_qemu_img() {
 
 #[test]
 fn rebase_refusals_match_qemu_img() {
-    if !have_qemu("rebase_refusals_match_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("rebase-refusals");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -193,9 +189,7 @@ fn rebase_refusals_match_qemu_img() {
 
 #[test]
 fn commit_matches_qemu_img() {
-    if !have_qemu("commit_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (name, opts) in SHAPES {
         let s = Scratch::new(&format!("commit-{name}"));
         let src = s.path("src");
@@ -216,9 +210,7 @@ fn commit_matches_qemu_img() {
 
 #[test]
 fn commit_into_raw_and_refusals_match_qemu_img() {
-    if !have_qemu("commit_into_raw_and_refusals_match_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("commit-raw");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -259,9 +251,7 @@ fn commit_into_raw_and_refusals_match_qemu_img() {
 /// works, `-b sub/mid.qcow2` is refused with qemu-img's message).
 #[test]
 fn commit_base_names_resolve_along_the_chain_as_qemu_img() {
-    if !have_qemu("commit_base_names_resolve_along_the_chain_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("commit-subdir");
     let src = s.path("src");
     let sub = src.join("sub");
@@ -295,9 +285,7 @@ fn commit_base_names_resolve_along_the_chain_as_qemu_img() {
 /// zeros are written as data, as qemu-img writes them): the same `qemu-img map`.
 #[test]
 fn rebase_writes_zeros_as_zero_clusters_as_qemu_img() {
-    if !have_qemu("rebase_writes_zeros_as_zero_clusters_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for opts in ["cluster_size=64k", "extended_l2=on"] {
         let s = Scratch::new("rebase-zeros");
         let src = s.path("src");

@@ -11,9 +11,7 @@ use common::{copy_dir, text};
 
 use std::path::{Path, PathBuf};
 
-use common::{
-    Scratch, assert_clean, have_qemu, info, ok, qemu_img, qemu_img_create, qemu_io, qimg,
-};
+use common::{Scratch, assert_clean, info, ok, qemu_img, qemu_img_create, qemu_io, qimg};
 
 /// Runs `args` with qemu-img in a copy of `src` and with qimg in another; requires the same
 /// output and status, and for `file` (if the command succeeded) the same guest data and
@@ -116,9 +114,7 @@ fn make_image(dir: &Path, opts: &str, backing: bool) {
 
 #[test]
 fn resize_matches_qemu_img() {
-    if !have_qemu("resize_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (name, opts, backing) in SHAPES {
         let s = Scratch::new(&format!("resize-{name}"));
         let src = s.path("src");
@@ -145,9 +141,7 @@ fn resize_matches_qemu_img() {
 
 #[test]
 fn shrinking_frees_everything_past_the_end() {
-    if !have_qemu("shrinking_frees_everything_past_the_end") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("resize-free");
     let d = &s.0;
     qemu_img_create(d, "qcow2", "cluster_size=64k", &[], "img.qcow2", "64M");
@@ -172,9 +166,7 @@ fn shrinking_frees_everything_past_the_end() {
 
 #[test]
 fn a_cut_extended_cluster_reads_zeros_after_growing_again() {
-    if !have_qemu("a_cut_extended_cluster_reads_zeros_after_growing_again") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("resize-ext-tail");
     let d = &s.0;
     qemu_img_create(
@@ -199,9 +191,7 @@ fn a_cut_extended_cluster_reads_zeros_after_growing_again() {
 
 #[test]
 fn resize_refusals_match_qemu_img() {
-    if !have_qemu("resize_refusals_match_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("resize-refusals");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -260,9 +250,7 @@ fn resize_refusals_match_qemu_img() {
 
 #[test]
 fn raw_files_resize_as_with_qemu_img() {
-    if !have_qemu("raw_files_resize_as_with_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("resize-raw");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -320,9 +308,7 @@ fn amended_fields(dir: &Path, file: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn amend_matches_qemu_img() {
-    if !have_qemu("amend_matches_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("amend");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -506,9 +492,7 @@ fn amend_matches_qemu_img() {
 /// otherwise), and `compat=1.1,size=...` upgrades, then resizes, as qemu-img does.
 #[test]
 fn amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img() {
-    if !have_qemu("amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("amend-v2-snapshots");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -561,9 +545,7 @@ fn amend_upgrades_v2_snapshots_with_short_extra_data_as_qemu_img() {
 /// clusters 8 MiB -> 5 MiB; 512-byte clusters 3 MiB -> 1 MiB, many refcount blocks).
 #[test]
 fn shrinking_cuts_the_file_as_qemu_img_does() {
-    if !have_qemu("shrinking_cuts_the_file_as_qemu_img_does") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let s = Scratch::new("shrink-file");
     let src = s.path("src");
     std::fs::create_dir_all(&src).unwrap();

@@ -21,8 +21,8 @@ use std::process::Output;
 use std::time::{Duration, UNIX_EPOCH};
 
 use common::{
-    Scratch, assert_clean, assert_same_as_model, have_qemu, make_backing_file, ok, qemu_create,
-    qemu_img, qemu_io, qimg,
+    Scratch, assert_clean, assert_same_as_model, make_backing_file, ok, qemu_create, qemu_img,
+    qemu_io, qimg,
 };
 use qimg::{OpenOptions, SnapshotOptions};
 use qimg_testkit::pattern;
@@ -137,9 +137,7 @@ fn shapes() -> Vec<Shape> {
 
 #[test]
 fn snapshots_made_by_qimg_match_qemu_img_across_the_matrix() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for shape in shapes() {
         let dir = Scratch::new("snap-matrix");
         let d = dir.0.as_path();
@@ -187,9 +185,7 @@ fn snapshots_made_by_qimg_match_qemu_img_across_the_matrix() {
 
 #[test]
 fn snapshots_cross_between_qemu_img_and_qimg() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-cross");
     let d = dir.0.as_path();
     let size = 4 * MIB;
@@ -277,9 +273,7 @@ fn permutations(n: usize) -> Vec<Vec<usize>> {
 
 #[test]
 fn snapshots_delete_cleanly_in_every_order() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-delete");
     let d = dir.0.as_path();
     let size = 2 * MIB;
@@ -326,9 +320,7 @@ fn snapshots_delete_cleanly_in_every_order() {
 
 #[test]
 fn refusals_and_messages_are_qemu_imgs() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-refusals");
     let d = dir.0.as_path();
     qemu_create(d, "q.qcow2", "cluster_size=65536", MIB, None);
@@ -480,9 +472,7 @@ async fn engine_writes_keep_snapshots(d: &Path, opts: &str, what: &str) {
 
 #[test]
 fn engine_writes_after_a_snapshot_leave_it_intact() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -502,9 +492,7 @@ fn engine_writes_after_a_snapshot_leave_it_intact() {
 /// after brings the larger size back, as qemu-img does.
 #[test]
 fn applying_restores_the_snapshots_disk_size() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-resize");
     let d = dir.0.as_path();
     for ext in ["off", "on"] {
@@ -560,9 +548,7 @@ fn applying_restores_the_snapshots_disk_size() {
 /// qimg applies and deletes it.
 #[test]
 fn older_entries_list_apply_and_delete_as_in_qemu_img() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-old-entry");
     let d = dir.0.as_path();
     qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
@@ -613,9 +599,7 @@ fn older_entries_list_apply_and_delete_as_in_qemu_img() {
 /// refuses it ("Snapshot L1 table too large"), and the file is left exactly as it was.
 #[test]
 fn an_absurd_snapshot_l1_size_is_refused_without_touching_the_image() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-hostile");
     let d = dir.0.as_path();
     qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
@@ -652,9 +636,7 @@ fn an_absurd_snapshot_l1_size_is_refused_without_touching_the_image() {
 /// the end of the file, where the engine, strict everywhere, refuses.)
 #[test]
 fn a_snapshot_with_an_unreadable_l2_table_is_refused_without_touching_the_image() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-hostile-l2");
     let d = dir.0.as_path();
     qemu_create(d, "img.qcow2", "cluster_size=65536", MIB, None);
@@ -686,9 +668,7 @@ fn a_snapshot_with_an_unreadable_l2_table_is_refused_without_touching_the_image(
 /// clean.
 #[test]
 fn snapshots_taken_during_concurrent_writes_hold_whole_writes() {
-    if !have_qemu("snapshot_interop") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("snap-concurrent");
     let d = dir.0.as_path();
     let cs = 64 * KIB;
@@ -758,9 +738,7 @@ fn snapshots_taken_during_concurrent_writes_hold_whole_writes() {
 /// under a second; the guard allows 120 s.
 #[test]
 fn a_snapshot_larger_than_a_refcount_block_range_is_allocated_in_fresh_space() {
-    if !have_qemu("a_snapshot_larger_than_a_refcount_block_range_is_allocated_in_fresh_space") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("bigl1");
     let opts = "cluster_size=512,refcount_bits=64";
     qemu_create(&dir.0, "a.qcow2", opts, 1024 * MIB, None);

@@ -31,9 +31,7 @@ async fn vmm_write(img: &Image<qimg::io::AnyStorage>, fd: &File, offset: u64, da
 
 #[tokio::test]
 async fn leased_writes_match_the_model_and_check_clean() {
-    if !have_qemu("leased_writes_match_the_model_and_check_clean") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (opts, seed) in [
         ("cluster_size=64k", 1u64),
         ("extended_l2=on,cluster_size=64k", 2),
@@ -108,9 +106,7 @@ async fn leased_writes_match_the_model_and_check_clean() {
 
 #[tokio::test]
 async fn a_subcluster_lease_copies_nothing_and_a_standard_one_copies_the_cluster() {
-    if !have_qemu("a_subcluster_lease_copies_nothing_and_a_standard_one_copies_the_cluster") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     for (opts, cow) in [
         ("extended_l2=on,cluster_size=128k", 0u64),
         ("cluster_size=128k", 128 * KIB - 4 * KIB),
@@ -145,9 +141,7 @@ async fn a_subcluster_lease_copies_nothing_and_a_standard_one_copies_the_cluster
 
 #[tokio::test]
 async fn dropped_leases_leak_nothing_once_the_image_is_closed() {
-    if !have_qemu("dropped_leases_leak_nothing_once_the_image_is_closed") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("lease-drop");
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
     let img = OpenOptions::new()
@@ -165,9 +159,7 @@ async fn dropped_leases_leak_nothing_once_the_image_is_closed() {
 
 #[tokio::test]
 async fn a_lease_holds_its_range_until_commit() {
-    if !have_qemu("a_lease_holds_its_range_until_commit") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("lease-lock");
     qemu_create(&dir.0, "a.qcow2", "cluster_size=64k", MIB, None);
     let img = OpenOptions::new()
@@ -217,9 +209,7 @@ async fn a_lease_holds_its_range_until_commit() {
 
 #[tokio::test]
 async fn a_read_lease_pins_its_range_against_discard_and_names_aligned_host_bytes() {
-    if !have_qemu("a_read_lease_pins_its_range_against_discard_and_names_aligned_host_bytes") {
-        return;
-    }
+    qimg_testkit::require_qemu!();
     let dir = Scratch::new("read-lease");
     qemu_create(
         &dir.0,

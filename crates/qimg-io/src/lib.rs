@@ -108,6 +108,7 @@ pub mod conformance;
 pub mod error;
 mod faulty;
 mod file;
+pub mod holes;
 mod image_lock;
 mod mem;
 pub mod nbd;

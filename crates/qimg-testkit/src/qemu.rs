@@ -35,6 +35,34 @@ pub fn have_qemu(test: &str) -> bool {
     ok
 }
 
+/// Returns from the calling test when qemu-img is not usable ([`have_qemu`]: it says so on
+/// stderr, or panics under `QIMG_REQUIRE_QEMU=1`), naming the test by its function's path:
+///
+/// ```
+/// fn images_match_qemus() {
+///     qimg_testkit::require_qemu!();
+///     // ... drive qemu-img ...
+/// }
+/// ```
+#[macro_export]
+macro_rules! require_qemu {
+    () => {
+        if !$crate::qemu::have_qemu($crate::qemu::function_path({
+            fn here() {}
+            here
+        })) {
+            return;
+        }
+    };
+}
+
+/// The path of the function that defines `f` (a local `fn here() {}`): what
+/// [`require_qemu!`] names a skipped test by.
+pub fn function_path<F>(_f: F) -> &'static str {
+    let name = std::any::type_name::<F>();
+    name.strip_suffix("::here").unwrap_or(name)
+}
+
 /// A fresh scratch directory in the system temporary directory, removed on drop.
 pub struct Scratch(pub PathBuf);
 

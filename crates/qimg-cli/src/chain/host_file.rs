@@ -7,14 +7,8 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use anyhow::{Result, anyhow};
-use nix::errno::Errno;
-use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
-use nix::unistd::{Whence, lseek};
 
 use crate::status::os_msg;
-
-/// Cached pages are dropped in whole units of this size (a power of two above any page size).
-const DROP_CACHE_ALIGN: u64 = 64 << 10;
 
 /// A file whose data extents and holes are asked from the file system.
 pub(crate) struct HostFile {
@@ -67,8 +61,7 @@ impl HostFile {
     }
 
     /// Splits `[start, end)` into (start, length, is_data) runs, as file-posix's block status
-    /// does: `SEEK_DATA`/`SEEK_HOLE`, everything past the end of the file is a hole, and a file
-    /// system that cannot tell is all data.
+    /// does ([`qimg::io::holes::runs`] for a file; an export's block status for NBD).
     pub(super) fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
         let Some(file) = &self.file else {
             let data_end = end.min(self.len).max(start);
@@ -100,67 +93,9 @@ impl HostFile {
             out.retain(|r| r.1 > 0);
             return out;
         };
-        if self.drop_cache {
-            // Unwritten extents (QEMU zeroes the copy-on-write parts of a cluster with
-            // FALLOC_FL_ZERO_RANGE) are holes to SEEK_DATA only while none of their pages is
-            // cached; our own metadata reads may have pulled them in by readahead. Drop clean
-            // cached pages of the range first so the answer is the one qemu-img, which does
-            // not read there, gets.
-            // Whole pages only are dropped: round out (to 64 KiB, above any page size).
-            let mask = DROP_CACHE_ALIGN - 1;
-            let (a, b) = (start & !mask, end.saturating_add(mask) & !mask);
-            if let (Ok(o), Ok(l)) = (i64::try_from(a), i64::try_from(b - a)) {
-                let _ = posix_fadvise(file, o, l, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
-            }
-        }
-        let mut out: Vec<(u64, u64, bool)> = Vec::new();
-        let mut push = |s: u64, e: u64, data: bool| {
-            if e <= s {
-                return;
-            }
-            if let Some(last) = out.last_mut() {
-                if last.2 == data && last.0 + last.1 == s {
-                    last.1 += e - s;
-                    return;
-                }
-            }
-            out.push((s, e - s, data));
-        };
-        let mut pos = start;
-        while pos < end {
-            if pos >= self.len {
-                push(pos, end, false);
-                break;
-            }
-            let Ok(at) = i64::try_from(pos) else {
-                push(pos, end, true);
-                break;
-            };
-            match lseek(file, at, Whence::SeekData) {
-                Err(Errno::ENXIO) => {
-                    push(pos, end, false);
-                    break;
-                }
-                Err(_) => {
-                    push(pos, end, true);
-                    break;
-                }
-                Ok(d) if (d as u64) > pos => {
-                    let d = (d as u64).min(end);
-                    push(pos, d, false);
-                    pos = d;
-                }
-                Ok(_) => {
-                    let h = match lseek(file, at, Whence::SeekHole) {
-                        Ok(h) if (h as u64) > pos => h as u64,
-                        _ => self.len.max(pos + 1),
-                    };
-                    let h = h.min(end);
-                    push(pos, h, true);
-                    pos = h;
-                }
-            }
-        }
-        out
+        qimg::io::holes::runs(file, start, end, self.drop_cache)
+            .into_iter()
+            .map(|r| (r.start, r.len, r.data))
+            .collect()
     }
 }

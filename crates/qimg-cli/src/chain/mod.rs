@@ -60,6 +60,23 @@ pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Res
     }
 }
 
+/// qemu-img's warning when the format of `file` was probed (neither `named` nor given by the
+/// filename itself) and the probe guessed raw; `None` otherwise.
+pub(crate) fn raw_probe_warning(
+    file: &str,
+    named: Option<&str>,
+    fmt: ImageFormat,
+) -> Option<String> {
+    let probed = named.is_none() && crate::image_spec::format_for(file).is_none();
+    (probed && fmt == ImageFormat::Raw).then(|| {
+        format!(
+            "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
+             Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
+             Specify the 'raw' format explicitly to remove the restrictions."
+        )
+    })
+}
+
 /// One image of the chain, with what the walk needs from it.
 pub(crate) enum Layer {
     /// A qcow2 image.

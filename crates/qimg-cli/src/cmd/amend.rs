@@ -6,11 +6,12 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 use qimg::tools::amend::{AmendOptions, amend};
 use qimg::tools::create::Compat;
 
-use crate::args::{image_format, on_off, parse_size, split_opts};
+use crate::args::{on_off, parse_size, split_opts};
+use crate::chain::{raw_probe_warning, source_format};
 use crate::progress::Progress;
 use crate::status::{lib_msg, open_msg};
 
@@ -124,26 +125,10 @@ pub fn run(args: AmendArgs) -> Result<()> {
         bail!("Expecting one image file name\nTry 'qimg amend --help' for more info");
     };
     let path = Path::new(&file);
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => image_format(name)
-            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
-        None => {
-            let f = probe_format(path).map_err(|e| {
-                open_msg(
-                    anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
-                    &file,
-                )
-            })?;
-            if f == ImageFormat::Raw {
-                eprintln!(
-                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
-                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
-                     Specify the 'raw' format explicitly to remove the restrictions."
-                );
-            }
-            f
-        }
-    };
+    let fmt = source_format(path, &file, args.fmt.as_deref()).map_err(|e| open_msg(e, &file))?;
+    if let Some(warning) = raw_probe_warning(&file, args.fmt.as_deref(), fmt) {
+        eprintln!("{warning}");
+    }
     if fmt == ImageFormat::Raw {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use qimg::Image;
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 
-use crate::args::image_format;
 use crate::cache_mode::CacheMode;
+use crate::chain::source_format;
 use crate::chain::{Layer, open_chain, status};
 use crate::progress::Progress;
 use crate::status::{lib_msg, open_msg, os_msg};
@@ -72,16 +72,7 @@ pub fn run(args: CommitArgs) -> Result<()> {
         bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");
     };
     let path = Path::new(&file);
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => image_format(name)
-            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
-        None => probe_format(path).map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
-                &file,
-            )
-        })?,
-    };
+    let fmt = source_format(path, &file, args.fmt.as_deref()).map_err(|e| open_msg(e, &file))?;
     if fmt == ImageFormat::Raw {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");

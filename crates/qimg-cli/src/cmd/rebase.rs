@@ -12,12 +12,13 @@ use std::fs::File;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
-use qimg::chain::{ImageFormat, probe_format, resolve_backing};
+use qimg::chain::{ImageFormat, resolve_backing};
 use qimg::io::AnyStorage;
 use qimg::{Backing, ExtentKind, Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
+use crate::chain::source_format;
 use crate::progress::Steps;
 use crate::status::{lib_msg, open_msg, os_msg};
 
@@ -78,16 +79,7 @@ pub fn run(args: RebaseArgs) -> Result<()> {
         );
     };
     let path = Path::new(&file);
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => image_format(name)
-            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
-        None => probe_format(path).map_err(|e| {
-            open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, &file)),
-                &file,
-            )
-        })?,
-    };
+    let fmt = source_format(path, &file, args.fmt.as_deref()).map_err(|e| open_msg(e, &file))?;
     let new = (!new_name.is_empty()).then_some(new_name.as_str());
     if fmt == ImageFormat::Raw {
         if !path.exists() {

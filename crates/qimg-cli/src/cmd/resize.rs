@@ -14,10 +14,11 @@ use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
 use qimg::Image;
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 use qimg::format::validate::{MAX_L1_BYTES, l1_entries_for};
 
-use crate::args::{image_format, parse_size};
+use crate::args::parse_size;
+use crate::chain::{raw_probe_warning, source_format};
 use crate::status::{lib_msg, open_msg, os_msg};
 
 /// Arguments of `qimg resize`.
@@ -79,26 +80,10 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         Some(other) => bail!("Invalid preallocation mode '{other}'"),
     };
     let path = Path::new(file.as_str());
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => image_format(name)
-            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'"))?,
-        None => {
-            let f = probe_format(path).map_err(|e| {
-                open_msg(
-                    anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                    file,
-                )
-            })?;
-            if f == ImageFormat::Raw {
-                eprintln!(
-                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
-                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
-                     Specify the 'raw' format explicitly to remove the restrictions."
-                );
-            }
-            f
-        }
-    };
+    let fmt = source_format(path, file, args.fmt.as_deref()).map_err(|e| open_msg(e, file))?;
+    if let Some(warning) = raw_probe_warning(file, args.fmt.as_deref(), fmt) {
+        eprintln!("{warning}");
+    }
     let new_size = |current: u64| -> Result<u64> {
         let total = match sign {
             1 => i128::from(current) + i128::from(n),

@@ -40,6 +40,7 @@ use qimg::{Image, OpenOptions};
 
 use crate::args::image_format;
 use crate::cache_mode::CacheMode;
+use crate::chain::raw_probe_warning;
 use crate::status::{lib_msg, os_msg};
 
 /// `ENOTSUP`.
@@ -240,12 +241,8 @@ impl Session {
             };
         }
         if fmt == ImageFormat::Raw {
-            if spec.fmt.is_none() && given.is_none() {
-                complain!(
-                    "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
-                     Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \
-                     Specify the 'raw' format explicitly to remove the restrictions."
-                );
+            if let Some(warning) = raw_probe_warning(file, spec.fmt.as_deref(), fmt) {
+                complain!("{warning}");
             }
             return match self.open_raw(path, spec).await {
                 Ok(()) => Ok(()),
