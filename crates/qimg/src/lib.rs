@@ -5,6 +5,20 @@
 //! copied on write one by one. It is built for VMMs: an async engine many requests drive at
 //! once, io_uring and `O_DIRECT` storage, and a data path the VMM drives with its own I/O.
 //!
+//! ## Which API
+//!
+//! | You have | Use | Requests run |
+//! |---|---|---|
+//! | an async runtime (tokio) | [`Image`] (`read`, `write`, `write_zeroes`, `discard`, `flush`, `map`, ...) | as futures, many at once, on your runtime |
+//! | no runtime (tools, fuzzers, simple embedders) | `BlockingImage` (feature `blocking`, [`OpenOptions::open_blocking`]) | on a private current-thread runtime; each call blocks |
+//! | a VMM thread per guest queue with its own `epoll` loop | [`Queue`] ([`Image::queue`]) | on the queue's io_uring ring from your thread when the metadata is cached, else on the queue's engine thread; completions on an eventfd |
+//! | your own I/O engine for guest data | [`Image::map`] and [`Image::write_lease`] ([`lease`]) | your reads and writes at host offsets qimg gives; qimg only does metadata |
+//!
+//! Threads: an [`Image`] handle is `Send + Sync` and cheap to clone, and any thread may use
+//! it; one metadata lock orders allocation and table changes, guest data I/O runs outside it.
+//! A [`Queue`] is used by one thread at a time and runs what needs metadata I/O on one
+//! engine thread of its own; every thread qimg starts is listed in [`io::threads`].
+//!
 //! ## Open, read, write, flush, close
 //!
 //! ```
