@@ -81,12 +81,9 @@ async fn aligned_subcluster_writes_over_a_full_backing_file_copy_nothing() {
         .await
         .unwrap();
     // Pseudo-random 4 KiB-aligned offsets, a few landing in the same cluster.
-    let mut x = 12345u64;
+    let mut rng = qimg_testkit::Rng(12345);
     for i in 0..200u64 {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let at = (x >> 20) % (size / (4 * KIB)) * 4 * KIB;
+        let at = rng.aligned(size, 4 * KIB);
         let data = pattern(i, at, 4096);
         sub.write(&data, at).await.unwrap();
         std.write(&data, at).await.unwrap();

@@ -5,6 +5,7 @@
 //! Where the file system refuses O_DIRECT (or io_uring is unavailable) the affected test prints
 //! "skipped: ..." and passes.
 
+use qimg_testkit::Rng;
 use std::io::IoSlice;
 use std::path::Path;
 use std::sync::Arc;
@@ -81,21 +82,6 @@ async fn conformance_over_direct_uring() {
         None => return,
     }
     run_all(|| BounceStorage::new(direct_uring(dir.path()).unwrap())).await;
-}
-
-/// xorshift64*: a small seeded generator, so failures reproduce.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 const TASKS: u64 = 32;

@@ -1,25 +1,12 @@
 //! Random sequences of operations applied to a FileStorage and a MemStorage must leave both
 //! with the same length and bytes: the in-memory model behaves like a real file.
 
+use qimg_testkit::Rng;
 use std::io::IoSlice;
 
 use qimg_io::{
     AllocateOutcome, BlockingStrategy, DiscardOutcome, FileOptions, MemStorage, Storage,
 };
-
-/// xorshift64*: deterministic, dependency-free randomness.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 const SPAN: u64 = 300_000;
 

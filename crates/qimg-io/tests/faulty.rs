@@ -1,5 +1,6 @@
 //! FaultyStorage: operation counting, each fault mode, and power-loss images.
 
+use qimg_testkit::Rng;
 use std::future::Future;
 use std::io::IoSlice;
 use std::pin::pin;
@@ -296,17 +297,6 @@ async fn keep_all_and_keep_first_apply_unflushed_changes_in_order() {
     assert_eq!(img(6), live);
     assert_eq!(img(100), live);
     assert_eq!(ctl.power_cut(CrashPolicy::KeepAll).snapshot(), live);
-}
-
-/// xorshift64*, for random workloads.
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
 }
 
 /// After every successful flush the durable image equals the live storage, and a KeepAll

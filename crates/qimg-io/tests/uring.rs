@@ -5,6 +5,7 @@
 //! `kernel.io_uring_disabled`), it prints "skipped: io_uring unavailable: <reason>" and passes.
 #![cfg(target_os = "linux")]
 
+use qimg_testkit::Rng;
 use std::future::Future;
 use std::io::IoSlice;
 use std::path::Path;
@@ -524,17 +525,6 @@ async fn without_fallocate_the_outcomes_say_so() {
         s.discard(0, 4096).await.unwrap(),
         qimg_io::DiscardOutcome::Ignored
     );
-}
-
-/// xorshift64*: deterministic, dependency-free randomness.
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
 }
 
 /// Random operations on a UringStorage and a MemStorage leave both alike.

@@ -7,11 +7,12 @@
 //! may change it, so a caller that mixes its own I/O with qimg's writes must order them.
 
 use qimg_format::compressed::CompressedDescriptor;
-use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
-use qimg_format::units::{GuestOffset, SubclusterIndex};
+use qimg_format::l2::{L2Entry, SubclusterState};
+use qimg_format::units::GuestOffset;
 use qimg_io::Storage;
 
 use super::image::{Image, Inner};
+use super::plan::state_runs;
 use crate::error::Result;
 
 /// What one extent of a guest range is.
@@ -137,16 +138,16 @@ impl<S: Storage> Inner<S> {
                 self.lookup(&mut m, gc).await?
             };
             let cluster_end = (gc + cs).min(end);
-            while at < cluster_end {
-                let within = at - gc;
-                let sc = SubclusterIndex((within / scs) as u32);
-                let run_end = if matches!(entry, AnyL2Entry::Standard(_)) {
-                    cluster_end
-                } else {
-                    (gc + (within / scs + 1) * scs).min(cluster_end)
-                };
+            let runs = state_runs(
+                &entry,
+                scs as usize,
+                (at - gc) as usize,
+                (cluster_end - gc) as usize,
+            );
+            for run in runs {
+                let within = run.start as u64;
                 let host = entry.entry().host_cluster().map(|h| h.0 + within);
-                let kind = match entry.state(sc) {
+                let kind = match run.state {
                     SubclusterState::Normal => ExtentKind::Data {
                         host_offset: host.unwrap_or(0),
                     },
@@ -169,13 +170,13 @@ impl<S: Storage> Inner<S> {
                 push(
                     &mut out,
                     Extent {
-                        start: at,
-                        length: run_end - at,
+                        start: gc + within,
+                        length: (run.end - run.start) as u64,
                         kind,
                     },
                 );
-                at = run_end;
             }
+            at = cluster_end;
         }
         Ok(out)
     }

@@ -33,6 +33,7 @@ mod meta;
 mod open;
 mod options;
 pub(crate) mod overlap;
+mod plan;
 #[cfg(target_os = "linux")]
 pub mod queue;
 pub mod read_lease;

@@ -55,6 +55,24 @@ impl CacheKind {
     }
 }
 
+/// What a metadata change needs before it can be made without I/O. Each change has one body
+/// that makes it from cached metadata or names what it lacks (`set_entry_now`,
+/// `set_dependency_now`, `link_now`): the engine resolves the need with I/O
+/// ([`resolve`](Shared::resolve)) and asks again; a queue's direct path, which must not wait,
+/// leaves the change to its engine thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Need {
+    /// `kind` is to wait for `on`, but `on` already waits for `kind`: write `kind` back and
+    /// flush first (QEMU's `qcow2_cache_set_dependency`), so the two never wait for each other.
+    WriteBack { kind: CacheKind, on: CacheKind },
+    /// The L2 slice of the guest cluster at this offset, cached, in a table of its own (created
+    /// or un-shared from a snapshot first).
+    WritableSlice(u64),
+}
+
+/// The answer of a change made without I/O: done (`Ok`), or what it needs first (`Err`).
+pub(crate) type Needs<T> = std::result::Result<T, Need>;
+
 /// State guarded by the metadata lock.
 #[derive(Debug)]
 pub(crate) struct Meta {

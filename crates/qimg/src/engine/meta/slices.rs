@@ -116,13 +116,48 @@ impl<S: Storage> Shared<S> {
         guest: u64,
         entry: &AnyL2Entry,
     ) -> Result<()> {
-        let (key, idx) = self.writable_l2_slice(m, guest).await?;
-        let now = self.now();
-        let slot = self.entry_bytes(idx);
-        let bytes =
-            m.l2.get_mut_range(key, slot, now)
-                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
-        write_entry(bytes, 0, entry).map_err(|e| self.fmt_err(e))
+        // The slice made ready (a counted lookup, as every locked change of an entry makes),
+        // then the change itself.
+        self.writable_l2_slice(m, guest).await?;
+        self.until_done(m, |m| self.set_entry_now(m, guest, entry))
+            .await?
+    }
+
+    /// Runs `change` (a change made without I/O) until it is made, resolving what it needs
+    /// in between; a change that still needs something after a few rounds is an error (the
+    /// needs it names are resolved each time, so this means the metadata keeps changing under
+    /// the lock, which it cannot).
+    pub(crate) async fn until_done<T>(
+        &self,
+        m: &mut Meta,
+        mut change: impl FnMut(&mut Meta) -> super::Needs<T>,
+    ) -> Result<T> {
+        for _ in 0..4 {
+            match change(m) {
+                Ok(done) => return Ok(done),
+                Err(need) => self.resolve(m, need).await?,
+            }
+        }
+        Err(Error::corrupt(
+            &self.path,
+            "a metadata change still needs I/O after that I/O was done",
+        ))
+    }
+
+    /// Does the I/O `need` names (see [`Need`](super::Need)).
+    pub(crate) async fn resolve(&self, m: &mut Meta, need: super::Need) -> Result<()> {
+        match need {
+            super::Need::WriteBack { kind, on } => {
+                self.write_back(m, kind).await?;
+                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+                let kept = m.cache(on).take_dependencies();
+                if kept.flush {
+                    m.cache(on).depend_on_flush();
+                }
+                Ok(())
+            }
+            super::Need::WritableSlice(guest) => self.writable_l2_slice(m, guest).await.map(|_| ()),
+        }
     }
 
     /// The L2 slice holding the entry of the guest cluster containing `guest`, cached, with
@@ -154,26 +189,25 @@ impl<S: Storage> Shared<S> {
         idx * es..(idx + 1) * es
     }
 
-    /// [`set_entry`](Self::set_entry) without I/O, for the queues' direct path: `false` (and
-    /// nothing changed) unless the entry's L2 table exists, is not shared with a snapshot
-    /// (COPIED), and its slice is cached.
-    pub(crate) fn try_set_entry_cached(
+    /// The one body of [`set_entry`](Self::set_entry): replaces the entry of `guest` if its
+    /// L2 table exists, is not shared with a snapshot (COPIED), and its slice is cached;
+    /// otherwise (nothing changed) names the slice it needs. The inner result is the entry's
+    /// encoding.
+    pub(crate) fn set_entry_now(
         &self,
         m: &mut Meta,
         guest: u64,
         entry: &AnyL2Entry,
-    ) -> bool {
-        let Some((key, idx)) = self.cached_position(m, guest) else {
-            return false;
-        };
+    ) -> super::Needs<Result<()>> {
+        let need = super::Need::WritableSlice(guest);
+        let (key, idx) = self.cached_position(m, guest).ok_or(need)?;
         let now = self.now();
         let slot = self.entry_bytes(idx);
-        m.l2.get_mut_range(key, slot, now)
-            .is_some_and(|bytes| write_entry(bytes, 0, entry).is_ok())
+        let bytes = m.l2.get_mut_range(key, slot, now).ok_or(need)?;
+        Ok(write_entry(bytes, 0, entry).map_err(|e| self.fmt_err(e)))
     }
 
-    /// Whether [`try_set_entry_cached`](Self::try_set_entry_cached) can change the entry of
-    /// `guest` now.
+    /// Whether [`set_entry_now`](Self::set_entry_now) can change the entry of `guest` now.
     pub(crate) fn can_link_cached(&self, m: &Meta, guest: u64) -> bool {
         self.cached_position(m, guest).is_some()
     }
@@ -189,17 +223,23 @@ impl<S: Storage> Shared<S> {
         m.l2.contains(key).then_some((key, idx))
     }
 
-    /// [`set_dependency`](Self::set_dependency) without I/O: `false` (nothing changed) when
-    /// a dependency the other way must be written back first.
-    pub(crate) fn try_set_dependency(&self, m: &mut Meta, kind: CacheKind, on: CacheKind) -> bool {
+    /// The one body of [`set_dependency`](Self::set_dependency): records that `kind` waits for
+    /// `on`, or (nothing changed) asks for `kind` to be written back when `on` already waits
+    /// for it. Lazy refcounts record nothing (the dirty bit covers the order).
+    pub(crate) fn set_dependency_now(
+        &self,
+        m: &mut Meta,
+        kind: CacheKind,
+        on: CacheKind,
+    ) -> super::Needs<()> {
         if self.lazy {
-            return true;
+            return Ok(());
         }
         if m.cache(on).dependencies().other_cache {
-            return false;
+            return Err(super::Need::WriteBack { kind, on });
         }
         m.cache(kind).depend_on_other_cache();
-        true
+        Ok(())
     }
 
     /// QEMU's words for the L2 table at `table` when it is not cluster aligned (`None` when
@@ -435,19 +475,8 @@ impl<S: Storage> Shared<S> {
         kind: CacheKind,
         on: CacheKind,
     ) -> Result<()> {
-        if self.lazy {
-            return Ok(());
-        }
-        if m.cache(on).dependencies().other_cache {
-            self.write_back(m, kind).await?;
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
-            let kept = m.cache(on).take_dependencies();
-            if kept.flush {
-                m.cache(on).depend_on_flush();
-            }
-        }
-        m.cache(kind).depend_on_other_cache();
-        Ok(())
+        self.until_done(m, |m| self.set_dependency_now(m, kind, on))
+            .await
     }
 
     pub(crate) async fn flush_data(&self) -> Result<()> {

@@ -4,13 +4,13 @@
 use std::time::Duration;
 
 use qimg_format::l2::{L2Entry, SubclusterState};
-use qimg_format::units::SubclusterIndex;
 use qimg_io::Storage;
 
-use crate::engine::image::{Backing, Inner};
+use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
 use crate::engine::overlap::Writing;
-use crate::engine::rw::{Destination, PreparedWrite};
+use crate::engine::plan::{StateRun, state_runs};
+use crate::engine::rw::{CowSource, Destination, PreparedWrite};
 
 /// One piece of a request on the direct path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,25 +94,14 @@ impl<S: Storage> Inner<S> {
         {
             return None;
         }
-        let scs = self.geo.subcluster_size() as usize;
         let mut fills: Vec<(usize, usize, Fill)> = Vec::with_capacity(2);
         for (from, to) in [(plan.start, a), (b, plan.end)] {
-            let mut at = from;
-            while at < to {
-                let end = ((at / scs + 1) * scs).min(to);
-                let fill = match old.state(SubclusterIndex((at / scs) as u32)) {
-                    SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => Fill::Zero,
-                    SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
-                        match &self.backing {
-                            None => Fill::Zero,
-                            Some(Backing::Raw { .. }) => Fill::Backing(gc + at as u64),
-                            Some(Backing::Qcow2(image)) if gc + at as u64 >= image.inner.size() => {
-                                Fill::Zero
-                            }
-                            Some(Backing::Qcow2(_)) => return None,
-                        }
-                    }
-                    SubclusterState::Normal | SubclusterState::Compressed => return None,
+            for (at, end, source) in self.cow_sources(&old, gc, from, to) {
+                let fill = match source {
+                    CowSource::Zero => Fill::Zero,
+                    CowSource::RawBacking(guest) => Fill::Backing(guest),
+                    // The engine reads a qcow2 backing image and copies data.
+                    CowSource::Qcow2Backing | CowSource::Data => return None,
                 };
                 let pos = at - plan.start;
                 let n = end - at;
@@ -125,7 +114,6 @@ impl<S: Storage> Inner<S> {
                     }
                     _ => fills.push((pos, n, fill)),
                 }
-                at = end;
             }
         }
         let (host, fresh) = match plan.target {
@@ -190,17 +178,14 @@ impl<S: Storage> Inner<S> {
                 L2Entry::Compressed(_) => return None,
                 e => e.host_cluster().map(|h| h.0),
             };
-            let state = |off: usize| entry.state(SubclusterIndex((off / scs) as u32));
-            let end = a + n;
-            let mut at = a;
-            while at < end {
-                let s = state(at);
-                let mut run_end = ((at / scs + 1) * scs).min(end);
-                while run_end < end && state(run_end) == s {
-                    run_end = (run_end + scs).min(end);
-                }
+            for StateRun {
+                start: at,
+                end: run_end,
+                state,
+            } in state_runs(&entry, scs, a, a + n)
+            {
                 let (p, l) = (pos + (at - a), run_end - at);
-                match s {
+                match state {
                     SubclusterState::Normal => push(
                         parts,
                         Part::Io {
@@ -220,7 +205,6 @@ impl<S: Storage> Inner<S> {
                     }
                     SubclusterState::Compressed => return None,
                 }
-                at = run_end;
             }
         }
         Some(())

@@ -126,7 +126,9 @@ impl<S: Storage + 'static> Queue<S> {
             let done = if failed {
                 !l.fresh || inner.try_unalloc_cached(&mut m, l.host)
             } else {
-                inner.try_link_cached(&mut m, l)
+                // The direct path never replaces a cluster: nothing to free after the link.
+                debug_assert!(l.plan.freed.is_none());
+                matches!(inner.link_now(&mut m, l), Ok(Ok(())))
             };
             if !done {
                 return false;

@@ -5,12 +5,57 @@
 use qimg_io::Storage;
 
 use super::*;
+use crate::engine::plan::state_runs;
+
+/// What the bytes a write copies around the guest's (copy-on-write) read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CowSource {
+    /// Zeros: zero subclusters, and unallocated ones with nothing behind them (no backing
+    /// file, or past the end of a qcow2 backing image).
+    Zero,
+    /// The raw backing file from this guest offset (zeros past its end, whose size takes a
+    /// system call to learn).
+    RawBacking(u64),
+    /// A qcow2 backing image, inside its size.
+    Qcow2Backing,
+    /// This image's own data (allocated or compressed).
+    Data,
+}
 
 impl<S: Storage> Inner<S> {
+    /// The sources of bytes `[from, to)` of the guest cluster at `gc`, described by `old`,
+    /// run by run: `(start, end, source)`. The one rule both executors copy on write by (the
+    /// engine's [`cow_reads_zero`](Self::cow_reads_zero), a queue's ring copy-on-write).
+    pub(crate) fn cow_sources(
+        &self,
+        old: &AnyL2Entry,
+        gc: u64,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (usize, usize, CowSource)> {
+        let scs = self.geo.subcluster_size() as usize;
+        let backing = &self.backing;
+        state_runs(old, scs, from, to).map(move |run| {
+            let guest = gc + run.start as u64;
+            let source = if run.state.reads_zeros() {
+                CowSource::Zero
+            } else if run.state.reads_backing() {
+                match backing {
+                    None => CowSource::Zero,
+                    Some(Backing::Raw { .. }) => CowSource::RawBacking(guest),
+                    Some(Backing::Qcow2(image)) if guest >= image.inner.size() => CowSource::Zero,
+                    Some(Backing::Qcow2(_)) => CowSource::Qcow2Backing,
+                }
+            } else {
+                CowSource::Data
+            };
+            (run.start, run.end, source)
+        })
+    }
+
     /// Whether the copy-on-write parts of `plan` around the guest bytes `[a, b)` read as zeros
-    /// from `old` (zero subclusters, or unallocated ones with nothing behind them). Written
-    /// into a new cluster that already reads as zeros they would change nothing, so only the
-    /// guest bytes need writing.
+    /// from `old` (see [`CowSource::Zero`]). Written into a new cluster that already reads as
+    /// zeros they would change nothing, so only the guest bytes need writing.
     pub(crate) fn cow_reads_zero(
         &self,
         old: &AnyL2Entry,
@@ -19,30 +64,11 @@ impl<S: Storage> Inner<S> {
         a: usize,
         b: usize,
     ) -> bool {
-        let scs = self.geo.subcluster_size() as usize;
-        let zero_from = |from: usize| match old.state(SubclusterIndex((from / scs) as u32)) {
-            SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => true,
-            SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
-                match &self.backing {
-                    None => true,
-                    Some(Backing::Qcow2(image)) => gc + from as u64 >= image.inner.size(),
-                    // Its size would take a system call: copy.
-                    Some(Backing::Raw { .. }) => false,
-                }
-            }
-            SubclusterState::Normal | SubclusterState::Compressed => false,
-        };
         [(plan.start, a), (b, plan.end)]
             .into_iter()
             .all(|(from, to)| {
-                let mut at = from;
-                while at < to {
-                    if !zero_from(at) {
-                        return false;
-                    }
-                    at = (at / scs + 1) * scs;
-                }
-                true
+                self.cow_sources(old, gc, from, to)
+                    .all(|(_, _, source)| source == CowSource::Zero)
             })
     }
 

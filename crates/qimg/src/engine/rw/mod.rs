@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 
 mod compressed;
 mod cow;
+pub(crate) use cow::CowSource;
 mod empty;
 mod read;
 mod resize;

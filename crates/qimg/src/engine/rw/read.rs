@@ -4,6 +4,7 @@ use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
+use crate::engine::plan::{StateRun, plain_host, state_runs};
 use std::future::Future;
 use std::pin::Pin;
 
@@ -49,7 +50,7 @@ impl<S: Storage> Inner<S> {
             let mut run: Option<(u64, usize, usize)> = None;
             for (gc, a, n, pos) in self.pieces(at, segment_len) {
                 let entry = self.lookup_for_read(gc).await?;
-                let host = plain_host(&entry, self.geo.subcluster_size() as usize, a, n);
+                let host = plain_host(&entry, self.geo.subcluster_size() as usize, a, a + n);
                 if let (Some(h), Some((rh, rp, rl))) = (host, &mut run) {
                     if *rh + *rl as u64 == h && *rp + *rl == pos {
                         *rl += n;
@@ -166,16 +167,13 @@ impl<S: Storage> Inner<S> {
         out: &mut [u8],
     ) -> Result<()> {
         let scs = self.geo.subcluster_size() as usize;
-        let end = a + out.len();
-        let state_at = |off: usize| entry.state(SubclusterIndex((off / scs) as u32));
-        let mut pos = a;
         let mut inflated: Option<Vec<u8>> = None;
-        while pos < end {
-            let state = state_at(pos);
-            let mut run_end = ((pos / scs + 1) * scs).min(end);
-            while run_end < end && state_at(run_end) == state {
-                run_end = (run_end + scs).min(end);
-            }
+        for StateRun {
+            start: pos,
+            end: run_end,
+            state,
+        } in state_runs(entry, scs, a, a + out.len())
+        {
             let dst = &mut out[pos - a..run_end - a];
             match state {
                 SubclusterState::Normal => {
@@ -205,7 +203,6 @@ impl<S: Storage> Inner<S> {
                     }
                 }
             }
-            pos = run_end;
         }
         Ok(())
     }
@@ -270,15 +267,6 @@ impl<S: Storage> Inner<S> {
             }
         })
     }
-}
-
-/// Where bytes `a..a + n` of a cluster described by `entry` are in the file, when they are all
-/// plain data (every subcluster they touch allocated with data, subclusters of `scs` bytes).
-fn plain_host(entry: &AnyL2Entry, scs: usize, a: usize, n: usize) -> Option<u64> {
-    let host = entry.entry().host_cluster()?.0;
-    let normal = (a / scs..(a + n).div_ceil(scs))
-        .all(|i| entry.state(SubclusterIndex(i as u32)) == SubclusterState::Normal);
-    normal.then_some(host + a as u64)
 }
 
 /// Ends a slice load started by [`Inner::lookup_for_read`], also when the request is dropped

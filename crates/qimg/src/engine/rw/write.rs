@@ -6,6 +6,7 @@ use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
+use crate::engine::meta::Needs;
 
 /// The most clusters [`Inner::prepare_chunks`] allocates as one run (4096 clusters: 256 MiB
 /// at 64 KiB; requests are rarely larger, and a larger one continues in a second run).
@@ -204,50 +205,46 @@ impl<S: Storage> Inner<S> {
     pub(crate) async fn link_chunk(&self, p: &PreparedWrite) -> Result<()> {
         let plan = &p.plan;
         let mut m = self.meta.lock().await;
-        let cow = (p.a - plan.start) + (plan.end - p.b);
-        self.counters
-            .cow_bytes
-            .fetch_add(cow as u64, Ordering::Relaxed);
-        if !plan.relink {
-            return Ok(());
+        if plan.relink {
+            // What linking needs, made ready with I/O in the order linking uses it (the
+            // dependency's write-back, then the slice, a counted lookup), then the link.
+            if p.fresh {
+                self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+                    .await?;
+            }
+            self.writable_l2_slice(&mut m, p.gc).await?;
         }
-        if p.fresh {
-            // Refcount increments reach the disk before the entry that uses them.
-            self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
-                .await?;
-        }
-        self.set_entry(&mut m, p.gc, &self.linked_entry(p.host, plan.bitmap))
-            .await?;
-        // The data must be durable before the entry that points at it.
-        m.l2.depend_on_flush();
+        self.until_done(&mut m, |m| self.link_now(m, p)).await??;
         if let Some(freed) = plan.freed {
             self.release(&mut m, freed).await?;
         }
         Ok(())
     }
 
-    /// [`link_chunk`](Self::link_chunk) without I/O, for the queues' direct path: `false`
-    /// when linking needs the engine (a slice to load or a dependency to write back); the
-    /// entry is then unchanged (the refcount dependency may already be recorded, which
-    /// [`link_chunk`](Self::link_chunk) records anyway).
-    pub(crate) fn try_link_cached(&self, m: &mut Meta, p: &PreparedWrite) -> bool {
+    /// The one body of linking a written piece (the engine's [`link_chunk`]
+    /// (Self::link_chunk), a queue's link in its caller's thread): after the refcounts
+    /// (a cache dependency) the new entry goes into the cached slice, and the slice waits for
+    /// the data to be durable. Without I/O: nothing is linked when it names a need (the
+    /// refcount dependency may already be recorded, which linking records anyway). Freeing
+    /// what the piece replaces is the caller's (the direct path never replaces anything).
+    pub(crate) fn link_now(&self, m: &mut Meta, p: &PreparedWrite) -> Needs<Result<()>> {
         let plan = &p.plan;
-        debug_assert!(plan.freed.is_none());
-        if !plan.relink {
-            return true;
+        if plan.relink {
+            if p.fresh {
+                // Refcount increments reach the disk before the entry that uses them.
+                self.set_dependency_now(m, CacheKind::L2, CacheKind::Refcount)?;
+            }
+            if let Err(e) = self.set_entry_now(m, p.gc, &self.linked_entry(p.host, plan.bitmap))? {
+                return Ok(Err(e));
+            }
+            // The data must be durable before the entry that points at it.
+            m.l2.depend_on_flush();
         }
-        if p.fresh && !self.try_set_dependency(m, CacheKind::L2, CacheKind::Refcount) {
-            return false;
-        }
-        if !self.try_set_entry_cached(m, p.gc, &self.linked_entry(p.host, plan.bitmap)) {
-            return false;
-        }
-        m.l2.depend_on_flush();
         let cow = (p.a - plan.start) + (plan.end - p.b);
         self.counters
             .cow_bytes
             .fetch_add(cow as u64, Ordering::Relaxed);
-        true
+        Ok(Ok(()))
     }
 
     /// The copy-on-write part of a prepared write: reserves a fresh cluster and writes the
