@@ -1,4 +1,4 @@
-//! Helpers for the crash and I/O error tests (`tests/crash.rs`, `tests/io_errors.rs`):
+//! Helpers for the crash and I/O error tests (`tests/engine/crash.rs`, `tests/engine/io_errors.rs`):
 //! images built in memory, a storage recorder, seeded guest workloads, and the library check
 //! on image bytes. The flat model (and what each request may have left behind), the generator
 //! and the patterns are the test kit's.

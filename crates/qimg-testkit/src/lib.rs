@@ -8,7 +8,7 @@
 //! | [`pattern`](mod@pattern) | deterministic data patterns ([`pattern()`], [`pattern::word_pattern`]) |
 //! | [`qemu`] | qemu-img / qemu-io: [`have_qemu`] and its `QIMG_REQUIRE_QEMU` rule, create / check / compare / convert / info wrappers, JSON comparison, scratch directories |
 //! | [`hang`] | hang guards: a wait that gives up after ten times its quiet time ([`HangGuard`]) |
-//! | [`fuzzing`] | the entry points of the engine-level fuzz targets, also replayed by `tests/fuzz_corpus.rs` |
+//! | [`fuzzing`] | the entry points of the engine-level fuzz targets, also replayed by `tests/engine/fuzz_corpus.rs` |
 //!
 //! Not published and not part of qimg's API: it may change with the tests. It depends on
 //! `qimg`, so qimg's own unit tests cannot use it (only its integration tests, as a

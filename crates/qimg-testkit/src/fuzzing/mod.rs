@@ -1,5 +1,5 @@
 //! Entry points of the engine-level cargo-fuzz targets in `fuzz/` (`open_read`, `ops`,
-//! `check`), also run by `cargo test` (`tests/fuzz_corpus.rs`) on the committed seed corpus
+//! `check`), also run by `cargo test` (`tests/engine/fuzz_corpus.rs`) on the committed seed corpus
 //! and on saved findings.
 //!
 //! Each function takes arbitrary bytes and must return normally whatever they are; a panic is

@@ -13,7 +13,7 @@
 //!   a whole cluster (a zero cluster with an offset), and with extended L2 entries it keeps
 //!   a host cluster whose last allocated subclusters were zeroed; the engine frees both.
 //!   Guest data and qemu-io's `map`/`alloc` agree; later compressed writes and discards on
-//!   such a cluster can differ (tests/io_interop.rs shows it).
+//!   such a cluster can differ (tests/cli/io_interop.rs shows it).
 //! - `discard` is what QEMU's qcow2 does for a discard request: only whole clusters count
 //!   (the last, partial cluster of the disk included), and each becomes a zero cluster when
 //!   it has a host cluster or the image has a backing file (else it stays unallocated). The

@@ -1,0 +1,260 @@
+//! Every option combination qemu-img refuses, qimg refuses too, naming the option.
+
+use crate::common;
+use common::*;
+
+#[test]
+fn qimg_refuses_what_qemu_img_refuses_and_names_the_option() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("refuse");
+    ok(
+        "base",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]),
+    );
+    for (args, word) in CASES {
+        let mut full = vec!["create", "-f", "qcow2"];
+        full.extend_from_slice(args);
+        let q = qemu_img(&s.0, &full);
+        assert!(
+            !q.status.success(),
+            "qemu-img accepted {args:?}; the table is wrong"
+        );
+        let o = qimg(&s.0, &full);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "qimg accepted {args:?}: {err}");
+        assert!(
+            err.contains(word),
+            "qimg's error for {args:?} does not name {word}: {err}"
+        );
+        assert!(
+            !s.path("x").exists()
+                || std::fs::metadata(s.path("x")).unwrap().len() == 0
+                || q.status.success(),
+            "qimg left an image behind for {args:?}"
+        );
+        let _ = std::fs::remove_file(s.path("x"));
+    }
+}
+
+/// (arguments after `create -f qcow2`, a word qimg's error must contain)
+const CASES: &[(&[&str], &str)] = &[
+    (
+        &["-o", "extended_l2=on,compat=0.10", "x", "1M"],
+        "extended_l2",
+    ),
+    (
+        &["-o", "extended_l2=on,cluster_size=8k", "x", "1M"],
+        "extended_l2",
+    ),
+    (&["-o", "cluster_size=3000", "x", "1M"], "cluster_size"),
+    (&["-o", "cluster_size=4M", "x", "1M"], "cluster_size"),
+    (&["-o", "cluster_size=256", "x", "1M"], "cluster_size"),
+    (&["-o", "refcount_bits=3", "x", "1M"], "refcount_bits"),
+    (&["-o", "refcount_bits=128", "x", "1M"], "refcount_bits"),
+    (&["-o", "refcount_bits=0", "x", "1M"], "refcount_bits"),
+    (
+        &["-o", "compat=0.10,refcount_bits=8", "x", "1M"],
+        "refcount_bits",
+    ),
+    (
+        &["-o", "compat=0.10,lazy_refcounts=on", "x", "1M"],
+        "lazy_refcounts",
+    ),
+    (
+        &["-o", "compat=0.10,compression_type=zstd", "x", "1M"],
+        "compression_type",
+    ),
+    (
+        &["-o", "compat=0.10,data_file=d.raw", "x", "1M"],
+        "data_file",
+    ),
+    (&["-o", "data_file_raw=on", "x", "1M"], "data_file_raw"),
+    (
+        &[
+            "-o",
+            "data_file=d.raw,data_file_raw=on",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "x",
+            "1M",
+        ],
+        "data_file_raw",
+    ),
+    (
+        &[
+            "-o",
+            "preallocation=metadata",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "x",
+            "1M",
+        ],
+        "preallocation",
+    ),
+    (
+        &[
+            "-o",
+            "preallocation=full",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "x",
+            "1M",
+        ],
+        "preallocation",
+    ),
+    (&["-F", "qcow2", "x", "1M"], "backing_fmt"),
+    (&["-b", "base.qcow2", "x", "1M"], "backing_fmt"),
+    (
+        &["-b", "missing.qcow2", "-F", "qcow2", "x", "1M"],
+        "missing.qcow2",
+    ),
+    (&["-o", "compat=2.0", "x", "1M"], "compat"),
+    (&["-o", "foo=1", "x", "1M"], "foo"),
+    (&["-o", "preallocation=bar", "x", "1M"], "preallocation"),
+    (
+        &["-o", "compression_type=lz4", "x", "1M"],
+        "compression_type",
+    ),
+    (&["-o", "extended_l2=maybe", "x", "1M"], "extended_l2"),
+    (&["-o", "cluster_size=512", "x", "1P"], "size"),
+    (
+        &["-o", "extended_l2=on,cluster_size=16k", "x", "1E"],
+        "size",
+    ),
+    (&["x", "--", "-5"], "size"),
+    (&["x", "10X"], "10X"),
+    (&["x"], "size"),
+    (&["-o", "cluster_size=abc", "x", "1M"], "cluster_size"),
+];
+
+#[test]
+fn o_help_lists_every_create_option() {
+    let s = Scratch::new("help");
+    let out = ok(
+        "qimg create -o help",
+        &qimg(&s.0, &["create", "-f", "qcow2", "-o", "help"]),
+    );
+    for opt in [
+        "cluster_size",
+        "extended_l2",
+        "compat",
+        "refcount_bits",
+        "lazy_refcounts",
+        "backing_file",
+        "backing_fmt",
+        "compression_type",
+        "preallocation",
+        "data_file",
+        "data_file_raw",
+        "size",
+    ] {
+        assert!(
+            out.contains(&format!("{opt}=")),
+            "-o help lacks {opt}:\n{out}"
+        );
+    }
+}
+
+/// Installed as `qemu-img` (a symlink to the qimg binary), every refusal prints what
+/// qemu-img prints, stdout and stderr byte for byte (the `Formatting` line first where
+/// qemu-img prints it), with its exit status; so do a repeated `-f` (the last counts) and a
+/// hexadecimal size.
+#[test]
+fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("refuse-as-qemu-img");
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(qimg_bin(), bin.join("qemu-img")).unwrap();
+    ok(
+        "base",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]),
+    );
+    let ours = |args: &[&str]| run(&s.0, &bin.join("qemu-img"), args);
+    // Every refusal: the arguments given to both tools.
+    let mut all: Vec<Vec<String>> = CASES
+        .iter()
+        .map(|(args, _)| {
+            let mut full = vec!["create", "-f", "qcow2"];
+            full.extend_from_slice(args);
+            full.iter().map(|a| a.to_string()).collect()
+        })
+        .collect();
+    // Raw files: the file driver's order and words.
+    for pre in ["bar", "metadata"] {
+        let o = format!("preallocation={pre}");
+        all.push(
+            ["create", "-f", "raw", "-o", &o, "x", "1M"]
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+        );
+    }
+    // No command, an unknown one.
+    all.push(Vec::new());
+    all.push(vec!["bogus".into(), "x".into()]);
+    let mut differ = Vec::new();
+    for full in &all {
+        let full: Vec<&str> = full.iter().map(String::as_str).collect();
+        let want = raw(&qemu_img(&s.0, &full));
+        let _ = std::fs::remove_file(s.path("x"));
+        let got = raw(&ours(&full));
+        let _ = std::fs::remove_file(s.path("x"));
+        assert_eq!(got.2, want.2, "{full:?}: exit status");
+        if got != want {
+            differ.push(format!(
+                "{full:?}\n  qemu-img: {want:?}\n  qimg:     {got:?}"
+            ));
+        }
+    }
+    assert!(differ.is_empty(), "differ:\n{}", differ.join("\n"));
+    for args in [
+        &["create", "-f", "raw", "-f", "qcow2", "r.qcow2", "1M"][..],
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=0x10000",
+            "h.qcow2",
+            "0x100000",
+        ],
+        &[
+            "create",
+            "-f",
+            "raw",
+            "-o",
+            "preallocation=falloc",
+            "p.raw",
+            "1M",
+        ],
+    ] {
+        let want = raw(&qemu_img(&s.0, args));
+        let name = args[args.len() - 2];
+        let theirs = std::fs::read(s.path(name)).unwrap();
+        std::fs::remove_file(s.path(name)).unwrap();
+        let got = raw(&ours(args));
+        assert_eq!(got, want, "{args:?}");
+        assert_eq!(
+            std::fs::read(s.path(name)).unwrap(),
+            theirs,
+            "{args:?}: images differ"
+        );
+    }
+}
+
+/// Standard output, standard error and exit status, as they are (no prefix rewritten).
+fn raw(o: &std::process::Output) -> (String, String, Option<i32>) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        o.status.code(),
+    )
+}
