@@ -1330,12 +1330,21 @@ fn damaged_tables_open_and_fail_where_qemus_do() {
             "qemu-img",
             &["convert", "-f", "raw", "-O", "raw", "l1.qcow2", "l1r.qcow2"],
         ),
+        (
+            "qemu-img",
+            &["convert", "-f", "raw", "-O", "raw", "l1.qcow2", "l1c.qcow2"],
+        ),
     ];
     let steps: Prep = &[
         // qemu-img prints the driver's line, then the command's error with EIO.
         ("qemu-img", &["map", "l1m.qcow2"]),
         ("qemu-img", &["snapshot", "-c", "s1", "l1s.qcow2"]),
         ("qemu-img", &["resize", "--shrink", "l1r.qcow2", "4M"]),
+        (
+            "qemu-img",
+            &["convert", "-O", "raw", "l1c.qcow2", "out.raw"],
+        ),
+        ("qemu-img", &["compare", "l1c.qcow2", "l1m.qcow2"]),
         // Opens; the read that needs the table fails (non-fatal form when read-only).
         ("qemu-io", &["-r", "-c", "read 0 64k", "l1.qcow2"]),
         ("qemu-io", &["-c", "read 64k 64k", "l1.qcow2"]),
@@ -1357,6 +1366,8 @@ fn damaged_tables_open_and_fail_where_qemus_do() {
         "qemu-img: Could not read file metadata: Input/output error",
         "qemu-img: Could not create snapshot 's1': Input/output error",
         "qemu-img: Failed to discard cropped clusters: Input/output error",
+        "qemu-img: error while reading block status at offset 0: Input/output error",
+        "qemu-img: Sector allocation test failed for l1c.qcow2",
         "Marking image as corrupt: Cluster allocation offset 0x52a00 unaligned",
         "Marking image as corrupt: Refblock offset 0x22a00 unaligned (reftable index: 0)",
     ] {

@@ -4,10 +4,27 @@
 
 use std::rc::Rc;
 
-use anyhow::{Result, anyhow};
+use anyhow::Result;
 use qimg::ExtentKind;
 
 use super::Layer;
+
+/// The block status of a layer could not be read (its metadata is damaged or unreadable):
+/// `why` in qemu-img's words (`Input/output error` for damage). Each command words it as
+/// qemu-img does: `map` as shown here, `convert` and `compare` their own way.
+#[derive(Debug)]
+pub(crate) struct StatusError {
+    /// Why, as qemu-img says it.
+    pub(crate) why: String,
+}
+
+impl std::fmt::Display for StatusError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Could not read file metadata: {}", self.why)
+    }
+}
+
+impl std::error::Error for StatusError {}
 
 /// One line of the map, with qemu-img's fields.
 #[derive(Debug, Clone)]
@@ -92,7 +109,7 @@ async fn layer_status(
                     extents.extend(img.map(s, e - s).await.map_err(|e| {
                         let why =
                             crate::status::damage_errno_text(&e).unwrap_or_else(|| e.to_string());
-                        anyhow!("Could not read file metadata: {why}")
+                        anyhow::Error::new(StatusError { why })
                     })?);
                 } else {
                     extents.push(qimg::Extent {

@@ -16,7 +16,7 @@ use qimg::format::validate::OpenMode;
 use qimg::io::AnyStorage;
 use qimg::{Backing, Image};
 
-pub(crate) use block_status::{Entry, status};
+pub(crate) use block_status::{Entry, StatusError, status};
 use host_file::HostFile;
 use l2_presence::L2Presence;
 use prealloc::metadata_preallocated;

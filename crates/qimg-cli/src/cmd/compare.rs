@@ -197,6 +197,15 @@ impl Side {
     }
 }
 
+/// qemu-img's refusal when the block status of `side` cannot be read (it names the file and
+/// not why).
+fn allocation_test_failed(side: &Side) -> Outcome {
+    Outcome::error(
+        3,
+        format!("Sector allocation test failed for {}", side.name),
+    )
+}
+
 fn read_error(offset: u64, name: &str, e: &str) -> Outcome {
     Outcome::error(
         4,
@@ -271,14 +280,13 @@ async fn compare(args: &CompareArgs, progress: &mut Progress) -> Result<Outcome>
     let mut at = 0;
     while at < min {
         let window = (at + STEP).min(min);
-        let (sa, sb) = match (a.status(at, window).await, b.status(at, window).await) {
-            (Ok(x), Ok(y)) => (x, y),
-            (Err(e), _) | (_, Err(e)) => {
-                return Ok(Outcome::error(
-                    3,
-                    format!("Sector allocation test failed: {e:#}"),
-                ));
-            }
+        // One after the other, as qemu-img asks: the second image is not asked (and says
+        // nothing about its own damage) when the first fails.
+        let Ok(sa) = a.status(at, window).await else {
+            return Ok(allocation_test_failed(&a));
+        };
+        let Ok(sb) = b.status(at, window).await else {
+            return Ok(allocation_test_failed(&b));
         };
         let (mut ca, mut cb) = (Cursor { entries: sa, i: 0 }, Cursor { entries: sb, i: 0 });
         while at < window {
@@ -334,12 +342,7 @@ async fn compare(args: &CompareArgs, progress: &mut Progress) -> Result<Outcome>
             let window = (at + STEP).min(max);
             let entries = match over.status(at, window).await {
                 Ok(x) => x,
-                Err(e) => {
-                    return Ok(Outcome::error(
-                        3,
-                        format!("Sector allocation test failed: {e:#}"),
-                    ));
-                }
+                Err(_) => return Ok(allocation_test_failed(over)),
             };
             for e in entries {
                 let mut pos = e.start.max(at);

@@ -3,9 +3,9 @@
 
 use std::collections::VecDeque;
 
-use anyhow::Result;
+use anyhow::{Result, anyhow};
 
-use crate::chain::{Layer, status};
+use crate::chain::{Layer, StatusError, status};
 
 /// Guest bytes per copy chunk (a multiple of every cluster size).
 const CHUNK: u64 = 2 << 20;
@@ -123,7 +123,17 @@ impl<'a> Jobs<'a> {
             }
             let n = WINDOW.min(src.size - self.at);
             let mut entries = Vec::new();
-            status(&src.layers, 0, self.at, n, &mut entries).await?;
+            if let Err(e) = status(&src.layers, 0, self.at, n, &mut entries).await {
+                // qemu-img's words (`convert_iteration_sectors`), at the offset in the source.
+                return Err(match e.downcast_ref::<StatusError>() {
+                    Some(s) => anyhow!(
+                        "error while reading block status at offset {}: {}",
+                        self.at,
+                        s.why
+                    ),
+                    None => e,
+                });
+            }
             self.at += n;
             for e in &entries {
                 if self.skip_backing && e.depth > 0 {
