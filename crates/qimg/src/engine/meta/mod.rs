@@ -111,6 +111,14 @@ pub(crate) struct Meta {
 }
 
 impl Meta {
+    /// Whether the L2 cache's next victim is dirty: a slice loaded now would first have to
+    /// write it back, which only the locked path may do.
+    pub(crate) fn l2_victim_dirty(&self) -> bool {
+        self.l2
+            .victim()
+            .is_some_and(|v| self.l2.is_dirty(v) == Some(true))
+    }
+
     pub(crate) async fn load<S: Storage>(
         file: &S,
         path: &Path,

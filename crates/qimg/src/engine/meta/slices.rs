@@ -274,6 +274,41 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// Starts reading L2 slice `key` without the metadata lock (an engine read's parallel
+    /// load, or a queue's load on its ring: `for_queue`): counts the miss as a locked load
+    /// counts it and registers the load. Returns its token and the active L1 table's
+    /// generation, which [`unlocked_load_usable`](Self::unlocked_load_usable) checks at the end.
+    pub(crate) fn start_unlocked_load(
+        &self,
+        m: &mut Meta,
+        key: SliceKey,
+        for_queue: bool,
+    ) -> (u64, u64) {
+        let now = self.now();
+        let _ = m.l2.get(key, now);
+        let token = if for_queue {
+            self.slice_loads.begin_for_queue(key)
+        } else {
+            self.slice_loads.begin(key)
+        };
+        (token, m.l1_epoch)
+    }
+
+    /// The staleness rule of a slice read without the metadata lock, for both executors:
+    /// its bytes may go into the cache only if the read succeeded, the load was still
+    /// `current` when it ended (no locked load of the slice superseded it), the image is
+    /// open, and the active L1 table is the one the load started under (`epoch`). Otherwise
+    /// the locked path decides.
+    pub(crate) fn unlocked_load_usable(
+        &self,
+        m: &Meta,
+        current: bool,
+        epoch: u64,
+        read_ok: bool,
+    ) -> bool {
+        read_ok && current && !m.closed && m.l1_epoch == epoch
+    }
+
     /// Makes sure the slice `key` is cached, writing back a dirty victim first.
     pub(crate) async fn load(&self, m: &mut Meta, kind: CacheKind, key: SliceKey) -> Result<()> {
         // A counted lookup: hits and misses in the statistics come from here.

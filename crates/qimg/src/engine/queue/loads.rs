@@ -74,12 +74,7 @@ impl<S: Storage + 'static> Queue<S> {
         }
         // Another load of it under way (an engine read's or another queue's), or a dirty
         // victim to write back first: the engine deals with both.
-        if inner.slice_loads.loading(key)
-            || m.l2
-                .victim()
-                .is_some_and(|v| m.l2.is_dirty(v) == Some(true))
-            || self.free_slots() == 0
-        {
+        if inner.slice_loads.loading(key) || m.l2_victim_dirty() || self.free_slots() == 0 {
             return Err(p);
         }
         let Some(access) = inner.file.direct_access() else {
@@ -103,7 +98,7 @@ impl<S: Storage + 'static> Queue<S> {
                 self.loads.len() - 1
             }
         };
-        let token = inner.slice_loads.begin_for_queue(key);
+        let (token, epoch) = inner.start_unlocked_load(m, key, true);
         if self
             .ring
             .read(
@@ -119,13 +114,10 @@ impl<S: Storage + 'static> Queue<S> {
             inner.slice_loads.end(token);
             return Err(p);
         }
-        // The miss, counted as a locked load counts it.
-        let now = inner.now();
-        let _ = m.l2.get(key, now);
         self.loads[idx] = Some(SliceLoad {
             key,
             token,
-            epoch: m.l1_epoch,
+            epoch,
             buffers,
             size,
             waiting: vec![Parked { joined: false, ..p }],
@@ -149,15 +141,11 @@ impl<S: Storage + 'static> Queue<S> {
         let cached = match super::lock_briefly(&inner.meta) {
             Some(mut m) => {
                 let current = inner.slice_loads.end(load.token);
-                if !read || !current || m.closed || m.l1_epoch != load.epoch {
+                if !inner.unlocked_load_usable(&m, current, load.epoch, read) {
                     false
                 } else if m.l2.contains(load.key) {
                     true
-                } else if m
-                    .l2
-                    .victim()
-                    .is_some_and(|v| m.l2.is_dirty(v) == Some(true))
-                {
+                } else if m.l2_victim_dirty() {
                     false
                 } else {
                     let mut data = vec![0u8; load.size];

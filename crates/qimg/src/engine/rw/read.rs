@@ -108,11 +108,8 @@ impl<S: Storage> Inner<S> {
                     return self.lookup(&mut m, gc).await;
                 }
                 let (key, idx) = self.l2_position(&m, table.0, gc);
-                let dirty_victim =
-                    m.l2.victim()
-                        .is_some_and(|v| m.l2.is_dirty(v) == Some(true));
                 // A hit, or a miss whose victim must be written back first: the locked path.
-                if m.l2.contains(key) || dirty_victim {
+                if m.l2.contains(key) || m.l2_victim_dirty() {
                     return self.lookup(&mut m, gc).await;
                 }
                 if self.slice_loads.engine_loading(key) {
@@ -125,13 +122,10 @@ impl<S: Storage> Inner<S> {
                     // the lock instead (which supersedes it).
                     return self.lookup(&mut m, gc).await;
                 }
-                // The miss, counted as a locked load counts it.
-                let now = self.now();
-                let _ = m.l2.get(key, now);
                 let at = self.slice_location(&m, CacheKind::L2, key);
                 let size = m.l2.slice_size();
-                let token = self.slice_loads.begin(key);
-                (key, idx, at, size, m.l1_epoch, token)
+                let (token, epoch) = self.start_unlocked_load(&mut m, key, false);
+                (key, idx, at, size, epoch, token)
             };
             let load = LoadGuard {
                 loads: &self.slice_loads,
@@ -142,7 +136,7 @@ impl<S: Storage> Inner<S> {
             let read = self.file.read_at(&mut buf, at).await;
             let mut m = self.meta.lock().await;
             let current = load.end();
-            if read.is_err() || !current || m.closed || m.l1_epoch != epoch || m.l2.contains(key) {
+            if !self.unlocked_load_usable(&m, current, epoch, read.is_ok()) || m.l2.contains(key) {
                 // Something changed, or the read failed: the locked lookup decides (and reports
                 // a failure as it always has).
                 self.ensure_open(&m)?;
