@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    qimg_format::fuzz::header_and_extensions(data);
+    qimg_testkit::fuzzing::format::header_and_extensions(data);
 });

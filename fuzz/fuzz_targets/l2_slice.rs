@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    qimg_format::fuzz::l2_slice(data);
+    qimg_testkit::fuzzing::format::l2_slice(data);
 });

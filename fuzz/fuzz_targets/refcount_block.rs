@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    qimg_format::fuzz::refcount_block(data);
+    qimg_testkit::fuzzing::format::refcount_block(data);
 });

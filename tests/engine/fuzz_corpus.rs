@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use qimg::tools::check::{CheckOptions, Repair};
 
-use qimg::format::fuzz as ffuzz;
+use qimg_testkit::fuzzing::format as ffuzz;
 use qimg_testkit::fuzzing::{self, corpus as seeds, inputs, inputs_dir};
 
 /// A hang guard, not a speed limit: the slowest input (`check/l1-reserved-bits-repair-quadratic`)

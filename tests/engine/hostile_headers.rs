@@ -12,7 +12,7 @@ fn the_seed_corpus_replays_without_panics_and_the_seeds_are_valid() {
     let seeds = corpus("header");
     assert!(seeds.len() >= 15, "corpus has {} seeds", seeds.len());
     for (name, data) in &seeds {
-        qimg::format::fuzz::header_and_extensions(data);
+        qimg_testkit::fuzzing::format::header_and_extensions(data);
         validate_cluster0(data, OpenMode::ReadOnly).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
@@ -21,7 +21,7 @@ fn the_seed_corpus_replays_without_panics_and_the_seeds_are_valid() {
 fn every_truncation_of_every_seed_is_an_error_or_valid_never_a_panic() {
     for (name, data) in corpus("header") {
         for len in 0..data.len().min(1200) {
-            qimg::format::fuzz::header_and_extensions(&data[..len]);
+            qimg_testkit::fuzzing::format::header_and_extensions(&data[..len]);
             if len < 72 {
                 let e = validate_cluster0(&data[..len], OpenMode::ReadOnly);
                 assert!(e.is_err(), "{name}: {len} bytes decoded");
@@ -37,7 +37,7 @@ fn every_byte_of_the_header_garbled_is_handled() {
             for v in [0x00u8, 0x01, 0x7f, 0x80, 0xff] {
                 let mut d = data.clone();
                 d[at] = v;
-                qimg::format::fuzz::header_and_extensions(&d);
+                qimg_testkit::fuzzing::format::header_and_extensions(&d);
             }
         }
     }

@@ -17,7 +17,6 @@ pub mod error;
 pub mod extension;
 pub mod extensions;
 pub mod features;
-pub mod fuzz;
 pub mod geometry;
 pub mod header;
 pub mod l1;

@@ -1,5 +1,6 @@
 //! Entry points of the engine-level cargo-fuzz targets in `fuzz/` (`open_read`, `ops`,
-//! `check`), also run by `cargo test` (`tests/engine/fuzz_corpus.rs`) on the committed seed corpus
+//! `check`; the format-level ones, `header`, `l2_slice` and `refcount_block`, are in
+//! [`format`](mod@format)), also run by `cargo test` (`tests/engine/fuzz_corpus.rs`) on the committed seed corpus
 //! and on saved findings.
 //!
 //! Each function takes arbitrary bytes and must return normally whatever they are; a panic is
@@ -13,6 +14,7 @@
 //! [`SAMPLE_WINDOW`] bytes, and [`ops`] runs at most [`MAX_OPS`] operations on a disk of a
 //! few MiB.
 
+pub mod format;
 mod guest_ops;
 
 use guest_ops::*;

@@ -68,6 +68,12 @@ pub(crate) enum Need {
     /// The L2 slice of the guest cluster at this offset, cached, in a table of its own (created
     /// or un-shared from a snapshot first).
     WritableSlice(u64),
+    /// The dirty bit on disk before the first refcount change (lazy refcounts).
+    DirtyBit,
+    /// A refcount block covering this host cluster.
+    Refblock(u64),
+    /// This refcount slice in the cache.
+    RefcountSlice(qimg_cache::SliceKey),
 }
 
 /// The answer of a change made without I/O: done (`Ok`), or what it needs first (`Err`).

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 
 use qimg_io::Storage;
 
-use super::{CacheKind, MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta};
+use super::{CacheKind, MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta, Need, Needs};
 use crate::engine::overlap::{Region, Writing};
 use crate::engine::state::Shared;
 use crate::error::{Error, Result};
@@ -60,52 +60,77 @@ impl<S: Storage> Shared<S> {
         cluster: u64,
         delta: i64,
     ) -> Result<u64> {
+        // What the change needs, made ready with I/O in the order it uses it (the dirty bit,
+        // a new refcount block, the slice: a counted lookup), then the change itself.
         self.mark_dirty_if_lazy(m).await?;
-        if self.refcount_slot(m, cluster).is_none() {
-            if delta < 0 {
-                return Err(Error::corrupt(
-                    &self.path,
-                    format!(
-                        "cluster {cluster} (offset {:#x}) is freed but has no refcount",
-                        cluster * self.geo.cluster_size()
-                    ),
-                ));
-            }
+        if self.refcount_slot(m, cluster).is_none() && delta >= 0 {
             let index = cluster / self.rgeo.refblock_entries();
             self.ensure_refblock(m, index, index * self.rgeo.refblock_entries())
                 .await?;
         }
-        let (key, index) = self
-            .refcount_slot(m, cluster)
-            .ok_or_else(|| Error::corrupt(&self.path, "new refcount block vanished"))?;
-        self.load(m, CacheKind::Refcount, key).await?;
+        if let Some((key, _)) = self.refcount_slot(m, cluster) {
+            self.load(m, CacheKind::Refcount, key).await?;
+        }
+        self.until_done(m, |m| self.update_refcount_now(m, cluster, delta))
+            .await?
+    }
+
+    /// The one body of a refcount change ([`update_refcount`](Self::update_refcount), and
+    /// the queues' allocation and give-back in the caller's thread): adds `delta` to the
+    /// refcount of `cluster` in its cached slice and returns the new value, or (nothing
+    /// changed) names what it needs first: the dirty bit of lazy refcounts, a refcount block
+    /// for the cluster, its slice in the cache. The inner result refuses a refcount that
+    /// would overflow or go below zero, or a cluster freed without one.
+    pub(crate) fn update_refcount_now(
+        &self,
+        m: &mut Meta,
+        cluster: u64,
+        delta: i64,
+    ) -> Needs<Result<u64>> {
+        if self.needs_dirty_bit(m) {
+            return Err(Need::DirtyBit);
+        }
+        let path = &self.path;
+        let Some((key, index)) = self.refcount_slot(m, cluster) else {
+            if delta < 0 {
+                return Ok(Err(Error::corrupt(
+                    path,
+                    format!(
+                        "cluster {cluster} (offset {:#x}) is freed but has no refcount",
+                        cluster * self.geo.cluster_size()
+                    ),
+                )));
+            }
+            return Err(Need::Refblock(cluster));
+        };
         let order = self.rgeo.refcount_order();
         let max = self.rgeo.max_refcount();
         let now = self.now();
-        let path = &self.path;
-        let data =
-            m.rc.peek(key)
-                .ok_or_else(|| Error::corrupt(path, "refcount slice vanished"))?;
-        let old = refcount::get(data, order, index).map_err(|e| Error::format(path, e))?;
+        let data = m.rc.peek(key).ok_or(Need::RefcountSlice(key))?;
+        let old = match refcount::get(data, order, index) {
+            Ok(v) => v,
+            Err(e) => return Ok(Err(Error::format(path, e))),
+        };
         let new = if delta >= 0 {
             old.checked_add(delta as u64).filter(|&v| v <= max)
         } else {
             old.checked_sub(delta.unsigned_abs())
         };
         let Some(new) = new else {
-            return Err(Error::corrupt(
+            return Ok(Err(Error::corrupt(
                 path,
                 format!(
                     "refcount of cluster {cluster} (offset {:#x}) would go from {old} by {delta} \
                      (maximum {max})",
                     cluster * self.geo.cluster_size()
                 ),
-            ));
+            )));
         };
-        set_cached(&mut m.rc, key, order, index, new, now)
-            .ok_or_else(|| Error::corrupt(path, "refcount slice vanished"))?
-            .map_err(|e| Error::format(path, e))?;
-        Ok(new)
+        match set_cached(&mut m.rc, key, order, index, new, now) {
+            Some(Ok(())) => Ok(Ok(new)),
+            Some(Err(e)) => Ok(Err(Error::format(path, e))),
+            None => Err(Need::RefcountSlice(key)),
+        }
     }
 
     /// Allocates `n` contiguous free host clusters (refcount 1 each); returns the offset.
@@ -201,7 +226,7 @@ impl<S: Storage> Shared<S> {
         if n == 0 {
             return Some(Vec::new());
         }
-        if self.check_not_halted().is_err() || (self.lazy && !m.dirty_on_disk) {
+        if self.check_not_halted().is_err() || self.needs_dirty_bit(m) {
             return None;
         }
         let cs = self.geo.cluster_size();
@@ -222,12 +247,9 @@ impl<S: Storage> Shared<S> {
             }
             c += 1;
         }
-        let order = self.rgeo.refcount_order();
-        let now = self.now();
         for &c in &found {
-            let (key, index) = self.refcount_slot(m, c)?;
-            // Cannot fail: the slice is cached and 1 fits every refcount width.
-            set_cached(&mut m.rc, key, order, index, 1, now)?.ok()?;
+            // Cannot fail: the slice is cached, the dirty bit set, and 1 fits every width.
+            self.update_refcount_now(m, c, 1).ok()?.ok()?;
         }
         let last = *found.last()?;
         // Every cluster from the hint to `last` is in use now (or waits for its punch).
@@ -241,21 +263,10 @@ impl<S: Storage> Shared<S> {
     /// then frees it with [`free_clusters`](Self::free_clusters)).
     pub(crate) fn try_unalloc_cached(&self, m: &mut Meta, host: u64) -> bool {
         let c = host / self.geo.cluster_size();
-        let Some((key, index)) = self.refcount_slot(m, c) else {
-            return false;
-        };
-        let now = self.now();
-        let order = self.rgeo.refcount_order();
-        let Some(data) = m.rc.peek(key) else {
-            return false;
-        };
-        if refcount::get(data, order, index).ok() != Some(1) {
-            return false;
-        }
-        if !matches!(
-            set_cached(&mut m.rc, key, order, index, 0, now),
-            Some(Ok(()))
-        ) {
+        // Only a cluster allocated and never linked: its refcount is exactly 1.
+        if self.refcount_cached(m, c) != Some(1)
+            || !matches!(self.update_refcount_now(m, c, -1), Ok(Ok(0)))
+        {
             return false;
         }
         m.free_hint = m.free_hint.min(c);

@@ -146,6 +146,11 @@ impl<S: Storage> Shared<S> {
 
     /// Does the I/O `need` names (see [`Need`](super::Need)).
     pub(crate) async fn resolve(&self, m: &mut Meta, need: super::Need) -> Result<()> {
+        // Boxed: resolving a need may change refcounts or tables, which may need resolving.
+        Box::pin(self.resolve_inner(m, need)).await
+    }
+
+    async fn resolve_inner(&self, m: &mut Meta, need: super::Need) -> Result<()> {
         match need {
             super::Need::WriteBack { kind, on } => {
                 self.write_back(m, kind).await?;
@@ -157,6 +162,13 @@ impl<S: Storage> Shared<S> {
                 Ok(())
             }
             super::Need::WritableSlice(guest) => self.writable_l2_slice(m, guest).await.map(|_| ()),
+            super::Need::DirtyBit => self.mark_dirty_if_lazy(m).await,
+            super::Need::Refblock(cluster) => {
+                let index = cluster / self.rgeo.refblock_entries();
+                self.ensure_refblock(m, index, index * self.rgeo.refblock_entries())
+                    .await
+            }
+            super::Need::RefcountSlice(key) => self.load(m, CacheKind::Refcount, key).await,
         }
     }
 

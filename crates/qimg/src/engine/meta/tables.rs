@@ -199,12 +199,18 @@ impl<S: Storage> Shared<S> {
 
     /// Lazy refcounts: sets the dirty bit before the first metadata change.
     pub(crate) async fn mark_dirty_if_lazy(&self, m: &mut Meta) -> Result<()> {
-        if self.lazy && !m.dirty_on_disk && self.version >= 3 {
+        if self.needs_dirty_bit(m) {
             let bits = m.incompatible | INCOMPAT_DIRTY;
             self.write_incompatible(m, bits).await?;
             m.dirty_on_disk = true;
         }
         Ok(())
+    }
+
+    /// Whether a refcount change must first set the dirty bit on disk (lazy refcounts, not
+    /// yet marked).
+    pub(crate) fn needs_dirty_bit(&self, m: &Meta) -> bool {
+        self.lazy && !m.dirty_on_disk && self.version >= 3
     }
 
     /// Clears the dirty bit once refcounts on disk are accurate (after a flush).

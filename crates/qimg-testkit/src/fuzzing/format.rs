@@ -1,19 +1,20 @@
-//! Entry points shared by the cargo-fuzz targets in `fuzz/` and by `cargo test`, which
-//! replays the committed seed corpus through them. Each one must never panic on any input;
-//! a panic is a finding.
+//! Entry points of the format-level cargo-fuzz targets in `fuzz/` (`header`, `l2_slice`,
+//! `refcount_block`), also run by `cargo test`, which replays the committed seed corpus
+//! through them. Each drives `qimg-format`'s public API only (they live here, not in the
+//! published crate) and must never panic on any input; a panic is a finding.
 
-use crate::cluster0::Cluster0;
-use crate::compressed::CompressedDescriptor;
-use crate::error::{FormatError, Result};
-use crate::geometry::{Geometry, MAX_REFCOUNT_ORDER};
-use crate::header::Header;
-use crate::l2::{
+use qimg::format::cluster0::Cluster0;
+use qimg::format::compressed::CompressedDescriptor;
+use qimg::format::error::{FormatError, Result};
+use qimg::format::geometry::{Geometry, MAX_REFCOUNT_ORDER};
+use qimg::format::header::Header;
+use qimg::format::l2::{
     AnyL2Entry, L2Context, L2Entry, QCOW_OFLAG_COPIED, QCOW_OFLAG_ZERO, SubclusterBitmap,
     SubclusterState, decode_slice, encode_slice, write_entry,
 };
-use crate::refcount;
-use crate::units::SubclusterIndex;
-use crate::validate::{OpenMode, validate_cluster0};
+use qimg::format::refcount;
+use qimg::format::units::SubclusterIndex;
+use qimg::format::validate::{OpenMode, validate_cluster0};
 
 /// Decodes `data` as the start of an image: header, extensions, backing name, with QEMU's
 /// open-time validation in every mode. Whatever decodes must encode and decode back to the
