@@ -117,6 +117,57 @@ pub(crate) struct Meta {
 }
 
 impl Meta {
+    /// Whether the image was closed: nothing may use its metadata any more.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// The L2 table the active L1 table names at `l1_index` (`None`: none, or past the table).
+    pub(crate) fn l2_table(&self, l1_index: usize) -> Option<u64> {
+        self.l1.get(l1_index)?.l2_offset.map(|o| o.0)
+    }
+
+    /// Entries in the active L1 table.
+    pub(crate) fn l1_len(&self) -> usize {
+        self.l1.len()
+    }
+
+    /// Puts an L2 slice read without the lock into the cache, after
+    /// [`unlocked_load_usable`](Shared::unlocked_load_usable) said it may go there; gives
+    /// back a dirty victim, which the caller must write back.
+    pub(crate) fn insert_l2_slice(
+        &mut self,
+        key: qimg_cache::SliceKey,
+        data: Box<[u8]>,
+        now: std::time::Duration,
+    ) -> std::result::Result<Option<qimg_cache::DirtySlice>, qimg_cache::CacheError> {
+        self.l2.insert(key, data, now)
+    }
+
+    /// Whether L2 slice `key` is cached (an uncounted look).
+    pub(crate) fn l2_cached(&self, key: qimg_cache::SliceKey) -> bool {
+        self.l2.contains(key)
+    }
+
+    /// The size of an L2 slice in bytes.
+    pub(crate) fn l2_slice_size(&self) -> usize {
+        self.l2.slice_size()
+    }
+
+    /// Where clusters start that have never held data: past everything allocated since open
+    /// and past the end of the file at open. A new cluster there reads as zeros, so a write
+    /// into it need not copy zeros around the guest's bytes (both executors' rule).
+    pub(crate) fn never_used_from(&self) -> u64 {
+        self.end_cluster * self.cluster_size
+    }
+
+    /// Whether guest data of `len` bytes at host offset `at` would land on metadata. The
+    /// queues' direct path asks this and leaves a hit to the engine, whose
+    /// [`guard_write`](Shared::guard_write) refuses the write and marks the image corrupt.
+    pub(crate) fn data_overlaps_metadata(&self, at: u64, len: u64) -> bool {
+        self.overlap.find(at, len, Writing::Data).is_some()
+    }
+
     /// Whether the L2 cache's next victim is dirty: a slice loaded now would first have to
     /// write it back, which only the locked path may do.
     pub(crate) fn l2_victim_dirty(&self) -> bool {

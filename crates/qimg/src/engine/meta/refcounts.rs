@@ -240,7 +240,7 @@ impl<S: Storage> Shared<S> {
             let refcount = self.refcount_cached(m, c)?;
             if refcount == 0 && !m.pending_punch.contains(&c) {
                 // A free cluster on metadata means damaged refcounts: the engine reports it.
-                if !accept(c * cs) || m.overlap.find(c * cs, cs, Writing::Data).is_some() {
+                if !accept(c * cs) || m.data_overlaps_metadata(c * cs, cs) {
                     return None;
                 }
                 found.push(c);

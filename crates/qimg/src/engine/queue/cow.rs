@@ -64,7 +64,7 @@ impl<S: Storage + 'static> Queue<S> {
             Some(Backing::Raw { storage, .. }) => storage.direct_access(),
             _ => None,
         };
-        let Some(mut m) = super::lock_briefly(&inner.meta).filter(|m| !m.closed) else {
+        let Some(mut m) = super::lock_briefly(&inner.meta).filter(|m| !m.is_closed()) else {
             return Err(buffers);
         };
         let Some(mut cow) = inner.plan_direct_cow(&mut m, offset, len as u64, None) else {

@@ -136,7 +136,7 @@ impl<S: Storage + 'static> Queue<S> {
         if !reused {
             *meta = lock_briefly(&inner.meta);
         }
-        if meta.as_ref().is_some_and(|m| m.closed) {
+        if meta.as_ref().is_some_and(|m| m.is_closed()) {
             *meta = None;
         }
         let free = self.free_slots();

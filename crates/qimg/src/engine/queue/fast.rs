@@ -8,7 +8,6 @@ use qimg_io::Storage;
 
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
-use crate::engine::overlap::Writing;
 use crate::engine::plan::{StateRun, state_runs};
 use crate::engine::rw::{CowSource, Destination, PreparedWrite};
 
@@ -120,10 +119,7 @@ impl<S: Storage> Inner<S> {
             Destination::InPlace(h) => {
                 // The engine reports an overlap (and marks the image corrupt).
                 let span = (plan.end - plan.start) as u64;
-                if m.overlap
-                    .find(h + plan.start as u64, span, Writing::Data)
-                    .is_some()
-                {
+                if m.data_overlaps_metadata(h + plan.start as u64, span) {
                     return None;
                 }
                 (h, false)
@@ -256,9 +252,7 @@ impl<S: Storage> Inner<S> {
                 Destination::InPlace(h) => {
                     // The engine reports an overlap (and marks the image corrupt).
                     let overlaps = self.data_file.is_none()
-                        && m.overlap
-                            .find(h + a as u64, n as u64, Writing::Data)
-                            .is_some();
+                        && m.data_overlaps_metadata(h + a as u64, n as u64);
                     if overlaps {
                         return None;
                     }
@@ -269,7 +263,7 @@ impl<S: Storage> Inner<S> {
         let allocation = self.allocation;
         let reservation = &self.reservation;
         // As in the engine's `prepare_chunks`: clusters from here on never held data.
-        let unused_from = m.end_cluster * cs;
+        let unused_from = m.never_used_from();
         let accept = |host: u64| {
             reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)
         };

@@ -61,7 +61,7 @@ impl<S: Storage + 'static> Queue<S> {
         let Some(mut m) = super::lock_briefly(&inner.meta) else {
             return Err(p);
         };
-        if m.closed {
+        if m.is_closed() {
             return Err(p);
         }
         let m = &mut *m;
@@ -81,7 +81,7 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(p);
         };
         let at = inner.slice_location(m, CacheKind::L2, key);
-        let size = m.l2.slice_size();
+        let size = m.l2_slice_size();
         let (ra, ma) = (access.request_alignment.max(1), access.mem_alignment.max(1));
         if at % ra as u64 != 0 || size % ra != 0 {
             return Err(p);
@@ -143,7 +143,7 @@ impl<S: Storage + 'static> Queue<S> {
                 let current = inner.slice_loads.end(load.token);
                 if !inner.unlocked_load_usable(&m, current, load.epoch, read) {
                     false
-                } else if m.l2.contains(load.key) {
+                } else if m.l2_cached(load.key) {
                     true
                 } else if m.l2_victim_dirty() {
                     false
@@ -151,7 +151,7 @@ impl<S: Storage + 'static> Queue<S> {
                     let mut data = vec![0u8; load.size];
                     let now = inner.now();
                     load.buffers.copy_out(0, &mut data)
-                        && match m.l2.insert(load.key, data.into_boxed_slice(), now) {
+                        && match m.insert_l2_slice(load.key, data.into_boxed_slice(), now) {
                             Ok(None) => true,
                             // Not reached: the victim was clean under this same lock. Never
                             // drop a dirty slice, though: the engine writes it back.
@@ -223,15 +223,18 @@ fn missing_slice<S: Storage>(
 ) -> Option<qimg_cache::SliceKey> {
     for (gc, ..) in inner.pieces(offset, len) {
         let l1i = inner.geo.l1_index(GuestOffset(gc)) as usize;
-        let Some(table) = m.l1.get(l1i)?.l2_offset else {
+        if l1i >= m.l1_len() {
+            return None;
+        }
+        let Some(table) = m.l2_table(l1i) else {
             continue;
         };
-        if inner.unaligned_l2(m, table.0).is_some() {
+        if inner.unaligned_l2(m, table).is_some() {
             // The engine refuses it (and marks the image corrupt).
             return None;
         }
-        let (key, _) = inner.l2_position(m, table.0, gc);
-        if !m.l2.contains(key) {
+        let (key, _) = inner.l2_position(m, table, gc);
+        if !m.l2_cached(key) {
             return Some(key);
         }
     }

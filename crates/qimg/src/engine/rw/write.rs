@@ -127,9 +127,8 @@ impl<S: Storage> Inner<S> {
             for p in prepared.iter().filter(|p| p.fresh) {
                 self.table_before_data(&mut m, p.gc).await?;
             }
-            // Clusters past everything allocated since open and past the end of the file at
-            // open have never held data: they read as zeros.
-            let unused_from = m.end_cluster * cs;
+            // Clusters that never held data read as zeros.
+            let unused_from = m.never_used_from();
             let most = MAX_RUN;
             let (mut next, mut left) = (0, 0);
             for p in prepared.iter_mut().filter(|p| p.fresh) {
