@@ -119,7 +119,7 @@ impl<S: Storage> Inner<S> {
             let entry = {
                 let mut m = self.meta.lock().await;
                 let l1i = self.geo.l1_index(GuestOffset(gc)) as usize;
-                if m.l1.get(l1i).is_none_or(|e| e.l2_offset.is_none()) {
+                if m.l2_table(l1i).is_none() {
                     // No L2 table: the whole range it would cover is unallocated.
                     let span = cs * (cs / self.geo.l2_entry_size());
                     let table_end = (at - at % span).saturating_add(span).min(end);

@@ -101,15 +101,15 @@ impl<S: Storage> Inner<S> {
                 let mut m = self.meta.lock().await;
                 self.ensure_open(&m)?;
                 let l1i = self.geo.l1_index(qimg_format::units::GuestOffset(gc)) as usize;
-                let Some(table) = m.l1.get(l1i).and_then(|e| e.l2_offset) else {
+                let Some(table) = m.l2_table(l1i) else {
                     return self.lookup(&mut m, gc).await;
                 };
-                if self.unaligned_l2(&m, table.0).is_some() {
+                if self.unaligned_l2(&m, table).is_some() {
                     return self.lookup(&mut m, gc).await;
                 }
-                let (key, idx) = self.l2_position(&m, table.0, gc);
+                let (key, idx) = self.l2_position(&m, table, gc);
                 // A hit, or a miss whose victim must be written back first: the locked path.
-                if m.l2.contains(key) || m.l2_victim_dirty() {
+                if m.l2_cached(key) || m.l2_victim_dirty() {
                     return self.lookup(&mut m, gc).await;
                 }
                 if self.slice_loads.engine_loading(key) {
@@ -123,7 +123,7 @@ impl<S: Storage> Inner<S> {
                     return self.lookup(&mut m, gc).await;
                 }
                 let at = self.slice_location(&m, CacheKind::L2, key);
-                let size = m.l2.slice_size();
+                let size = m.l2_slice_size();
                 let (token, epoch) = self.start_unlocked_load(&mut m, key, false);
                 (key, idx, at, size, epoch, token)
             };
@@ -136,7 +136,7 @@ impl<S: Storage> Inner<S> {
             let read = self.file.read_at(&mut buf, at).await;
             let mut m = self.meta.lock().await;
             let current = load.end();
-            if !self.unlocked_load_usable(&m, current, epoch, read.is_ok()) || m.l2.contains(key) {
+            if !self.unlocked_load_usable(&m, current, epoch, read.is_ok()) || m.l2_cached(key) {
                 // Something changed, or the read failed: the locked lookup decides (and reports
                 // a failure as it always has).
                 self.ensure_open(&m)?;

@@ -275,7 +275,7 @@ impl<S: Storage> Inner<S> {
     /// host extent after it (and the file ends where QEMU's does).
     pub(super) async fn table_before_data(&self, m: &mut Meta, gc: u64) -> Result<()> {
         let l1i = (gc / self.geo.l2_coverage()) as usize;
-        if m.l1.get(l1i).is_some_and(|e| e.l2_offset.is_none()) {
+        if l1i < m.l1_len() && m.l2_table(l1i).is_none() {
             self.writable_l2_slice(m, gc).await?;
         }
         Ok(())
