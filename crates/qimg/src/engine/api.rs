@@ -62,8 +62,8 @@ impl<S: Storage + 'static> Image<S> {
             cow_bytes: c.cow_bytes.load(Ordering::Relaxed),
             clusters_allocated: c.clusters_allocated.load(Ordering::Relaxed),
             clusters_freed: c.clusters_freed.load(Ordering::Relaxed),
-            l2_cache: m.l2.stats(),
-            refcount_cache: m.rc.stats(),
+            l2_cache: m.cache_stats().0,
+            refcount_cache: m.cache_stats().1,
         }
     }
 
@@ -228,7 +228,7 @@ impl<S: Storage + 'static> Image<S> {
     /// breakpoint, say) the messages stay for a later call.
     pub async fn take_messages(&self) -> Vec<String> {
         match self.inner.meta.try_lock() {
-            Ok(mut m) => std::mem::take(&mut m.messages),
+            Ok(mut m) => m.take_messages(),
             Err(_) => Vec::new(),
         }
     }

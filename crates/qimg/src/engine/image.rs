@@ -77,17 +77,17 @@ impl<S: Storage> Inner<S> {
     /// [`Image::close`]: flush, mark clean, release the image locks; requests fail after it.
     pub(crate) async fn close(&self) -> crate::error::Result<()> {
         let mut m = self.meta.lock().await;
-        if m.closed {
+        if m.is_closed() {
             return Ok(());
         }
         if self.writable {
             self.free_abandoned(&mut m).await?;
             self.store_bitmaps(&mut m).await?;
             self.flush_closing(&mut m).await?;
-            self.trim_reservation(m.end_cluster).await?;
+            self.trim_reservation(m.end_cluster()).await?;
             self.mark_clean(&mut m).await?;
         }
-        m.closed = true;
+        m.mark_closed();
         // As QEMU on close: other processes may open the files from now on.
         self.release_locks();
         Ok(())

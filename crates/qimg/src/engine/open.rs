@@ -415,7 +415,7 @@ async fn cleaner<S: Storage + 'static>(weak: Weak<Inner<S>>, interval: Duration)
         tick.tick().await;
         let Some(inner) = weak.upgrade() else { break };
         let mut m = inner.meta.lock().await;
-        if m.closed {
+        if m.is_closed() {
             break;
         }
         // Errors surface on the next request or flush; the timer just tries again.
@@ -461,7 +461,7 @@ impl<S: Storage> Inner<S> {
         bitmaps: Option<&qimg_format::bitmap::BitmapsExtension>,
     ) -> Result<()> {
         let mut m = self.meta.lock().await;
-        if let Some((a, b)) = m.overlap.first_conflict() {
+        if let Some((a, b)) = m.first_metadata_conflict() {
             let what = format!(
                 "metadata overlap: {} at {:#x}..{:#x} and {} at {:#x}..{:#x} share host bytes",
                 a.region, a.start, a.end, b.region, b.start, b.end
@@ -488,7 +488,7 @@ impl<S: Storage> Inner<S> {
             // A crash inside a snapshot change can leave COPIED flags that disagree with the
             // refcounts (QEMU's dirty-open repair fixes them too).
             self.sync_copied(&mut m).await?;
-            m.dirty_on_disk = true;
+            m.note_dirty_on_disk();
             self.mark_clean(&mut m).await?;
         }
         let keep = autoclear_for_writer(h.autoclear_features, loaded);

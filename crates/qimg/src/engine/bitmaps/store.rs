@@ -157,7 +157,7 @@ impl<S: Storage> Inner<S> {
             list.push(b);
         }
         if writable {
-            m.overlap.insert(Region::BitmapDirectory, dir_at, dir_len);
+            m.note_metadata(Region::BitmapDirectory, dir_at, dir_len);
         }
         if writable && !live {
             // In use from here on: a crash leaves them inconsistent, as QEMU's writer does.
@@ -349,12 +349,12 @@ impl<S: Storage> Inner<S> {
         self.point_header_at_directory(new_dir, entries.len() as u32)
             .await?;
         if let Some((at, len)) = old_dir {
-            m.overlap.remove(Region::BitmapDirectory, at);
+            m.forget_metadata(Region::BitmapDirectory, at);
             self.free_clusters_as(m, at, len.div_ceil(cs), false)
                 .await?;
         }
         if let Some((at, len)) = new_dir {
-            m.overlap.insert(Region::BitmapDirectory, at, len);
+            m.note_metadata(Region::BitmapDirectory, at, len);
         }
         Ok(new_dir)
     }

@@ -117,6 +117,66 @@ pub(crate) struct Meta {
 }
 
 impl Meta {
+    /// The crash-ordering rule of every L2 entry that points at guest data just written: the
+    /// L2 slices may be written back only after that data is durable (a flush of the data
+    /// file first), so that no entry on disk ever points at data that is not. Both linking
+    /// paths (`link_now`, compressed writes) state it here.
+    pub(crate) fn entries_wait_for_data(&mut self) {
+        self.l2.depend_on_flush();
+    }
+
+    /// Marks the image closed (see [`is_closed`](Self::is_closed)).
+    pub(crate) fn mark_closed(&mut self) {
+        self.closed = true;
+    }
+
+    /// The first cluster past everything allocated and past the end of the file at open.
+    pub(crate) fn end_cluster(&self) -> u64 {
+        self.end_cluster
+    }
+
+    /// Where the next compressed cluster may be packed (see the field).
+    pub(crate) fn compressed_tail(&self) -> Option<u64> {
+        self.compressed_tail
+    }
+
+    /// Sets where the next compressed cluster may be packed.
+    pub(crate) fn set_compressed_tail(&mut self, tail: Option<u64>) {
+        self.compressed_tail = tail;
+    }
+
+    /// Notes that the dirty bit is set on disk.
+    pub(crate) fn note_dirty_on_disk(&mut self) {
+        self.dirty_on_disk = true;
+    }
+
+    /// Two metadata structures that overlap, if any (checked at a writable open).
+    pub(crate) fn first_metadata_conflict(
+        &self,
+    ) -> Option<(super::overlap::Hit, super::overlap::Hit)> {
+        self.overlap.first_conflict()
+    }
+
+    /// Records metadata of `region` at `[at, at + len)` for the overlap checks.
+    pub(crate) fn note_metadata(&mut self, region: Region, at: u64, len: u64) {
+        self.overlap.insert(region, at, len);
+    }
+
+    /// Forgets the metadata of `region` that starts at `at`.
+    pub(crate) fn forget_metadata(&mut self, region: Region, at: u64) {
+        self.overlap.remove(region, at);
+    }
+
+    /// The statistics of the L2 and the refcount caches.
+    pub(crate) fn cache_stats(&self) -> (qimg_cache::CacheStats, qimg_cache::CacheStats) {
+        (self.l2.stats(), self.rc.stats())
+    }
+
+    /// Takes the driver's messages not taken yet.
+    pub(crate) fn take_messages(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.messages)
+    }
+
     /// Whether the image was closed: nothing may use its metadata any more.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed

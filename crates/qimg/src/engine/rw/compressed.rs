@@ -51,7 +51,7 @@ impl<S: Storage> Inner<S> {
         let old = self.lookup(&mut m, offset).await?;
         self.table_before_data(&mut m, offset).await?;
         // Pack into the tail of the last compressed cluster when the bytes fit there.
-        let at = match m.compressed_tail {
+        let at = match m.compressed_tail() {
             Some(t) if t % cs + plen <= cs => {
                 self.update_refcount(&mut m, t / cs, 1).await?;
                 t
@@ -65,7 +65,7 @@ impl<S: Storage> Inner<S> {
             }
         };
         let end = at + plen;
-        m.compressed_tail = (end % cs != 0).then_some(end);
+        m.set_compressed_tail((end % cs != 0).then_some(end));
         let desc = CompressedDescriptor::new(at, plen, cbits).map_err(|e| self.fmt_err(e))?;
         self.guard_write(&mut m, at, plen, Writing::Data).await?;
         drop(m);
@@ -92,7 +92,7 @@ impl<S: Storage> Inner<S> {
             }),
         };
         self.set_entry(&mut m, offset, &new).await?;
-        m.l2.depend_on_flush();
+        m.entries_wait_for_data();
         if let Some(freed) = old_reference(old.entry()) {
             self.release(&mut m, freed).await?;
         }

@@ -185,7 +185,7 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(crate) fn ensure_open(&self, m: &Meta) -> Result<()> {
-        if m.closed {
+        if m.is_closed() {
             return Err(Error::InvalidOption(format!(
                 "{}: the image is closed",
                 self.path.display()

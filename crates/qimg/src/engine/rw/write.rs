@@ -236,8 +236,7 @@ impl<S: Storage> Inner<S> {
             if let Err(e) = self.set_entry_now(m, p.gc, &self.linked_entry(p.host, plan.bitmap))? {
                 return Ok(Err(e));
             }
-            // The data must be durable before the entry that points at it.
-            m.l2.depend_on_flush();
+            m.entries_wait_for_data();
         }
         let cow = (p.a - plan.start) + (plan.end - p.b);
         self.counters
