@@ -2084,3 +2084,87 @@ fn convert_targets_and_missing_files_are_named_as_qemu_names_them() {
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("Images are identical"), "{}", outs[0]);
 }
+
+/// qemu-io's `truncate -m MODE` grows with preallocation (it was refused before): with
+/// `full` the new area is written (`qemu-img map` shows QEMU's data extents), with `falloc`
+/// and `metadata` it is allocated too (qimg writes it, where QEMU leaves holes: the map's
+/// `zero` flags differ, so only the length and the data are compared there); a bad mode is
+/// refused in QEMU's words.
+#[test]
+fn qemu_io_truncate_preallocates_as_qemu_io() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("truncate-prealloc");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "t.qcow2", "512k"],
+        ),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "u.qcow2", "512k"],
+        ),
+        ("qemu-io", &["-c", "write -P 7 0 4k", "t.qcow2"]),
+        ("qemu-io", &["-c", "write -P 7 0 4k", "u.qcow2"]),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &["-c", "truncate -m full 1M", "-c", "length", "t.qcow2"],
+        ),
+        (
+            "qemu-io",
+            &["-c", "truncate -m bogus 4M", "-c", "length", "t.qcow2"],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read -P 7 0 4k",
+                "-c",
+                "read -P 0 4k 1020k",
+                "t.qcow2",
+            ],
+        ),
+        // The new area is data (the ranges only: host offsets may differ).
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        (
+            "qemu-io",
+            &["-c", "truncate -m falloc 2M", "-c", "length", "u.qcow2"],
+        ),
+        (
+            "qemu-io",
+            &["-c", "truncate -m metadata 3M", "-c", "length", "u.qcow2"],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read -P 7 0 4k",
+                "-c",
+                "read -P 0 4k 3068k",
+                "u.qcow2",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    let strip = |out: &str| {
+        out.lines()
+            .map(|l| match l.find(", \"offset\"") {
+                Some(i) => format!("{}}}", &l[..i]),
+                None => l.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(
+        strip(&outs[1]),
+        strip(&outs[0]),
+        "qimg (left) differs from QEMU (right)"
+    );
+    assert!(
+        outs[0].contains("qemu-io: Invalid preallocation mode 'bogus'"),
+        "{}",
+        outs[0]
+    );
+}

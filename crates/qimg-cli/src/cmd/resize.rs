@@ -43,11 +43,24 @@ pub struct ResizeArgs {
 
 /// qemu's preallocation modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Prealloc {
+pub(crate) enum Prealloc {
     Off,
     Metadata,
     Falloc,
     Full,
+}
+
+impl Prealloc {
+    /// The mode QEMU names `name` (`off`, `metadata`, `falloc`, `full`).
+    pub(crate) fn parse(name: &str) -> Option<Self> {
+        match name {
+            "off" => Some(Self::Off),
+            "metadata" => Some(Self::Metadata),
+            "falloc" => Some(Self::Falloc),
+            "full" => Some(Self::Full),
+            _ => None,
+        }
+    }
 }
 
 /// Bytes of zeros written at a time to preallocate.
@@ -73,11 +86,10 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         bail!("{}", crate::args::size_error("size"));
     };
     let prealloc = match args.preallocation.as_deref() {
-        None | Some("off") => Prealloc::Off,
-        Some("metadata") => Prealloc::Metadata,
-        Some("falloc") => Prealloc::Falloc,
-        Some("full") => Prealloc::Full,
-        Some(other) => bail!("Invalid preallocation mode '{other}'"),
+        None => Prealloc::Off,
+        Some(name) => {
+            Prealloc::parse(name).ok_or_else(|| anyhow!("Invalid preallocation mode '{name}'"))?
+        }
     };
     let path = Path::new(file.as_str());
     let fmt = source_format(path, file, args.fmt.as_deref()).map_err(|e| open_msg(e, file))?;
@@ -248,18 +260,27 @@ async fn change_size(
     if l1_entries.saturating_mul(8) > MAX_L1_BYTES {
         bail!("Failed to grow the L1 table: File too large");
     }
-    img.resize(total)
+    grow(img, total, prealloc)
         .await
-        .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))?;
+        .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))
+}
+
+/// Grows `img` to `total` bytes; with a preallocation mode other than `off`, the new area is
+/// then allocated (written with zeros, cluster by cluster), as `qemu-img resize
+/// --preallocation` and qemu-io's `truncate -m` do.
+pub(crate) async fn grow(
+    img: &Image<qimg::io::AnyStorage>,
+    total: u64,
+    prealloc: Prealloc,
+) -> qimg::Result<()> {
+    let current = img.size();
+    img.resize(total).await?;
     if prealloc != Prealloc::Off {
-        // Allocate the new area with zeros, cluster by cluster.
         let zeros = vec![0u8; ZERO_CHUNK as usize];
         let mut at = current;
         while at < total {
             let n = (total - at).min(ZERO_CHUNK - at % ZERO_CHUNK);
-            img.write(&zeros[..n as usize], at)
-                .await
-                .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))?;
+            img.write(&zeros[..n as usize], at).await?;
             at += n;
         }
     }

@@ -12,6 +12,7 @@ use super::session::{OpenSpec, Session, aio_mode, cache_mode, default_cache, dis
 use super::table::{
     COMMANDS, Cmd, io_failed, num, offset_and_count, options, print_report, usage, usage_line,
 };
+use crate::cmd::resize::{Prealloc, grow};
 
 /// Runs one command line; `Break` after `quit`.
 pub async fn line(s: &mut Session, line: &str) -> ControlFlow<()> {
@@ -288,12 +289,16 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
     if o.operands.len() != 1 {
         return usage("truncate");
     }
-    if let Some(m) = o.arg('m') {
-        if m != "off" {
-            complain!("qemu-io: qimg io: preallocation mode '{m}' is not supported");
-            return Err(Failed);
-        }
-    }
+    let prealloc = match o.arg('m') {
+        None => Prealloc::Off,
+        Some(m) => match Prealloc::parse(m) {
+            Some(p) => p,
+            None => {
+                complain!("qemu-io: Invalid preallocation mode '{m}'");
+                return Err(Failed);
+            }
+        },
+    };
     let size = num(&o.operands[0])?;
     match s.truncate_raw(size).await {
         Ok(true) => return Ok(()),
@@ -313,7 +318,7 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         let changed = if size < old {
             img.shrink(size).await
         } else {
-            img.resize(size).await
+            grow(img, size, prealloc).await
         };
         if let Err(e) = changed {
             let name = img.path().display().to_string();
