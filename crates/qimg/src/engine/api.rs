@@ -56,14 +56,14 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Counters and cache statistics.
     pub async fn stats(&self) -> Stats {
-        let m = self.inner.meta.lock().await;
+        let (l2_cache, refcount_cache) = self.inner.meta.lock().await.cache_stats();
         let c = &self.inner.counters;
         Stats {
             cow_bytes: c.cow_bytes.load(Ordering::Relaxed),
             clusters_allocated: c.clusters_allocated.load(Ordering::Relaxed),
             clusters_freed: c.clusters_freed.load(Ordering::Relaxed),
-            l2_cache: m.cache_stats().0,
-            refcount_cache: m.cache_stats().1,
+            l2_cache,
+            refcount_cache,
         }
     }
 
