@@ -37,7 +37,6 @@ pub struct HostRun {
 /// reader that wants the answer a process that never read there gets (`qemu-img map`) asks
 /// for the drop.
 pub fn runs(file: &File, start: u64, end: u64, drop_cache: bool) -> Vec<HostRun> {
-    let file_len = file.metadata().map(|m| m.len()).unwrap_or(u64::MAX);
     if drop_cache {
         let mask = DROP_CACHE_ALIGN - 1;
         let (a, b) = (start & !mask, end.saturating_add(mask) & !mask);
@@ -62,16 +61,13 @@ pub fn runs(file: &File, start: u64, end: u64, drop_cache: bool) -> Vec<HostRun>
     };
     let mut pos = start;
     while pos < end {
-        if pos >= file_len {
-            push(pos, end, false);
-            break;
-        }
         let Ok(at) = i64::try_from(pos) else {
             push(pos, end, true);
             break;
         };
         match lseek(file, at, Whence::SeekData) {
-            // No data after `pos`: the rest is a hole.
+            // No data after `pos` (or `pos` at or past the end of the file): the rest is a
+            // hole.
             Err(Errno::ENXIO) => {
                 push(pos, end, false);
                 break;
@@ -86,11 +82,11 @@ pub fn runs(file: &File, start: u64, end: u64, drop_cache: bool) -> Vec<HostRun>
                 pos = d;
             }
             Ok(_) => {
+                // A file system that cannot tell: the rest is data.
                 let h = match lseek(file, at, Whence::SeekHole) {
-                    Ok(h) if (h as u64) > pos => h as u64,
-                    _ => file_len.max(pos + 1),
+                    Ok(h) if (h as u64) > pos => (h as u64).min(end),
+                    _ => end,
                 };
-                let h = h.min(end);
                 push(pos, h, true);
                 pos = h;
             }
