@@ -1270,6 +1270,104 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
     assert!(outs[0].contains("Marking image as corrupt"), "{}", outs[0]);
 }
 
+/// `convert` over an L2 entry that does not decode (cluster 3 of 64 KiB): without
+/// `--salvage` the error names the first sector whose block status fails; with it every such
+/// sector is warned of in the counting pass and again, with its failed read, in the copy,
+/// and copied as zeros (the output's other data intact); `-q` silences the warnings.
+#[test]
+fn convert_salvage_walks_around_unreadable_block_status() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("salvage-status");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "b.qcow2", "4M"],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 5 0 1M",
+                "-c",
+                "write -P 6 2M 64k",
+                "b.qcow2",
+            ],
+        ),
+        // L2[3] (at 0x40018) = 0x8000000000080200: an unaligned data cluster.
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0x02 0x4001e 1", "b.qcow2"],
+        ),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["convert", "-O", "qcow2", "b.qcow2", "plain.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--salvage",
+                "-O",
+                "qcow2",
+                "b.qcow2",
+                "out.qcow2",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read -P 5 0 192k",
+                "-c",
+                "read -P 0 192k 64k",
+                "-c",
+                "read -P 5 256k 768k",
+                "-c",
+                "read -P 0 1M 1M",
+                "-c",
+                "read -P 6 2M 64k",
+                "out.qcow2",
+            ],
+        ),
+        ("qemu-img", &["check", "out.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "--salvage",
+                "-O",
+                "raw",
+                "b.qcow2",
+                "out.raw",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "compare",
+                "-f",
+                "qcow2",
+                "-F",
+                "raw",
+                "out.qcow2",
+                "out.raw",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("error while reading block status at offset 196608")
+            && outs[0].contains("warning: error while reading offset 261632"),
+        "{}",
+        outs[0]
+    );
+}
+
 #[test]
 fn damaged_tables_open_and_fail_where_qemus_do() {
     qimg_testkit::require_qemu!();
@@ -2106,6 +2204,25 @@ fn qemu_io_truncate_preallocates_as_qemu_io() {
         ),
         ("qemu-io", &["-c", "write -P 7 0 4k", "t.qcow2"]),
         ("qemu-io", &["-c", "write -P 7 0 4k", "u.qcow2"]),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "m.qcow2", "1M"],
+        ),
+        ("qemu-io", &["-c", "write -P 7 0 64k", "m.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "e.qcow2",
+                "1M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 7 0 4k", "e.qcow2"]),
     ];
     let steps: Prep = &[
         (
@@ -2146,8 +2263,33 @@ fn qemu_io_truncate_preallocates_as_qemu_io() {
                 "u.qcow2",
             ],
         ),
+        // Metadata preallocation links host clusters and writes nothing: the new area is
+        // data that reads as zeros (holes in the file), at QEMU's offsets.
+        ("qemu-io", &["-c", "truncate -m metadata 3M", "m.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "m.qcow2"]),
+        ("qemu-img", &["check", "m.qcow2"]),
+        (
+            "qemu-io",
+            &["-c", "write -P 9 2M 4k", "-c", "read -P 0 1M 1M", "m.qcow2"],
+        ),
+        ("qemu-img", &["map", "--output=json", "m.qcow2"]),
+        // Extended entries take the host cluster and keep their subclusters unallocated.
+        (
+            "qemu-img",
+            &["resize", "--preallocation=metadata", "e.qcow2", "3M"],
+        ),
+        ("qemu-img", &["map", "--output=json", "e.qcow2"]),
+        ("qemu-img", &["check", "e.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    // The metadata steps compare whole: offsets, zero flags and the file's end.
+    let metadata =
+        |out: &str| out[out.find("truncate -m metadata 3M\", \"m.qcow2").unwrap()..].to_string();
+    assert_eq!(
+        metadata(&outs[1]),
+        metadata(&outs[0]),
+        "qimg (left) differs from QEMU (right)"
+    );
     let strip = |out: &str| {
         out.lines()
             .map(|l| match l.find(", \"offset\"") {

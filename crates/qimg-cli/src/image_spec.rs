@@ -6,7 +6,7 @@
 //! overlap checks, locking) are accepted and left to qimg's own defaults. Anything else
 //! (backing or data-file nodes, other protocols) is refused, naming the key.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use qimg::OpenOptions;
@@ -154,7 +154,20 @@ pub fn options_for(path: &Path) -> OpenOptions {
     if crate::status::program() == "qemu-img" {
         // QEMU's driver prints its messages (the image marked corrupt) on standard error as
         // they happen; qemu-io prints them between commands (`Session::print_messages`).
-        o = o.on_message(|line| eprintln!("{line}"));
+        // QEMU opens a file once per command where qimg may open it twice (`convert` reads
+        // through one instance and asks block status through another): a line is printed
+        // once per file.
+        let file = path.to_path_buf();
+        o = o.on_message(move |line| {
+            static PRINTED: std::sync::Mutex<Vec<(PathBuf, String)>> =
+                std::sync::Mutex::new(Vec::new());
+            let mut printed = PRINTED.lock().unwrap_or_else(|e| e.into_inner());
+            let key = (file.clone(), line.to_string());
+            if !printed.contains(&key) {
+                eprintln!("{line}");
+                printed.push(key);
+            }
+        });
     }
     if let Some(ov) = path.to_str().and_then(overrides) {
         if ov.no_backing {

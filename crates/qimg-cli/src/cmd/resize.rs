@@ -265,9 +265,9 @@ async fn change_size(
         .map_err(|e| anyhow!("{}", lib_msg(&e, &file)))
 }
 
-/// Grows `img` to `total` bytes; with a preallocation mode other than `off`, the new area is
-/// then allocated (written with zeros, cluster by cluster), as `qemu-img resize
-/// --preallocation` and qemu-io's `truncate -m` do.
+/// Grows `img` to `total` bytes, as `qemu-img resize --preallocation` and qemu-io's
+/// `truncate -m` do: with `metadata` the new area gets host clusters and no data (holes, as
+/// QEMU's); with `falloc` and `full` it is written with zeros, cluster by cluster.
 pub(crate) async fn grow(
     img: &Image<qimg::io::AnyStorage>,
     total: u64,
@@ -275,6 +275,10 @@ pub(crate) async fn grow(
 ) -> qimg::Result<()> {
     let current = img.size();
     img.resize(total).await?;
+    if prealloc == Prealloc::Metadata {
+        // Host clusters linked, no data written: the new area stays holes, as QEMU's.
+        return img.preallocate(current, total - current).await;
+    }
     if prealloc != Prealloc::Off {
         let zeros = vec![0u8; ZERO_CHUNK as usize];
         let mut at = current;

@@ -238,6 +238,17 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.resize(new_size).await
     }
 
+    /// Preallocates metadata for `[offset, offset + len)`, as qemu-img's
+    /// `--preallocation=metadata` does for the area a resize adds: every guest cluster
+    /// without a host cluster gets one, linked without guest data written, so that later
+    /// writes there allocate nothing. What the guest reads does not change: clusters never
+    /// used are holes past the old end of the file, reused ones are zeroed first; a standard
+    /// entry that shows the backing file keeps it (extended entries keep every subcluster's
+    /// state and take the host cluster).
+    pub async fn preallocate(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.preallocate(offset, len).await
+    }
+
     /// Runs one pass of the cache-clean timer now: slices unused for a whole clean interval
     /// are written back if dirty and dropped. The timer task does this by itself when a tokio
     /// runtime was running at open; returns the bytes freed.

@@ -284,7 +284,7 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
         source,
     })?;
     let meta = Meta::load(&file, &path, h, &geo, &resolved, opts.writable).await?;
-    let reservation = Reservation::new(meta.end_cluster * geo.cluster_size());
+    let reservation = Reservation::new(meta.end_cluster() * geo.cluster_size());
     let shared = Shared {
         file,
         data_file,

@@ -7,7 +7,6 @@
 
 use std::collections::BTreeSet;
 
-use qimg_cache::SliceCache;
 use qimg_format::lenient::{L2Layout, TABLE_WORD};
 use qimg_io::Storage;
 
@@ -57,14 +56,14 @@ impl<S: Storage> Inner<S> {
         });
         count(super::walk::Reference {
             structure: super::walk::Structure::L1Table,
-            offset: m.l1_offset,
-            len: m.l1.len() as u64 * TABLE_WORD,
+            offset: m.l1_offset(),
+            len: m.l1_len() as u64 * TABLE_WORD,
         });
         walker
-            .visit_tree(&m.l1, &self.ctx, external, &mut count)
+            .visit_tree(m.l1(), &self.ctx, external, &mut count)
             .await
             .map_err(|e| self.walk_error(e))?;
-        let (snap_offset, nb) = m.snapshots;
+        let (snap_offset, nb) = m.snapshot_table();
         walker
             .visit_snapshots(snap_offset, nb, &self.ctx, external, &mut count)
             .await
@@ -94,10 +93,14 @@ impl<S: Storage> Inner<S> {
 
     /// The first cluster past the refcount table and every block it names.
     fn structure_end(m: &Meta, cs: u64) -> u64 {
-        let table_clusters = (m.reftable.len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
-        let blocks = m.reftable.iter().filter(|&&b| b != 0).map(|&b| b / cs + 1);
+        let table_clusters = (m.reftable().len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
+        let blocks = m
+            .reftable()
+            .iter()
+            .filter(|&&b| b != 0)
+            .map(|&b| b / cs + 1);
         blocks
-            .chain(std::iter::once(m.reftable_offset / cs + table_clusters))
+            .chain(std::iter::once(m.reftable_offset() / cs + table_clusters))
             .max()
             .unwrap_or(0)
     }
@@ -120,11 +123,11 @@ impl<S: Storage> Inner<S> {
         let e = self.rgeo.refblock_entries();
         let order = self.rgeo.refcount_order();
         let mut old: BTreeSet<u64> = BTreeSet::new();
-        let table_clusters = (m.reftable.len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
-        old.extend((0..table_clusters).map(|k| m.reftable_offset / cs + k));
+        let table_clusters = (m.reftable().len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
+        old.extend((0..table_clusters).map(|k| m.reftable_offset() / cs + k));
         let mut disk: std::collections::BTreeMap<u64, u64> = Default::default();
         let mut block = vec![0u8; cs as usize];
-        for (j, &at) in m.reftable.iter().enumerate() {
+        for (j, &at) in m.reftable().iter().enumerate() {
             if at == 0 || at % cs != 0 || at + cs > file_len {
                 continue;
             }
@@ -191,7 +194,8 @@ impl<S: Storage> Inner<S> {
             );
             return Err(self.signal_corruption(m, what).await);
         }
-        m.messages = self.repair_messages(m, &refs, file_len).await?;
+        let messages = self.repair_messages(m, &refs, file_len).await?;
+        m.set_messages(messages);
         // Right after the last referenced cluster: what lies past it is referenced by nothing
         // (a crash can leave a writer's reservation there, zeros), so the new structure goes
         // where QEMU's rebuild puts it and the file is cut after it below.
@@ -240,15 +244,10 @@ impl<S: Storage> Inner<S> {
         }
         self.install_reftable(m, table, area.table_offset(cs), area.table_clusters)
             .await?;
-        let slice = m.rc.slice_size() as u64;
-        m.rc = SliceCache::new(m.rc.capacity() as u64 * slice, slice).map_err(|source| {
-            Error::Cache {
-                path: self.path.clone(),
-                source,
-            }
+        m.refcounts_rebuilt(end).map_err(|source| Error::Cache {
+            path: self.path.clone(),
+            source,
         })?;
-        m.end_cluster = end;
-        m.free_hint = 0;
         if file_len > end * cs {
             self.file
                 .set_len(end * cs)

@@ -351,7 +351,7 @@ async fn plan_refcounts(img: &Image<crate::io::AnyStorage>, order: u32) -> Resul
     };
     let start = file_len
         .div_ceil(cs)
-        .max(m.end_cluster)
+        .max(m.end_cluster())
         .max(refs.max_cluster().map_or(0, |c| c + 1));
     drop(m);
     // Blocks for every cluster up to the end of the new structure, which covers itself.

@@ -79,7 +79,13 @@ async fn run_job(
     let mut bufs = Vec::with_capacity(ranges.len());
     for (s, e) in ranges {
         let mut buf = vec![0u8; (e - s) as usize];
-        src.read_salvaging(&mut buf, s, plan.salvage, plan.quiet)
+        let failed: Vec<_> = job
+            .status_failed
+            .iter()
+            .filter(|f| (s..e).contains(&f.output))
+            .cloned()
+            .collect();
+        src.read_salvaging(&mut buf, s, plan.salvage, plan.quiet, &failed)
             .await?;
         bufs.push((s, buf));
     }

@@ -221,7 +221,8 @@ fn execute(settings: Settings) -> Result<()> {
             done: 0,
             last: 0.0,
         };
-        if progress.on {
+        // With `--salvage` the counting pass also warns, as qemu-img's (which always counts).
+        if progress.on || plan.salvage {
             progress.total = data_bytes(&srcs, plan).await?;
         }
         progress.start();

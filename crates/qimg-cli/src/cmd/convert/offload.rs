@@ -127,7 +127,7 @@ async fn copy_through(src: &Source, dst: &ConvertOutput, s: u64, e: u64) -> Resu
     while at < e {
         let n = (e - at).min(2 << 20);
         let mut buf = vec![0u8; n as usize];
-        src.read_salvaging(&mut buf, at, false, false).await?;
+        src.read_salvaging(&mut buf, at, false, false, &[]).await?;
         dst.write(&buf, at)
             .await
             .with_context(|| format!("error while writing at byte {at}"))?;

@@ -3,9 +3,9 @@
 
 use std::collections::VecDeque;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, bail};
 
-use crate::chain::{Layer, StatusError, status};
+use crate::chain::{Entry, Layer, StatusError, status};
 
 /// Guest bytes per copy chunk (a multiple of every cluster size).
 const CHUNK: u64 = 2 << 20;
@@ -50,6 +50,20 @@ pub(super) struct Job {
     pub(super) end: u64,
     pub(super) data: Vec<(u64, u64)>,
     pub(super) zeros: Vec<(u64, u64)>,
+    /// With `--salvage`: the sectors of `data` whose block status could not be read; the
+    /// copy warns of each again as it reads it, as qemu-img's copy pass does.
+    pub(super) status_failed: Vec<StatusFailed>,
+}
+
+/// A sector whose block status could not be read (`--salvage`).
+#[derive(Debug, Clone)]
+pub(super) struct StatusFailed {
+    /// Its offset in its source (qemu-img's warning names that).
+    pub(super) source: u64,
+    /// Its offset in the output.
+    pub(super) output: u64,
+    /// Why, in qemu-img's words.
+    pub(super) why: String,
 }
 
 /// Appends `[start, end)` to sorted ranges `v`, merging it with the last one it touches.
@@ -89,6 +103,12 @@ pub(super) struct Jobs<'a> {
     at: u64,
     current: Option<Job>,
     ready: VecDeque<Job>,
+    /// `--salvage`: a sector whose block status cannot be read is data (see
+    /// [`status_salvaging`](Self::status_salvaging)).
+    salvage: bool,
+    /// Warn of each such sector here: the pass that counts (qemu-img always makes one
+    /// before copying); the copy warns as it reads.
+    warn: bool,
 }
 
 impl<'a> Jobs<'a> {
@@ -104,7 +124,71 @@ impl<'a> Jobs<'a> {
             at: 0,
             current: None,
             ready: VecDeque::new(),
+            salvage: plan.salvage,
+            warn: false,
         }
+    }
+
+    /// The counting pass: as [`new`](Self::new), and with `--salvage` (unless `-q`) warning
+    /// of every sector whose block status cannot be read, as qemu-img's first pass does.
+    pub(super) fn counting(srcs: &'a [SourceChain], plan: Plan) -> Self {
+        Self {
+            warn: plan.salvage && !plan.quiet,
+            ..Self::new(srcs, plan, false)
+        }
+    }
+
+    /// The block status of `[at, at + n)` of source `src` appended to `out`. A range whose
+    /// status cannot be read is halved until the first sector that fails is found: without
+    /// `--salvage` the error names it, as qemu-img's (`convert_iteration_sectors`, which asks
+    /// extent by extent); with it each such sector is data (its read may fail too) and is
+    /// pushed to `failed`, as qemu-img retries one sector and
+    /// counts it as data.
+    async fn status_salvaging(
+        &self,
+        src: &SourceChain,
+        at: u64,
+        n: u64,
+        out: &mut Vec<Entry>,
+        failed: &mut Vec<StatusFailed>,
+    ) -> Result<()> {
+        let mut part = Vec::new();
+        let Err(e) = status(&src.layers, 0, at, n, &mut part).await else {
+            out.append(&mut part);
+            return Ok(());
+        };
+        let Some(why) = e.downcast_ref::<StatusError>().map(|s| s.why.clone()) else {
+            return Err(e);
+        };
+        if n > 512 {
+            let half = (n / 2).next_multiple_of(512).min(n);
+            Box::pin(self.status_salvaging(src, at, half, out, failed)).await?;
+            return Box::pin(self.status_salvaging(src, at + half, n - half, out, failed)).await;
+        }
+        let message = format!("error while reading block status at offset {at}: {why}");
+        if !self.salvage {
+            bail!(message);
+        }
+        if self.warn {
+            eprintln!("{}: warning: {message}", crate::status::program());
+        }
+        failed.push(StatusFailed {
+            source: at,
+            output: src.start + at,
+            why,
+        });
+        out.push(Entry {
+            start: at,
+            length: n,
+            depth: 0,
+            present: true,
+            zero: false,
+            data: true,
+            compressed: false,
+            offset: None,
+            file: None,
+        });
+        Ok(())
     }
 
     /// The next chunk job, in output order; `None` when every source has been walked.
@@ -122,19 +206,11 @@ impl<'a> Jobs<'a> {
                 continue;
             }
             let n = WINDOW.min(src.size - self.at);
-            let mut entries = Vec::new();
-            if let Err(e) = status(&src.layers, 0, self.at, n, &mut entries).await {
-                // qemu-img's words (`convert_iteration_sectors`), at the offset in the source.
-                return Err(match e.downcast_ref::<StatusError>() {
-                    Some(s) => anyhow!(
-                        "error while reading block status at offset {}: {}",
-                        self.at,
-                        s.why
-                    ),
-                    None => e,
-                });
-            }
+            let (mut entries, mut failed) = (Vec::new(), Vec::new());
+            self.status_salvaging(src, self.at, n, &mut entries, &mut failed)
+                .await?;
             self.at += n;
+            let mut failed = failed.into_iter().peekable();
             for e in &entries {
                 if self.skip_backing && e.depth > 0 {
                     continue;
@@ -159,7 +235,11 @@ impl<'a> Jobs<'a> {
                         end: chunk + CHUNK,
                         data: Vec::new(),
                         zeros: Vec::new(),
+                        status_failed: Vec::new(),
                     });
+                    while let Some(f) = failed.next_if(|f| f.output < ce) {
+                        j.status_failed.push(f);
+                    }
                     if is_data {
                         push_range(&mut j.data, s, ce);
                     } else if self.skip_backing {
@@ -179,7 +259,7 @@ impl<'a> Jobs<'a> {
 
 /// The data bytes the copy will read (the progress total).
 pub(super) async fn data_bytes(srcs: &[SourceChain], plan: Plan) -> Result<u64> {
-    let mut jobs = Jobs::new(srcs, plan, false);
+    let mut jobs = Jobs::counting(srcs, plan);
     let mut total = 0;
     while let Some(j) = jobs.next().await? {
         total += j.data.iter().map(|(s, e)| e - s).sum::<u64>();

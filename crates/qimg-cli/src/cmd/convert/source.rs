@@ -28,7 +28,8 @@ impl SourceImage {
             SourceImage::Qcow2(img) => img
                 .read(buf, offset)
                 .await
-                .map_err(|e| anyhow!("{}", read_error_words(&e, e.os_error()))),
+                // Damage reads as EIO, as qemu-img says it.
+                .map_err(|e| anyhow!("{}", read_error_words(&e, Some(e.errno())))),
             SourceImage::Raw(f) => f
                 .read_at_zero_fill(buf, offset)
                 .await
@@ -69,21 +70,42 @@ impl Source {
 
     /// Reads as [`read`](Self::read); with `--salvage` (`salvage`) a failed read is read
     /// again sector by sector and the sectors that still fail read as zeros, each with a
-    /// warning unless `quiet`, as qemu-img's `--salvage`.
+    /// warning unless `quiet`, as qemu-img's `--salvage`. `status_failed`: the sectors in
+    /// the range whose block status could not be read, each
+    /// warned of again before it is read, as qemu-img's copy pass asks their status again.
     pub(super) async fn read_salvaging(
         &self,
         buf: &mut [u8],
         offset: u64,
         salvage: bool,
         quiet: bool,
+        status_failed: &[super::plan::StatusFailed],
     ) -> Result<()> {
+        let warn_status = |at: u64| {
+            if let Some(f) = status_failed.iter().find(|f| f.output == at) {
+                if !quiet {
+                    eprintln!(
+                        "{}: warning: error while reading block status at offset {}: {}",
+                        crate::status::program(),
+                        f.source,
+                        f.why
+                    );
+                }
+            }
+        };
         let whole = self.read(buf, offset).await;
-        let Err(e) = whole else { return Ok(()) };
+        let Err(e) = whole else {
+            for f in status_failed {
+                warn_status(f.output);
+            }
+            return Ok(());
+        };
         if !salvage {
             return Err(e.context(format!("error while reading at byte {offset}")));
         }
         for (i, sector) in buf.chunks_mut(512).enumerate() {
             let at = offset + (i * 512) as u64;
+            warn_status(at);
             if let Err(e) = self.read(sector, at).await {
                 if !quiet {
                     eprintln!(

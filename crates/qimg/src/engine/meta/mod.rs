@@ -70,10 +70,19 @@ pub(crate) enum Need {
     WritableSlice(u64),
     /// The dirty bit on disk before the first refcount change (lazy refcounts).
     DirtyBit,
-    /// A refcount block covering this host cluster.
-    Refblock(u64),
+    /// Refcount block `index`, created at host cluster `at` (free) if missing.
+    Refblock { index: u64, at: u64 },
+    /// A refcount table with room for this many blocks (moved to the end of the file).
+    Reftable(u64),
+    /// A flush, so that clusters freed since the last one may be reused.
+    Flush,
+    /// Free clusters only past the window a caller's thread searches (see
+    /// `find_free_now`); the engine never sets a window.
+    Far,
     /// This refcount slice in the cache.
     RefcountSlice(qimg_cache::SliceKey),
+    /// This L2 slice in the cache.
+    L2Slice(qimg_cache::SliceKey),
 }
 
 /// The answer of a change made without I/O: done (`Ok`), or what it needs first (`Err`).
@@ -82,37 +91,37 @@ pub(crate) type Needs<T> = std::result::Result<T, Need>;
 /// State guarded by the metadata lock.
 #[derive(Debug)]
 pub(crate) struct Meta {
-    pub(crate) l1: Vec<L1Entry>,
-    pub(crate) l1_offset: u64,
-    pub(crate) reftable: Vec<u64>,
-    pub(crate) reftable_offset: u64,
-    pub(crate) l2: SliceCache,
-    pub(crate) rc: SliceCache,
-    pub(crate) l2_slice: u64,
+    l1: Vec<L1Entry>,
+    l1_offset: u64,
+    reftable: Vec<u64>,
+    reftable_offset: u64,
+    l2: SliceCache,
+    rc: SliceCache,
+    l2_slice: u64,
     /// Lowest cluster that may be free.
-    pub(crate) free_hint: u64,
+    free_hint: u64,
     /// First cluster past everything allocated and past the end of the file at open.
-    pub(crate) end_cluster: u64,
+    end_cluster: u64,
     /// The dirty bit is set in the header on disk.
-    pub(crate) dirty_on_disk: bool,
+    dirty_on_disk: bool,
     /// QEMU's messages of what happened (the repair of a dirty image at open, the image
     /// marked corrupt), not yet taken (see
     /// [`Image::take_messages`](crate::Image::take_messages)).
-    pub(crate) messages: Vec<String>,
+    messages: Vec<String>,
     /// The incompatible feature bits as on disk.
-    pub(crate) incompatible: u64,
+    incompatible: u64,
     /// Freed clusters to punch once the metadata that stopped using them is durable.
-    pub(crate) pending_punch: BTreeSet<u64>,
-    pub(crate) closed: bool,
-    pub(crate) snapshots: (u64, u32),
+    pending_punch: BTreeSet<u64>,
+    closed: bool,
+    snapshots: (u64, u32),
     /// Where the next compressed cluster may go: the first unused byte of the host cluster
     /// compressed writes are packing into (QEMU packs them the same way).
-    pub(crate) compressed_tail: Option<u64>,
+    compressed_tail: Option<u64>,
     /// Where the metadata is, for the overlap checks before every write.
-    pub(crate) overlap: OverlapIndex,
+    overlap: OverlapIndex,
     /// Changes with every change of the active L1 table: a slice read without the metadata
     /// lock is kept only if its table was the active one throughout.
-    pub(crate) l1_epoch: u64,
+    l1_epoch: u64,
     cluster_size: u64,
 }
 
@@ -190,6 +199,112 @@ impl Meta {
     /// Entries in the active L1 table.
     pub(crate) fn l1_len(&self) -> usize {
         self.l1.len()
+    }
+
+    /// The active L1 table as in memory. It changes only through
+    /// [`set_l1_entry`](Self::set_l1_entry) and [`replace_l1`](Self::replace_l1).
+    pub(crate) fn l1(&self) -> &[L1Entry] {
+        &self.l1
+    }
+
+    /// Where the active L1 table is in the file.
+    pub(crate) fn l1_offset(&self) -> u64 {
+        self.l1_offset
+    }
+
+    /// Changes entry `i` of the active L1 table in memory (the caller wrote it to disk).
+    /// With [`replace_l1`](Self::replace_l1), the one place the table changes, and so the
+    /// one place its epoch moves: a slice read without the lock while the table changed is
+    /// not kept (see [`unlocked_load_usable`](Shared::unlocked_load_usable)).
+    pub(crate) fn set_l1_entry(&mut self, i: usize, entry: L1Entry) {
+        self.l1[i] = entry;
+        self.l1_epoch += 1;
+    }
+
+    /// Replaces the active L1 table in memory with `l1`, whose place in the file is `at`
+    /// (the caller wrote it there, or over the old one when `at` is the old place, and
+    /// switched the header); returns the old table. The epoch moves (see
+    /// [`set_l1_entry`](Self::set_l1_entry)).
+    pub(crate) fn replace_l1(&mut self, l1: Vec<L1Entry>, at: u64) -> Vec<L1Entry> {
+        self.l1_epoch += 1;
+        self.l1_offset = at;
+        std::mem::replace(&mut self.l1, l1)
+    }
+
+    /// The refcount table as in memory: the offset of each refcount block (0: none).
+    pub(crate) fn reftable(&self) -> &[u64] {
+        &self.reftable
+    }
+
+    /// Where the refcount table is in the file.
+    pub(crate) fn reftable_offset(&self) -> u64 {
+        self.reftable_offset
+    }
+
+    /// The snapshot table the header names: its offset and its number of entries.
+    pub(crate) fn snapshot_table(&self) -> (u64, u32) {
+        self.snapshots
+    }
+
+    /// The header names the snapshot table of `nb` entries at `at`, `len` bytes, now: it
+    /// replaces the old one in memory and in the overlap checks. Returns the old offset and
+    /// count.
+    pub(crate) fn set_snapshot_table(&mut self, at: u64, nb: u32, len: u64) -> (u64, u32) {
+        self.overlap.remove_all(Region::SnapshotTable);
+        if nb > 0 {
+            self.overlap.insert(Region::SnapshotTable, at, len);
+        }
+        std::mem::replace(&mut self.snapshots, (at, nb))
+    }
+
+    /// The active tree stops using L2 table `table` (one reference less in the overlap
+    /// checks); with `uncache`, its slices leave the L2 cache unwritten (the caller wrote
+    /// back what was dirty).
+    pub(crate) fn forget_l2_table(&mut self, table: u64, uncache: bool) {
+        self.overlap.remove_one(Region::ActiveL2, table);
+        if uncache {
+            let _ = self.l2.remove(table);
+        }
+    }
+
+    /// The active tree uses L2 table `table` (one reference more in the overlap checks).
+    pub(crate) fn note_l2_table(&mut self, table: u64) {
+        self.overlap
+            .insert_counted(Region::ActiveL2, table, self.cluster_size);
+    }
+
+    /// The bytes of cached L2 slice `key` (an uncounted look); `None` when it is not cached.
+    pub(crate) fn l2_slice(&self, key: qimg_cache::SliceKey) -> Option<&[u8]> {
+        self.l2.peek(key)
+    }
+
+    /// The bytes of cached L2 slice `key`, to change in place (marked dirty, stamped `now`);
+    /// `None` when it is not cached.
+    pub(crate) fn l2_slice_mut(
+        &mut self,
+        key: qimg_cache::SliceKey,
+        now: std::time::Duration,
+    ) -> Option<&mut [u8]> {
+        self.l2.get_mut(key, now)
+    }
+
+    /// Messages for [`take_messages`](Self::take_messages), replacing any not taken.
+    pub(crate) fn set_messages(&mut self, messages: Vec<String>) {
+        self.messages = messages;
+    }
+
+    /// After a rebuild of the refcounts: the refcount cache starts empty (same budget), the
+    /// search for free clusters from the start, and `end` is the first cluster past
+    /// everything in use.
+    pub(crate) fn refcounts_rebuilt(
+        &mut self,
+        end: u64,
+    ) -> std::result::Result<(), qimg_cache::CacheError> {
+        let slice = self.rc.slice_size() as u64;
+        self.rc = SliceCache::new(self.rc.capacity() as u64 * slice, slice)?;
+        self.end_cluster = end;
+        self.free_hint = 0;
+        Ok(())
     }
 
     /// Puts an L2 slice read without the lock into the cache, after

@@ -33,35 +33,31 @@ impl<S: Storage> Shared<S> {
         }
     }
 
-    /// The L2 entry describing the guest cluster containing `guest`.
+    /// The L2 entry describing the guest cluster containing `guest`: its slice loaded (a
+    /// counted lookup), then [`entry_now`](Self::entry_now).
     pub(crate) async fn lookup(&self, m: &mut Meta, guest: u64) -> Result<AnyL2Entry> {
-        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
-        let Some(table) = m.l1.get(l1i).and_then(|e| e.l2_offset) else {
+        let Some((key, idx)) = self.entry_slot(m, guest) else {
             return Ok(self.unallocated_entry());
         };
-        let (key, idx) = self.l2_position(m, table.0, guest);
         self.load(m, CacheKind::L2, key).await?;
         self.entry_in_slice(m, key, idx).await
     }
 
     /// Entry `idx` of the cached L2 slice `key` (an uncounted look: the caller counted the
-    /// lookup). An entry that does not decode is corruption.
+    /// lookup). An entry that does not decode is corruption, reported in QEMU's words.
     pub(crate) async fn entry_in_slice(
         &self,
         m: &mut Meta,
         key: SliceKey,
         idx: usize,
     ) -> Result<AnyL2Entry> {
-        let es = self.geo.l2_entry_size() as usize;
-        let slice =
-            m.l2.peek(key)
-                .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?;
-        let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
-        match AnyL2Entry::decode(&slice[idx * es..(idx + 1) * es], &self.ctx, at) {
-            Ok(e) => Ok(e),
-            Err(e) => {
+        match self.entry_now(m, key, idx, None) {
+            Ok(Ok(entry)) => Ok(entry),
+            Ok(Err(e)) => {
                 // QEMU's words for the event (`qcow2_get_host_offset`), ours for the error.
-                let index = (at - key.table) / es as u64;
+                let es = self.geo.l2_entry_size();
+                let at = self.slice_location(m, CacheKind::L2, key) + idx as u64 * es;
+                let index = (at - key.table) / es;
                 let event = match e {
                     qimg_format::FormatError::Unaligned { value, .. } => format!(
                         "Cluster allocation offset {value:#x} unaligned (L2 offset: {:#x}, L2 \
@@ -78,15 +74,50 @@ impl<S: Storage> Shared<S> {
                 };
                 Err(self.signal_corruption_as(m, event, e.to_string()).await)
             }
+            Err(_) => Err(Error::corrupt(
+                &self.path,
+                format!("L2 slice {key} vanished"),
+            )),
         }
+    }
+
+    /// Where the L2 entry of the guest cluster containing `guest` is: its slice and index;
+    /// `None` where no L2 table maps the cluster (the entry is unallocated).
+    fn entry_slot(&self, m: &Meta, guest: u64) -> Option<(SliceKey, usize)> {
+        let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
+        let table = m.l1.get(l1i).and_then(|e| e.l2_offset)?;
+        Some(self.l2_position(m, table.0, guest))
+    }
+
+    /// The one decode of an L2 entry from the cache: entry `idx` of slice `key`, or the
+    /// slice as what it needs. `stamp`: a hit counts (and refreshes the slice with this
+    /// time); `None`: an uncounted look, for a caller that counted the lookup already.
+    fn entry_now(
+        &self,
+        m: &mut Meta,
+        key: SliceKey,
+        idx: usize,
+        stamp: Option<Duration>,
+    ) -> super::Needs<std::result::Result<AnyL2Entry, qimg_format::FormatError>> {
+        let es = self.geo.l2_entry_size() as usize;
+        let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
+        // Not `get`: a miss here is not counted (the load that follows counts it).
+        let slice = match stamp {
+            Some(now) => m.l2.get_if_cached(key, now),
+            None => m.l2.peek(key),
+        }
+        .ok_or(super::Need::L2Slice(key))?;
+        let Some(bytes) = slice.get(idx * es..(idx + 1) * es) else {
+            return Err(super::Need::L2Slice(key));
+        };
+        Ok(AnyL2Entry::decode(bytes, &self.ctx, at))
     }
 
     /// The L2 entry of the guest cluster containing `guest` if it is known without I/O (its
     /// slice cached, or no L2 table): the lookup of requests that must not wait. `None` on a
     /// cache miss or an entry that does not decode (the full [`lookup`](Self::lookup) reports
-    /// that). `stamp`: a hit counts (and refreshes the slice with this time, as the full
-    /// lookup does with [`now`](Self::now)); `None` for a request whose miss was counted when
-    /// its slice was loaded for it.
+    /// that). `stamp`: as for [`entry_now`](Self::entry_now); `None` for a request whose
+    /// miss was counted when its slice was loaded for it.
     pub(crate) fn lookup_cached(
         &self,
         m: &mut Meta,
@@ -94,18 +125,13 @@ impl<S: Storage> Shared<S> {
         stamp: Option<Duration>,
     ) -> Option<AnyL2Entry> {
         let l1i = self.geo.l1_index(GuestOffset(guest)) as usize;
-        let Some(table) = m.l1.get(l1i)?.l2_offset else {
+        if l1i >= m.l1.len() {
+            return None;
+        }
+        let Some((key, idx)) = self.entry_slot(m, guest) else {
             return Some(self.unallocated_entry());
         };
-        let (key, idx) = self.l2_position(m, table.0, guest);
-        let es = self.geo.l2_entry_size() as usize;
-        let at = self.slice_location(m, CacheKind::L2, key) + (idx * es) as u64;
-        // Not `get`: a miss here is not counted (the load that follows counts it).
-        let slice = match stamp {
-            Some(now) => m.l2.get_if_cached(key, now)?,
-            None => m.l2.peek(key)?,
-        };
-        AnyL2Entry::decode(slice.get(idx * es..(idx + 1) * es)?, &self.ctx, at).ok()
+        self.entry_now(m, key, idx, stamp).ok()?.ok()
     }
 
     /// Replaces the L2 entry of the guest cluster containing `guest`, creating (or
@@ -163,12 +189,15 @@ impl<S: Storage> Shared<S> {
             }
             super::Need::WritableSlice(guest) => self.writable_l2_slice(m, guest).await.map(|_| ()),
             super::Need::DirtyBit => self.mark_dirty_if_lazy(m).await,
-            super::Need::Refblock(cluster) => {
-                let index = cluster / self.rgeo.refblock_entries();
-                self.ensure_refblock(m, index, index * self.rgeo.refblock_entries())
-                    .await
-            }
+            super::Need::Refblock { index, at } => self.ensure_refblock(m, index, at).await,
+            super::Need::Reftable(entries) => self.grow_reftable(m, entries).await,
+            super::Need::Flush => self.flush_meta(m).await,
+            super::Need::Far => Err(Error::corrupt(
+                &self.path,
+                "a search bounded for a caller's thread reached the engine",
+            )),
             super::Need::RefcountSlice(key) => self.load(m, CacheKind::Refcount, key).await,
+            super::Need::L2Slice(key) => self.load(m, CacheKind::L2, key).await,
         }
     }
 

@@ -52,9 +52,8 @@ impl<S: Storage> Shared<S> {
         // On failure the entry on disk may or may not point at the new table (a torn or
         // failed write can still land): keep the table's reference so that either way the
         // image stays consistent; at worst the cluster leaks.
-        self.write_l1_entry(m, l1i, linked).await?;
-        m.l1[l1i] = linked;
-        m.l1_epoch += 1;
+        self.write_l1_entry(m, l1i, linked, Some(DebugEvent::L1Update))
+            .await?;
         m.overlap.insert_counted(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
             m.overlap.remove_one(Region::ActiveL2, old.0);
@@ -126,22 +125,29 @@ impl<S: Storage> Shared<S> {
         })
     }
 
-    pub(super) async fn write_l1_entry(
+    /// Changes entry `l1i` of the active L1 table on disk (not flushed; `event` for blkdebug
+    /// before the write) and then in memory: a failed write leaves memory as it was.
+    pub(crate) async fn write_l1_entry(
         &self,
         m: &mut Meta,
         l1i: usize,
         entry: L1Entry,
+        event: Option<DebugEvent>,
     ) -> Result<()> {
         self.check_not_halted()?;
         let raw = l1::encode_table(&[entry]);
         let at = l1::table_entry_offset(m.l1_offset, l1i as u64);
         let own = Writing::Own(Region::ActiveL1, m.l1_offset);
         self.guard_write(m, at, raw.len() as u64, own).await?;
-        self.file.debug_event(DebugEvent::L1Update);
+        if let Some(event) = event {
+            self.file.debug_event(event);
+        }
         self.file
             .write_at(&raw, at)
             .await
-            .map_err(|e| self.storage_error(e))
+            .map_err(|e| self.storage_error(e))?;
+        m.set_l1_entry(l1i, entry);
+        Ok(())
     }
 
     /// Replaces the L1 table with one of `entries` entries (growing only).
@@ -169,9 +175,7 @@ impl<S: Storage> Shared<S> {
         .await?;
         let old_at = m.l1_offset;
         let old_clusters = l1::table_bytes(m.l1.len() as u64).div_ceil(cs);
-        m.l1 = l1;
-        m.l1_epoch += 1;
-        m.l1_offset = at;
+        m.replace_l1(l1, at);
         m.overlap.remove_all(Region::ActiveL1);
         m.overlap
             .insert(Region::ActiveL1, at, l1::table_bytes(entries));
@@ -290,9 +294,8 @@ impl<S: Storage> Shared<S> {
         for &block in m.reftable.iter().filter(|&&b| b != 0) {
             let _ = m.rc.remove(block);
         }
-        m.l1.iter_mut().for_each(|e| *e = L1Entry::UNALLOCATED);
-        m.l1_offset = 3 * cs;
-        m.l1_epoch += 1;
+        let entries = m.l1.len();
+        m.replace_l1(vec![L1Entry::UNALLOCATED; entries], 3 * cs);
         m.reftable = vec![0; (cs / qimg_format::refcount::REFTABLE_ENTRY_SIZE as u64) as usize];
         m.reftable[0] = 2 * cs;
         m.reftable_offset = cs;

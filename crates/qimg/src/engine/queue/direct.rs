@@ -160,7 +160,7 @@ impl<S: Storage + 'static> Queue<S> {
         if write && !links.is_empty() && !inner.locks.try_upgrade(lock) {
             if let Some(m) = meta.as_mut() {
                 for l in links.iter().filter(|l| l.fresh) {
-                    inner.try_unalloc_cached(m, l.host);
+                    inner.give_back_now(m, l.host);
                 }
             }
             *meta = None;
@@ -184,7 +184,7 @@ impl<S: Storage + 'static> Queue<S> {
             if let Some(m) = meta.as_mut() {
                 // Not reached (the checks above come first), but never leak a cluster.
                 for l in links.iter().filter(|l| l.fresh) {
-                    inner.try_unalloc_cached(m, l.host);
+                    inner.give_back_now(m, l.host);
                 }
             }
             // Released before the fallbacks, which take it themselves.

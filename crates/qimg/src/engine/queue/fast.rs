@@ -149,7 +149,7 @@ impl<S: Storage> Inner<S> {
         }
         let cs = self.geo.cluster_size();
         let (allocation, reservation) = (self.allocation, &self.reservation);
-        let hosts = self.try_alloc_cached(m, 1, |host| reservation.covers(allocation, host, cs))?;
+        let hosts = self.alloc_near_now(m, 1, |host| reservation.covers(allocation, host, cs))?;
         cow.link.host = *hosts.first()?;
         Some(())
     }
@@ -267,7 +267,7 @@ impl<S: Storage> Inner<S> {
         let accept = |host: u64| {
             reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)
         };
-        let mut hosts = self.try_alloc_cached(m, fresh, accept)?.into_iter();
+        let mut hosts = self.alloc_near_now(m, fresh, accept)?.into_iter();
         let mut links = Vec::new();
         for (gc, a, n, pos, old, plan) in planned {
             let (host, fresh) = match plan.target {

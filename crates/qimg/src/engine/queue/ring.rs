@@ -124,7 +124,7 @@ impl<S: Storage + 'static> Queue<S> {
         let failed = p.error.is_some();
         while let Some(l) = p.links.first() {
             let done = if failed {
-                !l.fresh || inner.try_unalloc_cached(&mut m, l.host)
+                !l.fresh || inner.give_back_now(&mut m, l.host)
             } else {
                 // The direct path never replaces a cluster: nothing to free after the link.
                 debug_assert!(l.plan.freed.is_none());

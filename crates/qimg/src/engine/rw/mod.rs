@@ -9,6 +9,7 @@
 //! | `write` | writes: allocation, copy-on-write and guest data, linking; the pieces write leases use |
 //! | `compressed` | compressed cluster writes |
 //! | `zero` | write-zeroes and discard, whole subclusters by bitmap |
+//! | `prealloc` | metadata preallocation: host clusters linked without data written |
 //! | `resize` | growing and shrinking the virtual disk |
 //! | `empty` | making every cluster unallocated (`qemu-img commit`'s make-empty) |
 //!
@@ -35,6 +36,7 @@ mod compressed;
 mod cow;
 pub(crate) use cow::CowSource;
 mod empty;
+mod prealloc;
 mod read;
 mod resize;
 mod vmstate;

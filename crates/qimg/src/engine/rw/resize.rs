@@ -12,11 +12,10 @@
 //! clusters (`qimg check -r leaks`), never an entry pointing at a freed cluster.
 
 use qimg_format::header;
-use qimg_format::l1::{self, L1Entry};
+use qimg_format::l1::L1Entry;
 use qimg_io::Storage;
 
 use super::super::image::Image;
-use super::super::overlap::Region;
 use super::*;
 
 impl<S: Storage> Inner<S> {
@@ -118,10 +117,10 @@ impl<S: Storage> Inner<S> {
         let mut m = self.meta.lock().await;
         self.refuse_unaligned_l2(&mut m).await?;
         let first_table = keep_end / span;
-        let tables = m.l1.len() as u64;
+        let tables = m.l1_len() as u64;
         for index in first_table..tables {
             let i = index as usize;
-            let Some(table) = m.l1[i].l2_offset else {
+            let Some(table) = m.l1()[i].l2_offset else {
                 continue;
             };
             let table_start = index * span;
@@ -130,7 +129,7 @@ impl<S: Storage> Inner<S> {
             if from == table_start {
                 // The whole table goes: collect what it maps, unlink it, then free.
                 let mut freed = Vec::new();
-                if m.l1[i].copied {
+                if m.l1()[i].copied {
                     let mut gc = from;
                     while gc < to {
                         let e = self.lookup(&mut m, gc).await?;
@@ -138,9 +137,10 @@ impl<S: Storage> Inner<S> {
                         gc += cs;
                     }
                 }
-                self.clear_l1_entry(&mut m, i).await?;
+                self.write_l1_entry(&mut m, i, L1Entry::UNALLOCATED, None)
+                    .await?;
                 self.file.flush().await.map_err(|e| self.storage_error(e))?;
-                m.overlap.remove_one(Region::ActiveL2, table.0);
+                m.forget_l2_table(table.0, false);
                 if self.data_file.is_none() {
                     for f in freed {
                         self.release(&mut m, f).await?;
@@ -165,22 +165,6 @@ impl<S: Storage> Inner<S> {
         // The file shrinks too, as with qemu-img: refcount blocks that count nothing leave
         // the table and the file ends after its last cluster in use.
         self.trim_file(&mut m).await
-    }
-
-    /// Clears L1 entry `i` on disk and in memory.
-    async fn clear_l1_entry(&self, m: &mut Meta, i: usize) -> Result<()> {
-        self.check_not_halted()?;
-        let raw = l1::encode_table(&[L1Entry::UNALLOCATED]);
-        let at = l1::table_entry_offset(m.l1_offset, i as u64);
-        let own = Writing::Own(Region::ActiveL1, m.l1_offset);
-        self.guard_write(m, at, raw.len() as u64, own).await?;
-        self.file
-            .write_at(&raw, at)
-            .await
-            .map_err(|e| self.storage_error(e))?;
-        m.l1[i] = L1Entry::UNALLOCATED;
-        m.l1_epoch += 1;
-        Ok(())
     }
 }
 

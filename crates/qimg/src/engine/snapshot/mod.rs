@@ -186,21 +186,22 @@ impl<S: Storage> Image<S> {
                 ),
             });
         }
-        let active = m.l1.clone();
+        let active = m.l1().to_vec();
         inner.check_shareable(&active)?;
         inner.free_abandoned(&mut m).await?;
         inner.flush_meta(&mut m).await?;
-        m.compressed_tail = None;
+        m.set_compressed_tail(None);
 
         // The copy of the active L1 table (every entry shared from now on).
         let cs = inner.geo.cluster_size();
-        let sn_l1: Vec<L1Entry> =
-            m.l1.iter()
-                .map(|e| L1Entry {
-                    l2_offset: e.l2_offset,
-                    copied: false,
-                })
-                .collect();
+        let sn_l1: Vec<L1Entry> = m
+            .l1()
+            .iter()
+            .map(|e| L1Entry {
+                l2_offset: e.l2_offset,
+                copied: false,
+            })
+            .collect();
         let l1_bytes = l1::table_bytes(sn_l1.len() as u64);
         let l1_at = if sn_l1.is_empty() {
             0
@@ -255,7 +256,7 @@ impl<S: Storage> Image<S> {
         snaps.push(entry);
         inner.install_snapshot_table(&mut m, &old, &snaps).await?;
         if !sn_l1.is_empty() {
-            m.overlap.insert(Region::SnapshotL1, l1_at, l1_bytes);
+            m.note_metadata(Region::SnapshotL1, l1_at, l1_bytes);
         }
         inner.flush_meta(&mut m).await?;
         Ok(info)
@@ -304,7 +305,7 @@ impl<S: Storage> Image<S> {
         }
         inner.free_abandoned(&mut m).await?;
         inner.flush_meta(&mut m).await?;
-        m.compressed_tail = None;
+        m.set_compressed_tail(None);
 
         inner.tree_refcounts(&mut m, &sn_l1, 1).await?;
         inner.write_back(&mut m, CacheKind::Refcount).await?;
@@ -313,10 +314,10 @@ impl<S: Storage> Image<S> {
             .flush()
             .await
             .map_err(|e| inner.storage_error(e))?;
-        let len = (m.l1.len() as u64).max(sn_l1.len() as u64).max(needed);
+        let len = (m.l1_len() as u64).max(sn_l1.len() as u64).max(needed);
         inner.grow_l1(&mut m, len).await?;
 
-        let old = m.l1.clone();
+        let old = m.l1().to_vec();
         let mut new: Vec<L1Entry> = sn_l1
             .iter()
             .map(|e| L1Entry {
@@ -331,20 +332,18 @@ impl<S: Storage> Image<S> {
             .flush()
             .await
             .map_err(|e| inner.storage_error(e))?;
-        let cs = inner.geo.cluster_size();
         for e in &old {
             if let Some(t) = e.l2_offset {
-                m.overlap.remove_one(Region::ActiveL2, t.0);
-                let _ = m.l2.remove(t.0);
+                m.forget_l2_table(t.0, true);
             }
         }
         for e in &new {
             if let Some(t) = e.l2_offset {
-                m.overlap.insert_counted(Region::ActiveL2, t.0, cs);
+                m.note_l2_table(t.0);
             }
         }
-        m.l1 = new;
-        m.l1_epoch += 1;
+        let at = m.l1_offset();
+        m.replace_l1(new, at);
         if size != inner.size() {
             inner.write_size(size).await?;
         }
@@ -407,8 +406,8 @@ impl<S: Storage> Image<S> {
         // L2 slices are cached by their place in the file, which the snapshot's tree shares
         // or does not use: the cache stays valid. Requests planned on the old table see the
         // new epoch and plan again.
-        m.l1 = view;
-        m.l1_epoch += 1;
+        let at = m.l1_offset();
+        m.replace_l1(view, at);
         Ok(())
     }
 
@@ -430,7 +429,7 @@ impl<S: Storage> Image<S> {
         inner.check_tree(&sn_l1).await?;
         inner.free_abandoned(&mut m).await?;
         inner.flush_meta(&mut m).await?;
-        m.compressed_tail = None;
+        m.set_compressed_tail(None);
 
         let mut rest = snaps.clone();
         rest.remove(i);
@@ -438,7 +437,7 @@ impl<S: Storage> Image<S> {
         let cs = inner.geo.cluster_size();
         let l1_bytes = l1::table_bytes(u64::from(sn.l1_size));
         if sn.l1_size > 0 {
-            m.overlap.remove(Region::SnapshotL1, sn.l1_table_offset);
+            m.forget_metadata(Region::SnapshotL1, sn.l1_table_offset);
         }
         inner.tree_refcounts(&mut m, &sn_l1, -1).await?;
         if sn.l1_size > 0 && sn.l1_table_offset != 0 {

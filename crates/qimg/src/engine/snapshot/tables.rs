@@ -58,7 +58,7 @@ impl<S: Storage> Inner<S> {
 
     /// The snapshot table the header names now.
     pub(super) async fn read_snapshot_table(&self, m: &Meta) -> Result<Vec<Snapshot>> {
-        let (offset, nb) = m.snapshots;
+        let (offset, nb) = m.snapshot_table();
         if nb == 0 {
             return Ok(Vec::new());
         }
@@ -184,16 +184,21 @@ impl<S: Storage> Inner<S> {
         self.refuse_unaligned_l2(m).await?;
         let cs = self.geo.cluster_size();
         let es = self.geo.l2_entry_size() as usize;
-        let slice_bytes = m.l2_slice;
+        let slice_bytes = m.l2_slice_size() as u64;
         let slices = (cs / slice_bytes) as u32;
         let mut l1_changed = false;
-        for i in 0..m.l1.len() {
-            let e = m.l1[i];
+        for i in 0..m.l1_len() {
+            let e = m.l1()[i];
             let Some(t) = e.l2_offset else { continue };
             let rt = self.refcount(m, t.0 / cs).await?;
             if e.copied != (rt == 1) {
-                m.l1[i].copied = rt == 1;
-                m.l1_epoch += 1;
+                m.set_l1_entry(
+                    i,
+                    L1Entry {
+                        copied: rt == 1,
+                        ..e
+                    },
+                );
                 l1_changed = true;
             }
             for s in 0..slices {
@@ -201,8 +206,7 @@ impl<S: Storage> Inner<S> {
                 self.load(m, CacheKind::L2, key).await?;
                 let base = t.0 + u64::from(s) * slice_bytes;
                 let data = m
-                    .l2
-                    .peek(key)
+                    .l2_slice(key)
                     .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?
                     .to_vec();
                 let entries = decode_slice(&data, &self.ctx, base).map_err(|e| self.fmt_err(e))?;
@@ -221,7 +225,7 @@ impl<S: Storage> Inner<S> {
                     continue;
                 }
                 let now = self.now();
-                let slice = m.l2.get_mut(key, now).ok_or_else(|| {
+                let slice = m.l2_slice_mut(key, now).ok_or_else(|| {
                     Error::corrupt(&self.path, format!("L2 slice {key} vanished"))
                 })?;
                 for (j, want) in changes {
@@ -231,7 +235,7 @@ impl<S: Storage> Inner<S> {
         }
         self.write_back(m, CacheKind::L2).await?;
         if l1_changed {
-            let l1 = m.l1.clone();
+            let l1 = m.l1().to_vec();
             self.write_active_l1(m, &l1).await?;
         }
         self.file.flush().await.map_err(|e| self.storage_error(e))
@@ -241,7 +245,7 @@ impl<S: Storage> Inner<S> {
     pub(super) async fn write_active_l1(&self, m: &mut Meta, entries: &[L1Entry]) -> Result<()> {
         self.check_not_halted()?;
         let raw = l1::encode_table(entries);
-        let at = m.l1_offset;
+        let at = m.l1_offset();
         self.guard_write(m, at, raw.len() as u64, Writing::Own(Region::ActiveL1, at))
             .await?;
         self.file
@@ -320,12 +324,7 @@ impl<S: Storage> Inner<S> {
             format!("the switch to a snapshot table of {nb} entries at {at:#x} failed")
         })
         .await?;
-        let (old_at, old_nb) = m.snapshots;
-        m.snapshots = (at, nb);
-        m.overlap.remove_all(Region::SnapshotTable);
-        if nb > 0 {
-            m.overlap.insert(Region::SnapshotTable, at, len);
-        }
+        let (old_at, old_nb) = m.set_snapshot_table(at, nb, len);
         if old_nb > 0 && old_at != 0 {
             let old_len: u64 = old.iter().map(|s| s.encoded_len() as u64).sum();
             let first = old_at / cs * cs;
