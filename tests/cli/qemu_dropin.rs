@@ -2223,8 +2223,44 @@ fn qemu_io_truncate_preallocates_as_qemu_io() {
             ],
         ),
         ("qemu-io", &["-c", "write -P 7 0 4k", "e.qcow2"]),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "s.qcow2", "4M"],
+        ),
+        ("qemu-img", &["create", "-q", "-f", "raw", "r.raw", "1M"]),
     ];
     let steps: Prep = &[
+        // A raw file grows with the mode (falloc, full) and never shrinks with one;
+        // `metadata` is no mode of a file.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "truncate -m falloc 3M",
+                "-c",
+                "truncate -m full 5M",
+                "-c",
+                "truncate -m full 5M",
+                "-c",
+                "truncate -m metadata 8M",
+                "-c",
+                "truncate -m full 1000000",
+                "-c",
+                "truncate -m falloc 4M",
+                "-c",
+                "length",
+                "-c",
+                "read -P 0 0 5M",
+                "r.raw",
+            ],
+        ),
+        // qcow2 refuses to shrink with a mode, and nothing changes.
+        (
+            "qemu-io",
+            &["-c", "truncate -m falloc 1M", "-c", "length", "s.qcow2"],
+        ),
         (
             "qemu-io",
             &["-c", "truncate -m full 1M", "-c", "length", "t.qcow2"],
@@ -2304,9 +2340,12 @@ fn qemu_io_truncate_preallocates_as_qemu_io() {
         strip(&outs[0]),
         "qimg (left) differs from QEMU (right)"
     );
-    assert!(
-        outs[0].contains("qemu-io: Invalid preallocation mode 'bogus'"),
-        "{}",
-        outs[0]
-    );
+    for refusal in [
+        "qemu-io: Invalid preallocation mode 'bogus'",
+        "qemu-io: Cannot use preallocation for shrinking files",
+        "qemu-io: Unsupported preallocation mode: metadata",
+        "qemu-io: Preallocation can't be used for shrinking an image",
+    ] {
+        assert!(outs[0].contains(refusal), "{refusal}: {}", outs[0]);
+    }
 }

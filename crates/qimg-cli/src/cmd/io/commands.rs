@@ -300,11 +300,11 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         },
     };
     let size = num(&o.operands[0])?;
-    match s.truncate_raw(size).await {
+    match s.truncate_raw(size, prealloc).await {
         Ok(true) => return Ok(()),
         Ok(false) => {}
         Err(e) => {
-            complain!("qemu-io: {}", strerror(e));
+            complain!("qemu-io: {e}");
             return Err(Failed);
         }
     }
@@ -314,6 +314,11 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         return Err(Failed);
     }
     let old = img.size();
+    if size < old && prealloc != Prealloc::Off {
+        // qcow2's words (`qcow2_co_truncate`): nothing changes.
+        complain!("qemu-io: Preallocation can't be used for shrinking an image");
+        return Err(Failed);
+    }
     if size != old {
         let changed = if size < old {
             img.shrink(size).await

@@ -8,6 +8,8 @@ use std::path::Path;
 
 use qimg::io::{AnyStorage, ImageLock, Storage, StorageError};
 
+use crate::cmd::resize::Prealloc;
+
 /// Whether `[offset, offset + len)` of the raw file at `path` is a hole or past its end, as
 /// the file system reports it (`SEEK_DATA`); `false` when that cannot be told.
 pub(super) fn raw_hole(path: &Path, offset: u64, len: u64) -> bool {
@@ -83,12 +85,47 @@ impl Session {
         Ok(())
     }
 
-    /// `truncate` of a raw image: any size, as QEMU's file driver.
-    pub async fn truncate_raw(&self, size: u64) -> Result<bool, i32> {
+    /// `truncate` of a raw image, as QEMU's file driver (`raw_regular_truncate`): any size
+    /// without preallocation; with it only growing (`falloc` reserves the new area, `full`
+    /// writes it with zeros, `metadata` is not a mode of a file). `false`: not a raw image.
+    /// The error is in QEMU's words.
+    pub async fn truncate_raw(&self, size: u64, prealloc: Prealloc) -> Result<bool, String> {
         let Some(r) = &self.raw else {
             return Ok(false);
         };
-        r.storage.set_len(size).await.map_err(storage_errno)?;
+        let failed = |e: StorageError| strerror(storage_errno(e));
+        let old = r.storage.len().await.map_err(failed)?;
+        if prealloc != Prealloc::Off && size < old {
+            return Err("Cannot use preallocation for shrinking files".into());
+        }
+        match prealloc {
+            Prealloc::Metadata => return Err("Unsupported preallocation mode: metadata".into()),
+            Prealloc::Off => {}
+            Prealloc::Falloc => {
+                if size > old {
+                    r.storage
+                        .allocate(old, size - old)
+                        .await
+                        .map_err(|e| format!("Could not preallocate new data: {}", failed(e)))?;
+                }
+            }
+            Prealloc::Full => {
+                r.storage.set_len(size).await.map_err(failed)?;
+                let zeros = vec![0u8; 1 << 20];
+                let mut at = old;
+                while at < size {
+                    let n = (size - at).min(zeros.len() as u64);
+                    r.storage
+                        .write_at(&zeros[..n as usize], at)
+                        .await
+                        .map_err(|e| {
+                            format!("Could not write zeros for preallocation: {}", failed(e))
+                        })?;
+                    at += n;
+                }
+            }
+        }
+        r.storage.set_len(size).await.map_err(failed)?;
         r.len.set(size);
         Ok(true)
     }
