@@ -98,6 +98,17 @@ pub(super) fn check<S: Storage + 'static>(
     Ok(())
 }
 
+/// Whether a command that changed the image is flushed before its reply (FUA, or a
+/// write-through export; never with `no_flush`): the one rule of both routes (this one and
+/// the connection's queue).
+pub(super) fn flush_before_reply<S: Storage>(export: &Export<S>, req: Request) -> bool {
+    let changes = !matches!(
+        req.kind,
+        CMD_READ | CMD_BLOCK_STATUS | CMD_FLUSH | CMD_CACHE
+    );
+    changes && (req.flags & CMD_FLAG_FUA != 0 || export.writethrough) && !export.no_flush
+}
+
 /// Runs one request on the image (not through a queue) and builds its reply.
 pub(super) async fn execute<S: Storage + 'static>(
     export: &Export<S>,
@@ -106,7 +117,6 @@ pub(super) async fn execute<S: Storage + 'static>(
     payload: AlignedBuf,
 ) -> Reply {
     let img = &export.image;
-    let fua = req.flags & CMD_FLAG_FUA != 0 || export.writethrough;
     let (offset, len) = (req.offset, req.len);
     let done = match req.kind {
         CMD_READ => return read(img, neg, req).await,
@@ -124,9 +134,7 @@ pub(super) async fn execute<S: Storage + 'static>(
         _ => img.write_zeroes_unmap(offset, len).await,
     };
     let done = match done {
-        Ok(()) if fua && req.kind != CMD_FLUSH && req.kind != CMD_CACHE && !export.no_flush => {
-            img.flush().await
-        }
+        Ok(()) if flush_before_reply(export, req) => img.flush().await,
         other => other,
     };
     Reply::bytes(outcome(neg, req, done))

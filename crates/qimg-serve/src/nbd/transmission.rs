@@ -457,7 +457,7 @@ impl<S: Storage + 'static> Conn<S> {
                 }
                 match c.result {
                     Err(e) => self.reply(error_reply(neg, req, errno(&e), &e.to_string()), units),
-                    Ok(_) if self.fua(req) => {
+                    Ok(_) if super::execute::flush_before_reply(&self.export, req) => {
                         let (export, tx) = (self.export.clone(), self.tx.clone());
                         self.tasks.spawn(async move {
                             let done = export.image.flush().await;
@@ -470,12 +470,6 @@ impl<S: Storage + 'static> Conn<S> {
                 }
             }
         }
-    }
-
-    /// Whether a write must be flushed before its reply.
-    fn fua(&self, req: Request) -> bool {
-        let e = &self.export;
-        (req.flags & CMD_FLAG_FUA != 0 || e.writethrough) && !e.no_flush
     }
 
     /// Queues a reply of header bytes for a request holding `units`.
