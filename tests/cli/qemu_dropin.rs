@@ -1270,6 +1270,38 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
     assert!(outs[0].contains("Marking image as corrupt"), "{}", outs[0]);
 }
 
+/// A file that is not there: every command says so in qemu-img's words (the name twice,
+/// the block layer's and the command's), whichever way it opens the file.
+#[test]
+fn a_missing_file_is_refused_in_qemu_imgs_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("missing-file");
+    let ours = Ours::new(&s);
+    let steps: Prep = &[
+        ("qemu-img", &["info", "nx.qcow2"]),
+        ("qemu-img", &["map", "nx.qcow2"]),
+        ("qemu-img", &["check", "nx.qcow2"]),
+        ("qemu-img", &["snapshot", "-l", "nx.qcow2"]),
+        ("qemu-img", &["compare", "nx.qcow2", "nx.qcow2"]),
+        ("qemu-img", &["convert", "-O", "raw", "nx.qcow2", "o.raw"]),
+        ("qemu-img", &["bench", "-c", "1", "nx.qcow2"]),
+        ("qemu-img", &["measure", "-O", "qcow2", "nx.qcow2"]),
+        ("qemu-img", &["resize", "nx.qcow2", "1M"]),
+        ("qemu-img", &["commit", "nx.qcow2"]),
+        ("qemu-io", &["-c", "read 0 1", "nx.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], &[], steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert_eq!(
+        outs[0]
+            .matches("Could not open 'nx.qcow2': Could not open 'nx.qcow2': No such file")
+            .count(),
+        10,
+        "{}",
+        outs[0]
+    );
+}
+
 /// `convert` over an L2 entry that does not decode (cluster 3 of 64 KiB): without
 /// `--salvage` the error names the first sector whose block status fails; with it every such
 /// sector is warned of in the counting pass and again, with its failed read, in the copy,

@@ -55,8 +55,13 @@ pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Res
     match named.or(given.as_deref()) {
         Some(name) => image_format(name)
             .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'")),
-        None => probe_format(path)
-            .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file))),
+        // A file that is not there in qemu-img's words (`open_msg`).
+        None => probe_format(path).map_err(|e| {
+            crate::status::open_msg(
+                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+                file,
+            )
+        }),
     }
 }
 

@@ -68,7 +68,10 @@ pub fn run(args: CheckArgs) -> ExitCode {
         },
         None => match probe_format(path) {
             Ok(f) => f,
-            Err(e) => return fail(format!("Could not open '{file}': {e}"), 1),
+            Err(e) => {
+                let msg = anyhow::anyhow!("Could not open '{file}': {}", lib_msg(&e, &file));
+                return fail(format!("{:#}", crate::status::open_msg(msg, &file)), 1);
+            }
         },
     };
     if args.force_share && repair.is_some() {

@@ -76,7 +76,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn bench(cfg: &Config) -> Result<()> {
     let fmt = match cfg.fmt {
         Some(f) => f,
-        None => probe_format(&cfg.path).map_err(|e| open_error(cfg, e))?,
+        None => probe_format(&cfg.path).map_err(|e| {
+            let name = &cfg.name;
+            let msg = crate::status::lib_msg(&e, name);
+            crate::status::open_msg(anyhow!("Could not open '{name}': {msg}"), name)
+        })?,
     };
     let mut rt = if cfg.multi_thread {
         tokio::runtime::Builder::new_multi_thread()
