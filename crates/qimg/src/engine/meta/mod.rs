@@ -11,6 +11,7 @@
 //! | `refcounts` | refcounts, cluster allocation and freeing, refcount blocks and table growth |
 //! | `tables` | L2 table creation and un-sharing, L1 entries and growth, header switches and flags |
 
+mod alloc;
 mod refcounts;
 mod slices;
 mod tables;
