@@ -15,38 +15,38 @@ use crate::error::Result;
 impl<S: Storage + 'static> Image<S> {
     /// The virtual disk size in bytes.
     pub fn size(&self) -> u64 {
-        self.inner.size.load(Ordering::Acquire)
+        self.inner.shared.size.load(Ordering::Acquire)
     }
 
     /// The cluster size in bytes.
     pub fn cluster_size(&self) -> u64 {
-        self.inner.geo.cluster_size()
+        self.inner.shared.geo.cluster_size()
     }
 
     /// The subcluster size in bytes (the cluster size without extended L2 entries).
     pub fn subcluster_size(&self) -> u64 {
-        self.inner.geo.subcluster_size()
+        self.inner.shared.geo.subcluster_size()
     }
 
     /// Whether the image has extended L2 entries (32 subclusters per cluster).
     pub fn extended_l2(&self) -> bool {
-        self.inner.geo.extended_l2()
+        self.inner.shared.geo.extended_l2()
     }
 
     /// Whether the image is open for writing.
     pub fn is_writable(&self) -> bool {
-        self.inner.writable
+        self.inner.shared.writable
     }
 
     /// The image file's name as given at open.
     pub fn path(&self) -> &Path {
-        &self.inner.path
+        &self.inner.shared.path
     }
 
     /// The storage holding the image file (for a VMM that issues its own I/O on the same
     /// file, or to see which backend [`OpenOptions::open`](crate::OpenOptions::open) chose).
     pub fn storage(&self) -> &S {
-        &self.inner.file
+        &self.inner.shared.file
     }
 
     /// The backing image, if one is open.
@@ -57,7 +57,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Counters and cache statistics.
     pub async fn stats(&self) -> Stats {
         let (l2_cache, refcount_cache) = self.inner.meta.lock().await.cache_stats();
-        let c = &self.inner.counters;
+        let c = &self.inner.shared.counters;
         Stats {
             cow_bytes: c.cow_bytes.load(Ordering::Relaxed),
             clusters_allocated: c.clusters_allocated.load(Ordering::Relaxed),
@@ -196,10 +196,10 @@ impl<S: Storage + 'static> Image<S> {
     /// marks a whole discard request even where the format ignores part of it, and
     /// `qimg io`'s `discard` does the same) records it here.
     pub fn mark_dirty(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.check_writable()?;
-        self.inner.check_range(offset, len)?;
+        self.inner.shared.check_writable()?;
+        self.inner.shared.check_range(offset, len)?;
         // In memory only: nothing on disk changes with it.
-        let _ = self.inner.bitmaps.mark(offset, len);
+        let _ = self.inner.shared.bitmaps.mark(offset, len);
         Ok(())
     }
 
@@ -215,8 +215,8 @@ impl<S: Storage + 'static> Image<S> {
     /// [`qimg_io::UringStorage`] every later flush fails too, as in QEMU: reopen the image.
     pub async fn flush(&self) -> Result<()> {
         let mut m = self.inner.meta.lock().await;
-        self.inner.free_abandoned(&mut m).await?;
-        self.inner.flush_guest(&mut m).await
+        self.inner.shared.free_abandoned(&mut m).await?;
+        self.inner.shared.flush_guest(&mut m).await
     }
 
     /// The lines QEMU's qcow2 driver prints on standard error for what happened since the
@@ -254,7 +254,7 @@ impl<S: Storage + 'static> Image<S> {
     /// runtime was running at open; returns the bytes freed.
     pub async fn clean_idle_caches(&self) -> Result<u64> {
         let mut m = self.inner.meta.lock().await;
-        self.inner.clean_idle(&mut m).await
+        self.inner.shared.clean_idle(&mut m).await
     }
 
     /// Flushes and, for images with lazy refcounts, marks the image clean, then releases the

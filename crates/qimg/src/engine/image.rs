@@ -1,7 +1,6 @@
 //! [`Image`]: the handle of an open qcow2 image, and [`Inner`], what the handle shares: the
 //! [`Shared`] state, the backing image, the metadata lock and the range locks.
 
-use std::ops::Deref;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -80,12 +79,12 @@ impl<S: Storage> Inner<S> {
         if m.is_closed() {
             return Ok(());
         }
-        if self.writable {
-            self.free_abandoned(&mut m).await?;
+        if self.shared.writable {
+            self.shared.free_abandoned(&mut m).await?;
             self.store_bitmaps(&mut m).await?;
-            self.flush_closing(&mut m).await?;
-            self.trim_reservation(m.end_cluster()).await?;
-            self.mark_clean(&mut m).await?;
+            self.shared.flush_closing(&mut m).await?;
+            self.shared.trim_reservation(m.end_cluster()).await?;
+            self.shared.mark_clean(&mut m).await?;
         }
         m.mark_closed();
         // As QEMU on close: other processes may open the files from now on.
@@ -96,8 +95,8 @@ impl<S: Storage> Inner<S> {
     /// Releases the image locks of every file of the chain (see
     /// [`OpenOptions::locking`](super::OpenOptions::locking)).
     pub(crate) fn release_locks(&self) {
-        self.file.unlock_image();
-        if let Some((_, data)) = &self.data_file {
+        self.shared.file.unlock_image();
+        if let Some((_, data)) = &self.shared.data_file {
             data.unlock_image();
         }
         match &self.backing {
@@ -113,7 +112,7 @@ impl<S: Storage> Inner<S> {
 /// task must not block that task's runtime on itself).
 impl<S: Storage> Drop for Inner<S> {
     fn drop(&mut self) {
-        if !self.close_on_drop {
+        if !self.shared.close_on_drop {
             return;
         }
         let this = &*self;
@@ -130,15 +129,5 @@ impl<S: Storage> Drop for Inner<S> {
                 let _ = t.join();
             }
         });
-    }
-}
-
-/// The data paths (`rw`, `map`, `lease`) reach the shared state and the metadata methods
-/// through the handle they run on.
-impl<S: Storage> Deref for Inner<S> {
-    type Target = Shared<S>;
-
-    fn deref(&self) -> &Shared<S> {
-        &self.shared
     }
 }

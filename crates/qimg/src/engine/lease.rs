@@ -64,8 +64,8 @@ impl<S: Storage + 'static> Image<S> {
     /// A zero-length range gives a lease with no extents.
     pub async fn write_lease(&self, offset: u64, len: u64) -> Result<WriteLease<S>> {
         let inner = &self.inner;
-        inner.check_writable()?;
-        inner.check_range(offset, len)?;
+        inner.shared.check_writable()?;
+        inner.shared.check_range(offset, len)?;
         let mut lease = WriteLease {
             image: self.clone(),
             lock_id: None,
@@ -76,14 +76,14 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(lease);
         }
         let recorded = inner.record_change(offset, len).await?;
-        let bits = inner.geo.cluster_bits();
+        let bits = inner.shared.geo.cluster_bits();
         let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
         lease.lock_id = Some(inner.locks.acquire(first, end, true).await);
         if let Err(e) = inner.recorded(recorded, offset, len).await {
             lease.abort().await;
             return Err(e);
         }
-        let cs = inner.geo.cluster_size();
+        let cs = inner.shared.geo.cluster_size();
         let mut spans = Vec::new();
         let mut pos = 0u64;
         while pos < len {
@@ -114,7 +114,7 @@ impl<S: Storage + 'static> Image<S> {
     /// [`ExtentKind::Data`](crate::ExtentKind::Data) offsets of [`map`](Image::map) refer to:
     /// the external data file when the image has one, else the image file.
     pub fn data_path(&self) -> &Path {
-        self.inner.data().1
+        self.inner.shared.data().1
     }
 }
 
@@ -175,6 +175,7 @@ impl<S: Storage + 'static> Drop for WriteLease<S> {
         let fresh = self.pieces.iter().filter(|p| p.fresh).map(|p| p.host);
         self.image
             .inner
+            .shared
             .abandoned
             .lock()
             .unwrap_or_else(|e| e.into_inner())

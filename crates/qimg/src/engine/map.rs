@@ -100,14 +100,14 @@ fn push(out: &mut Vec<Extent>, e: Extent) {
 
 impl<S: Storage> Inner<S> {
     pub(crate) async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.check_range(offset, len)?;
+        self.shared.check_range(offset, len)?;
         let mut out = Vec::new();
         if len == 0 {
             return Ok(out);
         }
-        let cs = self.geo.cluster_size();
-        let scs = self.geo.subcluster_size();
-        let bits = self.geo.cluster_bits();
+        let cs = self.shared.geo.cluster_size();
+        let scs = self.shared.geo.subcluster_size();
+        let bits = self.shared.geo.cluster_bits();
         let _guard = self
             .locks
             .lock(offset >> bits, ((offset + len - 1) >> bits) + 1, false)
@@ -118,10 +118,10 @@ impl<S: Storage> Inner<S> {
             let gc = at - at % cs;
             let entry = {
                 let mut m = self.meta.lock().await;
-                let l1i = self.geo.l1_index(GuestOffset(gc)) as usize;
+                let l1i = self.shared.geo.l1_index(GuestOffset(gc)) as usize;
                 if m.l2_table(l1i).is_none() {
                     // No L2 table: the whole range it would cover is unallocated.
-                    let span = cs * (cs / self.geo.l2_entry_size());
+                    let span = cs * (cs / self.shared.geo.l2_entry_size());
                     let table_end = (at - at % span).saturating_add(span).min(end);
                     drop(m);
                     push(
@@ -135,7 +135,7 @@ impl<S: Storage> Inner<S> {
                     at = table_end;
                     continue;
                 }
-                self.lookup(&mut m, gc).await?
+                self.shared.lookup(&mut m, gc).await?
             };
             let cluster_end = (gc + cs).min(end);
             let runs = state_runs(

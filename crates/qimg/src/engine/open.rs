@@ -320,6 +320,7 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
     // Boxed: this function recurses down the backing chain, and every level's frame
     // counts.
     inner
+        .shared
         .bitmaps
         .set_crash_consistent(opts.crash_consistent_bitmaps);
     if opts.writable {
@@ -329,12 +330,12 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
             Box::pin(inner.list_bitmaps(ext)).await;
         }
     }
-    if let (true, Some(interval)) = (opts.clean_timer, inner.clean_interval) {
+    if let (true, Some(interval)) = (opts.clean_timer, inner.shared.clean_interval) {
         match tokio::runtime::Handle::try_current() {
             Ok(handle) if !opts.timer_thread => {
                 handle.spawn(cleaner(Arc::downgrade(&inner), interval));
             }
-            _ => cleaner_thread(&inner.path, Arc::downgrade(&inner), interval)?,
+            _ => cleaner_thread(&inner.shared.path, Arc::downgrade(&inner), interval)?,
         }
     }
     Ok(Image { inner })
@@ -419,7 +420,7 @@ async fn cleaner<S: Storage + 'static>(weak: Weak<Inner<S>>, interval: Duration)
             break;
         }
         // Errors surface on the next request or flush; the timer just tries again.
-        let _ = inner.clean_idle(&mut m).await;
+        let _ = inner.shared.clean_idle(&mut m).await;
     }
 }
 
@@ -466,7 +467,7 @@ impl<S: Storage> Inner<S> {
                 "metadata overlap: {} at {:#x}..{:#x} and {} at {:#x}..{:#x} share host bytes",
                 a.region, a.start, a.end, b.region, b.start, b.end
             );
-            return Err(self.signal_corruption(&mut m, what).await);
+            return Err(self.shared.signal_corruption(&mut m, what).await);
         }
         // Bitmaps are consistent only with autoclear bit 0; without it QEMU ignores them (and
         // drops the bit's meaning): so does the engine. Loaded before a dirty image's
@@ -489,18 +490,23 @@ impl<S: Storage> Inner<S> {
             // refcounts (QEMU's dirty-open repair fixes them too).
             self.sync_copied(&mut m).await?;
             m.note_dirty_on_disk();
-            self.mark_clean(&mut m).await?;
+            self.shared.mark_clean(&mut m).await?;
         }
         let keep = autoclear_for_writer(h.autoclear_features, loaded);
         if h.version >= 3 && h.autoclear_features != keep {
-            self.file
+            self.shared
+                .file
                 .write_at(
                     &header::encode_autoclear(keep),
                     header::field::AUTOCLEAR_FEATURES,
                 )
                 .await
-                .map_err(|e| self.storage_error(e))?;
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
+            self.shared
+                .file
+                .flush()
+                .await
+                .map_err(|e| self.shared.storage_error(e))?;
         }
         Ok(())
     }

@@ -38,7 +38,7 @@ impl<S: Storage + 'static> Image<S> {
     /// zero-length range gives a lease with no extents.
     pub async fn read_lease(&self, offset: u64, len: u64) -> Result<ReadLease<S>> {
         let inner = &self.inner;
-        inner.check_range(offset, len)?;
+        inner.shared.check_range(offset, len)?;
         let mut lease = ReadLease {
             image: self.clone(),
             lock_id: None,

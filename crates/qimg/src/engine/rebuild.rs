@@ -20,19 +20,19 @@ impl<S: Storage> Inner<S> {
     /// is an error, as everywhere in the engine).
     pub(crate) fn walker(&self) -> Walker<'_, S> {
         let layout = L2Layout {
-            cluster_bits: self.geo.cluster_bits(),
-            extended: self.geo.extended_l2(),
-            external_data: self.data_file.is_some() || self.ctx.external_data_file,
+            cluster_bits: self.shared.geo.cluster_bits(),
+            extended: self.shared.geo.extended_l2(),
+            external_data: self.shared.data_file.is_some() || self.shared.ctx.external_data_file,
         };
-        Walker::new(&self.file, layout)
+        Walker::new(&self.shared.file, layout)
     }
 
     pub(crate) fn walk_error(&self, e: WalkError) -> Error {
         match e {
-            WalkError::Storage(e) => self.storage_error(e),
-            WalkError::Format(e) => Error::format(&self.path, e),
+            WalkError::Storage(e) => self.shared.storage_error(e),
+            WalkError::Format(e) => Error::format(&self.shared.path, e),
             WalkError::TooLarge { bytes, .. } => Error::corrupt(
-                &self.path,
+                &self.shared.path,
                 format!(
                     "snapshot L1 table of {} entries is too large",
                     bytes / TABLE_WORD
@@ -44,8 +44,8 @@ impl<S: Storage> Inner<S> {
     /// Counts every reference in the image (refcount structures excluded), through the
     /// metadata walker.
     pub(crate) async fn count_references(&self, m: &Meta) -> Result<ReferenceCounts> {
-        let cs = self.geo.cluster_size();
-        let external = self.data_file.is_some() || self.ctx.external_data_file;
+        let cs = self.shared.geo.cluster_size();
+        let external = self.shared.data_file.is_some() || self.shared.ctx.external_data_file;
         let walker = self.walker();
         let mut refs = ReferenceCounts::default();
         let mut count = |r: super::walk::Reference| refs.add_range(r.offset, r.len, cs);
@@ -60,16 +60,16 @@ impl<S: Storage> Inner<S> {
             len: m.l1_len() as u64 * TABLE_WORD,
         });
         walker
-            .visit_tree(m.l1(), &self.ctx, external, &mut count)
+            .visit_tree(m.l1(), &self.shared.ctx, external, &mut count)
             .await
             .map_err(|e| self.walk_error(e))?;
         let (snap_offset, nb) = m.snapshot_table();
         walker
-            .visit_snapshots(snap_offset, nb, &self.ctx, external, &mut count)
+            .visit_snapshots(snap_offset, nb, &self.shared.ctx, external, &mut count)
             .await
             .map_err(|e| self.walk_error(e))?;
         // The bitmaps the open loaded (consistent or not): directory, tables, data clusters.
-        let (directory, tables) = self.bitmaps.layout();
+        let (directory, tables) = self.shared.bitmaps.layout();
         if let Some((at, len)) = directory {
             let bitmap = |offset, len| super::walk::Reference {
                 structure: super::walk::Structure::Bitmap,
@@ -119,9 +119,9 @@ impl<S: Storage> Inner<S> {
         file_len: u64,
     ) -> Result<Vec<String>> {
         use qimg_format::refcount;
-        let cs = self.geo.cluster_size();
-        let e = self.rgeo.refblock_entries();
-        let order = self.rgeo.refcount_order();
+        let cs = self.shared.geo.cluster_size();
+        let e = self.shared.rgeo.refblock_entries();
+        let order = self.shared.rgeo.refcount_order();
         let mut old: BTreeSet<u64> = BTreeSet::new();
         let table_clusters = (m.reftable().len() as u64 * TABLE_WORD).div_ceil(cs).max(1);
         old.extend((0..table_clusters).map(|k| m.reftable_offset() / cs + k));
@@ -132,11 +132,13 @@ impl<S: Storage> Inner<S> {
                 continue;
             }
             old.insert(at / cs);
-            self.file
+            self.shared
+                .file
                 .read_at(&mut block, at)
                 .await
-                .map_err(|e| self.storage_error(e))?;
-            let values = refcount::decode_block(&block, order).map_err(|e| self.fmt_err(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
+            let values =
+                refcount::decode_block(&block, order).map_err(|e| self.shared.fmt_err(e))?;
             for (k, v) in values.into_iter().enumerate().filter(|&(_, v)| v != 0) {
                 disk.insert(j as u64 * e + k as u64, v);
             }
@@ -179,11 +181,16 @@ impl<S: Storage> Inner<S> {
     /// blocks are written only where something is referenced, so the work and memory follow
     /// the number of references, not the largest offset.
     pub(crate) async fn rebuild_refcounts(&self, m: &mut Meta) -> Result<()> {
-        self.refuse_unaligned_l2(m).await?;
-        let cs = self.geo.cluster_size();
-        let e = self.rgeo.refblock_entries();
+        self.shared.refuse_unaligned_l2(m).await?;
+        let cs = self.shared.geo.cluster_size();
+        let e = self.shared.rgeo.refblock_entries();
         let refs = self.count_references(m).await?;
-        let file_len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let file_len = self
+            .shared
+            .file
+            .len()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
         let file_clusters = file_len.div_ceil(cs);
         if let Some(c) = refs.max_cluster().filter(|&c| c >= file_clusters) {
             let what = format!(
@@ -192,7 +199,7 @@ impl<S: Storage> Inner<S> {
                  (run qimg check -r all)",
                 c * cs
             );
-            return Err(self.signal_corruption(m, what).await);
+            return Err(self.shared.signal_corruption(m, what).await);
         }
         let messages = self.repair_messages(m, &refs, file_len).await?;
         m.set_messages(messages);
@@ -224,35 +231,38 @@ impl<S: Storage> Inner<S> {
             let at = (area.start + k as u64) * cs;
             table[j as usize] = at;
             let area_here = (start.max(j * e)..end.min((j + 1) * e)).map(|c| (c, 1));
-            let block = encode_refblock(&refs, &self.rgeo, j, area_here, false).map_err(
+            let block = encode_refblock(&refs, &self.shared.rgeo, j, area_here, false).map_err(
                 |Overflow { cluster: c, value }| {
                     Error::corrupt(
-                        &self.path,
+                        &self.shared.path,
                         format!(
                             "cluster {c} (offset {:#x}) has {value} references, more than \
                              {}-bit refcounts hold",
                             c * cs,
-                            self.rgeo.refcount_bits()
+                            self.shared.rgeo.refcount_bits()
                         ),
                     )
                 },
             )?;
-            self.file
+            self.shared
+                .file
                 .write_at(&block, at)
                 .await
-                .map_err(|e| self.storage_error(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
         }
-        self.install_reftable(m, table, area.table_offset(cs), area.table_clusters)
+        self.shared
+            .install_reftable(m, table, area.table_offset(cs), area.table_clusters)
             .await?;
         m.refcounts_rebuilt(end).map_err(|source| Error::Cache {
-            path: self.path.clone(),
+            path: self.shared.path.clone(),
             source,
         })?;
         if file_len > end * cs {
-            self.file
+            self.shared
+                .file
                 .set_len(end * cs)
                 .await
-                .map_err(|e| self.storage_error(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
         }
         Ok(())
     }

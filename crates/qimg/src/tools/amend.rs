@@ -344,6 +344,7 @@ async fn plan_refcounts(img: &Image<crate::io::AnyStorage>, order: u32) -> Resul
     let file_len = {
         use qimg_io::Storage;
         inner
+            .shared
             .file
             .len()
             .await

@@ -125,8 +125,8 @@ impl<S: Storage> Inner<S> {
     /// The caller then takes its range lock and calls [`recorded`](Self::recorded) with
     /// what this returned before it changes anything.
     pub(crate) async fn record_change(&self, offset: u64, len: u64) -> Result<Recorded> {
-        let epoch = self.bitmaps.epoch();
-        if !self.bitmaps.mark(offset, len) {
+        let epoch = self.shared.bitmaps.epoch();
+        if !self.shared.bitmaps.mark(offset, len) {
             self.sync_bitmaps(offset, len).await?;
         }
         Ok(Recorded(epoch))
@@ -140,7 +140,7 @@ impl<S: Storage> Inner<S> {
     /// is the same check ([`Bitmaps::still_current`](super::Bitmaps::still_current)), which
     /// hands such a write to the engine.
     pub(crate) async fn recorded(&self, r: Recorded, offset: u64, len: u64) -> Result<()> {
-        if self.bitmaps.still_current(r.0) {
+        if self.shared.bitmaps.still_current(r.0) {
             return Ok(());
         }
         self.record_change(offset, len).await.map(drop)
@@ -149,27 +149,28 @@ impl<S: Storage> Inner<S> {
     /// Makes the bits of `[offset, offset + len)` durable in every crash-consistent bitmap
     /// (the group commit, see the module notes).
     async fn sync_bitmaps(&self, offset: u64, len: u64) -> Result<()> {
-        self.bitmaps.push_pending(offset, len);
-        let mut commits = self.bitmaps.sync.lock().await;
+        self.shared.bitmaps.push_pending(offset, len);
+        let mut commits = self.shared.bitmaps.sync.lock().await;
         self.mark_in_use_pending().await?;
-        if self.bitmaps.durable_covers(offset, len) {
+        if self.shared.bitmaps.durable_covers(offset, len) {
             // A commit that ran while this one waited wrote it.
             return Ok(());
         }
-        let size = self.size();
+        let size = self.shared.size();
         let ranges: Vec<(u64, u64, (u64, bool))> = self
+            .shared
             .bitmaps
             .take_pending()
             .into_iter()
             .filter(|r| r.1 > 0)
             .map(|(a, l)| (a, l, commits.ahead(a, a + l, size)))
             .collect();
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let words_per_cluster = (cs / 8) as usize;
         // Phase 1, under the bitmaps' lock: the words to set on disk, sector by sector, and
         // where each sector goes (by name: the list may change before phase 2).
         let plan: Vec<(String, Vec<Piece>)> = {
-            let state = self.bitmaps.read();
+            let state = self.shared.bitmaps.read();
             let mut plan = Vec::new();
             for b in state.list.iter().filter(|b| b.live() && b.enabled()) {
                 // Sector -> (word ranges to set, whole sector).
@@ -238,26 +239,30 @@ impl<S: Storage> Inner<S> {
                         at,
                         set,
                     } => {
-                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &set) else {
+                        let Some(words) = self.shared.bitmaps.disk_words(&name, first, end, &set)
+                        else {
                             continue;
                         };
                         let mut bytes = vec![0u8; (end - first) * 8];
                         bitmap::words_to_bytes(&words, 0, &mut bytes);
                         let mut m = self.meta.lock().await;
-                        self.guard_write(&mut m, at, bytes.len() as u64, Writing::Data)
+                        self.shared
+                            .guard_write(&mut m, at, bytes.len() as u64, Writing::Data)
                             .await?;
                         drop(m);
                         // Durable on its own (RWF_DSYNC where the storage can): the data
                         // writes in flight elsewhere need not reach the disk for it.
-                        self.file
+                        self.shared
+                            .file
                             .write_at_durable(&bytes, at)
                             .await
-                            .map_err(|e| self.storage_error(e))?;
+                            .map_err(|e| self.shared.storage_error(e))?;
                         written.push((name.clone(), first, words));
                     }
                     Piece::NewCluster { t, set } => {
                         let (first, end) = (t * words_per_cluster, (t + 1) * words_per_cluster);
-                        let Some(words) = self.bitmaps.disk_words(&name, first, end, &set) else {
+                        let Some(words) = self.shared.bitmaps.disk_words(&name, first, end, &set)
+                        else {
                             continue;
                         };
                         self.new_bitmap_cluster(&name, t, &words).await?;
@@ -267,7 +272,7 @@ impl<S: Storage> Inner<S> {
             }
         }
         for (name, first, words) in written {
-            self.bitmaps.note_durable(&name, first, &words);
+            self.shared.bitmaps.note_durable(&name, first, &words);
         }
         Ok(())
     }
@@ -276,9 +281,9 @@ impl<S: Storage> Inner<S> {
     /// allocated, written with `words`, counted durably, then named by the table entry
     /// (rewritten in place), durably.
     async fn new_bitmap_cluster(&self, name: &str, t: usize, words: &[u64]) -> Result<()> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let table_at = {
-            let state = self.bitmaps.read();
+            let state = self.shared.bitmaps.read();
             let Ok(i) = state.index(name) else {
                 return Ok(());
             };
@@ -287,15 +292,22 @@ impl<S: Storage> Inner<S> {
         let mut data = vec![0u8; cs as usize];
         bitmap::words_to_bytes(words, 0, &mut data);
         let mut m = self.meta.lock().await;
-        let at = self.alloc_clusters(&mut m, 1).await?;
-        self.write_guarded(&mut m, at, &data, Writing::Data).await?;
-        self.flush_meta(&mut m).await?;
+        let at = self.shared.alloc_clusters(&mut m, 1).await?;
+        self.shared
+            .write_guarded(&mut m, at, &data, Writing::Data)
+            .await?;
+        self.shared.flush_meta(&mut m).await?;
         let entry = bitmap::encode_table(&[TableEntry::Data(at)]);
-        self.write_guarded(&mut m, table_at + t as u64 * 8, &entry, Writing::Data)
+        self.shared
+            .write_guarded(&mut m, table_at + t as u64 * 8, &entry, Writing::Data)
             .await?;
         drop(m);
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        let mut state = self.bitmaps.write();
+        self.shared
+            .file
+            .flush()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
+        let mut state = self.shared.bitmaps.write();
         if let Ok(i) = state.index(name) {
             if let Some(e) = state.list[i].table.get_mut(t) {
                 *e = TableEntry::Data(at);
@@ -308,18 +320,22 @@ impl<S: Storage> Inner<S> {
     /// otherwise misstate (disabled or removed since the open; all of them before a resize),
     /// and treats them as QEMU treats its own from then on: stored at close.
     pub(crate) async fn mark_in_use_pending(&self) -> Result<()> {
-        if !self.bitmaps.in_use_pending.load(Ordering::Acquire) {
+        if !self.shared.bitmaps.in_use_pending.load(Ordering::Acquire) {
             return Ok(());
         }
-        let Some((dir_at, entries)) = self.bitmaps.disk_directory_with_in_use() else {
+        let Some((dir_at, entries)) = self.shared.bitmaps.disk_directory_with_in_use() else {
             return Ok(());
         };
         let mut m = self.meta.lock().await;
         self.write_directory(&mut m, dir_at, &bitmap::encode_directory(&entries))
             .await?;
         drop(m);
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        self.bitmaps.in_use_done(&entries);
+        self.shared
+            .file
+            .flush()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.bitmaps.in_use_done(&entries);
         Ok(())
     }
 
@@ -331,26 +347,26 @@ impl<S: Storage> Inner<S> {
     /// during the store (its bitmaps are out of the list then) records itself again once it
     /// holds its range lock (the epoch moves, see [`recorded`](Self::recorded)).
     pub(crate) async fn persist_bitmaps(&self) -> Result<()> {
-        if !self.bitmaps.crash_consistent() {
+        if !self.shared.bitmaps.crash_consistent() {
             return Ok(());
         }
-        let _commits = self.bitmaps.sync.lock().await;
+        let _commits = self.shared.bitmaps.sync.lock().await;
         let mut m = self.meta.lock().await;
         let stored = self.store_bitmaps(&mut m).await;
         drop(m);
         // Whatever happened, the list is back: recording resumes (and the epoch moves).
-        self.bitmaps.stored(stored.is_ok());
+        self.shared.bitmaps.stored(stored.is_ok());
         stored
     }
 
     /// Before a resize: every crash-consistent bitmap goes `in_use` on disk (its table no
     /// longer fits the disk until the close stores it).
     pub(crate) async fn bitmaps_in_use_before_resize(&self) -> Result<()> {
-        if !self.bitmaps.crash_consistent() {
+        if !self.shared.bitmaps.crash_consistent() {
             return Ok(());
         }
-        let _guard = self.bitmaps.sync.lock().await;
-        self.bitmaps.want_all_in_use();
+        let _guard = self.shared.bitmaps.sync.lock().await;
+        self.shared.bitmaps.want_all_in_use();
         self.mark_in_use_pending().await
     }
 }

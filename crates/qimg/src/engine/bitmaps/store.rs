@@ -103,23 +103,24 @@ impl<S: Storage> Inner<S> {
     ) -> Result<()> {
         let (dir_at, dir_len) = (ext.directory_offset, ext.directory_size);
         let mut dir = vec![0u8; dir_len as usize];
-        self.file
+        self.shared
+            .file
             .read_at(&mut dir, dir_at)
             .await
-            .map_err(|e| self.storage_error(e))?;
+            .map_err(|e| self.shared.storage_error(e))?;
         let entries = bitmap::decode_directory(&dir, ext).map_err(|e| Error::Unsupported {
-            path: self.path.clone(),
+            path: self.shared.path.clone(),
             what: format!("{e}; `qimg check -r all` drops the bitmaps"),
         })?;
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let walker = self.walker().zero_fill(true);
-        let judged = judge_bitmaps(&walker, &entries, cs, self.size())
+        let judged = judge_bitmaps(&walker, &entries, cs, self.shared.size())
             .await
             .map_err(|e| self.walk_error(e))?;
         let offsets = entry_offsets(&entries, dir_at);
         // Crash-consistent bitmaps stay as they are on disk (see `live.rs`); otherwise, as
         // QEMU, they are marked in use until the close stores them.
-        let live = writable && self.bitmaps.crash_consistent();
+        let live = writable && self.shared.bitmaps.crash_consistent();
         let mut list = Vec::with_capacity(entries.len());
         for ((entry, judged), at) in entries.into_iter().zip(judged).zip(offsets) {
             let mut b = Bitmap {
@@ -133,7 +134,7 @@ impl<S: Storage> Inner<S> {
             match judged {
                 Judged::Refused(why) => {
                     return Err(Error::Unsupported {
-                        path: self.path.clone(),
+                        path: self.shared.path.clone(),
                         what: format!(
                             "{why} (bitmap directory entry at {at:#x}); `qimg check -r all` \
                              drops the bitmap"
@@ -167,20 +168,24 @@ impl<S: Storage> Inner<S> {
             let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
             self.write_directory(m, dir_at, &bitmap::encode_directory(&entries))
                 .await?;
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            self.shared
+                .file
+                .flush()
+                .await
+                .map_err(|e| self.shared.storage_error(e))?;
         }
-        let mut state = self.bitmaps.write();
+        let mut state = self.shared.bitmaps.write();
         state.disk = list.iter().map(|b| b.entry.clone()).collect();
         state.directory = Some((dir_at, dir_len));
         state.list = list;
         state.read_only = !writable;
-        self.bitmaps.note_recording(&state);
+        self.shared.bitmaps.note_recording(&state);
         Ok(())
     }
 
     /// Lets a read-write open of a version 3 image add bitmaps (QEMU stores none in v2).
     pub(crate) fn maintain_bitmaps(&self) {
-        let mut state = self.bitmaps.write();
+        let mut state = self.shared.bitmaps.write();
         state.maintained = true;
     }
 
@@ -190,8 +195,8 @@ impl<S: Storage> Inner<S> {
         entry: &BitmapEntry,
         table: &[TableEntry],
     ) -> Result<(Vec<u64>, u64)> {
-        let cs = self.geo.cluster_size();
-        let bits = bitmap::bit_count(self.size(), entry.granularity_bits);
+        let cs = self.shared.geo.cluster_size();
+        let bits = bitmap::bit_count(self.shared.size(), entry.granularity_bits);
         let mut words = vec![0u64; bits.div_ceil(64) as usize];
         let mut data = vec![0u8; cs as usize];
         for (t, e) in table.iter().enumerate() {
@@ -199,10 +204,11 @@ impl<S: Storage> Inner<S> {
                 TableEntry::Zeros => continue,
                 TableEntry::Ones => data.fill(0xff),
                 TableEntry::Data(at) => self
+                    .shared
                     .file
                     .read_at(&mut data, at)
                     .await
-                    .map_err(|e| self.storage_error(e))?,
+                    .map_err(|e| self.shared.storage_error(e))?,
             }
             bitmap::bytes_to_words(&data, t * cs as usize, &mut words);
         }
@@ -217,23 +223,24 @@ impl<S: Storage> Inner<S> {
 
     /// The `entries` entries of the bitmap table at `at`, decoded (QEMU's checks).
     async fn read_bitmap_table(&self, at: u64, entries: u64) -> Result<Vec<TableEntry>> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let mut raw = vec![0u8; (entries * 8) as usize];
-        self.file
+        self.shared
+            .file
             .read_at(&mut raw, at)
             .await
-            .map_err(|e| self.storage_error(e))?;
+            .map_err(|e| self.shared.storage_error(e))?;
         decode_words(&raw)
             .into_iter()
             .enumerate()
             .map(|(i, w)| TableEntry::decode(w, cs, at, i as u64))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| self.fmt_err(e))
+            .map_err(|e| self.shared.fmt_err(e))
     }
 
     pub(super) async fn write_directory(&self, m: &mut Meta, at: u64, bytes: &[u8]) -> Result<()> {
         let own = Writing::Own(Region::BitmapDirectory, at);
-        self.write_guarded(m, at, bytes, own).await
+        self.shared.write_guarded(m, at, bytes, own).await
     }
 
     /// Stores the bitmaps (close), as QEMU's `qcow2_store_persistent_dirty_bitmaps` lays
@@ -246,9 +253,9 @@ impl<S: Storage> Inner<S> {
     /// the header switch leaves the old directory (bitmaps in use); after it, leaked
     /// clusters at worst. Inconsistent bitmaps are left as they are.
     pub(crate) async fn store_bitmaps(&self, m: &mut Meta) -> Result<()> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let (mut old_dir, mut list, removed) = {
-            let mut state = self.bitmaps.write();
+            let mut state = self.shared.bitmaps.write();
             if state.read_only || (state.directory.is_none() && !state.reshaped) {
                 return Ok(());
             }
@@ -259,8 +266,11 @@ impl<S: Storage> Inner<S> {
                 std::mem::take(&mut state.removed),
             )
         };
-        self.bitmaps.recording.store(false, Ordering::Release);
-        self.bitmaps.changed.store(false, Ordering::Release);
+        self.shared
+            .bitmaps
+            .recording
+            .store(false, Ordering::Release);
+        self.shared.bitmaps.changed.store(false, Ordering::Release);
         if !removed.is_empty() {
             // The directory without them, the bitmaps still there as on disk (in use).
             let entries: Vec<BitmapEntry> = list
@@ -268,7 +278,7 @@ impl<S: Storage> Inner<S> {
                 .map(|b| b.entry.clone())
                 .filter(|e| !removed.iter().any(|r| r.name == e.name))
                 .collect();
-            let mut on_disk: Vec<BitmapEntry> = self.bitmaps.read().disk.clone();
+            let mut on_disk: Vec<BitmapEntry> = self.shared.bitmaps.read().disk.clone();
             on_disk.retain(|e| entries.iter().any(|k| k.name == e.name));
             old_dir = self.switch_directory(m, old_dir, &on_disk).await?;
             for gone in &removed {
@@ -276,7 +286,7 @@ impl<S: Storage> Inner<S> {
                     .await?;
             }
             // Their clusters free for the bitmaps stored next, as after QEMU's removal.
-            self.flush_meta(m).await?;
+            self.shared.flush_meta(m).await?;
         }
         let mut data = vec![0u8; cs as usize];
         let mut dropped: Vec<(u64, Vec<TableEntry>, u64)> = Vec::new();
@@ -290,15 +300,20 @@ impl<S: Storage> Inner<S> {
                     table.push(TableEntry::Zeros);
                     continue;
                 }
-                let at = self.alloc_clusters(m, 1).await?;
-                self.write_guarded(m, at, &data, Writing::Data).await?;
+                let at = self.shared.alloc_clusters(m, 1).await?;
+                self.shared
+                    .write_guarded(m, at, &data, Writing::Data)
+                    .await?;
                 table.push(TableEntry::Data(at));
             }
             let bytes = bitmap::encode_table(&table);
             let at = self
+                .shared
                 .alloc_clusters(m, (bytes.len() as u64).div_ceil(cs).max(1))
                 .await?;
-            self.write_guarded(m, at, &bytes, Writing::Data).await?;
+            self.shared
+                .write_guarded(m, at, &bytes, Writing::Data)
+                .await?;
             if b.entry.table_offset != 0 {
                 let old_clusters = (u64::from(b.entry.table_size) * 8).div_ceil(cs).max(1);
                 let old = std::mem::take(&mut b.table);
@@ -314,12 +329,12 @@ impl<S: Storage> Inner<S> {
         for (at, table, clusters) in dropped {
             for e in table {
                 if let TableEntry::Data(o) = e {
-                    self.free_clusters(m, o, 1).await?;
+                    self.shared.free_clusters(m, o, 1).await?;
                 }
             }
-            self.free_clusters_as(m, at, clusters, false).await?;
+            self.shared.free_clusters_as(m, at, clusters, false).await?;
         }
-        let mut state = self.bitmaps.write();
+        let mut state = self.shared.bitmaps.write();
         state.disk = entries;
         state.list = list;
         state.directory = new_dir;
@@ -334,23 +349,27 @@ impl<S: Storage> Inner<S> {
         old_dir: Option<(u64, u64)>,
         entries: &[BitmapEntry],
     ) -> Result<Option<(u64, u64)>> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let new_dir = if entries.is_empty() {
             None
         } else {
             let dir = bitmap::encode_directory(entries);
             let at = self
+                .shared
                 .alloc_clusters(m, (dir.len() as u64).div_ceil(cs))
                 .await?;
-            self.write_guarded(m, at, &dir, Writing::Data).await?;
+            self.shared
+                .write_guarded(m, at, &dir, Writing::Data)
+                .await?;
             Some((at, dir.len() as u64))
         };
-        self.flush_meta(m).await?;
+        self.shared.flush_meta(m).await?;
         self.point_header_at_directory(new_dir, entries.len() as u32)
             .await?;
         if let Some((at, len)) = old_dir {
             m.forget_metadata(Region::BitmapDirectory, at);
-            self.free_clusters_as(m, at, len.div_ceil(cs), false)
+            self.shared
+                .free_clusters_as(m, at, len.div_ceil(cs), false)
                 .await?;
         }
         if let Some((at, len)) = new_dir {
@@ -369,19 +388,23 @@ impl<S: Storage> Inner<S> {
         let n = u64::from(entries);
         for e in self.read_bitmap_table(at, n).await? {
             if let TableEntry::Data(o) = e {
-                self.free_clusters(m, o, 1).await?;
+                self.shared.free_clusters(m, o, 1).await?;
             }
         }
-        let clusters = (n * 8).div_ceil(self.geo.cluster_size());
-        self.free_clusters_as(m, at, clusters, false).await
+        let clusters = (n * 8).div_ceil(self.shared.geo.cluster_size());
+        self.shared.free_clusters_as(m, at, clusters, false).await
     }
 
     /// Rewrites the header cluster so that its bitmaps extension names the directory at
     /// `dir` (`(offset, size)`, `nb` bitmaps) with autoclear bit 0 set, or drops the
     /// extension and the bit (`None`), and makes it durable.
     async fn point_header_at_directory(&self, dir: Option<(u64, u64)>, nb: u32) -> Result<()> {
-        let mut c0 =
-            crate::engine::open::read_cluster0(&self.file, &self.path, OpenMode::ReadWrite).await?;
+        let mut c0 = crate::engine::open::read_cluster0(
+            &self.shared.file,
+            &self.shared.path,
+            OpenMode::ReadWrite,
+        )
+        .await?;
         c0.set_bitmaps(
             dir.map(|(directory_offset, directory_size)| BitmapsExtension {
                 nb_bitmaps: nb,
@@ -389,24 +412,25 @@ impl<S: Storage> Inner<S> {
                 directory_offset,
             }),
         );
-        let bytes = c0.encode().map_err(|e| self.fmt_err(e))?;
-        self.switch_header(&bytes, 0, || {
-            "the switch of the header to a new bitmap directory failed".to_string()
-        })
-        .await
+        let bytes = c0.encode().map_err(|e| self.shared.fmt_err(e))?;
+        self.shared
+            .switch_header(&bytes, 0, || {
+                "the switch of the header to a new bitmap directory failed".to_string()
+            })
+            .await
     }
 }
 impl<S: Storage> Inner<S> {
     /// The bitmaps in directory order (as on disk at open, with what this open changed).
     pub(crate) fn bitmap_list(&self) -> Vec<BitmapInfo> {
-        let state = self.bitmaps.read();
+        let state = self.shared.bitmaps.read();
         state.list.iter().map(Bitmap::info).collect()
     }
 
     /// Runs `change` on the consistent bitmap `name` of an image opened for writing.
     fn change_bitmap<T>(&self, name: &str, change: impl FnOnce(&mut Bitmap) -> T) -> Result<T> {
-        self.check_writable()?;
-        let mut state = self.bitmaps.write();
+        self.shared.check_writable()?;
+        let mut state = self.shared.bitmaps.write();
         let at = state.index(name)?;
         let b = &mut state.list[at];
         if b.inconsistent {
@@ -416,10 +440,14 @@ impl<S: Storage> Inner<S> {
         if !state.list[at].enabled() {
             // Disabled: until the close stores that, a crash must not find it consistent
             // (the disk would claim it recorded what follows).
-            Bitmaps::want_in_use(&mut state, name.as_bytes(), &self.bitmaps.in_use_pending);
+            Bitmaps::want_in_use(
+                &mut state,
+                name.as_bytes(),
+                &self.shared.bitmaps.in_use_pending,
+            );
         }
-        self.bitmaps.note_recording(&state);
-        self.bitmaps.changed.store(true, Ordering::Release);
+        self.shared.bitmaps.note_recording(&state);
+        self.shared.bitmaps.changed.store(true, Ordering::Release);
         Ok(out)
     }
 
@@ -431,12 +459,12 @@ impl<S: Storage> Inner<S> {
         granularity: Option<u64>,
         enabled: bool,
     ) -> Result<()> {
-        self.check_writable()?;
-        let cs = self.geo.cluster_size();
-        let mut state = self.bitmaps.write();
+        self.shared.check_writable()?;
+        let cs = self.shared.geo.cluster_size();
+        let mut state = self.shared.bitmaps.write();
         let exists = state.list.iter().any(|b| b.named(name));
         let granularity_bits = self.check_new_bitmap(&state, name, exists, granularity)?;
-        let bits = bitmap::bit_count(self.size(), granularity_bits);
+        let bits = bitmap::bit_count(self.shared.size(), granularity_bits);
         let entries = bitmap::table_entries(bits, cs);
         state.list.push(Bitmap {
             entry: BitmapEntry {
@@ -456,8 +484,8 @@ impl<S: Storage> Inner<S> {
             durable: Vec::new(),
         });
         state.reshaped = true;
-        self.bitmaps.note_recording(&state);
-        self.bitmaps.changed.store(true, Ordering::Release);
+        self.shared.bitmaps.note_recording(&state);
+        self.shared.bitmaps.changed.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -470,7 +498,7 @@ impl<S: Storage> Inner<S> {
         exists: bool,
         granularity: Option<u64>,
     ) -> Result<u8> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         if exists {
             return Err(Error::InvalidOption(format!(
                 "Bitmap already exists: {name}"
@@ -486,7 +514,7 @@ impl<S: Storage> Inner<S> {
         let persistent = |why: &str| {
             Error::InvalidOption(format!(
                 "Can't make bitmap '{name}' persistent in '{}': {why}",
-                self.path.display()
+                self.shared.path.display()
             ))
         };
         if name.is_empty() {
@@ -510,7 +538,7 @@ impl<S: Storage> Inner<S> {
     /// bitmaps as the actions before it leave them, without changing anything: a
     /// transaction applies its actions only once all of them passed.
     pub(crate) fn check_bitmap_actions(&self, actions: &[Action]) -> Result<()> {
-        let state = self.bitmaps.read();
+        let state = self.shared.bitmaps.read();
         // (name, consistent) as the actions go.
         let mut names: Vec<(String, bool)> = state
             .list
@@ -530,24 +558,24 @@ impl<S: Storage> Inner<S> {
                 Action::AddBitmap {
                     name, granularity, ..
                 } => {
-                    self.check_writable()?;
+                    self.shared.check_writable()?;
                     let exists = names.iter().any(|(n, _)| n == name);
                     self.check_new_bitmap(&state, name, exists, *granularity)?;
                     names.push((name.clone(), true));
                 }
                 Action::RemoveBitmap { name } => {
-                    self.check_writable()?;
+                    self.shared.check_writable()?;
                     if !names.iter().any(|(n, _)| n == name) {
                         return Err(not_found(name));
                     }
                     names.retain(|(n, _)| n != name);
                 }
                 Action::ClearBitmap { name } | Action::EnableBitmap { name, .. } => {
-                    self.check_writable()?;
+                    self.shared.check_writable()?;
                     usable(&names, name)?;
                 }
                 Action::MergeBitmaps { target, sources } => {
-                    self.check_writable()?;
+                    self.shared.check_writable()?;
                     usable(&names, target)?;
                     for s in sources {
                         usable(&names, s)?;
@@ -560,15 +588,19 @@ impl<S: Storage> Inner<S> {
 
     /// Removes bitmap `name` (inconsistent ones too); its clusters are freed at close.
     pub(crate) fn remove_bitmap(&self, name: &str) -> Result<()> {
-        self.check_writable()?;
-        let mut state = self.bitmaps.write();
+        self.shared.check_writable()?;
+        let mut state = self.shared.bitmaps.write();
         let at = state.index(name)?;
         let b = state.list.remove(at);
         state.removed.push(b.entry);
         state.reshaped = true;
         // Until the close drops it from the disk, a crash must not find it consistent.
-        Bitmaps::want_in_use(&mut state, name.as_bytes(), &self.bitmaps.in_use_pending);
-        self.bitmaps.note_recording(&state);
+        Bitmaps::want_in_use(
+            &mut state,
+            name.as_bytes(),
+            &self.shared.bitmaps.in_use_pending,
+        );
+        self.shared.bitmaps.note_recording(&state);
         Ok(())
     }
 
@@ -593,7 +625,7 @@ impl<S: Storage> Inner<S> {
     /// coarser target marks whole granules).
     pub(crate) fn merge_bitmap(&self, name: &str, source: &DirtyBitmap) -> Result<()> {
         self.change_bitmap(name, |b| {
-            let size = self.size().min(source.size);
+            let size = self.shared.size().min(source.size);
             for (at, len) in source.extents(0, size) {
                 b.set(at, len);
             }
@@ -604,7 +636,7 @@ impl<S: Storage> Inner<S> {
     /// them from the file at the first use and keeps them: nothing changes them).
     async fn with_bits<T>(&self, name: &str, f: impl FnOnce(&Bitmap) -> T) -> Result<T> {
         let load = {
-            let state = self.bitmaps.read();
+            let state = self.shared.bitmaps.read();
             let b = &state.list[state.index(name)?];
             if b.inconsistent {
                 return Err(inconsistent(name));
@@ -613,21 +645,21 @@ impl<S: Storage> Inner<S> {
         };
         if let Some((entry, table)) = load {
             let (words, bits) = self.read_bitmap(&entry, &table).await?;
-            let mut state = self.bitmaps.write();
+            let mut state = self.shared.bitmaps.write();
             if let Ok(at) = state.index(name) {
                 let b = &mut state.list[at];
                 b.words = words.into_iter().map(AtomicU64::new).collect();
                 b.bits = bits;
             }
         }
-        let state = self.bitmaps.read();
+        let state = self.shared.bitmaps.read();
         let b = &state.list[state.index(name)?];
         Ok(f(b))
     }
 
     /// The bits of bitmap `name`.
     pub(crate) async fn dirty_bitmap(&self, name: &str) -> Result<DirtyBitmap> {
-        let size = self.size();
+        let size = self.shared.size();
         self.with_bits(name, |b| DirtyBitmap {
             granularity: b.entry.granularity(),
             size,
@@ -644,7 +676,7 @@ impl<S: Storage> Inner<S> {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, u64)>> {
-        let size = self.size();
+        let size = self.shared.size();
         self.with_bits(name, |b| {
             let word = |i: usize| b.words.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
             super::extents(word, b.entry.granularity(), size, offset, len)

@@ -56,7 +56,7 @@ impl<S: Storage + 'static> Queue<S> {
     ) -> std::result::Result<(), IoBuffers> {
         let inner = self.image.inner.clone();
         let len = buffers.len();
-        let (data, _) = inner.data();
+        let (data, _) = inner.shared.data();
         let Some(access) = data.direct_access() else {
             return Err(buffers);
         };
@@ -225,7 +225,7 @@ impl<S: Storage + 'static> Queue<S> {
                 cow.bounce.fill_zero(pos, n);
             }
             let span = cow.bounce.len();
-            let (data, path) = inner.data();
+            let (data, path) = inner.shared.data();
             let token = ((idx as u64) << 32) | p.parts.len() as u64;
             let queued = match data.direct_access() {
                 Some(a) => self.ring.write(a.fd, cow.host, &cow.bounce, 0, span, token),
@@ -295,7 +295,7 @@ fn backing_error<S: Storage>(
 ) -> Error {
     let path = match &inner.backing {
         Some(Backing::Raw { path, .. }) => path.as_path(),
-        _ => inner.path.as_path(),
+        _ => inner.shared.path.as_path(),
     };
     Error::storage(
         path,

@@ -94,19 +94,25 @@ impl<S: Storage + 'static> Queue<S> {
             None => &mut own,
         };
         let len = buffers.len() as u64;
-        if len == 0 || offset.checked_add(len).is_none_or(|end| end > inner.size()) {
+        if len == 0
+            || offset
+                .checked_add(len)
+                .is_none_or(|end| end > inner.shared.size())
+        {
             return Err(buffers);
         }
-        if write && (inner.check_writable().is_err() || inner.check_not_halted().is_err()) {
+        if write
+            && (inner.shared.check_writable().is_err() || inner.shared.check_not_halted().is_err())
+        {
             return Err(buffers);
         }
         // Before anything changes; a crash-consistent bitmap whose bit is not durable yet
         // sends the write to the engine, which makes it durable first.
-        let epoch = inner.bitmaps.epoch();
-        if write && !inner.bitmaps.mark(offset, len) {
+        let epoch = inner.shared.bitmaps.epoch();
+        if write && !inner.shared.bitmaps.mark(offset, len) {
             return Err(buffers);
         }
-        let (data, _) = inner.data();
+        let (data, _) = inner.shared.data();
         let Some(access) = data.direct_access() else {
             return Err(buffers);
         };
@@ -128,7 +134,7 @@ impl<S: Storage + 'static> Queue<S> {
         };
         // The bitmaps changed since the write recorded itself (a checkpoint): the engine
         // records it again (the rule of `Inner::recorded`).
-        if write && !inner.bitmaps.still_current(epoch) {
+        if write && !inner.shared.bitmaps.still_current(epoch) {
             inner.locks.release(lock);
             return Err(buffers);
         }
@@ -141,7 +147,7 @@ impl<S: Storage + 'static> Queue<S> {
         }
         let free = self.free_slots();
         let mut links = Vec::new();
-        let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.now()));
+        let stamp = counted.then(|| self.batch_now.unwrap_or_else(|| inner.shared.now()));
         let parts = meta.as_mut().and_then(|m| {
             if !write {
                 inner.plan_direct_read(m, offset, len, stamp, plan)?;
@@ -160,7 +166,7 @@ impl<S: Storage + 'static> Queue<S> {
         if write && !links.is_empty() && !inner.locks.try_upgrade(lock) {
             if let Some(m) = meta.as_mut() {
                 for l in links.iter().filter(|l| l.fresh) {
-                    inner.give_back_now(m, l.host);
+                    inner.shared.give_back_now(m, l.host);
                 }
             }
             *meta = None;
@@ -184,7 +190,7 @@ impl<S: Storage + 'static> Queue<S> {
             if let Some(m) = meta.as_mut() {
                 // Not reached (the checks above come first), but never leak a cluster.
                 for l in links.iter().filter(|l| l.fresh) {
-                    inner.give_back_now(m, l.host);
+                    inner.shared.give_back_now(m, l.host);
                 }
             }
             // Released before the fallbacks, which take it themselves.
@@ -256,7 +262,7 @@ impl<S: Storage + 'static> Queue<S> {
             match queued {
                 Ok(()) => positions.push((pos, n)),
                 Err(e) => {
-                    error = Some(ring_error(&inner.path, write, host, n as u64, e));
+                    error = Some(ring_error(&inner.shared.path, write, host, n as u64, e));
                     break;
                 }
             }
@@ -302,13 +308,17 @@ impl<S: Storage + 'static> Queue<S> {
     /// that the direct path never waits for a `fallocate`.
     pub(super) fn reserve_ahead(&self, host: u64) {
         let inner = &self.image.inner;
-        if !inner.claim_extension(host) {
+        if !inner.shared.claim_extension(host) {
             return;
         }
         let image = self.image.clone();
-        let job = Box::pin(async move { image.inner.extend_reservation().await });
+        let job = Box::pin(async move { image.inner.shared.extend_reservation().await });
         if !self.worker.run(job) {
-            inner.reservation.extending.store(false, Ordering::Release);
+            inner
+                .shared
+                .reservation
+                .extending
+                .store(false, Ordering::Release);
         }
     }
 }

@@ -80,16 +80,16 @@ impl<S: Storage> Inner<S> {
     ) -> Option<CowWrite> {
         let mut pieces = self.pieces(offset, len);
         let (gc, a, n, _) = pieces.next()?;
-        if pieces.next().is_some() || self.data_file.is_some() {
+        if pieces.next().is_some() || self.shared.data_file.is_some() {
             return None;
         }
         let b = a + n;
-        let old = self.lookup_cached(m, gc, stamp)?;
+        let old = self.shared.lookup_cached(m, gc, stamp)?;
         let plan = self.plan_write(&old, a, b);
         if plan.freed.is_some()
             || !plan.relink
             || (plan.start == a && plan.end == b)
-            || !self.can_link_cached(m, gc)
+            || !self.shared.can_link_cached(m, gc)
         {
             return None;
         }
@@ -147,9 +147,11 @@ impl<S: Storage> Inner<S> {
         if !cow.link.fresh {
             return Some(());
         }
-        let cs = self.geo.cluster_size();
-        let (allocation, reservation) = (self.allocation, &self.reservation);
-        let hosts = self.alloc_near_now(m, 1, |host| reservation.covers(allocation, host, cs))?;
+        let cs = self.shared.geo.cluster_size();
+        let (allocation, reservation) = (self.shared.allocation, &self.shared.reservation);
+        let hosts = self
+            .shared
+            .alloc_near_now(m, 1, |host| reservation.covers(allocation, host, cs))?;
         cow.link.host = *hosts.first()?;
         Some(())
     }
@@ -167,9 +169,9 @@ impl<S: Storage> Inner<S> {
         stamp: Option<Duration>,
         parts: &mut Vec<Part>,
     ) -> Option<()> {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let entry = self.lookup_cached(m, gc, stamp)?;
+            let entry = self.shared.lookup_cached(m, gc, stamp)?;
             let host = match entry.entry() {
                 L2Entry::Compressed(_) => return None,
                 e => e.host_cluster().map(|h| h.0),
@@ -221,13 +223,13 @@ impl<S: Storage> Inner<S> {
         stamp: Option<Duration>,
         parts: &mut Vec<Part>,
     ) -> Option<Vec<PreparedWrite>> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let mut planned = Vec::new();
         let mut fresh = 0;
         // Some piece skips copy-on-write of zeros: its new cluster must read as zeros.
         let mut unused_only = false;
         for (gc, a, n, pos) in self.pieces(offset, len) {
-            let old = self.lookup_cached(m, gc, stamp)?;
+            let old = self.shared.lookup_cached(m, gc, stamp)?;
             let mut plan = self.plan_write(&old, a, a + n);
             if plan.freed.is_some() {
                 return None;
@@ -241,17 +243,17 @@ impl<S: Storage> Inner<S> {
                 (plan.start, plan.end) = (a, a + n);
                 unused_only = true;
             }
-            if plan.relink && !self.can_link_cached(m, gc) {
+            if plan.relink && !self.shared.can_link_cached(m, gc) {
                 return None;
             }
             match plan.target {
                 // With a data file the host offset is the guest offset: nothing to allocate,
                 // but also nothing the direct path links there.
-                Destination::New if self.data_file.is_some() => return None,
+                Destination::New if self.shared.data_file.is_some() => return None,
                 Destination::New => fresh += 1,
                 Destination::InPlace(h) => {
                     // The engine reports an overlap (and marks the image corrupt).
-                    let overlaps = self.data_file.is_none()
+                    let overlaps = self.shared.data_file.is_none()
                         && m.data_overlaps_metadata(h + a as u64, n as u64);
                     if overlaps {
                         return None;
@@ -260,14 +262,14 @@ impl<S: Storage> Inner<S> {
             }
             planned.push((gc, a, n, pos, old, plan));
         }
-        let allocation = self.allocation;
-        let reservation = &self.reservation;
+        let allocation = self.shared.allocation;
+        let reservation = &self.shared.reservation;
         // As in the engine's `prepare_chunks`: clusters from here on never held data.
         let unused_from = m.never_used_from();
         let accept = |host: u64| {
             reservation.covers(allocation, host, cs) && (!unused_only || host >= unused_from)
         };
-        let mut hosts = self.alloc_near_now(m, fresh, accept)?.into_iter();
+        let mut hosts = self.shared.alloc_near_now(m, fresh, accept)?.into_iter();
         let mut links = Vec::new();
         for (gc, a, n, pos, old, plan) in planned {
             let (host, fresh) = match plan.target {

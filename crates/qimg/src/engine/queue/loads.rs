@@ -74,13 +74,13 @@ impl<S: Storage + 'static> Queue<S> {
         }
         // Another load of it under way (an engine read's or another queue's), or a dirty
         // victim to write back first: the engine deals with both.
-        if inner.slice_loads.loading(key) || m.l2_victim_dirty() || self.free_slots() == 0 {
+        if inner.shared.slice_loads.loading(key) || m.l2_victim_dirty() || self.free_slots() == 0 {
             return Err(p);
         }
-        let Some(access) = inner.file.direct_access() else {
+        let Some(access) = inner.shared.file.direct_access() else {
             return Err(p);
         };
-        let at = inner.slice_location(m, CacheKind::L2, key);
+        let at = inner.shared.slice_location(m, CacheKind::L2, key);
         let size = m.l2_slice_size();
         let (ra, ma) = (access.request_alignment.max(1), access.mem_alignment.max(1));
         if at % ra as u64 != 0 || size % ra != 0 {
@@ -98,7 +98,7 @@ impl<S: Storage + 'static> Queue<S> {
                 self.loads.len() - 1
             }
         };
-        let (token, epoch) = inner.start_unlocked_load(m, key, true);
+        let (token, epoch) = inner.shared.start_unlocked_load(m, key, true);
         if self
             .ring
             .read(
@@ -111,7 +111,7 @@ impl<S: Storage + 'static> Queue<S> {
             )
             .is_err()
         {
-            inner.slice_loads.end(token);
+            inner.shared.slice_loads.end(token);
             return Err(p);
         }
         self.loads[idx] = Some(SliceLoad {
@@ -140,8 +140,11 @@ impl<S: Storage + 'static> Queue<S> {
         let read = c.result >= 0 && c.result as usize == load.size;
         let cached = match super::lock_briefly(&inner.meta) {
             Some(mut m) => {
-                let current = inner.slice_loads.end(load.token);
-                if !inner.unlocked_load_usable(&m, current, load.epoch, read) {
+                let current = inner.shared.slice_loads.end(load.token);
+                if !inner
+                    .shared
+                    .unlocked_load_usable(&m, current, load.epoch, read)
+                {
                     false
                 } else if m.l2_cached(load.key) {
                     true
@@ -149,7 +152,7 @@ impl<S: Storage + 'static> Queue<S> {
                     false
                 } else {
                     let mut data = vec![0u8; load.size];
-                    let now = inner.now();
+                    let now = inner.shared.now();
                     load.buffers.copy_out(0, &mut data)
                         && match m.insert_l2_slice(load.key, data.into_boxed_slice(), now) {
                             Ok(None) => true,
@@ -164,7 +167,7 @@ impl<S: Storage + 'static> Queue<S> {
                 }
             }
             None => {
-                inner.slice_loads.end(load.token);
+                inner.shared.slice_loads.end(load.token);
                 false
             }
         };
@@ -200,8 +203,12 @@ impl<S: Storage + 'static> Queue<S> {
         let job = Box::pin(async move {
             let inner = &image.inner;
             let mut m = inner.meta.lock().await;
-            if let Err(e) = inner.write_evicted(&mut m, CacheKind::L2, dirty).await {
-                let _ = inner.signal_corruption(&mut m, e.to_string()).await;
+            if let Err(e) = inner
+                .shared
+                .write_evicted(&mut m, CacheKind::L2, dirty)
+                .await
+            {
+                let _ = inner.shared.signal_corruption(&mut m, e.to_string()).await;
             }
         });
         let _ = self.worker.run(job);
@@ -222,18 +229,18 @@ fn missing_slice<S: Storage>(
     len: u64,
 ) -> Option<qimg_cache::SliceKey> {
     for (gc, ..) in inner.pieces(offset, len) {
-        let l1i = inner.geo.l1_index(GuestOffset(gc)) as usize;
+        let l1i = inner.shared.geo.l1_index(GuestOffset(gc)) as usize;
         if l1i >= m.l1_len() {
             return None;
         }
         let Some(table) = m.l2_table(l1i) else {
             continue;
         };
-        if inner.unaligned_l2(m, table).is_some() {
+        if inner.shared.unaligned_l2(m, table).is_some() {
             // The engine refuses it (and marks the image corrupt).
             return None;
         }
-        let (key, _) = inner.l2_position(m, table, gc);
+        let (key, _) = inner.shared.l2_position(m, table, gc);
         if !m.l2_cached(key) {
             return Some(key);
         }

@@ -227,7 +227,7 @@ impl<S: Storage + 'static> Image<S> {
     /// A per-queue completion handle on this image: its own io_uring ring and eventfd, and a
     /// thread for the requests that need the engine. See [`Queue`].
     pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
-        let path = &self.inner.path;
+        let path = &self.inner.shared.path;
         let depth = options.depth.unwrap_or(128);
         let mut ring = QueueRing::new(depth).map_err(|e| {
             Error::io(
@@ -326,7 +326,7 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(Error::InvalidOption(format!(
                 "{}: user_data {user_data} is already in flight on this queue (a request keeps \
                  its user_data until its completion is collected)",
-                self.image.inner.path.display()
+                self.image.inner.shared.path.display()
             )));
         }
         Ok(())
@@ -335,7 +335,7 @@ impl<S: Storage + 'static> Queue<S> {
     /// The error of a queue whose engine thread has stopped.
     fn gone(&self, what: &str) -> Error {
         Error::io(
-            &self.image.inner.path,
+            &self.image.inner.shared.path,
             what,
             io::Error::other("the queue's engine thread has stopped"),
         )
@@ -383,7 +383,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
         }
         self.batching = true;
-        self.batch_now = Some(self.image.inner.now());
+        self.batch_now = Some(self.image.inner.shared.now());
         // Consecutive reads that go direct keep the metadata lock from one to the next (its
         // release is not free), for at most `BATCH_HOLD` of them so that other queues and
         // the engine get their turn.
@@ -473,9 +473,9 @@ impl<S: Storage + 'static> Queue<S> {
                 // Only the ring can complete anything (engine requests start only from this
                 // thread): wait in io_uring_enter itself, one system call instead of a poll
                 // and an eventfd read.
-                self.ring
-                    .wait()
-                    .map_err(|e| Error::io(&self.image.inner.path, "waiting for completions", e))?;
+                self.ring.wait().map_err(|e| {
+                    Error::io(&self.image.inner.shared.path, "waiting for completions", e)
+                })?;
                 continue;
             }
             let fd = self.notifier.as_fd();
@@ -484,7 +484,7 @@ impl<S: Storage + 'static> Queue<S> {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => {
                     return Err(Error::io(
-                        &self.image.inner.path,
+                        &self.image.inner.shared.path,
                         "waiting for completions",
                         e.into(),
                     ));
@@ -492,7 +492,7 @@ impl<S: Storage + 'static> Queue<S> {
             }
             self.notifier
                 .drain()
-                .map_err(|e| Error::io(&self.image.inner.path, "reading the eventfd", e))?;
+                .map_err(|e| Error::io(&self.image.inner.shared.path, "reading the eventfd", e))?;
         }
     }
 

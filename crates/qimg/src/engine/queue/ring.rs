@@ -22,7 +22,7 @@ impl<S: Storage + 'static> Queue<S> {
         if self.on_cow_read(idx, part, c.result, c.expected) {
             return;
         }
-        let path = &self.image.inner.path;
+        let path = &self.image.inner.shared.path;
         let Some(p) = self.pending.get_mut(idx).filter(|p| p.active) else {
             return;
         };
@@ -124,7 +124,7 @@ impl<S: Storage + 'static> Queue<S> {
         let failed = p.error.is_some();
         while let Some(l) = p.links.first() {
             let done = if failed {
-                !l.fresh || inner.give_back_now(&mut m, l.host)
+                !l.fresh || inner.shared.give_back_now(&mut m, l.host)
             } else {
                 // The direct path never replaces a cluster: nothing to free after the link.
                 debug_assert!(l.plan.freed.is_none());

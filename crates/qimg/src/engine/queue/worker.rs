@@ -129,7 +129,7 @@ async fn run_on_engine<S: Storage + 'static>(
     image: &Image<S>,
     request: Request,
 ) -> (Result<u64>, Option<IoBuffers>) {
-    let path = &image.inner.path;
+    let path = &image.inner.shared.path;
     let busy = || {
         Error::io(
             path,

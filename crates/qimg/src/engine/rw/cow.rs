@@ -33,7 +33,7 @@ impl<S: Storage> Inner<S> {
         from: usize,
         to: usize,
     ) -> impl Iterator<Item = (usize, usize, CowSource)> {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         let backing = &self.backing;
         state_runs(old, scs, from, to).map(move |run| {
             let guest = gc + run.start as u64;
@@ -43,7 +43,9 @@ impl<S: Storage> Inner<S> {
                 match backing {
                     None => CowSource::Zero,
                     Some(Backing::Raw { .. }) => CowSource::RawBacking(guest),
-                    Some(Backing::Qcow2(image)) if guest >= image.inner.size() => CowSource::Zero,
+                    Some(Backing::Qcow2(image)) if guest >= image.inner.shared.size() => {
+                        CowSource::Zero
+                    }
                     Some(Backing::Qcow2(_)) => CowSource::Qcow2Backing,
                 }
             } else {
@@ -73,8 +75,8 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(crate) fn plan_write(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
-        let cs = self.geo.cluster_size() as usize;
-        let external = self.data_file.is_some();
+        let cs = self.shared.geo.cluster_size() as usize;
+        let external = self.shared.data_file.is_some();
         match old {
             AnyL2Entry::Standard(e) => match *e {
                 L2Entry::Normal { host, copied: true } => WritePlan {
@@ -110,7 +112,7 @@ impl<S: Storage> Inner<S> {
                 },
             },
             AnyL2Entry::Extended(x) => {
-                let scs = self.geo.subcluster_size() as usize;
+                let scs = self.shared.geo.subcluster_size() as usize;
                 let fsc = a / scs;
                 let lsc = (b - 1) / scs;
                 let touched = subcluster_mask(fsc, lsc + 1);

@@ -14,12 +14,12 @@ impl<S: Storage + 'static> Image<S> {
     /// (version 3, no snapshots, bitmaps or data file) so does this, leaving the same four
     /// clusters; otherwise only ranges the image allocates are visited.
     pub async fn make_empty(&self) -> Result<()> {
-        self.inner.check_writable()?;
+        self.inner.shared.check_writable()?;
         {
             let _all = self.inner.locks.lock(0, u64::MAX, true).await;
             let mut m = self.inner.meta.lock().await;
             self.inner.ensure_open(&m)?;
-            if self.inner.empty_completely(&mut m).await? {
+            if self.inner.shared.empty_completely(&mut m).await? {
                 return Ok(());
             }
         }

@@ -160,7 +160,7 @@ impl<S: Storage> Inner<S> {
     /// cluster, length, position in the request)`, without allocating.
     pub(crate) fn pieces(&self, offset: u64, len: u64) -> Pieces {
         Pieces {
-            cs: self.geo.cluster_size(),
+            cs: self.shared.geo.cluster_size(),
             offset,
             len,
             pos: 0,
@@ -177,12 +177,12 @@ impl<S: Storage> Inner<S> {
             .map(|n| n as u64)
             .try_fold(0u64, u64::checked_add)
             .unwrap_or(u64::MAX);
-        self.check_range(offset, len)?;
+        self.shared.check_range(offset, len)?;
         Ok(len)
     }
 
     pub(crate) fn cluster_span(&self, offset: u64, len: u64) -> (u64, u64) {
-        let bits = self.geo.cluster_bits();
+        let bits = self.shared.geo.cluster_bits();
         (offset >> bits, ((offset + len.max(1) - 1) >> bits) + 1)
     }
 
@@ -190,7 +190,7 @@ impl<S: Storage> Inner<S> {
         if m.is_closed() {
             return Err(Error::InvalidOption(format!(
                 "{}: the image is closed",
-                self.path.display()
+                self.shared.path.display()
             )));
         }
         Ok(())
@@ -198,16 +198,18 @@ impl<S: Storage> Inner<S> {
 
     /// Drops the reference a rewritten entry held (after the entry changed).
     pub(super) async fn release(&self, m: &mut Meta, freed: Freed) -> Result<()> {
-        if self.data_file.is_some() {
+        if self.shared.data_file.is_some() {
             return Ok(());
         }
-        self.set_dependency(m, CacheKind::Refcount, CacheKind::L2)
+        self.shared
+            .set_dependency(m, CacheKind::Refcount, CacheKind::L2)
             .await?;
         match freed {
-            Freed::Cluster(h) => self.free_clusters(m, h, 1).await,
+            Freed::Cluster(h) => self.shared.free_clusters(m, h, 1).await,
             Freed::Compressed(d) => {
                 let (first, n) = d.host_clusters();
-                self.free_clusters(m, first.0 * self.geo.cluster_size(), n)
+                self.shared
+                    .free_clusters(m, first.0 * self.shared.geo.cluster_size(), n)
                     .await
             }
         }

@@ -14,16 +14,16 @@ impl<S: Storage> Inner<S> {
     /// entry becomes a normal cluster only where it read as zeros (a zero cluster, or
     /// unallocated without a backing file); where it shows the backing file it stays.
     pub(crate) async fn preallocate(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
+        self.shared.check_writable()?;
+        self.shared.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let first = offset / cs * cs;
         let end = (offset + len)
             .next_multiple_of(cs)
-            .min(self.size().next_multiple_of(cs));
+            .min(self.shared.size().next_multiple_of(cs));
         let _guard = self.locks.lock(first, end - first, true).await;
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
@@ -31,7 +31,7 @@ impl<S: Storage> Inner<S> {
         let mut file_end = 0;
         let mut gc = first;
         while gc < end {
-            let old = self.lookup(&mut m, gc).await?;
+            let old = self.shared.lookup(&mut m, gc).await?;
             let wanted = match old {
                 AnyL2Entry::Extended(x) => {
                     x.entry.host_cluster().is_none() && !matches!(x.entry, L2Entry::Compressed(_))
@@ -48,28 +48,33 @@ impl<S: Storage> Inner<S> {
                 gc += cs;
                 continue;
             }
-            let host = if self.data_file.is_some() {
+            let host = if self.shared.data_file.is_some() {
                 // An external data file maps guest offsets to themselves.
                 gc
             } else {
                 self.table_before_data(&mut m, gc).await?;
                 let unused_from = m.never_used_from();
-                let host = self.alloc_clusters(&mut m, 1).await?;
-                self.counters
+                let host = self.shared.alloc_clusters(&mut m, 1).await?;
+                self.shared
+                    .counters
                     .clusters_allocated
                     .fetch_add(1, Ordering::Relaxed);
-                self.guard_write(&mut m, host, cs, Writing::Data).await?;
+                self.shared
+                    .guard_write(&mut m, host, cs, Writing::Data)
+                    .await?;
                 // Subclusters of an extended entry keep their states: nothing reads the
                 // cluster's bytes until a write allocates them.
                 if host < unused_from && matches!(old, AnyL2Entry::Standard(_)) {
-                    self.file
+                    self.shared
+                        .file
                         .write_zeroes(host, cs)
                         .await
-                        .map_err(|e| self.storage_error(e))?;
+                        .map_err(|e| self.shared.storage_error(e))?;
                 }
                 file_end = file_end.max(host + cs);
                 // Refcount increments reach the disk before the entry that uses them.
-                self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+                self.shared
+                    .set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
                     .await?;
                 host
             };
@@ -83,20 +88,26 @@ impl<S: Storage> Inner<S> {
                 }),
                 AnyL2Entry::Standard(_) => self.linked_entry(host, None),
             };
-            self.set_entry(&mut m, gc, &entry).await?;
+            self.shared.set_entry(&mut m, gc, &entry).await?;
             // The grown file (below) and any zeros are durable before the entry.
             m.entries_wait_for_data();
             gc += cs;
         }
         // The clusters past the end of the file become part of it, holes: an entry never
         // names a cluster past the end (`qemu-img check` would report it).
-        let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let len = self
+            .shared
+            .file
+            .len()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
         if file_end > len {
             // Zeros written over the last cluster only ever grow the file.
-            self.file
+            self.shared
+                .file
                 .write_zeroes(file_end - cs, cs)
                 .await
-                .map_err(|e| self.storage_error(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
         }
         Ok(())
     }

@@ -50,7 +50,7 @@ impl<S: Storage> Inner<S> {
             let mut run: Option<(u64, usize, usize)> = None;
             for (gc, a, n, pos) in self.pieces(at, segment_len) {
                 let entry = self.lookup_for_read(gc).await?;
-                let host = plain_host(&entry, self.geo.subcluster_size() as usize, a, a + n);
+                let host = plain_host(&entry, self.shared.geo.subcluster_size() as usize, a, a + n);
                 if let (Some(h), Some((rh, rp, rl))) = (host, &mut run) {
                     if *rh + *rl as u64 == h && *rp + *rl == pos {
                         *rl += n;
@@ -78,7 +78,7 @@ impl<S: Storage> Inner<S> {
 
     /// Reads guest data at host offset `host` of the data file (zeros past its end).
     async fn read_data(&self, dst: &mut [u8], host: u64) -> Result<()> {
-        let (data, path) = self.data();
+        let (data, path) = self.shared.data();
         data.debug_event(DebugEvent::ReadAio);
         data.read_at_zero_fill(dst, host)
             .await
@@ -96,59 +96,68 @@ impl<S: Storage> Inner<S> {
         // waits, then the locked path.
         for _ in 0..8 {
             // Before looking (under the lock), so that a load ending after the look wakes it.
-            let ended = self.slice_loads.done.notified();
+            let ended = self.shared.slice_loads.done.notified();
             let (key, idx, at, size, epoch, token) = {
                 let mut m = self.meta.lock().await;
                 self.ensure_open(&m)?;
-                let l1i = self.geo.l1_index(qimg_format::units::GuestOffset(gc)) as usize;
+                let l1i =
+                    self.shared
+                        .geo
+                        .l1_index(qimg_format::units::GuestOffset(gc)) as usize;
                 let Some(table) = m.l2_table(l1i) else {
-                    return self.lookup(&mut m, gc).await;
+                    return self.shared.lookup(&mut m, gc).await;
                 };
-                if self.unaligned_l2(&m, table).is_some() {
-                    return self.lookup(&mut m, gc).await;
+                if self.shared.unaligned_l2(&m, table).is_some() {
+                    return self.shared.lookup(&mut m, gc).await;
                 }
-                let (key, idx) = self.l2_position(&m, table, gc);
+                let (key, idx) = self.shared.l2_position(&m, table, gc);
                 // A hit, or a miss whose victim must be written back first: the locked path.
                 if m.l2_cached(key) || m.l2_victim_dirty() {
-                    return self.lookup(&mut m, gc).await;
+                    return self.shared.lookup(&mut m, gc).await;
                 }
-                if self.slice_loads.engine_loading(key) {
+                if self.shared.slice_loads.engine_loading(key) {
                     drop(m);
                     ended.await;
                     continue;
                 }
-                if self.slice_loads.loading(key) {
+                if self.shared.slice_loads.loading(key) {
                     // A queue's load, which ends only when its caller collects: load under
                     // the lock instead (which supersedes it).
-                    return self.lookup(&mut m, gc).await;
+                    return self.shared.lookup(&mut m, gc).await;
                 }
-                let at = self.slice_location(&m, CacheKind::L2, key);
+                let at = self.shared.slice_location(&m, CacheKind::L2, key);
                 let size = m.l2_slice_size();
-                let (token, epoch) = self.start_unlocked_load(&mut m, key, false);
+                let (token, epoch) = self.shared.start_unlocked_load(&mut m, key, false);
                 (key, idx, at, size, epoch, token)
             };
             let load = LoadGuard {
-                loads: &self.slice_loads,
+                loads: &self.shared.slice_loads,
                 token: Some(token),
             };
             let mut buf = vec![0u8; size];
-            self.file.debug_event(DebugEvent::L2Load);
-            let read = self.file.read_at(&mut buf, at).await;
+            self.shared.file.debug_event(DebugEvent::L2Load);
+            let read = self.shared.file.read_at(&mut buf, at).await;
             let mut m = self.meta.lock().await;
             let current = load.end();
-            if !self.unlocked_load_usable(&m, current, epoch, read.is_ok()) || m.l2_cached(key) {
+            if !self
+                .shared
+                .unlocked_load_usable(&m, current, epoch, read.is_ok())
+                || m.l2_cached(key)
+            {
                 // Something changed, or the read failed: the locked lookup decides (and reports
                 // a failure as it always has).
                 self.ensure_open(&m)?;
-                return self.lookup(&mut m, gc).await;
+                return self.shared.lookup(&mut m, gc).await;
             }
-            self.make_room(&mut m, CacheKind::L2).await?;
-            self.insert_slice(&mut m, CacheKind::L2, key, buf).await?;
-            return self.entry_in_slice(&mut m, key, idx).await;
+            self.shared.make_room(&mut m, CacheKind::L2).await?;
+            self.shared
+                .insert_slice(&mut m, CacheKind::L2, key, buf)
+                .await?;
+            return self.shared.entry_in_slice(&mut m, key, idx).await;
         }
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        self.lookup(&mut m, gc).await
+        self.shared.lookup(&mut m, gc).await
     }
 
     /// Reads `out.len()` bytes from offset `a` of the guest cluster at `gc` as `entry`
@@ -160,7 +169,7 @@ impl<S: Storage> Inner<S> {
         a: usize,
         out: &mut [u8],
     ) -> Result<()> {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         let mut inflated: Option<Vec<u8>> = None;
         for StateRun {
             start: pos,
@@ -172,7 +181,7 @@ impl<S: Storage> Inner<S> {
             match state {
                 SubclusterState::Normal => {
                     let host = entry.entry().host_cluster().map_or(0, |h| h.0);
-                    let (data, path) = self.data();
+                    let (data, path) = self.shared.data();
                     data.debug_event(DebugEvent::ReadAio);
                     data.read_at_zero_fill(dst, host + pos as u64)
                         .await
@@ -186,7 +195,7 @@ impl<S: Storage> Inner<S> {
                     if inflated.is_none() {
                         let L2Entry::Compressed(d) = *entry.entry() else {
                             return Err(Error::corrupt(
-                                &self.path,
+                                &self.shared.path,
                                 "compressed state without descriptor",
                             ));
                         };
@@ -208,15 +217,16 @@ impl<S: Storage> Inner<S> {
     ) -> Result<Vec<u8>> {
         let mut input = vec![0u8; d.compressed_size_bytes() as usize];
         let at = d.host_offset().0;
-        self.file.debug_event(DebugEvent::ReadCompressed);
-        self.file
+        self.shared.file.debug_event(DebugEvent::ReadCompressed);
+        self.shared
+            .file
             .read_at_zero_fill(&mut input, at)
             .await
-            .map_err(|e| self.storage_error(e))?;
-        let mut out = vec![0u8; self.geo.cluster_size() as usize];
-        compress::decompress(self.compression, &input, &mut out).map_err(|e| {
+            .map_err(|e| self.shared.storage_error(e))?;
+        let mut out = vec![0u8; self.shared.geo.cluster_size() as usize];
+        compress::decompress(self.shared.compression, &input, &mut out).map_err(|e| {
             Error::corrupt(
-                &self.path,
+                &self.shared.path,
                 format!(
                     "compressed cluster for guest offset {gc:#x} ({} bytes at host offset {at:#x}) \
                      cannot be decompressed: {e}",
@@ -235,7 +245,7 @@ impl<S: Storage> Inner<S> {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             if self.backing.is_some() {
-                self.file.debug_event(DebugEvent::ReadBackingAio);
+                self.shared.file.debug_event(DebugEvent::ReadBackingAio);
             }
             match &self.backing {
                 None => {
@@ -247,7 +257,7 @@ impl<S: Storage> Inner<S> {
                     .await
                     .map_err(|e| Error::storage(path, e)),
                 Some(Backing::Qcow2(img)) => {
-                    let size = img.inner.size();
+                    let size = img.inner.shared.size();
                     let n = size.saturating_sub(offset).min(buf.len() as u64) as usize;
                     buf[n..].fill(0);
                     if n > 0 {

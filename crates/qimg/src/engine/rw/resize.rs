@@ -20,11 +20,11 @@ use super::*;
 
 impl<S: Storage> Inner<S> {
     pub(crate) async fn resize(&self, new_size: u64) -> Result<()> {
-        self.check_writable()?;
-        let size = self.size();
+        self.shared.check_writable()?;
+        let size = self.shared.size();
         if new_size < size {
             return Err(Error::Unsupported {
-                path: self.path.clone(),
+                path: self.shared.path.clone(),
                 what: format!("shrinking from {size} to {new_size} bytes"),
             });
         }
@@ -33,15 +33,16 @@ impl<S: Storage> Inner<S> {
         }
         self.bitmaps_in_use_before_resize().await?;
         let entries = self
+            .shared
             .geo
             .l1_size_for(new_size)
             .map_err(|e| Error::InvalidOption(format!("size {new_size}: {e}")))?;
         let _guard = self.locks.lock(0, u64::MAX, true).await;
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        self.grow_l1(&mut m, entries).await?;
-        if self.data_file_raw {
-            let (storage, path) = self.data();
+        self.shared.grow_l1(&mut m, entries).await?;
+        if self.shared.data_file_raw {
+            let (storage, path) = self.shared.data();
             let len = storage.len().await.map_err(|e| Error::storage(path, e))?;
             if len < new_size {
                 storage
@@ -56,7 +57,7 @@ impl<S: Storage> Inner<S> {
         // As QEMU: where a longer backing file would show through the new area, it reads as
         // zeros instead.
         let backing_len = match &self.backing {
-            Some(Backing::Qcow2(b)) => b.inner.size(),
+            Some(Backing::Qcow2(b)) => b.inner.shared.size(),
             Some(Backing::Raw { storage, path }) => {
                 storage.len().await.map_err(|e| Error::storage(path, e))?
             }
@@ -71,19 +72,24 @@ impl<S: Storage> Inner<S> {
 
     /// Writes the virtual size to the header, flushes, and makes it the size requests see.
     pub(crate) async fn write_size(&self, new_size: u64) -> Result<()> {
-        self.file
+        self.shared
+            .file
             .write_at(&header::encode_size(new_size), header::field::SIZE)
             .await
-            .map_err(|e| self.storage_error(e))?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
-        self.size.store(new_size, Ordering::Release);
-        self.bitmaps.resize(new_size);
+            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared
+            .file
+            .flush()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.size.store(new_size, Ordering::Release);
+        self.shared.bitmaps.resize(new_size);
         Ok(())
     }
 
     pub(crate) async fn shrink(&self, new_size: u64) -> Result<()> {
-        self.check_writable()?;
-        let size = self.size();
+        self.shared.check_writable()?;
+        let size = self.shared.size();
         if new_size >= size {
             return self.resize(new_size).await;
         }
@@ -92,8 +98,8 @@ impl<S: Storage> Inner<S> {
                 "size {new_size}: the new size must be a multiple of 512"
             )));
         }
-        let cs = self.geo.cluster_size();
-        let scs = self.geo.subcluster_size();
+        let cs = self.shared.geo.cluster_size();
+        let scs = self.shared.geo.subcluster_size();
         self.bitmaps_in_use_before_resize().await?;
         let _guard = self.locks.lock(0, u64::MAX, true).await;
         {
@@ -102,7 +108,7 @@ impl<S: Storage> Inner<S> {
         }
         // The whole subclusters past the new end of a partly cut cluster read as zeros.
         let within = new_size % cs;
-        if self.geo.extended_l2() && within != 0 {
+        if self.shared.geo.extended_l2() && within != 0 {
             let gc = new_size - within;
             let first = within.div_ceil(scs) * scs;
             if first < cs && gc + first < size {
@@ -113,9 +119,9 @@ impl<S: Storage> Inner<S> {
         self.write_size(new_size).await?;
 
         let keep_end = new_size.next_multiple_of(cs);
-        let span = self.geo.l2_coverage();
+        let span = self.shared.geo.l2_coverage();
         let mut m = self.meta.lock().await;
-        self.refuse_unaligned_l2(&mut m).await?;
+        self.shared.refuse_unaligned_l2(&mut m).await?;
         let first_table = keep_end / span;
         let tables = m.l1_len() as u64;
         for index in first_table..tables {
@@ -132,28 +138,33 @@ impl<S: Storage> Inner<S> {
                 if m.l1()[i].copied {
                     let mut gc = from;
                     while gc < to {
-                        let e = self.lookup(&mut m, gc).await?;
+                        let e = self.shared.lookup(&mut m, gc).await?;
                         freed.extend(old_reference(e.entry()));
                         gc += cs;
                     }
                 }
-                self.write_l1_entry(&mut m, i, L1Entry::UNALLOCATED, None)
+                self.shared
+                    .write_l1_entry(&mut m, i, L1Entry::UNALLOCATED, None)
                     .await?;
-                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+                self.shared
+                    .file
+                    .flush()
+                    .await
+                    .map_err(|e| self.shared.storage_error(e))?;
                 m.forget_l2_table(table.0, false);
-                if self.data_file.is_none() {
+                if self.shared.data_file.is_none() {
                     for f in freed {
                         self.release(&mut m, f).await?;
                     }
                 }
-                self.free_clusters(&mut m, table.0, 1).await?;
+                self.shared.free_clusters(&mut m, table.0, 1).await?;
             } else {
-                let unallocated = self.unallocated_entry();
+                let unallocated = self.shared.unallocated_entry();
                 let mut gc = from;
                 while gc < to {
-                    let old = self.lookup(&mut m, gc).await?;
+                    let old = self.shared.lookup(&mut m, gc).await?;
                     if old != unallocated {
-                        self.set_entry(&mut m, gc, &unallocated).await?;
+                        self.shared.set_entry(&mut m, gc, &unallocated).await?;
                         if let Some(f) = old_reference(old.entry()) {
                             self.release(&mut m, f).await?;
                         }
@@ -164,7 +175,7 @@ impl<S: Storage> Inner<S> {
         }
         // The file shrinks too, as with qemu-img: refcount blocks that count nothing leave
         // the table and the file ends after its last cluster in use.
-        self.trim_file(&mut m).await
+        self.shared.trim_file(&mut m).await
     }
 }
 

@@ -13,20 +13,20 @@ impl<S: Storage> Inner<S> {
     /// The guest offset where the VM-state area starts: the disk size rounded up to what one
     /// L2 table maps (QEMU's `qcow2_vm_state_offset`).
     pub(crate) fn vm_state_offset(&self) -> u64 {
-        let per_table = self.geo.cluster_size() * self.geo.l2_entries();
-        self.size().div_ceil(per_table) * per_table
+        let per_table = self.shared.geo.cluster_size() * self.shared.geo.l2_entries();
+        self.shared.size().div_ceil(per_table) * per_table
     }
 
     /// The guest offset of `len` bytes at `pos` in the VM-state area, refused past what an L1
     /// table can map.
     fn vm_state_range(&self, pos: u64, len: u64) -> Result<u64> {
-        let per_table = self.geo.cluster_size() * self.geo.l2_entries();
+        let per_table = self.shared.geo.cluster_size() * self.shared.geo.l2_entries();
         let limit = (qimg_format::validate::MAX_L1_BYTES / 8).saturating_mul(per_table);
         let offset = self.vm_state_offset().checked_add(pos);
         match offset {
             Some(o) if o.checked_add(len).is_some_and(|end| end <= limit) => Ok(o),
             _ => Err(Error::OutOfRange {
-                path: self.path.clone(),
+                path: self.shared.path.clone(),
                 offset: pos,
                 len,
                 size: limit.saturating_sub(self.vm_state_offset()),
@@ -38,7 +38,7 @@ impl<S: Storage> Inner<S> {
     pub(crate) async fn read_vmstate(&self, buf: &mut [u8], pos: u64) -> Result<()> {
         let len = buf.len() as u64;
         let offset = self.vm_state_range(pos, len)?;
-        self.file.debug_event(DebugEvent::VmstateLoad);
+        self.shared.file.debug_event(DebugEvent::VmstateLoad);
         self.read_span(&mut [IoSliceMut::new(buf)], offset, len)
             .await
     }
@@ -46,7 +46,7 @@ impl<S: Storage> Inner<S> {
     /// Writes `buf` at position `pos` of the VM-state area, growing the L1 table to map it.
     /// Dirty bitmaps do not track the area (it is no guest data).
     pub(crate) async fn write_vmstate(&self, buf: &[u8], pos: u64) -> Result<()> {
-        self.check_writable()?;
+        self.shared.check_writable()?;
         let len = buf.len() as u64;
         let offset = self.vm_state_range(pos, len)?;
         if len == 0 {
@@ -55,13 +55,14 @@ impl<S: Storage> Inner<S> {
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, true).await;
         {
-            let per_table = self.geo.cluster_size() * self.geo.l2_entries();
+            let per_table = self.shared.geo.cluster_size() * self.shared.geo.l2_entries();
             let mut m = self.meta.lock().await;
             self.ensure_open(&m)?;
-            self.grow_l1(&mut m, (offset + len).div_ceil(per_table))
+            self.shared
+                .grow_l1(&mut m, (offset + len).div_ceil(per_table))
                 .await?;
         }
-        self.file.debug_event(DebugEvent::VmstateSave);
+        self.shared.file.debug_event(DebugEvent::VmstateSave);
         self.write_locked(&[IoSlice::new(buf)], offset, len).await
     }
 }

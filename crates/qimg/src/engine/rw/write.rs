@@ -24,7 +24,7 @@ impl<S: Storage> Inner<S> {
     /// together do not interleave their clusters on the host; all data is written before
     /// anything is linked.
     pub(crate) async fn write_vectored(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
-        self.check_writable()?;
+        self.shared.check_writable()?;
         let len = self.request_len(bufs.iter().map(|b| b.len()), offset)?;
         if len == 0 {
             return Ok(());
@@ -102,14 +102,14 @@ impl<S: Storage> Inner<S> {
     ) -> Result<Vec<PreparedWrite>> {
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let mut prepared = Vec::with_capacity(pieces.len());
         for &(gc, a, b) in pieces {
-            let old = self.lookup(&mut m, gc).await?;
+            let old = self.shared.lookup(&mut m, gc).await?;
             let plan = self.plan_write(&old, a, b);
             let (host, fresh) = match plan.target {
                 Destination::InPlace(h) => (h, false),
-                Destination::New if self.data_file.is_some() => (gc, false),
+                Destination::New if self.shared.data_file.is_some() => (gc, false),
                 Destination::New => (0, true),
             };
             prepared.push(PreparedWrite {
@@ -134,14 +134,15 @@ impl<S: Storage> Inner<S> {
             for p in prepared.iter_mut().filter(|p| p.fresh) {
                 if left == 0 {
                     let run = fresh.min(most);
-                    next = match self.alloc_clusters(&mut m, run).await {
+                    next = match self.shared.alloc_clusters(&mut m, run).await {
                         Ok(host) => host,
                         Err(e) => {
                             self.abandon_allocated(&mut m, &prepared).await;
                             return Err(e);
                         }
                     };
-                    self.counters
+                    self.shared
+                        .counters
                         .clusters_allocated
                         .fetch_add(run, Ordering::Relaxed);
                     left = run;
@@ -155,12 +156,16 @@ impl<S: Storage> Inner<S> {
                 }
             }
         }
-        if self.data_file.is_none() {
+        if self.shared.data_file.is_none() {
             for i in 0..prepared.len() {
                 let p = &prepared[i];
                 let span = (p.plan.end - p.plan.start) as u64;
                 let at = p.host + p.plan.start as u64;
-                if let Err(e) = self.guard_write(&mut m, at, span, Writing::Data).await {
+                if let Err(e) = self
+                    .shared
+                    .guard_write(&mut m, at, span, Writing::Data)
+                    .await
+                {
                     self.abandon_allocated(&mut m, &prepared).await;
                     return Err(e);
                 }
@@ -172,7 +177,7 @@ impl<S: Storage> Inner<S> {
     /// Frees the clusters given to fresh pieces so far (host 0: none yet), under the lock.
     async fn abandon_allocated(&self, m: &mut Meta, prepared: &[PreparedWrite]) {
         for p in prepared.iter().filter(|p| p.fresh && p.host != 0) {
-            let _ = self.free_clusters(m, p.host, 1).await;
+            let _ = self.shared.free_clusters(m, p.host, 1).await;
         }
     }
 
@@ -182,7 +187,7 @@ impl<S: Storage> Inner<S> {
         if prepared.iter().any(|p| p.fresh) {
             let mut m = self.meta.lock().await;
             for p in prepared.iter().filter(|p| p.fresh) {
-                let _ = self.free_clusters(&mut m, p.host, 1).await;
+                let _ = self.shared.free_clusters(&mut m, p.host, 1).await;
             }
         }
     }
@@ -208,12 +213,15 @@ impl<S: Storage> Inner<S> {
             // What linking needs, made ready with I/O in the order linking uses it (the
             // dependency's write-back, then the slice, a counted lookup), then the link.
             if p.fresh {
-                self.set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+                self.shared
+                    .set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
                     .await?;
             }
-            self.writable_l2_slice(&mut m, p.gc).await?;
+            self.shared.writable_l2_slice(&mut m, p.gc).await?;
         }
-        self.until_done(&mut m, |m| self.link_now(m, p)).await??;
+        self.shared
+            .until_done(&mut m, |m| self.link_now(m, p))
+            .await??;
         if let Some(freed) = plan.freed {
             self.release(&mut m, freed).await?;
         }
@@ -231,15 +239,20 @@ impl<S: Storage> Inner<S> {
         if plan.relink {
             if p.fresh {
                 // Refcount increments reach the disk before the entry that uses them.
-                self.set_dependency_now(m, CacheKind::L2, CacheKind::Refcount)?;
+                self.shared
+                    .set_dependency_now(m, CacheKind::L2, CacheKind::Refcount)?;
             }
-            if let Err(e) = self.set_entry_now(m, p.gc, &self.linked_entry(p.host, plan.bitmap))? {
+            if let Err(e) =
+                self.shared
+                    .set_entry_now(m, p.gc, &self.linked_entry(p.host, plan.bitmap))?
+            {
                 return Ok(Err(e));
             }
             m.entries_wait_for_data();
         }
         let cow = (p.a - plan.start) + (plan.end - p.b);
-        self.counters
+        self.shared
+            .counters
             .cow_bytes
             .fetch_add(cow as u64, Ordering::Relaxed);
         Ok(Ok(()))
@@ -249,14 +262,14 @@ impl<S: Storage> Inner<S> {
     /// head `[plan.start, a)` and tail `[b, plan.end)` around the guest bytes, which the caller
     /// writes itself.
     pub(crate) async fn write_cow(&self, p: &PreparedWrite) -> Result<()> {
-        let (storage, path) = self.data();
+        let (storage, path) = self.shared.data();
         if p.fresh {
             self.prepare_fresh(p.host, &p.plan).await?;
         }
         let plan = &p.plan;
         for (from, to) in [(plan.start, p.a), (p.b, plan.end)] {
             if from < to {
-                let mut buf = self.io_buf(to - from)?;
+                let mut buf = self.shared.io_buf(to - from)?;
                 storage.debug_event(DebugEvent::CowRead);
                 self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
                 storage.debug_event(DebugEvent::CowWrite);
@@ -273,9 +286,9 @@ impl<S: Storage> Inner<S> {
     /// clusters it maps are allocated, so that a large write to an empty area lands as one
     /// host extent after it (and the file ends where QEMU's does).
     pub(super) async fn table_before_data(&self, m: &mut Meta, gc: u64) -> Result<()> {
-        let l1i = (gc / self.geo.l2_coverage()) as usize;
+        let l1i = (gc / self.shared.geo.l2_coverage()) as usize;
         if l1i < m.l1_len() && m.l2_table(l1i).is_none() {
-            self.writable_l2_slice(m, gc).await?;
+            self.shared.writable_l2_slice(m, gc).await?;
         }
         Ok(())
     }
@@ -289,17 +302,17 @@ impl<S: Storage> Inner<S> {
     /// counts) what QEMU's holds. A write that covers all of that needs none, nor does one to
     /// an external data file.
     async fn prepare_fresh(&self, host: u64, plan: &WritePlan) -> Result<()> {
-        if self.allocation != crate::Allocation::Sparse {
-            return self.reserve_fresh(host).await;
+        if self.shared.allocation != crate::Allocation::Sparse {
+            return self.shared.reserve_fresh(host).await;
         }
-        if self.data_file.is_some() {
+        if self.shared.data_file.is_some() {
             return Ok(());
         }
         // What the write allocates: the cluster, or with extended L2 entries the subclusters
         // it touches.
-        let cs = self.geo.cluster_size() as usize;
-        let (start, end) = if self.geo.extended_l2() {
-            let scs = self.geo.subcluster_size() as usize;
+        let cs = self.shared.geo.cluster_size() as usize;
+        let (start, end) = if self.shared.geo.extended_l2() {
+            let scs = self.shared.geo.subcluster_size() as usize;
             (
                 plan.start / scs * scs,
                 plan.end.next_multiple_of(scs).min(cs),
@@ -308,10 +321,11 @@ impl<S: Storage> Inner<S> {
             (0, cs)
         };
         if plan.start > start || plan.end < end {
-            self.file
+            self.shared
+                .file
                 .write_zeroes(host + start as u64, (end - start) as u64)
                 .await
-                .map_err(|e| self.storage_error(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
         }
         Ok(())
     }
@@ -327,7 +341,7 @@ impl<S: Storage> Inner<S> {
         host: u64,
         fresh: bool,
     ) -> Result<()> {
-        let (storage, path) = self.data();
+        let (storage, path) = self.shared.data();
         if fresh {
             self.prepare_fresh(host, plan).await?;
         }
@@ -339,7 +353,7 @@ impl<S: Storage> Inner<S> {
                 .await
                 .map_err(|e| Error::storage(path, e));
         }
-        let mut buf = self.io_buf(plan.end - plan.start)?;
+        let mut buf = self.shared.io_buf(plan.end - plan.start)?;
         // QEMU's events for a write merged with its copy-on-write (`merge_cow`).
         storage.debug_event(DebugEvent::CowRead);
         if plan.start < a {

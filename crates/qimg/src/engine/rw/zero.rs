@@ -22,8 +22,8 @@ impl<S: Storage> Inner<S> {
 
     /// Write-zeroes and discard: cluster by cluster, with the whole range held exclusively.
     pub(super) async fn unmap(&self, offset: u64, len: u64, how: Unmap) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
+        self.shared.check_writable()?;
+        self.shared.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
@@ -39,7 +39,7 @@ impl<S: Storage> Inner<S> {
                 Unmap::Discard if self.backing.is_some() => {
                     let b = self.extend_to_cluster_end_at_eof(gc, a + n);
                     let (first, end) = self.whole_subclusters(a, b);
-                    let scs = self.geo.subcluster_size() as usize;
+                    let scs = self.shared.geo.subcluster_size() as usize;
                     if first < end {
                         self.zero_chunk(gc, first * scs, end * scs, true).await?;
                     }
@@ -52,7 +52,7 @@ impl<S: Storage> Inner<S> {
 
     /// Subclusters `[first, end)` wholly inside `[a, b)`.
     pub(super) fn whole_subclusters(&self, a: usize, b: usize) -> (usize, usize) {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         let first = a.div_ceil(scs);
         let end = b / scs;
         // The last cluster of an image whose size is not cluster aligned: its tail subcluster
@@ -64,7 +64,7 @@ impl<S: Storage> Inner<S> {
     /// any more is freed, without it the host cluster stays linked (a standard entry becomes
     /// a preallocated zero cluster, an extended one keeps its offset with zero bits).
     pub(super) async fn zero_chunk(&self, gc: u64, a: usize, b: usize, unmap: bool) -> Result<()> {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         let b_eff = self.extend_to_cluster_end_at_eof(gc, b);
         let (first, end) = self.whole_subclusters(a, b_eff);
         if first >= end {
@@ -79,14 +79,14 @@ impl<S: Storage> Inner<S> {
         }
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        let old = self.lookup(&mut m, gc).await?;
+        let old = self.shared.lookup(&mut m, gc).await?;
         let (new, freed) = match old {
             AnyL2Entry::Standard(e) => {
                 // v3 keeps the host cluster unless unmapping is allowed. (v2 has no zero
                 // clusters: as QEMU, it unallocates without a backing file, whatever `unmap`
                 // says, and writes zeros with one.)
                 let kept = match e {
-                    _ if unmap || self.version == 2 => None,
+                    _ if unmap || self.shared.version == 2 => None,
                     L2Entry::Normal { host, copied } => Some((host, copied)),
                     L2Entry::Zero {
                         preallocated: Some(host),
@@ -94,7 +94,7 @@ impl<S: Storage> Inner<S> {
                     } => Some((host, copied)),
                     _ => None,
                 };
-                let new = if self.version == 2 {
+                let new = if self.shared.version == 2 {
                     if self.backing.is_some() {
                         drop(m);
                         return self
@@ -147,11 +147,11 @@ impl<S: Storage> Inner<S> {
         if new == old {
             return Ok(());
         }
-        if self.data_file_raw {
+        if self.shared.data_file_raw {
             self.zero_raw_data(gc, first * scs, end * scs).await?;
         }
-        self.set_entry(&mut m, gc, &new).await?;
-        if let Some(freed) = freed.filter(|_| self.data_file.is_none()) {
+        self.shared.set_entry(&mut m, gc, &new).await?;
+        if let Some(freed) = freed.filter(|_| self.shared.data_file.is_none()) {
             self.release(&mut m, freed).await?;
         }
         Ok(())
@@ -185,19 +185,19 @@ impl<S: Storage> Inner<S> {
     /// At the end of a disk whose size is not a multiple of the cluster size, a range reaching
     /// the end covers the rest of the last (sub)cluster too.
     pub(super) fn extend_to_cluster_end_at_eof(&self, gc: u64, b: usize) -> usize {
-        let size = self.size();
+        let size = self.shared.size();
         if gc + b as u64 == size {
-            self.geo.cluster_size() as usize
+            self.shared.geo.cluster_size() as usize
         } else {
             b
         }
     }
 
     pub(super) async fn zero_raw_data(&self, gc: u64, from: usize, to: usize) -> Result<()> {
-        let (storage, path) = self.data();
+        let (storage, path) = self.shared.data();
         let start = gc + from as u64;
         let len = (to - from) as u64;
-        let len = len.min(self.size().saturating_sub(start));
+        let len = len.min(self.shared.size().saturating_sub(start));
         storage
             .write_zeroes(start, len)
             .await
@@ -206,7 +206,7 @@ impl<S: Storage> Inner<S> {
     }
 
     pub(super) async fn discard_chunk(&self, gc: u64, a: usize, b: usize) -> Result<()> {
-        let scs = self.geo.subcluster_size() as usize;
+        let scs = self.shared.geo.subcluster_size() as usize;
         let b = self.extend_to_cluster_end_at_eof(gc, b);
         let (first, end) = self.whole_subclusters(a, b);
         if first >= end {
@@ -214,7 +214,7 @@ impl<S: Storage> Inner<S> {
         }
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
-        let old = self.lookup(&mut m, gc).await?;
+        let old = self.shared.lookup(&mut m, gc).await?;
         let (new, freed) = match old {
             AnyL2Entry::Standard(e) => (
                 AnyL2Entry::Standard(L2Entry::Unallocated),
@@ -225,7 +225,7 @@ impl<S: Storage> Inner<S> {
                 match x.entry {
                     L2Entry::Compressed(_) if mask != ALL => return Ok(()),
                     L2Entry::Compressed(d) => {
-                        (self.unallocated_entry(), Some(Freed::Compressed(d)))
+                        (self.shared.unallocated_entry(), Some(Freed::Compressed(d)))
                     }
                     entry => self.unlink_if_empty(entry, x.bitmap.with_unallocated(mask)),
                 }
@@ -234,15 +234,15 @@ impl<S: Storage> Inner<S> {
         if new == old {
             return Ok(());
         }
-        if self.data_file_raw {
+        if self.shared.data_file_raw {
             self.zero_raw_data(gc, first * scs, end * scs).await?;
         }
-        self.set_entry(&mut m, gc, &new).await?;
+        self.shared.set_entry(&mut m, gc, &new).await?;
         if let Some(freed) = freed {
-            if self.data_file.is_none() {
+            if self.shared.data_file.is_none() {
                 self.release(&mut m, freed).await?;
-            } else if !self.data_file_raw {
-                let (storage, _) = self.data();
+            } else if !self.shared.data_file_raw {
+                let (storage, _) = self.shared.data();
                 let _ = storage
                     .discard(gc + (first * scs) as u64, ((end - first) * scs) as u64)
                     .await;

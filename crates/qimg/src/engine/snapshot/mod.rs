@@ -165,11 +165,11 @@ impl<S: Storage> Image<S> {
         let inner = &*self.inner;
         let mut m = inner.meta.lock().await;
         inner.ensure_open(&m)?;
-        inner.refuse_unaligned_l2(&mut m).await?;
+        inner.shared.refuse_unaligned_l2(&mut m).await?;
         let mut snaps = inner.read_snapshot_table(&m).await?;
         if snaps.len() as u64 >= u64::from(MAX_SNAPSHOTS) {
             return Err(Error::Unsupported {
-                path: inner.path.clone(),
+                path: inner.shared.path.clone(),
                 what: format!("more than {MAX_SNAPSHOTS} snapshots"),
             });
         }
@@ -179,7 +179,7 @@ impl<S: Storage> Image<S> {
             + (40 + 24 + id.len() + name.len()).next_multiple_of(8) as u64;
         if table_len > MAX_TABLE_SIZE {
             return Err(Error::Unsupported {
-                path: inner.path.clone(),
+                path: inner.shared.path.clone(),
                 what: format!(
                     "a snapshot table of {table_len} bytes (at most {MAX_TABLE_SIZE}): delete \
                      snapshots first"
@@ -188,12 +188,12 @@ impl<S: Storage> Image<S> {
         }
         let active = m.l1().to_vec();
         inner.check_shareable(&active)?;
-        inner.free_abandoned(&mut m).await?;
-        inner.flush_meta(&mut m).await?;
+        inner.shared.free_abandoned(&mut m).await?;
+        inner.shared.flush_meta(&mut m).await?;
         m.set_compressed_tail(None);
 
         // The copy of the active L1 table (every entry shared from now on).
-        let cs = inner.geo.cluster_size();
+        let cs = inner.shared.geo.cluster_size();
         let sn_l1: Vec<L1Entry> = m
             .l1()
             .iter()
@@ -207,28 +207,31 @@ impl<S: Storage> Image<S> {
             0
         } else {
             let clusters = l1_bytes.div_ceil(cs);
-            let at = inner.alloc_clusters(&mut m, clusters).await?;
+            let at = inner.shared.alloc_clusters(&mut m, clusters).await?;
             // The table's bytes only, as QEMU writes them (the file then ends where QEMU's
             // does); the rest of the cluster is never read.
             let raw = l1::encode_table(&sn_l1);
             inner
+                .shared
                 .guard_write(&mut m, at, raw.len() as u64, Writing::Data)
                 .await?;
             inner
+                .shared
                 .file
                 .write_at(&raw, at)
                 .await
-                .map_err(|e| inner.storage_error(e))?;
+                .map_err(|e| inner.shared.storage_error(e))?;
             at
         };
         // Refcounts first (a reference the switch below adds is then already counted).
         inner.tree_refcounts(&mut m, &active, 1).await?;
-        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
         inner
+            .shared
             .file
             .flush()
             .await
-            .map_err(|e| inner.storage_error(e))?;
+            .map_err(|e| inner.shared.storage_error(e))?;
         inner.sync_copied(&mut m).await?;
 
         let now = opts
@@ -236,7 +239,7 @@ impl<S: Storage> Image<S> {
             .unwrap_or_else(SystemTime::now)
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let size = inner.size();
+        let size = inner.shared.size();
         // No VM state; icount 0, as qemu-img writes it.
         let extra = fsnap::known_extra(0, size, 0);
         let entry = Snapshot {
@@ -258,7 +261,7 @@ impl<S: Storage> Image<S> {
         if !sn_l1.is_empty() {
             m.note_metadata(Region::SnapshotL1, l1_at, l1_bytes);
         }
-        inner.flush_meta(&mut m).await?;
+        inner.shared.flush_meta(&mut m).await?;
         Ok(info)
     }
 
@@ -280,42 +283,43 @@ impl<S: Storage> Image<S> {
         inner.ensure_open(&m)?;
         let snaps = inner.read_snapshot_table(&m).await?;
         let i = find(&snaps, name_or_id).ok_or_else(|| Error::SnapshotNotFound {
-            path: inner.path.clone(),
+            path: inner.shared.path.clone(),
             name: name_or_id.to_string(),
         })?;
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
         inner.check_shareable(&sn_l1)?;
         inner.check_tree(&sn_l1).await?;
-        let size = sn.disk_size().unwrap_or_else(|| inner.size());
-        let needed = inner.geo.l1_size_for(size).map_err(|e| {
+        let size = sn.disk_size().unwrap_or_else(|| inner.shared.size());
+        let needed = inner.shared.geo.l1_size_for(size).map_err(|e| {
             Error::corrupt(
-                &inner.path,
+                &inner.shared.path,
                 format!(
                     "snapshot '{}' records a disk size of {size} bytes: {e}",
                     fsnap::decode_text(&sn.id)
                 ),
             )
         })?;
-        if size != inner.size() && inner.version < 3 {
+        if size != inner.shared.size() && inner.shared.version < 3 {
             return Err(Error::Unsupported {
-                path: inner.path.clone(),
+                path: inner.shared.path.clone(),
                 what: "a version 2 image whose snapshot has another disk size".into(),
             });
         }
-        inner.free_abandoned(&mut m).await?;
-        inner.flush_meta(&mut m).await?;
+        inner.shared.free_abandoned(&mut m).await?;
+        inner.shared.flush_meta(&mut m).await?;
         m.set_compressed_tail(None);
 
         inner.tree_refcounts(&mut m, &sn_l1, 1).await?;
-        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
         inner
+            .shared
             .file
             .flush()
             .await
-            .map_err(|e| inner.storage_error(e))?;
+            .map_err(|e| inner.shared.storage_error(e))?;
         let len = (m.l1_len() as u64).max(sn_l1.len() as u64).max(needed);
-        inner.grow_l1(&mut m, len).await?;
+        inner.shared.grow_l1(&mut m, len).await?;
 
         let old = m.l1().to_vec();
         let mut new: Vec<L1Entry> = sn_l1
@@ -328,10 +332,11 @@ impl<S: Storage> Image<S> {
         new.resize(old.len(), L1Entry::UNALLOCATED);
         inner.write_active_l1(&mut m, &new).await?;
         inner
+            .shared
             .file
             .flush()
             .await
-            .map_err(|e| inner.storage_error(e))?;
+            .map_err(|e| inner.shared.storage_error(e))?;
         for e in &old {
             if let Some(t) = e.l2_offset {
                 m.forget_l2_table(t.0, true);
@@ -344,18 +349,19 @@ impl<S: Storage> Image<S> {
         }
         let at = m.l1_offset();
         m.replace_l1(new, at);
-        if size != inner.size() {
+        if size != inner.shared.size() {
             inner.write_size(size).await?;
         }
         inner.tree_refcounts(&mut m, &old, -1).await?;
-        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
         inner
+            .shared
             .file
             .flush()
             .await
-            .map_err(|e| inner.storage_error(e))?;
+            .map_err(|e| inner.shared.storage_error(e))?;
         inner.sync_copied(&mut m).await?;
-        inner.flush_meta(&mut m).await
+        inner.shared.flush_meta(&mut m).await
     }
 
     /// Makes this read-only image show snapshot `id` and/or `name` (both, when both are
@@ -366,10 +372,10 @@ impl<S: Storage> Image<S> {
     /// `qemu-img convert -l` uses it. Nothing is written; a writable image is refused.
     pub async fn view_snapshot(&self, id: Option<&str>, name: Option<&str>) -> Result<()> {
         let inner = &*self.inner;
-        if inner.writable {
+        if inner.shared.writable {
             return Err(Error::InvalidOption(format!(
                 "{}: only a read-only image can show a snapshot in place of its disk",
-                inner.path.display()
+                inner.shared.path.display()
             )));
         }
         let _guard = inner.locks.lock(0, u64::MAX, true).await;
@@ -386,7 +392,7 @@ impl<S: Storage> Image<S> {
             (None, None) => None,
         };
         let i = i.ok_or_else(|| Error::SnapshotNotFound {
-            path: inner.path.clone(),
+            path: inner.shared.path.clone(),
             name: id.or(name).unwrap_or_default().to_string(),
         })?;
         let sn = snaps[i].clone();
@@ -395,9 +401,10 @@ impl<S: Storage> Image<S> {
         // As QEMU's `bdrv_snapshot_load_tmp`: the snapshot's table, the disk's current size
         // (past the snapshot's own size the disk reads as unallocated).
         let needed = inner
+            .shared
             .geo
-            .l1_size_for(inner.size())
-            .map_err(|e| Error::corrupt(&inner.path, e.to_string()))?;
+            .l1_size_for(inner.shared.size())
+            .map_err(|e| Error::corrupt(&inner.shared.path, e.to_string()))?;
         let mut view: Vec<L1Entry> = sn_l1;
         view.truncate(needed as usize);
         if (view.len() as u64) < needed {
@@ -421,20 +428,20 @@ impl<S: Storage> Image<S> {
         inner.ensure_open(&m)?;
         let snaps = inner.read_snapshot_table(&m).await?;
         let i = find(&snaps, name_or_id).ok_or_else(|| Error::SnapshotNotFound {
-            path: inner.path.clone(),
+            path: inner.shared.path.clone(),
             name: name_or_id.to_string(),
         })?;
         let sn = snaps[i].clone();
         let sn_l1 = inner.read_snapshot_l1(&sn).await?;
         inner.check_tree(&sn_l1).await?;
-        inner.free_abandoned(&mut m).await?;
-        inner.flush_meta(&mut m).await?;
+        inner.shared.free_abandoned(&mut m).await?;
+        inner.shared.flush_meta(&mut m).await?;
         m.set_compressed_tail(None);
 
         let mut rest = snaps.clone();
         rest.remove(i);
         inner.install_snapshot_table(&mut m, &snaps, &rest).await?;
-        let cs = inner.geo.cluster_size();
+        let cs = inner.shared.geo.cluster_size();
         let l1_bytes = l1::table_bytes(u64::from(sn.l1_size));
         if sn.l1_size > 0 {
             m.forget_metadata(Region::SnapshotL1, sn.l1_table_offset);
@@ -444,17 +451,19 @@ impl<S: Storage> Image<S> {
             let first = sn.l1_table_offset / cs * cs;
             let end = sn.l1_table_offset + l1_bytes;
             inner
+                .shared
                 .free_clusters(&mut m, first, (end - first).div_ceil(cs))
                 .await?;
         }
-        inner.write_back(&mut m, CacheKind::Refcount).await?;
+        inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
         inner
+            .shared
             .file
             .flush()
             .await
-            .map_err(|e| inner.storage_error(e))?;
+            .map_err(|e| inner.shared.storage_error(e))?;
         inner.sync_copied(&mut m).await?;
-        inner.flush_meta(&mut m).await
+        inner.shared.flush_meta(&mut m).await
     }
 }
 

@@ -32,10 +32,10 @@ impl<S: Storage> Inner<S> {
     /// Refuses snapshot changes on read-only images and images with an external data file
     /// (QEMU does not support them).
     pub(super) fn check_snapshots_possible(&self) -> Result<()> {
-        self.check_writable()?;
-        if self.data_file.is_some() {
+        self.shared.check_writable()?;
+        if self.shared.data_file.is_some() {
             return Err(Error::Unsupported {
-                path: self.path.clone(),
+                path: self.shared.path.clone(),
                 what: "internal snapshots of an image with an external data file".into(),
             });
         }
@@ -45,9 +45,9 @@ impl<S: Storage> Inner<S> {
     /// Refuses to share the tree under `l1` when refcounts cannot reach 2 (1-bit refcounts;
     /// an empty tree can still be snapshotted, as in QEMU).
     pub(super) fn check_shareable(&self, l1: &[L1Entry]) -> Result<()> {
-        if self.rgeo.max_refcount() < 2 && l1.iter().any(|e| e.l2_offset.is_some()) {
+        if self.shared.rgeo.max_refcount() < 2 && l1.iter().any(|e| e.l2_offset.is_some()) {
             return Err(Error::Unsupported {
-                path: self.path.clone(),
+                path: self.shared.path.clone(),
                 what: "internal snapshots with 1-bit refcounts (a shared cluster needs a \
                        refcount of 2)"
                     .into(),
@@ -62,14 +62,20 @@ impl<S: Storage> Inner<S> {
         if nb == 0 {
             return Ok(Vec::new());
         }
-        let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let len = self
+            .shared
+            .file
+            .len()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
         let want = len.saturating_sub(offset).min(MAX_TABLE_SIZE) as usize;
         let mut raw = vec![0u8; want];
-        self.file
+        self.shared
+            .file
             .read_at_zero_fill(&mut raw, offset)
             .await
-            .map_err(|e| self.storage_error(e))?;
-        fsnap::decode_table(&raw, offset, nb).map_err(|e| self.fmt_err(e))
+            .map_err(|e| self.shared.storage_error(e))?;
+        fsnap::decode_table(&raw, offset, nb).map_err(|e| self.shared.fmt_err(e))
     }
 
     /// A snapshot's L1 table, bounded and strictly decoded.
@@ -77,7 +83,7 @@ impl<S: Storage> Inner<S> {
         let bytes = l1::table_bytes(u64::from(sn.l1_size));
         if bytes > MAX_L1_BYTES {
             return Err(Error::corrupt(
-                &self.path,
+                &self.shared.path,
                 format!(
                     "snapshot '{}' has an L1 table of {} entries ({bytes} bytes, at most \
                      {MAX_L1_BYTES})",
@@ -87,12 +93,13 @@ impl<S: Storage> Inner<S> {
             ));
         }
         let mut raw = vec![0u8; bytes as usize];
-        self.file
+        self.shared
+            .file
             .read_at(&mut raw, sn.l1_table_offset)
             .await
             .map_err(|e| {
                 Error::corrupt(
-                    &self.path,
+                    &self.shared.path,
                     format!(
                         "the L1 table of snapshot '{}' at {:#x} ({} entries) cannot be read: {e}",
                         fsnap::decode_text(&sn.id),
@@ -101,25 +108,29 @@ impl<S: Storage> Inner<S> {
                     ),
                 )
             })?;
-        l1::decode_table(&raw, self.geo.cluster_size(), sn.l1_table_offset)
-            .map_err(|e| self.fmt_err(e))
+        l1::decode_table(&raw, self.shared.geo.cluster_size(), sn.l1_table_offset)
+            .map_err(|e| self.shared.fmt_err(e))
     }
 
     /// Reads and strictly decodes every L2 table of the tree under `l1`, changing nothing:
     /// a damaged snapshot is refused before its references are counted or dropped (a
     /// failure half way would leave the operation half done).
     pub(super) async fn check_tree(&self, l1: &[L1Entry]) -> Result<()> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let mut table = vec![0u8; cs as usize];
         for e in l1 {
             let Some(t) = e.l2_offset else { continue };
-            self.file.read_at(&mut table, t.0).await.map_err(|e| {
-                Error::corrupt(
-                    &self.path,
-                    format!("the snapshot's L2 table at {:#x} cannot be read: {e}", t.0),
-                )
-            })?;
-            decode_slice(&table, &self.ctx, t.0).map_err(|e| self.fmt_err(e))?;
+            self.shared
+                .file
+                .read_at(&mut table, t.0)
+                .await
+                .map_err(|e| {
+                    Error::corrupt(
+                        &self.shared.path,
+                        format!("the snapshot's L2 table at {:#x} cannot be read: {e}", t.0),
+                    )
+                })?;
+            decode_slice(&table, &self.shared.ctx, t.0).map_err(|e| self.shared.fmt_err(e))?;
         }
         Ok(())
     }
@@ -133,15 +144,17 @@ impl<S: Storage> Inner<S> {
         l1: &[L1Entry],
         delta: i64,
     ) -> Result<()> {
-        let cs = self.geo.cluster_size();
+        let cs = self.shared.geo.cluster_size();
         let mut table = vec![0u8; cs as usize];
         for e in l1 {
             let Some(t) = e.l2_offset else { continue };
-            self.file
+            self.shared
+                .file
                 .read_at(&mut table, t.0)
                 .await
-                .map_err(|e| self.storage_error(e))?;
-            let entries = decode_slice(&table, &self.ctx, t.0).map_err(|e| self.fmt_err(e))?;
+                .map_err(|e| self.shared.storage_error(e))?;
+            let entries =
+                decode_slice(&table, &self.shared.ctx, t.0).map_err(|e| self.shared.fmt_err(e))?;
             self.add_refcount(m, t.0, 1, delta).await?;
             for entry in &entries {
                 match *entry.entry() {
@@ -168,11 +181,11 @@ impl<S: Storage> Inner<S> {
         delta: i64,
     ) -> Result<()> {
         if delta < 0 {
-            return self.free_clusters(m, offset, n).await;
+            return self.shared.free_clusters(m, offset, n).await;
         }
-        let first = offset / self.geo.cluster_size();
+        let first = offset / self.shared.geo.cluster_size();
         for c in first..first + n {
-            self.update_refcount(m, c, delta).await?;
+            self.shared.update_refcount(m, c, delta).await?;
         }
         Ok(())
     }
@@ -181,16 +194,16 @@ impl<S: Storage> Inner<S> {
     /// refcount is above 1, set where it is 1 (in L2 tables only when the table itself is
     /// not shared). Refcounts must be durable first; the flags are durable on return.
     pub(crate) async fn sync_copied(&self, m: &mut Meta) -> Result<()> {
-        self.refuse_unaligned_l2(m).await?;
-        let cs = self.geo.cluster_size();
-        let es = self.geo.l2_entry_size() as usize;
+        self.shared.refuse_unaligned_l2(m).await?;
+        let cs = self.shared.geo.cluster_size();
+        let es = self.shared.geo.l2_entry_size() as usize;
         let slice_bytes = m.l2_slice_size() as u64;
         let slices = (cs / slice_bytes) as u32;
         let mut l1_changed = false;
         for i in 0..m.l1_len() {
             let e = m.l1()[i];
             let Some(t) = e.l2_offset else { continue };
-            let rt = self.refcount(m, t.0 / cs).await?;
+            let rt = self.shared.refcount(m, t.0 / cs).await?;
             if e.copied != (rt == 1) {
                 m.set_l1_entry(
                     i,
@@ -203,20 +216,23 @@ impl<S: Storage> Inner<S> {
             }
             for s in 0..slices {
                 let key = SliceKey::new(t.0, s);
-                self.load(m, CacheKind::L2, key).await?;
+                self.shared.load(m, CacheKind::L2, key).await?;
                 let base = t.0 + u64::from(s) * slice_bytes;
                 let data = m
                     .l2_slice(key)
-                    .ok_or_else(|| Error::corrupt(&self.path, format!("L2 slice {key} vanished")))?
+                    .ok_or_else(|| {
+                        Error::corrupt(&self.shared.path, format!("L2 slice {key} vanished"))
+                    })?
                     .to_vec();
-                let entries = decode_slice(&data, &self.ctx, base).map_err(|e| self.fmt_err(e))?;
+                let entries = decode_slice(&data, &self.shared.ctx, base)
+                    .map_err(|e| self.shared.fmt_err(e))?;
                 let mut changes = Vec::new();
                 for (j, entry) in entries.iter().enumerate() {
                     let first = entry.entry();
                     let Some(h) = first.host_cluster() else {
                         continue;
                     };
-                    let want = self.refcount(m, h.0 / cs).await? == 1;
+                    let want = self.shared.refcount(m, h.0 / cs).await? == 1;
                     if first.copied() != want && (!want || rt == 1) {
                         changes.push((j, want));
                     }
@@ -224,34 +240,40 @@ impl<S: Storage> Inner<S> {
                 if changes.is_empty() {
                     continue;
                 }
-                let now = self.now();
+                let now = self.shared.now();
                 let slice = m.l2_slice_mut(key, now).ok_or_else(|| {
-                    Error::corrupt(&self.path, format!("L2 slice {key} vanished"))
+                    Error::corrupt(&self.shared.path, format!("L2 slice {key} vanished"))
                 })?;
                 for (j, want) in changes {
-                    l2::set_copied(slice, j, es, want).map_err(|e| self.fmt_err(e))?;
+                    l2::set_copied(slice, j, es, want).map_err(|e| self.shared.fmt_err(e))?;
                 }
             }
         }
-        self.write_back(m, CacheKind::L2).await?;
+        self.shared.write_back(m, CacheKind::L2).await?;
         if l1_changed {
             let l1 = m.l1().to_vec();
             self.write_active_l1(m, &l1).await?;
         }
-        self.file.flush().await.map_err(|e| self.storage_error(e))
+        self.shared
+            .file
+            .flush()
+            .await
+            .map_err(|e| self.shared.storage_error(e))
     }
 
     /// Writes `entries` over the active L1 table in one write (not flushed).
     pub(super) async fn write_active_l1(&self, m: &mut Meta, entries: &[L1Entry]) -> Result<()> {
-        self.check_not_halted()?;
+        self.shared.check_not_halted()?;
         let raw = l1::encode_table(entries);
         let at = m.l1_offset();
-        self.guard_write(m, at, raw.len() as u64, Writing::Own(Region::ActiveL1, at))
+        self.shared
+            .guard_write(m, at, raw.len() as u64, Writing::Own(Region::ActiveL1, at))
             .await?;
-        self.file
+        self.shared
+            .file
             .write_at(&raw, at)
             .await
-            .map_err(|e| self.storage_error(e))
+            .map_err(|e| self.shared.storage_error(e))
     }
 
     /// Rewrites the snapshot table with every entry's extra data complete
@@ -268,10 +290,10 @@ impl<S: Storage> Inner<S> {
         {
             return Ok(());
         }
-        self.free_abandoned(&mut m).await?;
-        self.flush_meta(&mut m).await?;
+        self.shared.free_abandoned(&mut m).await?;
+        self.shared.flush_meta(&mut m).await?;
         self.install_snapshot_table(&mut m, &snaps, &snaps).await?;
-        self.flush_meta(&mut m).await
+        self.shared.flush_meta(&mut m).await
     }
 
     /// Writes `snaps` as the new snapshot table in new clusters (each entry's extra data
@@ -283,8 +305,8 @@ impl<S: Storage> Inner<S> {
         old: &[Snapshot],
         snaps: &[Snapshot],
     ) -> Result<()> {
-        let cs = self.geo.cluster_size();
-        let size = self.size();
+        let cs = self.shared.geo.cluster_size();
+        let size = self.shared.size();
         let snaps: Vec<Snapshot> = snaps
             .iter()
             .map(|s| {
@@ -297,7 +319,7 @@ impl<S: Storage> Inner<S> {
         let len = raw.len() as u64;
         if len > MAX_TABLE_SIZE {
             return Err(Error::Unsupported {
-                path: self.path.clone(),
+                path: self.shared.path.clone(),
                 what: format!(
                     "a snapshot table of {len} bytes (at most {MAX_TABLE_SIZE}): delete \
                      snapshots first"
@@ -308,28 +330,36 @@ impl<S: Storage> Inner<S> {
             0
         } else {
             let clusters = len.div_ceil(cs);
-            let at = self.alloc_clusters(m, clusters).await?;
+            let at = self.shared.alloc_clusters(m, clusters).await?;
             // The table's bytes only, as QEMU writes them.
-            self.write_guarded(m, at, &raw, Writing::Data).await?;
+            self.shared
+                .write_guarded(m, at, &raw, Writing::Data)
+                .await?;
             at
         };
-        self.write_back(m, CacheKind::Refcount).await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.shared.write_back(m, CacheKind::Refcount).await?;
+        self.shared
+            .file
+            .flush()
+            .await
+            .map_err(|e| self.shared.storage_error(e))?;
         let nb = snaps.len() as u32;
         let pointer = SnapshotPointer {
             nb_snapshots: nb,
             snapshots_offset: at,
         };
-        self.switch_header(&pointer.encode(), header::field::SNAPSHOTS, || {
-            format!("the switch to a snapshot table of {nb} entries at {at:#x} failed")
-        })
-        .await?;
+        self.shared
+            .switch_header(&pointer.encode(), header::field::SNAPSHOTS, || {
+                format!("the switch to a snapshot table of {nb} entries at {at:#x} failed")
+            })
+            .await?;
         let (old_at, old_nb) = m.set_snapshot_table(at, nb, len);
         if old_nb > 0 && old_at != 0 {
             let old_len: u64 = old.iter().map(|s| s.encoded_len() as u64).sum();
             let first = old_at / cs * cs;
             let end = old_at + old_len;
-            self.free_clusters(m, first, (end - first).div_ceil(cs))
+            self.shared
+                .free_clusters(m, first, (end - first).div_ceil(cs))
                 .await?;
         }
         Ok(())
