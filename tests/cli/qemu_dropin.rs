@@ -1270,6 +1270,55 @@ fn corruption_is_reported_and_repaired_in_qemus_words() {
     assert!(outs[0].contains("Marking image as corrupt"), "{}", outs[0]);
 }
 
+/// qemu-io's `reopen -o` checks the qcow2 runtime options' values as an open does (QEMU's
+/// `qcow2_update_options` runs on reopen), in QEMU's words, and refuses options reopen
+/// cannot change.
+#[test]
+fn reopen_checks_runtime_options_as_qemu_io() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("reopen-options");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "a.qcow2", "64M"],
+    )];
+    let steps: Prep = &[(
+        "qemu-io",
+        &[
+            "-c",
+            "reopen -o lazy-refcounts=42",
+            "-c",
+            "reopen -o cache-clean-interval=-1",
+            "-c",
+            "reopen -o overlap-check=foo",
+            "-c",
+            "reopen -o overlap-check=none",
+            "-c",
+            "reopen -o l2-cache-size=1M,refcount-cache-size=1M,cache-size=1M",
+            "-c",
+            "reopen -o cache-size=1M,l2-cache-size=2M",
+            "-c",
+            "reopen -o l2-cache-size=-1",
+            "-c",
+            "reopen -o foo=bar",
+            "-c",
+            "write -P 1 0 64k",
+            "-c",
+            "reopen -r",
+            "-c",
+            "read -P 1 0 64k",
+            "a.qcow2",
+        ],
+    )];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Cache clean interval too big"),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

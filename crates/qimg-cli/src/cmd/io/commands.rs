@@ -439,6 +439,19 @@ async fn reopen(s: &mut Session, args: &[String]) -> Outcome {
         .filter_map(|(_, a)| a.clone())
         .flat_map(|a| crate::args::split_opts(&a))
         .collect();
+    // The runtime options' values checked as at open (QEMU's `qcow2_update_options` runs
+    // on reopen too), in its words.
+    let kv: Vec<(String, String)> = pairs
+        .iter()
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) => (k.to_string(), v.to_string()),
+            None => (p.clone(), String::new()),
+        })
+        .collect();
+    if let Err(e) = crate::runtime_opts::check(&kv, Some(std::path::Path::new(&file))) {
+        complain!("qemu-io: {e}");
+        return Err(Failed);
+    }
     for p in &pairs {
         match p.split_once('=') {
             Some(("read-only", v)) => spec.read_only = v == "on",
