@@ -196,6 +196,18 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
                 .collect(),
         );
     }
+    // `convert` creating its output refuses in the same words, after its own prefix.
+    for o in [
+        "cluster_size=4k,extended_l2=on",
+        "compat=0.10,refcount_bits=8",
+    ] {
+        all.push(
+            ["convert", "-O", "qcow2", "-o", o, "base.qcow2", "x"]
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+        );
+    }
     // No command, an unknown one.
     all.push(Vec::new());
     all.push(vec!["bogus".into(), "x".into()]);

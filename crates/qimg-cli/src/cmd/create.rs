@@ -159,8 +159,8 @@ pub fn run(args: CreateArgs) -> Result<()> {
 
 /// A refusal of the create options: qimg names the option and value first
 /// ("cluster_size 3072: ..."); as qemu-img (multi-call) only QEMU's own words follow the
-/// file name.
-fn refusal_words(e: &qimg::Error) -> String {
+/// file name (here and in `convert`'s output).
+pub(crate) fn refusal_words(e: &qimg::Error) -> String {
     let text = e.to_string();
     if crate::status::program() != "qemu-img" {
         return text;

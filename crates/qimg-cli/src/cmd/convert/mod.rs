@@ -288,9 +288,14 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
     } else {
         let mut create_options = settings.create_options.clone();
         create_options.size = Some(size);
-        create_options
-            .validate()
-            .and_then(|()| create(dst_path, &create_options, &mut nop).map(|_| ()))
+        create_options.validate().map_err(|e| {
+            anyhow!(
+                "{dst_file}: error while converting qcow2: {}",
+                crate::cmd::create::refusal_words(&e)
+            )
+        })?;
+        create(dst_path, &create_options, &mut nop)
+            .map(|_| ())
             .map_err(|e| {
                 anyhow!(
                     "{dst_file}: error while converting qcow2: {}",
