@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+# `qimg-serve/fuzzing`: the fuzz harnesses, kept out of the published crate, and their test.
+cargo clippy --workspace --all-targets --locked --features qimg-serve/fuzzing -- -D warnings
 # The lean library a VMM can build: no blocking facade, no codecs, no JSON.
 cargo clippy -p qimg --no-default-features --lib --locked -- -D warnings
 # No module cycle inside any crate (needs python3; CI has it).
@@ -13,7 +14,7 @@ if command -v python3 >/dev/null 2>&1; then
 else
   echo "SKIPPED module cycle check: python3 not found"
 fi
-cargo test --workspace --locked
+cargo test --workspace --locked --features qimg-serve/fuzzing
 # The lean library (no compression codecs, JSON or blocking facade) and its unit tests.
 cargo test -p qimg --no-default-features --lib --locked
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked

@@ -29,6 +29,9 @@
 
 #![forbid(unsafe_code)]
 
+/// The fuzz harnesses (feature `fuzzing`, off by default: not part of the published API; the
+/// fuzz crate and `scripts/test.sh` turn it on).
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod monitor;
