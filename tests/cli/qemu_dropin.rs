@@ -1319,6 +1319,44 @@ fn reopen_checks_runtime_options_as_qemu_io() {
     );
 }
 
+/// `commit` looks for a base named with `-b` before it asks whether there is a backing file
+/// at all (QEMU's `bdrv_find_backing_image`), and warns of a probed raw image first.
+#[test]
+fn commit_refuses_a_missing_base_as_qemu_img() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("commit-base");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "nb.qcow2", "1M"],
+        ),
+        ("qemu-img", &["create", "-q", "-f", "raw", "rr.raw", "1M"]),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "nb.qcow2", "-F", "qcow2", "tp.qcow2",
+            ],
+        ),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["commit", "nb.qcow2"]),
+        ("qemu-img", &["commit", "-b", "x", "nb.qcow2"]),
+        ("qemu-img", &["commit", "-b", "nb.qcow2", "nb.qcow2"]),
+        ("qemu-img", &["commit", "-b", "x", "tp.qcow2"]),
+        ("qemu-img", &["commit", "-b", "x", "rr.raw"]),
+        ("qemu-img", &["commit", "rr.raw"]),
+        ("qemu-img", &["commit", "-f", "raw", "rr.raw"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Did not find 'x' in the backing chain of 'nb.qcow2'"),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

@@ -77,6 +77,13 @@ pub fn run(args: CommitArgs) -> Result<()> {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
         }
+        if let Some(warning) = crate::chain::raw_probe_warning(&file, args.fmt.as_deref(), fmt) {
+            eprintln!("{warning}");
+        }
+        // A base named is looked for first, as QEMU's `bdrv_find_backing_image`.
+        if let Some(b) = &args.base {
+            bail!("Did not find '{b}' in the backing chain of '{file}'");
+        }
         bail!("Image does not have a backing file");
     }
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -109,7 +116,8 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
     let layers = open_chain(path, file, ImageFormat::Qcow2, true)
         .await
         .map_err(|e| open_msg(e, file))?;
-    if layers.len() < 2 {
+    // A base named is looked for first (below), as QEMU's `bdrv_find_backing_image`.
+    if layers.len() < 2 && args.base.is_none() {
         bail!("Image does not have a backing file");
     }
     let base = match &args.base {
