@@ -208,6 +208,26 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
                 .collect(),
         );
     }
+    // Sizes: past 63 bits (suffixed, decimal) is out of range; what does not parse is invalid.
+    for size in [
+        "9E",
+        "18446744073709551615",
+        "99999999999999999999999",
+        "-1",
+        "1e3",
+    ] {
+        for cmd in [
+            &["create", "-f", "qcow2", "x"][..],
+            &["measure", "-O", "qcow2", "--size"],
+        ] {
+            let mut v: Vec<String> = cmd.iter().map(|a| a.to_string()).collect();
+            if v[0] == "create" {
+                v.push("--".into());
+            }
+            v.push(size.into());
+            all.push(v);
+        }
+    }
     // No command, an unknown one.
     all.push(Vec::new());
     all.push(vec!["bogus".into(), "x".into()]);

@@ -8,18 +8,45 @@ use qimg::chain::ImageFormat;
 /// optional suffix B, K, M, G, T, P or E (case-insensitive, powers of 1024), or a
 /// hexadecimal integer (`0x10000`; no fraction or suffix, as qemu's `qemu_strtosz`).
 pub fn parse_size(s: &str) -> Option<u64> {
+    parse_size_wide(s).and_then(|v| u64::try_from(v).ok())
+}
+
+/// qemu-img's `cvtnum_full(name, value, 0, INT64_MAX)` for a size argument (`name`: "image
+/// size"): a value that does not parse is `Invalid NAME specified: 'VALUE'.`; a negative one,
+/// one past 64 bits or past `i64::MAX`, `Invalid NAME specified. Must be between 0 and
+/// 9223372036854775807.`
+pub fn size_argument(name: &str, s: &str) -> std::result::Result<u64, String> {
+    let range = || {
+        format!(
+            "Invalid {name} specified. Must be between 0 and {}.",
+            i64::MAX
+        )
+    };
+    if s.trim_start().starts_with('-') {
+        return Err(range());
+    }
+    match parse_size_wide(s) {
+        Some(v) if v <= i64::MAX as u128 => Ok(v as u64),
+        Some(_) => Err(range()),
+        None => Err(format!("Invalid {name} specified: '{s}'.")),
+    }
+}
+
+/// [`parse_size`] without its 64-bit limit (so that a value too large is told apart from
+/// one that does not parse).
+fn parse_size_wide(s: &str) -> Option<u128> {
     let s = s.trim();
     if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         if hex.is_empty() || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
             return None;
         }
-        return u64::from_str_radix(hex, 16).ok();
+        return u128::from_str_radix(hex, 16).ok();
     }
     let (num, mult) = match s.chars().last()? {
-        c if c.is_ascii_digit() || c == '.' => (s, 1u64),
+        c if c.is_ascii_digit() || c == '.' => (s, 1u128),
         c => {
             let m = match c.to_ascii_lowercase() {
-                'b' => 1u64,
+                'b' => 1u128,
                 'k' => 1 << 10,
                 'm' => 1 << 20,
                 'g' => 1 << 30,
@@ -38,7 +65,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
         if frac.contains('.') || mult == 1 {
             return None;
         }
-        let int: u64 = if int.is_empty() { 0 } else { int.parse().ok()? };
+        let int: u128 = if int.is_empty() { 0 } else { int.parse().ok()? };
         let whole = int.checked_mul(mult)?;
         // Fraction: exact decimal arithmetic on up to 18 digits.
         let digits = &frac[..frac.len().min(18)];
@@ -47,10 +74,10 @@ pub fn parse_size(s: &str) -> Option<u64> {
         } else {
             digits.parse().ok()?
         };
-        let part = f * u128::from(mult) / 10u128.pow(digits.len() as u32);
-        return whole.checked_add(u64::try_from(part).ok()?);
+        let part = f * mult / 10u128.pow(digits.len() as u32);
+        return whole.checked_add(part);
     }
-    num.parse::<u64>().ok()?.checked_mul(mult)
+    num.parse::<u128>().ok()?.checked_mul(mult)
 }
 
 /// Splits `a=b,c=d` honouring qemu's `,,` escape for a literal comma.

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use qimg::tools::create::{CreateOptions, create};
 
-use crate::args::{image_format, parse_size, split_opts};
+use crate::args::{image_format, split_opts};
 use crate::create_opts;
 
 /// Arguments of `qimg create`.
@@ -68,13 +68,7 @@ pub fn run(args: CreateArgs) -> Result<()> {
     }
     o.unsafe_backing = args.unsafe_backing;
     if let Some(s) = &args.size {
-        match parse_size(s) {
-            Some(v) if v <= i64::MAX as u64 => o.size = Some(v),
-            _ if s.starts_with('-') => {
-                bail!("Invalid image size specified. Must be between 0 and 9223372036854775807.")
-            }
-            _ => bail!("Invalid image size specified: '{s}'."),
-        }
+        o.size = Some(crate::args::size_argument("image size", s).map_err(anyhow::Error::msg)?);
     }
     let path = Path::new(&file);
     let show_progress = !args.quiet && std::io::stderr().is_terminal();

@@ -151,16 +151,7 @@ pub fn run(args: MeasureArgs) -> Result<()> {
     let json = json_output(&args.output, "measure").map_err(anyhow::Error::msg)?;
     let size = match &args.size {
         None => None,
-        Some(s) => match parse_size(s) {
-            Some(v) if v <= i64::MAX as u64 => Some(v),
-            Some(_) => {
-                bail!("Invalid image size specified. Must be between 0 and 9223372036854775807.")
-            }
-            None if s.starts_with('-') => {
-                bail!("Invalid image size specified. Must be between 0 and 9223372036854775807.")
-            }
-            None => bail!("Invalid image size specified: '{s}'."),
-        },
+        Some(s) => Some(crate::args::size_argument("image size", s).map_err(anyhow::Error::msg)?),
     };
     match (&args.filename, size) {
         (None, None) => bail!("Either --size N or one filename must be specified."),
