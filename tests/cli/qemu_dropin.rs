@@ -1357,6 +1357,67 @@ fn commit_refuses_a_missing_base_as_qemu_img() {
     );
 }
 
+/// Size arguments as qemu-img's `cvtnum`: what does not parse is invalid, what parses past
+/// 63 bits is out of range, each in its words (`convert -S`/`-r`, `map --max-length`, `commit
+/// -r`); `convert -r RATE` copies the same bytes.
+#[test]
+fn size_arguments_are_refused_in_qemu_imgs_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("size-arguments");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "z.qcow2", "4M"],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 3M", "z.qcow2"]),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["convert", "-r", "9E", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-r", "1x", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-S", "9E", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-S", "1x", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        (
+            "qemu-img",
+            &["convert", "-S", "100", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        ("qemu-img", &["map", "--max-length=1x", "z.qcow2"]),
+        (
+            "qemu-img",
+            &["map", "--start-offset=99999999999999999999", "z.qcow2"],
+        ),
+        ("qemu-img", &["commit", "-r", "1x", "z.qcow2"]),
+        (
+            "qemu-img",
+            &["convert", "-r", "64M", "-O", "raw", "z.qcow2", "o.raw"],
+        ),
+        (
+            "qemu-img",
+            &["compare", "-f", "qcow2", "-F", "raw", "z.qcow2", "o.raw"],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Invalid rate limit specified: '1x'.")
+            && outs[0].contains("Images are identical."),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

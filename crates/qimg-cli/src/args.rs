@@ -1,7 +1,7 @@
 //! Option values every command parses the same way, with qemu-img's rules: sizes with
 //! suffixes, `-o` option strings, on/off switches, format names and `--output`.
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use qimg::chain::ImageFormat;
 
 /// Parses a size the way qemu-img does: a decimal number, optionally fractional, with an
@@ -127,13 +127,10 @@ pub fn json_output(value: &str, sub: &str) -> Result<bool, String> {
     }
 }
 
-/// `map`'s `--start-offset` and `--max-length`: a qemu-img size within `0..=i64::MAX` (`what`
-/// names it in the error).
+/// `map`'s `--start-offset` and `--max-length`: [`size_argument`] as an error (`what` names
+/// it).
 pub fn parse_offset(value: &str, what: &str) -> Result<u64> {
-    match parse_size(value) {
-        Some(v) if v <= i64::MAX as u64 => Ok(v),
-        _ => bail!("Invalid {what} specified. Must be between 0 and 9223372036854775807."),
-    }
+    size_argument(what, value).map_err(anyhow::Error::msg)
 }
 
 /// qemu's message for a size that does not parse (`qemu_opt_get_size`'s).

@@ -57,16 +57,7 @@ const CHUNK: u64 = 2 << 20;
 pub fn run(args: CommitArgs) -> Result<()> {
     CacheMode::parse_option(args.cache.as_deref(), "cache")?;
     if let Some(r) = &args.rate_limit {
-        if r.trim_start().starts_with('-') {
-            bail!("Invalid rate limit specified. Must be between 0 and 9223372036854775807.");
-        }
-        match crate::args::parse_size(r) {
-            Some(n) if n <= i64::MAX as u64 => {}
-            Some(_) => {
-                bail!("Invalid rate limit specified. Must be between 0 and 9223372036854775807.")
-            }
-            None => bail!("Invalid rate limit specified: '{r}'."),
-        }
+        crate::args::size_argument("rate limit", r).map_err(anyhow::Error::msg)?;
     }
     let Some(file) = args.filename.clone() else {
         bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");

@@ -82,6 +82,9 @@ pub struct ConvertArgs {
     /// Chunks copied in parallel (1 to 16, default 8).
     #[arg(short = 'm')]
     parallel: Option<String>,
+    /// At most this many bytes copied per second (qemu-img's `-r RATE_LIMIT`; 0: no limit).
+    #[arg(short = 'r', allow_hyphen_values = true)]
+    rate_limit: Option<String>,
     /// Write chunks in any order (faster; the target's clusters may not follow guest order).
     #[arg(short = 'W')]
     out_of_order: bool,
@@ -205,6 +208,7 @@ fn execute(settings: Settings) -> Result<()> {
             all_data: sparse == 0 && !settings.copy_range,
             copy_range: settings.copy_range,
             parallel: settings.parallel,
+            rate_limit: settings.rate_limit,
             // Compressed clusters are packed wherever they land; compress them in parallel.
             in_order: !settings.out_of_order && compress_cluster == 0,
             skip_backing: has_backing,

@@ -8,7 +8,7 @@ use qimg::chain::ImageFormat;
 use qimg::tools::create::CreateOptions;
 
 use super::ConvertArgs;
-use crate::args::{image_format, parse_size, split_opts};
+use crate::args::{image_format, split_opts};
 use crate::cache_mode::CacheMode;
 use crate::chain::source_format;
 use crate::create_opts;
@@ -40,6 +40,8 @@ pub(super) struct Settings {
     pub(super) sparse: u64,
     /// `-m`: chunks in flight.
     pub(super) parallel: usize,
+    /// `-r`: bytes per second (0: no limit).
+    pub(super) rate_limit: u64,
     /// `-W`.
     pub(super) out_of_order: bool,
     /// `-p` without `-q`.
@@ -133,8 +135,10 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         // -C copies data ranges whole, as -S 0 but leaving the source's zero ranges out.
         None if args.copy_range => 0,
         None => 4096,
-        Some(s) => match parse_size(s) {
-            Some(v) if v % 512 == 0 && v <= 16 << 20 => v,
+        Some(s) => match crate::args::size_argument("buffer size for sparse output", s)
+            .map_err(anyhow::Error::msg)?
+        {
+            v if v % 512 == 0 && v <= 16 << 20 => v,
             _ => bail!(
                 "Invalid buffer size for sparse output specified. Valid sizes are multiples of \
                  512 up to 16777216. Select 0 to disable sparse detection (fully allocates output)."
@@ -147,6 +151,10 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
             Ok(n) if (1..=16).contains(&n) => n,
             _ => bail!("Invalid number of coroutines specified. Must be between 1 and 16."),
         },
+    };
+    let rate_limit = match &args.rate_limit {
+        None => 0,
+        Some(r) => crate::args::size_argument("rate limit", r).map_err(anyhow::Error::msg)?,
     };
     let Some((dst_file, src_files)) = args.files.split_last().filter(|(_, s)| !s.is_empty()) else {
         bail!("Must specify image file name");
@@ -211,6 +219,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         quiet: args.quiet,
         sparse,
         parallel,
+        rate_limit,
         out_of_order: args.out_of_order,
         progress: args.progress && !args.quiet,
         cache,

@@ -29,6 +29,8 @@ pub(super) struct Plan {
     pub(super) copy_range: bool,
     /// Chunks in flight.
     pub(super) parallel: usize,
+    /// `-r`: bytes copied per second at most (0: no limit).
+    pub(super) rate_limit: u64,
     /// Chunks write in guest order.
     pub(super) in_order: bool,
     /// The output has a backing file: ranges the source reads from its backing chain are
