@@ -162,7 +162,8 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     /// Advertise `NBD_FLAG_CAN_MULTI_CONN`: set it only when the server takes several
     /// connections at once (a client that opens more waits otherwise).
     pub multi_conn: bool,
-    /// Serve each connection's reads and writes through a [`qimg::Queue`] of its own (Linux,
+    /// Serve each connection's reads, writes, flushes, trims and write-zeroes through a
+    /// [`qimg::Queue`] of its own (Linux,
     /// an image file the queue can reach directly): requests whose metadata is cached go to
     /// the queue's io_uring ring without the engine. Needs a runtime with I/O enabled
     /// (`enable_io`, or `enable_all`); off by default.

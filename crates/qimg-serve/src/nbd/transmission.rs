@@ -1,8 +1,9 @@
 //! The transmission phase. One task per connection reads requests from a buffer (many per
 //! `read` when the client sends them back to back), checks them and starts them: reads and
-//! writes go to the connection's [`qimg::Queue`] when it has one (the task collects their
-//! completions itself), the other commands run as tasks of their own on the shared image and
-//! hand their reply back. Replies go out in completion order, gathered into one vectored
+//! writes, flushes, trims and write-zeroes (but with `NO_HOLE`, which writes zeros as data)
+//! go to the connection's [`qimg::Queue`] when it has one (the task collects their
+//! completions itself); block status, cache and what has no queue run as tasks of their own
+//! on the shared image and hand their reply back. Replies go out in completion order, gathered into one vectored
 //! write when several are ready, and a read's data is sent from the buffer it was read into.
 //!
 //! Memory stays bounded: a request is taken only when it fits [`MAX_IN_FLIGHT`] requests and
@@ -46,8 +47,15 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 #[derive(Debug)]
 enum Queued {
-    Read { req: Request, units: usize },
-    Write { req: Request, units: usize },
+    Read {
+        req: Request,
+        units: usize,
+    },
+    /// A write, flush, trim or write-zeroes: its reply is its outcome.
+    Write {
+        req: Request,
+        units: usize,
+    },
 }
 
 #[cfg(target_os = "linux")]
@@ -592,25 +600,36 @@ impl<S: Storage + 'static> Conn<S> {
         });
     }
 
-    /// Hands a read or write to the connection's queue, if it has one.
+    /// Hands a command to the connection's queue, if it has one and the command is a
+    /// queue's request (see the module's front).
     fn enqueue(&mut self, req: Request, payload: AlignedBuf, units: usize) -> Took {
-        if self.queue.is_none() || !matches!(req.kind, CMD_READ | CMD_WRITE) {
-            return Took::Engine(payload);
-        }
-        let offset = req.offset;
-        let (request, kept) = if req.kind == CMD_READ {
-            match self.buffer(req.len as usize) {
+        let (offset, len) = (req.offset, req.len);
+        let request = match req.kind {
+            _ if self.queue.is_none() => return Took::Engine(payload),
+            CMD_READ => match self.buffer(len as usize) {
                 Ok(buf) => {
                     let buffers = qimg::IoBuffers::from_aligned(buf);
-                    let request = qimg::Request::Read { offset, buffers };
-                    (request, Queued::Read { req, units })
+                    qimg::Request::Read { offset, buffers }
                 }
                 Err(e) => return Took::Failed(ENOMEM, e.to_string()),
+            },
+            CMD_WRITE => {
+                let buffers = qimg::IoBuffers::from_aligned(payload);
+                qimg::Request::Write { offset, buffers }
             }
-        } else {
-            let buffers = qimg::IoBuffers::from_aligned(payload);
-            let request = qimg::Request::Write { offset, buffers };
-            (request, Queued::Write { req, units })
+            CMD_FLUSH if !self.export.no_flush => qimg::Request::Flush,
+            CMD_TRIM => qimg::Request::Discard { offset, len },
+            // Without NO_HOLE the client allows holes (qemu-nbd: BDRV_REQ_MAY_UNMAP).
+            CMD_WRITE_ZEROES if req.flags & CMD_FLAG_NO_HOLE == 0 => qimg::Request::WriteZeroes {
+                offset,
+                len,
+                unmap: true,
+            },
+            _ => return Took::Engine(payload),
+        };
+        let kept = match req.kind {
+            CMD_READ => Queued::Read { req, units },
+            _ => Queued::Write { req, units },
         };
         let submitted = self.queue.as_mut().map(|q| q.submit(request, kept));
         match submitted {
