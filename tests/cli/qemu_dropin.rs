@@ -1359,7 +1359,7 @@ fn commit_refuses_a_missing_base_as_qemu_img() {
 
 /// Size arguments as qemu-img's `cvtnum`: what does not parse is invalid, what parses past
 /// 63 bits is out of range, each in its words (`convert -S`/`-r`, `map --max-length`, `commit
-/// -r`); `convert -r RATE` copies the same bytes.
+/// -r`); `convert -r RATE` and `commit -r RATE` copy the same bytes.
 #[test]
 fn size_arguments_are_refused_in_qemu_imgs_words() {
     qimg_testkit::require_qemu!();
@@ -1371,6 +1371,13 @@ fn size_arguments_are_refused_in_qemu_imgs_words() {
             &["create", "-q", "-f", "qcow2", "z.qcow2", "4M"],
         ),
         ("qemu-io", &["-c", "write -P 1 0 3M", "z.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "z.qcow2", "-F", "qcow2", "ov.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 2 1M 2M", "ov.qcow2"]),
     ];
     let steps: Prep = &[
         (
@@ -1406,6 +1413,11 @@ fn size_arguments_are_refused_in_qemu_imgs_words() {
         (
             "qemu-img",
             &["compare", "-f", "qcow2", "-F", "raw", "z.qcow2", "o.raw"],
+        ),
+        ("qemu-img", &["commit", "-r", "64M", "ov.qcow2"]),
+        (
+            "qemu-io",
+            &["-c", "read -P 1 0 1M", "-c", "read -P 2 1M 2M", "z.qcow2"],
         ),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);

@@ -98,3 +98,60 @@ impl Steps {
         }
     }
 }
+
+/// The `-r RATE` of `convert` and `commit` (bytes per second; 0: no limit): a piece of work
+/// starts no earlier than the bytes taken before it allow at the rate.
+pub struct Pace {
+    rate: u64,
+    started: tokio::time::Instant,
+    taken: u64,
+}
+
+impl Pace {
+    /// A pace of `rate` bytes per second (0: never waits).
+    pub fn new(rate: u64) -> Self {
+        Self {
+            rate,
+            started: tokio::time::Instant::now(),
+            taken: 0,
+        }
+    }
+
+    /// Waits until the bytes taken so far are due at the rate, then takes `n` more.
+    pub async fn take(&mut self, n: u64) {
+        if self.rate == 0 {
+            return;
+        }
+        tokio::time::sleep_until(self.started + self.due()).await;
+        self.taken += n;
+    }
+
+    /// How long after the start the next piece may begin: the bytes taken so far at the rate.
+    fn due(&self) -> std::time::Duration {
+        match self.rate {
+            0 => std::time::Duration::ZERO,
+            rate => std::time::Duration::from_secs_f64(self.taken as f64 / rate as f64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod pace_tests {
+    use super::Pace;
+    use std::time::Duration;
+
+    #[test]
+    fn a_piece_starts_when_the_bytes_before_it_are_due() {
+        // Counted, not timed: only the first piece is due at once.
+        let mut p = Pace::new(1 << 20);
+        assert_eq!(p.due(), Duration::ZERO);
+        p.taken += 2 << 20;
+        assert_eq!(p.due(), Duration::from_secs(2));
+        p.taken += 512 << 10;
+        assert_eq!(p.due(), Duration::from_millis(2500));
+        // No limit: never waits, whatever was taken.
+        let mut free = Pace::new(0);
+        free.taken = u64::MAX;
+        assert_eq!(free.due(), Duration::ZERO);
+    }
+}

@@ -18,7 +18,7 @@ use qimg::chain::ImageFormat;
 use crate::cache_mode::CacheMode;
 use crate::chain::source_format;
 use crate::chain::{Layer, open_chain, status};
-use crate::progress::Progress;
+use crate::progress::{Pace, Progress};
 use crate::status::{lib_msg, open_msg, os_msg};
 
 /// Arguments of `qimg commit`.
@@ -56,9 +56,10 @@ const CHUNK: u64 = 2 << 20;
 /// Runs `qimg commit`.
 pub fn run(args: CommitArgs) -> Result<()> {
     CacheMode::parse_option(args.cache.as_deref(), "cache")?;
-    if let Some(r) = &args.rate_limit {
-        crate::args::size_argument("rate limit", r).map_err(anyhow::Error::msg)?;
-    }
+    let rate = match &args.rate_limit {
+        Some(r) => crate::args::size_argument("rate limit", r).map_err(anyhow::Error::msg)?,
+        None => 0,
+    };
     let Some(file) = args.filename.clone() else {
         bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");
     };
@@ -81,7 +82,7 @@ pub fn run(args: CommitArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the I/O runtime")?;
-    rt.block_on(commit(&args, path, &file))?;
+    rt.block_on(commit(&args, path, &file, rate))?;
     if !args.quiet {
         outln!("Image committed.");
     }
@@ -102,7 +103,8 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
+/// The commit itself; `rate`: `-r`, bytes of data copied per second (0: no limit).
+async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result<()> {
     // The chain, read without taking locks (the base is opened for writing below).
     let layers = open_chain(path, file, ImageFormat::Qcow2, true)
         .await
@@ -172,7 +174,17 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
     let mut progress = Progress::start(show, total);
     let base_name = base.path.display().to_string();
     if base.raw {
-        copy_to_raw(top, &base.path, &base_name, size, &ranges, &mut progress).await?;
+        let mut pace = Pace::new(rate);
+        copy_to_raw(
+            top,
+            &base.path,
+            &base_name,
+            size,
+            &ranges,
+            &mut progress,
+            &mut pace,
+        )
+        .await?;
     } else {
         let b = crate::image_spec::options_for(&base.path)
             .writable(true)
@@ -180,7 +192,8 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str) -> Result<()> {
             .open(&base.path)
             .await
             .map_err(|e| anyhow!("Could not open '{base_name}': {}", lib_msg(&e, &base_name)))?;
-        let r = copy_to_qcow2(top, &b, size, &ranges, &mut progress).await;
+        let mut pace = Pace::new(rate);
+        let r = copy_to_qcow2(top, &b, size, &ranges, &mut progress, &mut pace).await;
         let closed = b
             .close()
             .await
@@ -206,6 +219,7 @@ async fn copy_to_qcow2(
     size: u64,
     ranges: &[(u64, u64, bool)],
     progress: &mut Progress,
+    pace: &mut Pace,
 ) -> Result<()> {
     if base.size() < size {
         base.resize(size).await.map_err(|e| anyhow!("{e}"))?;
@@ -222,6 +236,7 @@ async fn copy_to_qcow2(
         let mut at = start;
         while at < start + len {
             let n = (start + len - at).min(CHUNK) as usize;
+            pace.take(n as u64).await;
             top.read(&mut buf[..n], at)
                 .await
                 .map_err(|e| anyhow!("{e}"))?;
@@ -242,6 +257,7 @@ async fn copy_to_raw(
     size: u64,
     ranges: &[(u64, u64, bool)],
     progress: &mut Progress,
+    pace: &mut Pace,
 ) -> Result<()> {
     let f = FsOpen::new()
         .write(true)
@@ -259,6 +275,7 @@ async fn copy_to_raw(
             if zero {
                 buf[..n].fill(0);
             } else {
+                pace.take(n as u64).await;
                 top.read(&mut buf[..n], at)
                     .await
                     .map_err(|e| anyhow!("{e}"))?;

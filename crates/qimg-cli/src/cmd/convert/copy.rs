@@ -226,14 +226,10 @@ pub(super) async fn copy(
     let r: Result<()> = async {
         let mut prev: Option<oneshot::Receiver<()>> = None;
         // `-r`: a chunk starts no earlier than the bytes before it allow at the rate.
-        let started = tokio::time::Instant::now();
-        let mut sent = 0u64;
+        let mut pace = crate::progress::Pace::new(plan.rate_limit);
         while let Some(job) = jobs.next().await? {
-            if plan.rate_limit > 0 {
-                let due = std::time::Duration::from_secs_f64(sent as f64 / plan.rate_limit as f64);
-                tokio::time::sleep_until(started + due).await;
-                sent += job.data.iter().map(|(s, e)| e - s).sum::<u64>();
-            }
+            pace.take(job.data.iter().map(|(s, e)| e - s).sum::<u64>())
+                .await;
             while set.len() >= plan.parallel {
                 progress.add(joined(set.join_next().await)?);
             }
