@@ -228,6 +228,18 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
             all.push(v);
         }
     }
+    // `-o` strings qemu-img's `accumulate_options` refuses, on every command that takes
+    // them; amend's pointer to rebase names the tool.
+    for args in [
+        &["create", "-f", "qcow2", "-o", "", "x", "1M"][..],
+        &["create", "-f", "qcow2", "-o", "cluster_size=4k,", "x", "1M"],
+        &["convert", "-O", "qcow2", "-o", ",", "base.qcow2", "x"],
+        &["amend", "-o", ",,", "base.qcow2"],
+        &["measure", "-O", "qcow2", "-o", "", "--size", "1M"],
+        &["amend", "-o", "backing_file=y", "base.qcow2"],
+    ] {
+        all.push(args.iter().map(|a| a.to_string()).collect());
+    }
     // No command, an unknown one.
     all.push(Vec::new());
     all.push(vec!["bogus".into(), "x".into()]);

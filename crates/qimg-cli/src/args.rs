@@ -80,6 +80,20 @@ fn parse_size_wide(s: &str) -> Option<u128> {
     num.parse::<u128>().ok()?.checked_mul(mult)
 }
 
+/// The `-o` strings of `create`, `convert`, `amend` and `measure` split into `key=value`
+/// items, each string first checked as qemu-img's `accumulate_options` does: an empty one,
+/// one starting with a comma or ending with an odd number of commas is `Invalid option list:
+/// S`.
+pub fn option_list(options: &[String]) -> Result<Vec<String>> {
+    for o in options {
+        let trailing = o.len() - o.trim_end_matches(',').len();
+        if o.is_empty() || o.starts_with(',') || trailing % 2 == 1 {
+            anyhow::bail!("Invalid option list: {o}");
+        }
+    }
+    Ok(options.iter().flat_map(|o| split_opts(o)).collect())
+}
+
 /// Splits `a=b,c=d` honouring qemu's `,,` escape for a literal comma.
 pub fn split_opts(s: &str) -> Vec<String> {
     let mut out = Vec::new();

@@ -10,7 +10,7 @@ use qimg::chain::ImageFormat;
 use qimg::tools::amend::{AmendOptions, amend};
 use qimg::tools::create::Compat;
 
-use crate::args::{on_off, parse_size, split_opts};
+use crate::args::{on_off, parse_size};
 use crate::chain::{raw_probe_warning, source_format};
 use crate::progress::Progress;
 use crate::status::{lib_msg, open_msg};
@@ -107,7 +107,7 @@ const CREATE_ONLY: &[&str] = &[
 
 /// Runs `qimg amend`.
 pub fn run(args: AmendArgs) -> Result<()> {
-    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    let pairs = crate::args::option_list(&args.options)?;
     if pairs.iter().any(|p| p == "help" || p == "?") {
         outln!("Amend options for 'qcow2':");
         let mut list: Vec<_> = AMEND_OPTIONS.iter().chain(AMEND_ENCRYPT_HELP).collect();
@@ -137,7 +137,10 @@ pub fn run(args: AmendArgs) -> Result<()> {
     }
     let opts = parse(&pairs)?;
     if matches!(opts, Parsed::Backing) {
-        bail!("Cannot amend the backing file\nYou can use 'qimg rebase' instead.");
+        bail!(
+            "Cannot amend the backing file\nYou can use '{} rebase' instead.",
+            crate::status::program()
+        );
     }
     let Parsed::Options(opts) = opts else {
         unreachable!("handled above")

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use qimg::tools::create::{CreateOptions, create};
 
-use crate::args::{image_format, split_opts};
+use crate::args::image_format;
 use crate::create_opts;
 
 /// Arguments of `qimg create`.
@@ -46,7 +46,7 @@ pub fn run(args: CreateArgs) -> Result<()> {
             args.fmt
         );
     }
-    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    let pairs = crate::args::option_list(&args.options)?;
     if pairs.iter().any(|p| p == "help" || p == "?") {
         out!(
             "{}",

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use qimg::chain::ImageFormat;
 use qimg::tools::measure::{MeasureOptions, data_bytes};
 
-use crate::args::{image_format, json_output, parse_size, split_opts};
+use crate::args::{image_format, json_output, parse_size};
 use crate::chain::{Layer, open_chain, source_format, status};
 use crate::create_opts::takes;
 use crate::status::open_msg;
@@ -162,7 +162,7 @@ pub fn run(args: MeasureArgs) -> Result<()> {
     if image_format(out_fmt).is_none() {
         bail!("Block driver '{out_fmt}' does not support size measurement");
     }
-    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    let pairs = crate::args::option_list(&args.options)?;
     let target = target_options(&pairs, out_fmt)?;
     let m = match &args.filename {
         None => measure_empty(out_fmt, &target, size.unwrap_or(0))?,

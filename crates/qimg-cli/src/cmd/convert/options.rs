@@ -8,7 +8,7 @@ use qimg::chain::ImageFormat;
 use qimg::tools::create::CreateOptions;
 
 use super::ConvertArgs;
-use crate::args::{image_format, split_opts};
+use crate::args::image_format;
 use crate::cache_mode::CacheMode;
 use crate::chain::source_format;
 use crate::create_opts;
@@ -88,7 +88,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         .unwrap_or_else(|| "raw".to_string());
     let out_fmt =
         image_format(&out_name).ok_or_else(|| anyhow!("Unknown file format '{out_name}'"))?;
-    let pairs: Vec<String> = args.options.iter().flat_map(|o| split_opts(o)).collect();
+    let pairs = crate::args::option_list(&args.options)?;
     if pairs.iter().any(|p| p == "help" || p == "?") {
         // (QEMU names the protocol options once it knows the target: given a source and
         // the destination.)
