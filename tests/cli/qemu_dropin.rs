@@ -1430,6 +1430,30 @@ fn size_arguments_are_refused_in_qemu_imgs_words() {
     );
 }
 
+/// qemu-io warns of a probed raw image only where a write could reach block 0: not with `-r`,
+/// `open -r` or `-s`.
+#[test]
+fn a_probed_raw_image_is_warned_of_only_when_writable() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("raw-probe-warning");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[("qemu-img", &["create", "-q", "-f", "raw", "pr.img", "1M"])];
+    let steps: Prep = &[
+        ("qemu-io", &["-r", "-c", "read 0 1", "pr.img"]),
+        ("qemu-io", &["-c", "open -r pr.img", "-c", "read 0 1"]),
+        ("qemu-io", &["-s", "-c", "read 0 1", "pr.img"]),
+        ("qemu-io", &["-c", "read 0 1", "pr.img"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert_eq!(
+        outs[0].matches("probing guessed raw").count(),
+        1,
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

@@ -241,7 +241,9 @@ impl Session {
             };
         }
         if fmt == ImageFormat::Raw {
-            if let Some(warning) = raw_probe_warning(file, spec.fmt.as_deref(), fmt) {
+            // QEMU warns only where a write could reach block 0: not on a read-only open.
+            let warning = raw_probe_warning(file, spec.fmt.as_deref(), fmt);
+            if let Some(warning) = warning.filter(|_| !spec.read_only) {
                 complain!("{warning}");
             }
             return match self.open_raw(path, spec).await {
