@@ -1454,6 +1454,36 @@ fn a_probed_raw_image_is_warned_of_only_when_writable() {
     );
 }
 
+/// A `json:` name that does not parse is refused in the words of QEMU's JSON parser.
+#[test]
+fn bad_json_names_are_refused_in_qemus_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("bad-json");
+    let ours = Ours::new(&s);
+    let names = [
+        r#"json:{"driver":"qcow2""#,
+        r#"json:{"driver":}"#,
+        r#"json:{"driver" "x"}"#,
+        "json:[1]",
+        r#"json:{"driver":"qcow2",}"#,
+        "json:",
+        r#"json:{"a":1}x"#,
+    ];
+    let mut steps: Vec<(&str, Vec<&str>)> = Vec::new();
+    for n in &names {
+        steps.push(("qemu-io", vec!["-c", "read 0 1", n]));
+        steps.push(("qemu-img", vec!["info", n]));
+    }
+    let steps: Vec<(&str, &[&str])> = steps.iter().map(|(t, a)| (*t, a.as_slice())).collect();
+    let outs = side_by_side(&s, &ours, &[], &[], &steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("JSON parse error, premature EOI"),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

@@ -278,8 +278,12 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             continue;
         }
         let pairs = if let Some(json) = s.strip_prefix("json:") {
-            let v: Value = serde_json::from_str(json)
-                .map_err(|e| failed(s, format!("Could not parse the JSON options: {e}")))?;
+            let v: Value = serde_json::from_str(json).map_err(|e| {
+                failed(
+                    s,
+                    format!("Could not parse the JSON options: {}", json_error(json, &e)),
+                )
+            })?;
             let mut pairs = Vec::new();
             flatten(&v, "", &mut pairs).map_err(|e| failed(s, e))?;
             pairs
@@ -424,7 +428,7 @@ fn blkdebug_node(
 /// Flattens JSON objects into qemu's dotted keys.
 fn flatten(v: &Value, prefix: &str, out: &mut Vec<(String, String)>) -> Result<(), String> {
     let Value::Object(map) = v else {
-        return Err("JSON options must be an object".into());
+        return Err("Invalid JSON object given".into());
     };
     for (k, v) in map {
         let key = if prefix.is_empty() {
@@ -676,5 +680,24 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.contains("vmdk"), "{e}");
+    }
+}
+
+/// Why a `json:` name did not parse, in the words of QEMU's JSON parser where they are
+/// known (serde_json's otherwise).
+fn json_error(json: &str, e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    if json.trim().is_empty() {
+        "Expecting a JSON value".into()
+    } else if e.is_eof() {
+        "JSON parse error, premature EOI".into()
+    } else if text.starts_with("trailing characters") {
+        "Expecting at most one JSON value".into()
+    } else if text.starts_with("expected value") || text.starts_with("trailing comma") {
+        "JSON parse error, expecting value".into()
+    } else if text.starts_with("expected `:`") {
+        "JSON parse error, missing : in object pair".into()
+    } else {
+        text
     }
 }
