@@ -1484,6 +1484,51 @@ fn bad_json_names_are_refused_in_qemus_words() {
     );
 }
 
+/// Incompatible feature bits qimg does not know refuse the image in QEMU's words: the names
+/// the image's own feature table gives them, then the rest as a mask (iotest 036's case).
+#[test]
+fn unknown_incompatible_features_are_named_as_qemu_names_them() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("unknown-features");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "a.qcow2", "4M"],
+        ),
+        // The table's first entry (at 120: "dirty bit") now names bit 63; bits 63, 62
+        // and 61 are set.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x3f 121 1",
+                "-c",
+                "write -P 0xe0 72 1",
+                "a.qcow2",
+            ],
+        ),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["info", "a.qcow2"]),
+        ("qemu-io", &["-c", "read 0 1", "a.qcow2"]),
+        ("qemu-img", &["check", "a.qcow2"]),
+        ("qemu-img", &["map", "a.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains(
+            "Unsupported qcow2 feature(s): dirty bit, Unknown incompatible feature: \
+             6000000000000000"
+        ),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

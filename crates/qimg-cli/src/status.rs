@@ -96,10 +96,38 @@ pub fn damage_errno_text(e: &qimg::Error) -> Option<String> {
         .then(|| os_msg(&std::io::Error::from_raw_os_error(e.errno())))
 }
 
+/// QEMU's words for an image with incompatible features it does not know (as qemu-img or
+/// qemu-io; `report_unsupported_feature`): the names the image's feature table gives them,
+/// then the rest as one hexadecimal mask.
+pub fn unsupported_features_words(e: &qimg::Error) -> Option<String> {
+    let qimg::Error::Format {
+        source: qimg::format::FormatError::UnknownIncompatibleFeatures { bits, named, .. },
+        ..
+    } = e
+    else {
+        return None;
+    };
+    if program() == "qimg" {
+        return None;
+    }
+    let mut parts: Vec<String> = named.iter().map(|(_, n)| n.clone()).collect();
+    let unknown = named.iter().fold(*bits, |m, (b, _)| m & !(1u64 << b));
+    if unknown != 0 {
+        parts.push(format!("Unknown incompatible feature: {unknown:x}"));
+    }
+    Some(format!(
+        "Unsupported qcow2 feature(s): {}",
+        parts.join(", ")
+    ))
+}
+
 /// The error text of a library error without the leading file name `file`, followed by the
 /// causes its text does not already include (such as the OS error of a failed open).
 pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
     use std::error::Error as _;
+    if let Some(words) = unsupported_features_words(e) {
+        return words;
+    }
     let mut s = match e {
         // Another process's lock, in QEMU's words when qimg speaks as QEMU's tools.
         qimg::Error::Storage {

@@ -78,6 +78,9 @@ pub enum FormatError {
         bits: u64,
         /// Their names from the feature name table, or "bit N" when unnamed.
         names: String,
+        /// The bits the image's feature name table names, with their names, in the table's
+        /// order (QEMU names these and counts the rest as unknown).
+        named: Vec<(u8, String)>,
     },
     /// An extended L2 entry whose bitmap is impossible.
     #[error(

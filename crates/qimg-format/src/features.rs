@@ -192,9 +192,22 @@ pub fn describe_incompatible(bits: u64, table: &[FeatureName]) -> String {
 pub fn check_incompatible(incompatible: u64, table: &[FeatureName]) -> Result<()> {
     let unknown = incompatible & !INCOMPAT_KNOWN;
     if unknown != 0 {
+        // As QEMU's `report_unsupported_feature`: the table's order, each bit once.
+        let mut left = unknown;
+        let mut named = Vec::new();
+        for e in table {
+            if e.kind == Some(FeatureKind::Incompatible)
+                && e.bit < 64
+                && left & (1u64 << e.bit) != 0
+            {
+                named.push((e.bit, e.name_str()));
+                left &= !(1u64 << e.bit);
+            }
+        }
         return Err(FormatError::UnknownIncompatibleFeatures {
             bits: unknown,
             names: describe_incompatible(unknown, table),
+            named,
         });
     }
     Ok(())

@@ -30,6 +30,10 @@ pub fn strerror(errno: i32) -> String {
 /// Why `file` did not open, as QEMU words it: a system error names the file it happened on
 /// (the image, its data file or a backing file).
 pub(super) fn open_error(e: &qimg::Error, file: &str) -> String {
+    // The format's refusal, without the protocol's "Could not open" (QEMU's words).
+    if let Some(words) = crate::status::unsupported_features_words(e) {
+        return words;
+    }
     // A read-write open of an image marked corrupt, in QEMU's words.
     if let qimg::Error::Format {
         source:
