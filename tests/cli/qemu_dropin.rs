@@ -1529,6 +1529,50 @@ fn unknown_incompatible_features_are_named_as_qemu_names_them() {
     );
 }
 
+/// A header QEMU refuses at open is refused in QEMU's words (iotest 080's cases), by
+/// qemu-img and qemu-io alike: cluster size, L1 and refcount table sizes and offsets,
+/// refcount width, version, header length.
+#[test]
+fn refused_headers_are_refused_in_qemus_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("refused-headers");
+    let ours = Ours::new(&s);
+    // (byte pattern, header offset) written over a fresh image.
+    let patches = [
+        ("0x20", "23"),
+        ("0x08", "23"),
+        ("0xff", "36"),
+        ("0x01", "47"),
+        ("0x01", "55"),
+        ("0xff", "56"),
+        ("0x07", "99"),
+        ("0x04", "7"),
+        ("0x00", "103"),
+    ];
+    let names: Vec<String> = (0..patches.len()).map(|i| format!("h{i}.qcow2")).collect();
+    let writes: Vec<String> = patches
+        .iter()
+        .map(|(p, at)| format!("write -P {p} {at} 1"))
+        .collect();
+    let mut prepare: Vec<(&str, Vec<&str>)> = Vec::new();
+    let mut steps: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (name, write) in names.iter().zip(&writes) {
+        prepare.push(("qemu-img", vec!["create", "-q", "-f", "qcow2", name, "4M"]));
+        prepare.push(("qemu-io", vec!["-f", "raw", "-c", write, name]));
+        steps.push(("qemu-img", vec!["info", name]));
+        steps.push(("qemu-io", vec!["-c", "read 0 1", name]));
+    }
+    let prepare: Vec<(&str, &[&str])> = prepare.iter().map(|(t, a)| (*t, a.as_slice())).collect();
+    let steps: Vec<(&str, &[&str])> = steps.iter().map(|(t, a)| (*t, a.as_slice())).collect();
+    let outs = side_by_side(&s, &ours, &[], &prepare, &steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Unsupported cluster size: 2^32"),
+        "{}",
+        outs[0]
+    );
+}
+
 /// A file that is not there: every command says so in qemu-img's words (the name twice,
 /// the block layer's and the command's), whichever way it opens the file.
 #[test]

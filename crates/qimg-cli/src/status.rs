@@ -96,36 +96,61 @@ pub fn damage_errno_text(e: &qimg::Error) -> Option<String> {
         .then(|| os_msg(&std::io::Error::from_raw_os_error(e.errno())))
 }
 
-/// QEMU's words for an image with incompatible features it does not know (as qemu-img or
-/// qemu-io; `report_unsupported_feature`): the names the image's feature table gives them,
-/// then the rest as one hexadecimal mask.
-pub fn unsupported_features_words(e: &qimg::Error) -> Option<String> {
-    let qimg::Error::Format {
-        source: qimg::format::FormatError::UnknownIncompatibleFeatures { bits, named, .. },
-        ..
-    } = e
-    else {
+/// QEMU's words for a qcow2 header it refuses at open (as qemu-img or qemu-io;
+/// `qcow2_do_open`), where qimg names the field, the offset and the value: incompatible
+/// features it does not know (`report_unsupported_feature`: the names the image's feature
+/// table gives them, then the rest as one hexadecimal mask), the version, the cluster size,
+/// the header length, the refcount width, and the L1 and refcount tables' offsets and sizes.
+/// `None`: not such an error, or speaking as qimg.
+pub fn qemu_header_words(e: &qimg::Error) -> Option<String> {
+    use qimg::format::FormatError as F;
+    let qimg::Error::Format { source, .. } = e else {
         return None;
     };
     if program() == "qimg" {
         return None;
     }
-    let mut parts: Vec<String> = named.iter().map(|(_, n)| n.clone()).collect();
-    let unknown = named.iter().fold(*bits, |m, (b, _)| m & !(1u64 << b));
-    if unknown != 0 {
-        parts.push(format!("Unknown incompatible feature: {unknown:x}"));
-    }
-    Some(format!(
-        "Unsupported qcow2 feature(s): {}",
-        parts.join(", ")
-    ))
+    Some(match source {
+        F::UnknownIncompatibleFeatures { bits, named, .. } => {
+            let mut parts: Vec<String> = named.iter().map(|(_, n)| n.clone()).collect();
+            let unknown = named.iter().fold(*bits, |m, (b, _)| m & !(1u64 << b));
+            if unknown != 0 {
+                parts.push(format!("Unknown incompatible feature: {unknown:x}"));
+            }
+            format!("Unsupported qcow2 feature(s): {}", parts.join(", "))
+        }
+        F::UnsupportedVersion { version } => format!("Unsupported qcow2 version {version}"),
+        F::InvalidField {
+            what,
+            offset,
+            value,
+            ..
+        } => match (*what, *offset) {
+            ("cluster_bits", 0x14) => format!("Unsupported cluster size: 2^{value}"),
+            ("l1_size", 0x24) => "Active L1 table too large".into(),
+            ("l1_table_offset", 0x28) => "Active L1 table offset invalid".into(),
+            ("refcount_table_offset", 0x30) => "Reference count table offset invalid".into(),
+            ("refcount_table_clusters", 0x38) => "Reference count table too large".into(),
+            ("refcount_order", 0x60) => {
+                "Reference count entry width too large; may not exceed 64 bits".into()
+            }
+            ("header_length", 0x64) if *value < 104 => "qcow2 header too short".into(),
+            _ => return None,
+        },
+        F::Unaligned { what, offset, .. } => match (*what, *offset) {
+            ("l1_table_offset", 0x28) => "Active L1 table offset invalid".into(),
+            ("refcount_table_offset", 0x30) => "Reference count table offset invalid".into(),
+            _ => return None,
+        },
+        _ => return None,
+    })
 }
 
 /// The error text of a library error without the leading file name `file`, followed by the
 /// causes its text does not already include (such as the OS error of a failed open).
 pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
     use std::error::Error as _;
-    if let Some(words) = unsupported_features_words(e) {
+    if let Some(words) = qemu_header_words(e) {
         return words;
     }
     let mut s = match e {

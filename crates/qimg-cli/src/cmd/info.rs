@@ -56,7 +56,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
         {
             anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
         }
-        ref e if crate::status::unsupported_features_words(e).is_some() => {
+        ref e if crate::status::qemu_header_words(e).is_some() => {
             anyhow!("Could not open '{file}': {}", lib_msg(e, file))
         }
         // The file that could not be opened: the image, or a file of its backing chain.

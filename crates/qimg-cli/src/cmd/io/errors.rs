@@ -31,7 +31,7 @@ pub fn strerror(errno: i32) -> String {
 /// (the image, its data file or a backing file).
 pub(super) fn open_error(e: &qimg::Error, file: &str) -> String {
     // The format's refusal, without the protocol's "Could not open" (QEMU's words).
-    if let Some(words) = crate::status::unsupported_features_words(e) {
+    if let Some(words) = crate::status::qemu_header_words(e) {
         return words;
     }
     // A read-write open of an image marked corrupt, in QEMU's words.
