@@ -1531,7 +1531,8 @@ fn unknown_incompatible_features_are_named_as_qemu_names_them() {
 
 /// A header QEMU refuses at open is refused in QEMU's words (iotest 080's cases), by
 /// qemu-img and qemu-io alike: cluster size, L1 and refcount table sizes and offsets,
-/// refcount width, version, header length.
+/// refcount width, version, header length, snapshot count, backing file offset, compression
+/// type.
 #[test]
 fn refused_headers_are_refused_in_qemus_words() {
     qimg_testkit::require_qemu!();
@@ -1548,6 +1549,10 @@ fn refused_headers_are_refused_in_qemus_words() {
         ("0x07", "99"),
         ("0x04", "7"),
         ("0x00", "103"),
+        ("0xff", "60"),
+        ("0x00", "39"),
+        ("0x10", "9"),
+        ("0xff", "104"),
     ];
     let names: Vec<String> = (0..patches.len()).map(|i| format!("h{i}.qcow2")).collect();
     let writes: Vec<String> = patches

@@ -100,7 +100,8 @@ pub fn damage_errno_text(e: &qimg::Error) -> Option<String> {
 /// `qcow2_do_open`), where qimg names the field, the offset and the value: incompatible
 /// features it does not know (`report_unsupported_feature`: the names the image's feature
 /// table gives them, then the rest as one hexadecimal mask), the version, the cluster size,
-/// the header length, the refcount width, and the L1 and refcount tables' offsets and sizes.
+/// the header length, the refcount width, the compression type, the backing file offset, the
+/// number of snapshots, and the L1 and refcount tables' offsets and sizes.
 /// `None`: not such an error, or speaking as qimg.
 pub fn qemu_header_words(e: &qimg::Error) -> Option<String> {
     use qimg::format::FormatError as F;
@@ -124,10 +125,14 @@ pub fn qemu_header_words(e: &qimg::Error) -> Option<String> {
             what,
             offset,
             value,
-            ..
+            reason,
         } => match (*what, *offset) {
             ("cluster_bits", 0x14) => format!("Unsupported cluster size: 2^{value}"),
-            ("l1_size", 0x24) => "Active L1 table too large".into(),
+            ("l1_size", 0x24) if reason.contains("exceeds") => "Active L1 table too large".into(),
+            ("l1_size", 0x24) => "L1 table is too small".into(),
+            ("nb_snapshots", 0x3c) => "Snapshot table too large".into(),
+            ("backing_file_offset", 0x8) => "Invalid backing file offset".into(),
+            ("compression_type", 0x68) => format!("qcow2: unknown compression type: {value}"),
             ("l1_table_offset", 0x28) => "Active L1 table offset invalid".into(),
             ("refcount_table_offset", 0x30) => "Reference count table offset invalid".into(),
             ("refcount_table_clusters", 0x38) => "Reference count table too large".into(),
