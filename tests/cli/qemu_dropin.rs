@@ -1320,7 +1320,8 @@ fn reopen_checks_runtime_options_as_qemu_io() {
 }
 
 /// `commit` looks for a base named with `-b` before it asks whether there is a backing file
-/// at all (QEMU's `bdrv_find_backing_image`), and warns of a probed raw image first.
+/// at all (QEMU's `bdrv_find_backing_image`), and warns of a probed raw image first; a safe
+/// `rebase` without `-F` reports a new backing file that is not there before the format.
 #[test]
 fn commit_refuses_a_missing_base_as_qemu_img() {
     qimg_testkit::require_qemu!();
@@ -1347,6 +1348,14 @@ fn commit_refuses_a_missing_base_as_qemu_img() {
         ("qemu-img", &["commit", "-b", "x", "rr.raw"]),
         ("qemu-img", &["commit", "rr.raw"]),
         ("qemu-img", &["commit", "-f", "raw", "rr.raw"]),
+        // rebase: a safe one opens the new backing file first; -u only names it.
+        ("qemu-img", &["rebase", "-b", "nx.qcow2", "tp.qcow2"]),
+        ("qemu-img", &["rebase", "-u", "-b", "nx.qcow2", "tp.qcow2"]),
+        (
+            "qemu-img",
+            &["rebase", "-b", "nx.qcow2", "-F", "qcow2", "tp.qcow2"],
+        ),
+        ("qemu-img", &["rebase", "-b", "nb.qcow2", "tp.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");

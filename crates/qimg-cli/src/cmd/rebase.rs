@@ -97,6 +97,14 @@ pub fn run(args: RebaseArgs) -> Result<()> {
     }
     let new_fmt = match (new, args.backing_fmt.as_deref()) {
         (Some(n), None) => {
+            // A safe rebase opens the new backing file first (QEMU's order): one that is
+            // not there is what it reports.
+            if !args.unsafe_mode && !resolve_backing(path, n).exists() {
+                bail!(
+                    "Could not open new backing file '{n}': Could not open '{n}': No such file \
+                     or directory"
+                );
+            }
             bail!("Could not change the backing file to '{n}': backing format must be specified")
         }
         (Some(_), Some(f)) => Some(image_format(f).ok_or_else(|| anyhow!("Unknown driver '{f}'"))?),
