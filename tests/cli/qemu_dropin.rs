@@ -1423,6 +1423,12 @@ fn size_arguments_are_refused_in_qemu_imgs_words() {
             "qemu-img",
             &["compare", "-f", "qcow2", "-F", "raw", "z.qcow2", "o.raw"],
         ),
+        // A request past the end fails the run with the block layer's EIO.
+        ("qemu-img", &["bench", "-c", "10", "-o", "4M", "z.qcow2"]),
+        (
+            "qemu-img",
+            &["bench", "-c", "10", "-d", "4", "-s", "5M", "z.qcow2"],
+        ),
         ("qemu-img", &["commit", "-r", "64M", "ov.qcow2"]),
         (
             "qemu-io",

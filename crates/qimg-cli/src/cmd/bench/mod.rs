@@ -154,6 +154,19 @@ fn ring_entries(depth: u64) -> u32 {
         .clamp(64, 4096)
 }
 
+/// Request `i` (from 0) of `len` bytes at `off` runs past the end of an image of `size`
+/// bytes: the run fails, in qemu-img's words (the block layer's EIO) or qimg's (naming it).
+fn past_the_end(i: u64, len: u64, off: u64, size: u64) -> anyhow::Error {
+    if crate::status::program() != "qimg" {
+        return anyhow!("Failed request: Input/output error");
+    }
+    anyhow!(
+        "Failed request: request {} ({len} bytes at offset {off}) runs past the end of the \
+         image ({size} bytes)",
+        i + 1
+    )
+}
+
 /// An open failure as qemu-img words it ("Could not open 'NAME': ...", without the path
 /// the library error starts with).
 fn open_error(cfg: &Config, e: impl std::fmt::Display) -> anyhow::Error {

@@ -347,12 +347,7 @@ impl Loop<'_> {
             let off = self.plan.offsets.at(i);
             let len = self.plan.bufsize as u64;
             if off.checked_add(len).is_none_or(|e| e > self.plan.size) {
-                self.fail(anyhow!(
-                    "Failed request: request {} ({len} bytes at offset {off}) runs past the end \
-                     of the image ({} bytes)",
-                    i + 1,
-                    self.plan.size
-                ));
+                self.fail(super::past_the_end(i, len, off, self.plan.size));
                 return;
             }
             let Some((slot, buffers)) = self.idle.pop() else {

@@ -200,12 +200,7 @@ impl<T: BenchTarget> RunState<T> {
         let off = self.plan.offsets.at(i);
         let len = self.plan.bufsize as u64;
         if off.checked_add(len).is_none_or(|e| e > self.plan.size) {
-            return Err(anyhow!(
-                "Failed request: request {} ({len} bytes at offset {off}) runs past the end of \
-                 the image ({} bytes)",
-                i + 1,
-                self.plan.size
-            ));
+            return Err(super::past_the_end(i, len, off, self.plan.size));
         }
         Ok(off)
     }
