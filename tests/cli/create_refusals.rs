@@ -237,6 +237,18 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
         &["amend", "-o", ",,", "base.qcow2"],
         &["measure", "-O", "qcow2", "-o", "", "--size", "1M"],
         &["amend", "-o", "backing_file=y", "base.qcow2"],
+        // Unknown formats and an operand too many, in each command's words.
+        &["create", "-f", "bogus", "x", "1M"],
+        &["create", "-f", "bogus"],
+        &["info", "-f", "bogus", "base.qcow2"],
+        &["bench", "-f", "bogus", "base.qcow2"],
+        &["info", "base.qcow2", "base.qcow2"],
+        &["check", "base.qcow2", "base.qcow2"],
+        &["map", "base.qcow2", "base.qcow2"],
+        &["create", "-f", "qcow2", "x", "1M", "2M"],
+        &["resize", "base.qcow2", "1M", "2M"],
+        &["measure", "-O", "qcow2", "base.qcow2", "base.qcow2"],
+        &["amend", "-o", "compat=1.1", "base.qcow2", "base.qcow2"],
     ] {
         all.push(args.iter().map(|a| a.to_string()).collect());
     }

@@ -309,6 +309,29 @@ fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
         flag = typed;
     }
     let letter = || flag.trim_start_matches('-').chars().next().unwrap_or('?');
+    // An operand too many: each qemu-img command's own words (and whether it adds its hint).
+    if name != "qemu-io" && e.kind() == ErrorKind::UnknownArgument && !arg.starts_with('-') {
+        let sub = std::env::args().nth(1).unwrap_or_default();
+        let (why, hint) = match sub.as_str() {
+            "info" | "check" | "map" | "commit" | "rebase" | "bench" | "snapshot" => {
+                ("Expecting one image file name".to_string(), true)
+            }
+            "amend" => ("Expecting one image file name".to_string(), false),
+            "measure" => (
+                "At most one filename argument is allowed.".to_string(),
+                false,
+            ),
+            "create" => (format!("Unexpected argument: {arg}"), true),
+            _ => (String::new(), false),
+        };
+        if !why.is_empty() {
+            eprintln!("qemu-img: {why}");
+            if hint {
+                eprintln!("Try 'qemu-img {sub} --help' for more info");
+            }
+            crate::out::exit(1);
+        }
+    }
     let why = match e.kind() {
         ErrorKind::UnknownArgument if flag.starts_with("--") => {
             format!("unrecognized option '{flag}'")

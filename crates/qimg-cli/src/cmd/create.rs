@@ -40,23 +40,33 @@ pub struct CreateArgs {
 
 /// Runs `qimg create`.
 pub fn run(args: CreateArgs) -> Result<()> {
-    if image_format(&args.fmt).is_none() {
-        bail!(
-            "Unknown file format '{}' (qimg supports qcow2 and raw)",
-            args.fmt
-        );
-    }
+    // qemu-img's words; qimg adds what it supports.
+    let unknown = |prefix: String| {
+        let hint = if crate::status::program() == "qimg" {
+            " (qimg supports qcow2 and raw)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("{prefix}Unknown file format '{}'{hint}", args.fmt)
+    };
+    let known = image_format(&args.fmt).is_some();
     let pairs = crate::args::option_list(&args.options)?;
     if pairs.iter().any(|p| p == "help" || p == "?") {
+        if !known {
+            return Err(unknown(String::new()));
+        }
         out!(
             "{}",
             create_opts::help_text(&args.fmt, args.filename.is_some())
         );
         return Ok(());
     }
-    let Some(file) = args.filename else {
+    let Some(file) = args.filename.clone() else {
         bail!("Expecting image file name\nTry 'qimg create --help' for more info");
     };
+    if !known {
+        return Err(unknown(format!("{file}: ")));
+    }
     let mut o = CreateOptions::default();
     let mut given = create_opts::Given::default();
     create_opts::apply(&mut o, &mut given, &pairs, &args.fmt).with_context(|| file.clone())?;

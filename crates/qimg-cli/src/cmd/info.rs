@@ -38,9 +38,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
         anyhow::bail!("Expecting one image file name\nTry 'qimg info --help' for more info");
     };
     let fmt = match args.fmt.as_deref() {
-        Some(name) => Some(image_format(name).ok_or_else(|| {
-            anyhow!("Unknown file format '{name}' (qimg supports qcow2 and raw)")
-        })?),
+        Some(name) => Some(
+            image_format(name)
+                .ok_or_else(|| anyhow!("Could not open '{filename}': Unknown driver '{name}'"))?,
+        ),
         None => None,
     };
     let path = Path::new(&filename);

@@ -73,6 +73,9 @@ pub fn run(args: ResizeArgs) -> Result<()> {
     if let Some(i) = rest.iter().position(|a| a == "--") {
         rest.remove(i);
     }
+    if rest.len() > 2 {
+        bail!("Extra argument(s) in command line\nTry 'qimg resize --help' for more info");
+    }
     let [file, size_arg] = rest.as_slice() else {
         bail!("Expecting image file name and size\nTry 'qimg resize --help' for more info");
     };

@@ -287,9 +287,14 @@ pub(super) fn config(args: BenchOpts) -> Result<Config, String> {
     };
     let fmt = match fmt.as_deref() {
         None => None,
-        Some(name) => {
-            Some(image_format(name).ok_or_else(|| format!("Unknown file format '{name}'"))?)
-        }
+        // qemu-img names the file and the driver; qimg the format it does not know.
+        Some(driver) => Some(image_format(driver).ok_or_else(|| {
+            if crate::status::program() == "qimg" {
+                format!("Unknown file format '{driver}'")
+            } else {
+                format!("Could not open '{name}': Unknown driver '{driver}'")
+            }
+        })?),
     };
     if !args.write && flush_interval > 0 {
         return Err("--flush-interval is only available in write tests".into());
