@@ -502,11 +502,7 @@ impl<S: Storage> Inner<S> {
                 )
                 .await
                 .map_err(|e| self.shared.storage_error(e))?;
-            self.shared
-                .file
-                .flush()
-                .await
-                .map_err(|e| self.shared.storage_error(e))?;
+            self.shared.flush_file().await?;
         }
         Ok(())
     }

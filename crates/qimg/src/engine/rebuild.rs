@@ -185,12 +185,7 @@ impl<S: Storage> Inner<S> {
         let cs = self.shared.geo.cluster_size();
         let e = self.shared.rgeo.refblock_entries();
         let refs = self.count_references(m).await?;
-        let file_len = self
-            .shared
-            .file
-            .len()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        let file_len = self.shared.file_len().await?;
         let file_clusters = file_len.div_ceil(cs);
         if let Some(c) = refs.max_cluster().filter(|&c| c >= file_clusters) {
             let what = format!(

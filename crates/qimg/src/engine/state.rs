@@ -311,7 +311,7 @@ impl<S: Storage> Shared<S> {
         if r.end.load(Ordering::Acquire) <= r.from.max(keep) {
             return Ok(());
         }
-        let len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let len = self.file_len().await?;
         if len > keep {
             self.file
                 .set_len(keep)
@@ -324,6 +324,17 @@ impl<S: Storage> Shared<S> {
 
     pub(crate) fn storage_error(&self, e: StorageError) -> Error {
         Error::storage(&self.path, e)
+    }
+
+    /// Flushes the image file (its data file is [`data`](Self::data)'s), the error naming
+    /// the image.
+    pub(crate) async fn flush_file(&self) -> Result<()> {
+        self.file.flush().await.map_err(|e| self.storage_error(e))
+    }
+
+    /// The length of the image file, the error naming the image.
+    pub(crate) async fn file_len(&self) -> Result<u64> {
+        self.file.len().await.map_err(|e| self.storage_error(e))
     }
 
     /// Where guest data lives: the external data file, or the image file.

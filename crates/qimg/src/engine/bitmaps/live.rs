@@ -302,11 +302,7 @@ impl<S: Storage> Inner<S> {
             .write_guarded(&mut m, table_at + t as u64 * 8, &entry, Writing::Data)
             .await?;
         drop(m);
-        self.shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.flush_file().await?;
         let mut state = self.shared.bitmaps.write();
         if let Ok(i) = state.index(name) {
             if let Some(e) = state.list[i].table.get_mut(t) {
@@ -330,11 +326,7 @@ impl<S: Storage> Inner<S> {
         self.write_directory(&mut m, dir_at, &bitmap::encode_directory(&entries))
             .await?;
         drop(m);
-        self.shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.flush_file().await?;
         self.shared.bitmaps.in_use_done(&entries);
         Ok(())
     }

@@ -168,11 +168,7 @@ impl<S: Storage> Inner<S> {
             let entries: Vec<BitmapEntry> = list.iter().map(|b| b.entry.clone()).collect();
             self.write_directory(m, dir_at, &bitmap::encode_directory(&entries))
                 .await?;
-            self.shared
-                .file
-                .flush()
-                .await
-                .map_err(|e| self.shared.storage_error(e))?;
+            self.shared.flush_file().await?;
         }
         let mut state = self.shared.bitmaps.write();
         state.disk = list.iter().map(|b| b.entry.clone()).collect();

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use qimg_format::refcount;
 use qimg_io::{DebugEvent, Storage};
 
-use super::{CacheKind, MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta, Need, Needs};
+use super::{MAX_HOST_OFFSET, MAX_PENDING_PUNCHES, Meta, Need, Needs};
 use crate::engine::state::Shared;
 use crate::error::{Error, Result};
 
@@ -251,10 +251,7 @@ impl<S: Storage> Shared<S> {
         let cs = self.geo.cluster_size();
         let first = offset / cs;
         for c in first..first + n {
-            self.mark_dirty_if_lazy(m).await?;
-            if let Some((key, _)) = self.refcount_slot(m, c) {
-                self.load(m, CacheKind::Refcount, key).await?;
-            }
+            self.ready_refcount_change(m, c, -1).await?;
             if self.until_done(m, |m| self.release_now(m, c)).await?? == 0 {
                 if m.compressed_tail.is_some_and(|t| t / cs == c) {
                     m.compressed_tail = None;

@@ -60,8 +60,21 @@ impl<S: Storage> Shared<S> {
         cluster: u64,
         delta: i64,
     ) -> Result<u64> {
-        // What the change needs, made ready with I/O in the order it uses it (the dirty bit,
-        // a new refcount block, the slice: a counted lookup), then the change itself.
+        self.ready_refcount_change(m, cluster, delta).await?;
+        self.until_done(m, |m| self.update_refcount_now(m, cluster, delta))
+            .await?
+    }
+
+    /// What a change of `delta` to the refcount of `cluster` needs, made ready with I/O in
+    /// the order the change uses it (the dirty bit, a new refcount block, the slice: a
+    /// counted lookup), before its body runs ([`update_refcount`](Self::update_refcount),
+    /// `free_clusters_as`).
+    pub(super) async fn ready_refcount_change(
+        &self,
+        m: &mut Meta,
+        cluster: u64,
+        delta: i64,
+    ) -> Result<()> {
         self.mark_dirty_if_lazy(m).await?;
         if self.refcount_slot(m, cluster).is_none() && delta >= 0 {
             let index = cluster / self.rgeo.refblock_entries();
@@ -71,8 +84,7 @@ impl<S: Storage> Shared<S> {
         if let Some((key, _)) = self.refcount_slot(m, cluster) {
             self.load(m, CacheKind::Refcount, key).await?;
         }
-        self.until_done(m, |m| self.update_refcount_now(m, cluster, delta))
-            .await?
+        Ok(())
     }
 
     /// The one body of a refcount change ([`update_refcount`](Self::update_refcount), and
@@ -169,7 +181,7 @@ impl<S: Storage> Shared<S> {
                 .write_at(&encode_words(&[0]), entry_at)
                 .await
                 .map_err(|e| self.storage_error(e))?;
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            self.flush_file().await?;
             m.reftable[i] = 0;
             let _ = m.rc.remove(block);
             m.overlap.remove_one(Region::RefcountBlock, block);
@@ -183,7 +195,7 @@ impl<S: Storage> Shared<S> {
         }
         self.flush_meta(m).await?;
         // The last cluster in use; blocks that are not there count nothing.
-        let file_len = self.file.len().await.map_err(|e| self.storage_error(e))?;
+        let file_len = self.file_len().await?;
         let mut c = file_len.div_ceil(cs);
         let mut end = 0;
         while c > 0 {
@@ -251,7 +263,7 @@ impl<S: Storage> Shared<S> {
             .write_at(&block, at)
             .await
             .map_err(|e| self.storage_error(e))?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.flush_file().await?;
         m.overlap.insert(Region::RefcountBlock, at, cs);
         self.file.debug_event(DebugEvent::RefblockAllocHookup);
         self.file
@@ -348,7 +360,7 @@ impl<S: Storage> Shared<S> {
         let bytes = encode_words(&table);
         self.write_guarded(m, table_at, &bytes, Writing::Data)
             .await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.flush_file().await?;
         let pointer = header::encode_refcount_table_pointer(table_at, clusters as u32);
         self.switch_header(&pointer, header::field::REFCOUNT_TABLE, || {
             format!("the switch to a new refcount table at {table_at:#x} failed")

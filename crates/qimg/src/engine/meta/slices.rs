@@ -180,7 +180,7 @@ impl<S: Storage> Shared<S> {
         match need {
             super::Need::WriteBack { kind, on } => {
                 self.write_back(m, kind).await?;
-                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+                self.flush_file().await?;
                 let kept = m.cache(on).take_dependencies();
                 if kept.flush {
                     m.cache(on).depend_on_flush();
@@ -490,7 +490,7 @@ impl<S: Storage> Shared<S> {
                     self.flush_data().await?;
                 }
                 self.write_slices(m, other).await?;
-                self.file.flush().await.map_err(|e| self.storage_error(e))?;
+                self.flush_file().await?;
             }
             if deps.flush {
                 self.flush_data().await?;
@@ -559,7 +559,7 @@ impl<S: Storage> Shared<S> {
         if let Some((p, s)) = &self.data_file {
             s.flush().await.map_err(|e| Error::storage(p, e))?;
         }
-        self.file.flush().await.map_err(|e| self.storage_error(e))
+        self.flush_file().await
     }
 
     /// Guest flush: L2 slices, refcount blocks, then a storage flush; then queued punches.

@@ -57,7 +57,7 @@ impl<S: Storage> Shared<S> {
         m.overlap.insert_counted(Region::ActiveL2, new, cs);
         if let Some(old) = entry.l2_offset {
             m.overlap.remove_one(Region::ActiveL2, old.0);
-            self.file.flush().await.map_err(|e| self.storage_error(e))?;
+            self.flush_file().await?;
             let _ = m.l2.remove(old.0);
             self.free_clusters(m, old.0, 1).await?;
         }
@@ -99,7 +99,7 @@ impl<S: Storage> Shared<S> {
         // too (QEMU's `l2_allocate` flushes the refcount cache here either way): only data
         // clusters' refcounts are left to the rebuild after a crash.
         self.write_back(m, CacheKind::Refcount).await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.flush_file().await?;
         Ok(())
     }
 
@@ -167,7 +167,7 @@ impl<S: Storage> Shared<S> {
         // As for a new L2 table (QEMU's `qcow2_grow_l1_table` flushes the refcount cache
         // here, lazy refcounts or not).
         self.write_back(m, CacheKind::Refcount).await?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.flush_file().await?;
         let pointer = header::encode_l1_table_pointer(entries as u32, at);
         self.switch_header(&pointer, header::field::L1_TABLE, || {
             format!("the switch to a new L1 table of {entries} entries at {at:#x} failed")
@@ -196,7 +196,7 @@ impl<S: Storage> Shared<S> {
             )
             .await
             .map_err(|e| self.storage_error(e))?;
-        self.file.flush().await.map_err(|e| self.storage_error(e))?;
+        self.flush_file().await?;
         m.incompatible = bits;
         Ok(())
     }

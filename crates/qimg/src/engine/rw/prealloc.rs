@@ -78,16 +78,8 @@ impl<S: Storage> Inner<S> {
                     .await?;
                 host
             };
-            let entry = match old {
-                AnyL2Entry::Extended(x) => AnyL2Entry::Extended(ExtendedL2Entry {
-                    entry: L2Entry::Normal {
-                        host: qimg_format::units::HostOffset(host),
-                        copied: true,
-                    },
-                    bitmap: x.bitmap,
-                }),
-                AnyL2Entry::Standard(_) => self.linked_entry(host, None),
-            };
+            // Extended: the subclusters keep their states.
+            let entry = self.linked_entry(host, old.bitmap());
             self.shared.set_entry(&mut m, gc, &entry).await?;
             // The grown file (below) and any zeros are durable before the entry.
             m.entries_wait_for_data();
@@ -95,12 +87,7 @@ impl<S: Storage> Inner<S> {
         }
         // The clusters past the end of the file become part of it, holes: an entry never
         // names a cluster past the end (`qemu-img check` would report it).
-        let len = self
-            .shared
-            .file
-            .len()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        let len = self.shared.file_len().await?;
         if file_end > len {
             // Zeros written over the last cluster only ever grow the file.
             self.shared

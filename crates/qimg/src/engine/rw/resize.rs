@@ -77,11 +77,7 @@ impl<S: Storage> Inner<S> {
             .write_at(&header::encode_size(new_size), header::field::SIZE)
             .await
             .map_err(|e| self.shared.storage_error(e))?;
-        self.shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.flush_file().await?;
         self.shared.size.store(new_size, Ordering::Release);
         self.shared.bitmaps.resize(new_size);
         Ok(())
@@ -146,11 +142,7 @@ impl<S: Storage> Inner<S> {
                 self.shared
                     .write_l1_entry(&mut m, i, L1Entry::UNALLOCATED, None)
                     .await?;
-                self.shared
-                    .file
-                    .flush()
-                    .await
-                    .map_err(|e| self.shared.storage_error(e))?;
+                self.shared.flush_file().await?;
                 m.forget_l2_table(table.0, false);
                 if self.shared.data_file.is_none() {
                     for f in freed {

@@ -226,12 +226,7 @@ impl<S: Storage> Image<S> {
         // Refcounts first (a reference the switch below adds is then already counted).
         inner.tree_refcounts(&mut m, &active, 1).await?;
         inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
-        inner
-            .shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| inner.shared.storage_error(e))?;
+        inner.shared.flush_file().await?;
         inner.sync_copied(&mut m).await?;
 
         let now = opts
@@ -312,12 +307,7 @@ impl<S: Storage> Image<S> {
 
         inner.tree_refcounts(&mut m, &sn_l1, 1).await?;
         inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
-        inner
-            .shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| inner.shared.storage_error(e))?;
+        inner.shared.flush_file().await?;
         let len = (m.l1_len() as u64).max(sn_l1.len() as u64).max(needed);
         inner.shared.grow_l1(&mut m, len).await?;
 
@@ -331,12 +321,7 @@ impl<S: Storage> Image<S> {
             .collect();
         new.resize(old.len(), L1Entry::UNALLOCATED);
         inner.write_active_l1(&mut m, &new).await?;
-        inner
-            .shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| inner.shared.storage_error(e))?;
+        inner.shared.flush_file().await?;
         for e in &old {
             if let Some(t) = e.l2_offset {
                 m.forget_l2_table(t.0, true);
@@ -354,12 +339,7 @@ impl<S: Storage> Image<S> {
         }
         inner.tree_refcounts(&mut m, &old, -1).await?;
         inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
-        inner
-            .shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| inner.shared.storage_error(e))?;
+        inner.shared.flush_file().await?;
         inner.sync_copied(&mut m).await?;
         inner.shared.flush_meta(&mut m).await
     }
@@ -456,12 +436,7 @@ impl<S: Storage> Image<S> {
                 .await?;
         }
         inner.shared.write_back(&mut m, CacheKind::Refcount).await?;
-        inner
-            .shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| inner.shared.storage_error(e))?;
+        inner.shared.flush_file().await?;
         inner.sync_copied(&mut m).await?;
         inner.shared.flush_meta(&mut m).await
     }

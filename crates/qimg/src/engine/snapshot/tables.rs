@@ -62,12 +62,7 @@ impl<S: Storage> Inner<S> {
         if nb == 0 {
             return Ok(Vec::new());
         }
-        let len = self
-            .shared
-            .file
-            .len()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        let len = self.shared.file_len().await?;
         let want = len.saturating_sub(offset).min(MAX_TABLE_SIZE) as usize;
         let mut raw = vec![0u8; want];
         self.shared
@@ -254,11 +249,7 @@ impl<S: Storage> Inner<S> {
             let l1 = m.l1().to_vec();
             self.write_active_l1(m, &l1).await?;
         }
-        self.shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| self.shared.storage_error(e))
+        self.shared.flush_file().await
     }
 
     /// Writes `entries` over the active L1 table in one write (not flushed).
@@ -338,11 +329,7 @@ impl<S: Storage> Inner<S> {
             at
         };
         self.shared.write_back(m, CacheKind::Refcount).await?;
-        self.shared
-            .file
-            .flush()
-            .await
-            .map_err(|e| self.shared.storage_error(e))?;
+        self.shared.flush_file().await?;
         let nb = snaps.len() as u32;
         let pointer = SnapshotPointer {
             nb_snapshots: nb,
