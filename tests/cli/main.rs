@@ -22,4 +22,5 @@ mod qemu_dropin;
 mod rebase_commit;
 mod resize_amend;
 mod snapshot_interop;
+mod subcluster_parity;
 mod vhost_user_blk;

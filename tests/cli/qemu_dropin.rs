@@ -11,12 +11,12 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 /// The two tools under test: `bin/qemu-img` and `bin/qemu-io`, links to qimg.
-struct Ours {
+pub(crate) struct Ours {
     bin: PathBuf,
 }
 
 impl Ours {
-    fn new(s: &Scratch) -> Self {
+    pub(crate) fn new(s: &Scratch) -> Self {
         let bin = s.path("bin");
         std::fs::create_dir_all(&bin).unwrap();
         for name in ["qemu-img", "qemu-io"] {
@@ -1062,12 +1062,12 @@ fn the_vm_state_area_is_read_and_written_as_qemu_io_does() {
 }
 
 /// Steps run with QEMU's tools or ours: `(tool, arguments)`.
-type Prep<'a> = &'a [(&'a str, &'a [&'a str])];
+pub(crate) type Prep<'a> = &'a [(&'a str, &'a [&'a str])];
 
 /// Runs `steps` in a directory for QEMU's tools and one for ours, each prepared alike (the
 /// `files` written, the `prepare` steps run with QEMU's tools), and returns the merged
 /// output of every step, QEMU's then ours.
-fn side_by_side(
+pub(crate) fn side_by_side(
     s: &Scratch,
     ours: &Ours,
     files: &[(&str, &str)],

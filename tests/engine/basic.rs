@@ -351,6 +351,61 @@ async fn a_corrupt_image_opens_read_only_but_not_read_write() {
     ));
 }
 
+/// Corruption found while writing makes the image unusable (QEMU ejects its driver): every
+/// later request fails with `Error::Unusable` (errno `ENOMEDIUM`); read-only, it is only
+/// reported and the rest of the image reads on.
+#[tokio::test]
+async fn corruption_found_while_writing_makes_the_image_unusable() {
+    qimg_testkit::require_qemu!();
+    let dir = Scratch::new("unusable");
+    let path = dir.path("u.qcow2");
+    qemu_create(&dir.0, "u.qcow2", "extended_l2=on", MIB, None);
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    img.write(&pattern(1, 0, 68 * KIB as usize), 0)
+        .await
+        .unwrap();
+    img.close().await.unwrap();
+    // Subcluster 0 of cluster 0 both allocated and zero (the L2 table is at 0x40000).
+    poke(&path, 0x4000b, &[1]);
+    poke(&path, 0x4000f, &[1]);
+    let mut buf = vec![0u8; 2048];
+
+    let ro = OpenOptions::new().open(&path).await.unwrap();
+    assert!(matches!(
+        ro.read(&mut buf, 0).await,
+        Err(qimg::Error::Corrupt { .. })
+    ));
+    ro.read(&mut buf, 64 * KIB).await.unwrap();
+    ro.check_usable().unwrap();
+    drop(ro);
+
+    let img = OpenOptions::new().writable(true).open(&path).await.unwrap();
+    img.check_usable().unwrap();
+    img.read(&mut buf, 64 * KIB).await.unwrap();
+    assert!(matches!(
+        img.read(&mut buf, 0).await,
+        Err(qimg::Error::Corrupt { .. })
+    ));
+    let e = img.check_usable().unwrap_err();
+    assert!(matches!(e, qimg::Error::Unusable { .. }), "{e}");
+    assert_eq!(e.errno(), 123);
+    for r in [
+        img.read(&mut buf, 64 * KIB).await,
+        img.write(&buf, 128 * KIB).await,
+        img.write_zeroes(192 * KIB, 4096).await,
+        img.discard(256 * KIB, 4096).await,
+        img.map(0, MIB).await.map(|_| ()),
+        img.resize(2 * MIB).await,
+    ] {
+        assert!(matches!(r, Err(qimg::Error::Unusable { .. })), "{r:?}");
+    }
+    drop(img);
+    assert!(
+        std::fs::read(&path).unwrap()[79] & 2 != 0,
+        "not marked corrupt"
+    );
+}
+
 #[tokio::test]
 async fn resize_grows_the_l1_table_and_the_new_area_is_writable() {
     qimg_testkit::require_qemu!();

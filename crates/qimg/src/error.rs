@@ -88,6 +88,17 @@ pub enum Error {
         /// The switch that failed, and why.
         what: String,
     },
+    /// Corruption was found while the image was open for writing: the image is marked
+    /// corrupt on disk and takes no further requests (reads included), as QEMU's driver
+    /// ejects its medium. Repair it (`qimg check -r all`) and open it again.
+    #[error(
+        "{path}: the image was marked corrupt after an inconsistency was found and takes no \
+         more requests (repair it with qimg check -r all, then reopen it)"
+    )]
+    Unusable {
+        /// The image file.
+        path: PathBuf,
+    },
     /// No internal snapshot has the ID or name asked for.
     #[error("{path}: no snapshot has the ID or name '{name}'")]
     SnapshotNotFound {
@@ -155,7 +166,9 @@ impl Error {
         match self {
             Self::Io { source, .. } => source.kind(),
             Self::Storage { source, .. } => source.kind(),
-            Self::Format { .. } | Self::Corrupt { .. } => io::ErrorKind::InvalidData,
+            Self::Format { .. } | Self::Corrupt { .. } | Self::Unusable { .. } => {
+                io::ErrorKind::InvalidData
+            }
             Self::InvalidOption(_) | Self::OutOfRange { .. } | Self::Cache { .. } => {
                 io::ErrorKind::InvalidInput
             }
@@ -178,7 +191,9 @@ impl Error {
     /// An errno for every error, for a device model or an export that must answer a guest
     /// or a client with one: the system's when a system call failed; else `EPERM` for writes
     /// to a read-only image, `EINVAL` for requests outside the disk and bad options,
-    /// `ENOTSUP` for what qimg cannot do, `ENOENT` for an unknown snapshot, `EIO` for damaged images and everything else.
+    /// `ENOTSUP` for what qimg cannot do, `ENOENT` for an unknown snapshot, `ENOMEDIUM` for
+    /// an image made unusable by corruption ([`Error::Unusable`], QEMU's errno for it), `EIO`
+    /// for damaged images and everything else.
     pub fn errno(&self) -> i32 {
         if let Some(e) = self.os_error() {
             return e;
@@ -190,6 +205,7 @@ impl Error {
             }
             Self::Unsupported { .. } => libc_errno::ENOTSUP,
             Self::SnapshotNotFound { .. } => libc_errno::ENOENT,
+            Self::Unusable { .. } => libc_errno::ENOMEDIUM,
             _ => libc_errno::EIO,
         }
     }
@@ -202,6 +218,7 @@ mod libc_errno {
     pub(super) const EIO: i32 = 5;
     pub(super) const EINVAL: i32 = 22;
     pub(super) const ENOTSUP: i32 = 95;
+    pub(super) const ENOMEDIUM: i32 = 123;
 }
 
 impl From<Error> for io::Error {

@@ -2,8 +2,9 @@
 //! image down into its backing file, as qemu-img commit.
 //!
 //! Every range the image (or, with `-b`, any image above BASE in the chain) allocates is
-//! copied into the backing file (BASE): data as data, zero ranges as write-zeroes. A base
-//! smaller than the image grows first. Then, unless `-d` or `-b` is given, the image is
+//! copied into the backing file (BASE) as QEMU's mirror job in commit mode copies it: in
+//! whole chunks of its granularity, zero runs of whole chunks as write-zeroes (see
+//! [`plan`]). A base smaller than the image grows first. Then, unless `-d` or `-b` is given, the image is
 //! emptied ([`qimg::Image::make_empty`]) so that its reads fall through to the backing file
 //! again.
 
@@ -149,28 +150,24 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
         bail!("Image does not have a backing file");
     };
     let size = top.size();
-    // What the images above the base allocate.
-    let mut ranges: Vec<(u64, u64, bool)> = Vec::new();
+    // The whole chain's block status, down to its bottom.
     let mut entries = Vec::new();
     let mut at = 0;
     while at < size {
         let n = (1u64 << 30).min(size - at);
-        entries.clear();
         status(&layers, 0, at, n, &mut entries).await?;
-        for e in &entries {
-            if e.depth < base.depth && e.present {
-                match ranges.last_mut() {
-                    Some(last) if last.0 + last.1 == e.start && last.2 == e.zero => {
-                        last.1 += e.length
-                    }
-                    _ => ranges.push((e.start, e.length, e.zero)),
-                }
-            }
-        }
         at += n;
     }
+    // QEMU's mirror granularity (`bdrv_get_default_bitmap_granularity`): the base's cluster
+    // size within 4 KiB..64 KiB (64 KiB for a raw base); zeroes go to the base only in
+    // whole subclusters of it (`bdrv_round_to_subclusters`).
+    let (granularity, zero_align) = match &layers[base.depth] {
+        Layer::Qcow2 { img, .. } => (img.cluster_size().clamp(4096, 65536), img.subcluster_size()),
+        Layer::Raw(_) => (65536, 1),
+    };
+    let steps = plan(&entries, base.depth, size, granularity, zero_align);
     let show = args.progress && !args.quiet;
-    let total: u64 = ranges.iter().map(|r| r.1).sum();
+    let total: u64 = steps.iter().map(|r| r.1).sum();
     let mut progress = Progress::start(show, total);
     let base_name = base.path.display().to_string();
     if base.raw {
@@ -180,7 +177,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
             &base.path,
             &base_name,
             size,
-            &ranges,
+            &steps,
             &mut progress,
             &mut pace,
         )
@@ -193,7 +190,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
             .await
             .map_err(|e| anyhow!("Could not open '{base_name}': {}", lib_msg(&e, &base_name)))?;
         let mut pace = Pace::new(rate);
-        let r = copy_to_qcow2(top, &b, size, &ranges, &mut progress, &mut pace).await;
+        let r = copy_to_qcow2(top, &b, size, &steps, &mut progress, &mut pace).await;
         let closed = b
             .close()
             .await
@@ -211,6 +208,76 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
     progress.end();
     r.and(closed)
         .map_err(|e| anyhow!("Could not empty {file}: {}", lib_msg(&e, file)))
+}
+
+/// The longest copy of one step (QEMU's `MAX_IO_BYTES`).
+const MAX_IO: u64 = 1 << 20;
+
+/// What the commit writes to the base, as `(start, length, zero)` steps: the decisions of
+/// QEMU's mirror job in commit mode (`mirror_iteration`), so that the base ends up allocated
+/// as QEMU leaves it. Every `granularity` chunk that a layer above the base (depth below
+/// `base_depth`) allocates is copied; a run of the chain's status that reads as zeros and
+/// spans whole chunks (and whole subclusters of the base, `zero_align`) is written as
+/// zeroes instead; anything shorter than a chunk is copied as the chunk around it (zeros
+/// included, as data).
+fn plan(
+    entries: &[crate::chain::Entry],
+    base_depth: usize,
+    size: u64,
+    granularity: u64,
+    zero_align: u64,
+) -> Vec<(u64, u64, bool)> {
+    let g = granularity;
+    // The chain's extents, one per run of one layer's status (QEMU's block status answers
+    // one layer's run at a time).
+    let mut runs: Vec<(u64, u64, usize, bool)> = Vec::new();
+    for e in entries {
+        let reads_data = e.data;
+        match runs.last_mut() {
+            Some(last)
+                if last.0 + last.1 == e.start && last.2 == e.depth && last.3 == reads_data =>
+            {
+                last.1 += e.length
+            }
+            _ => runs.push((e.start, e.length, e.depth, reads_data)),
+        }
+    }
+    // The chunks written above the base, as runs of whole chunks.
+    let mut dirty: Vec<(u64, u64)> = Vec::new();
+    for e in entries.iter().filter(|e| e.depth < base_depth && e.present) {
+        let (a, b) = (e.start / g * g, (e.start + e.length).div_ceil(g) * g);
+        match dirty.last_mut() {
+            Some(last) if last.1 >= a => last.1 = last.1.max(b),
+            _ => dirty.push((a, b)),
+        }
+    }
+    let mut steps: Vec<(u64, u64, bool)> = Vec::new();
+    for (first, end) in dirty {
+        let end = end.min(size);
+        let mut off = first;
+        while off < end {
+            let i = runs.partition_point(|r| r.0 + r.1 <= off);
+            let (len, data) = match runs.get(i) {
+                Some(r) if r.0 <= off => ((r.0 + r.1 - off).min(end - off), r.3),
+                _ => (end - off, false),
+            };
+            let len = if data { len.min(MAX_IO) } else { len };
+            let mut io = len - len % g;
+            let mut zero = false;
+            if io < g {
+                io = g;
+            } else if !data && off % zero_align == 0 && io % zero_align == 0 {
+                zero = true;
+            }
+            let io = io.min(size - off);
+            match steps.last_mut() {
+                Some(last) if last.0 + last.1 == off && last.2 == zero => last.1 += io,
+                _ => steps.push((off, io, zero)),
+            }
+            off += io;
+        }
+    }
+    steps
 }
 
 async fn copy_to_qcow2(

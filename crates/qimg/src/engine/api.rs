@@ -38,6 +38,13 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.shared.writable
     }
 
+    /// `Err(`[`Error::Unusable`](crate::Error::Unusable)`)` once corruption was found while the image was open for
+    /// writing: from then on every request fails with that error (QEMU's driver ejects its
+    /// medium the same way), else `Ok`.
+    pub fn check_usable(&self) -> Result<()> {
+        self.inner.shared.check_usable()
+    }
+
     /// The image file's name as given at open.
     pub fn path(&self) -> &Path {
         &self.inner.shared.path

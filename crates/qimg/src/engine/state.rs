@@ -356,7 +356,19 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// Refuses every request once corruption was found on a writable image
+    /// ([`Error::Unusable`]): the one rule for "a corrupt image takes no more requests".
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.writable && self.marked_corrupt.load(Ordering::Acquire) {
+            return Err(Error::Unusable {
+                path: self.path.clone(),
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_usable()?;
         let size = self.size();
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::OutOfRange {
@@ -372,14 +384,7 @@ impl<S: Storage> Shared<S> {
     pub(crate) fn check_writable(&self) -> Result<()> {
         self.check_not_halted()?;
         // (On a read-only image the mark only says a corruption was reported.)
-        if self.writable && self.marked_corrupt.load(Ordering::Acquire) {
-            return Err(Error::Corrupt {
-                path: self.path.clone(),
-                what: "the image was marked corrupt after an inconsistency was found; \
-                       writes are refused (run qimg check -r all)"
-                    .into(),
-            });
-        }
+        self.check_usable()?;
         if self.writable {
             Ok(())
         } else {

@@ -11,7 +11,10 @@ use super::source::Source;
 use super::target::ConvertOutput;
 
 /// Writes the maximal runs of non-zero `zero_unit` blocks of `buf` (at guest `offset`); with
-/// `zero_target`, zero blocks are zeroed in the target.
+/// `zero_target`, zero blocks are zeroed in the target. Blocks are aligned to `zero_unit` in
+/// the guest and clipped to the buffer (one status extent's data): qemu-img's
+/// `is_allocated_sectors`, which rounds data out and zeros in to its alignment but never past
+/// the buffer, so that an extent's trailing zeros stay out of the target.
 async fn write_nonzero(
     dst: &ConvertOutput,
     buf: &[u8],
@@ -19,17 +22,17 @@ async fn write_nonzero(
     zero_unit: u64,
     zero_target: bool,
 ) -> Result<()> {
-    let gran = zero_unit as usize;
+    let block_end = |i: usize| {
+        let abs = offset + i as u64;
+        ((abs / zero_unit + 1) * zero_unit - offset).min(buf.len() as u64) as usize
+    };
+    let block_is_zero = |i: usize| buf[i..block_end(i)].iter().all(|&b| b == 0);
     let mut at = 0usize;
     while at < buf.len() {
-        let block_is_zero = |i: usize| {
-            let end = (i + gran).min(buf.len());
-            buf[i..end].iter().all(|&b| b == 0)
-        };
         let zero = block_is_zero(at);
-        let mut end = (at + gran).min(buf.len());
+        let mut end = block_end(at);
         while end < buf.len() && block_is_zero(end) == zero {
-            end = (end + gran).min(buf.len());
+            end = block_end(end);
         }
         let off = offset + at as u64;
         if !zero {
@@ -57,13 +60,9 @@ async fn run_job(
     turn: Option<oneshot::Receiver<()>>,
     done: Option<oneshot::Sender<()>>,
 ) -> Result<u64> {
-    let unit = if plan.compress_cluster > 0 {
-        plan.compress_cluster
-    } else if plan.skip_backing {
-        1
-    } else {
-        plan.zero_unit.max(1)
-    };
+    // Compressed clusters are written whole; other data is read as the status gives it
+    // (zero blocks are found within it, aligned in the guest).
+    let unit = plan.compress_cluster.max(1);
     let limit = job.end.min(plan.size);
     if plan.copy_range {
         return offloaded_job(src, dst, job, limit, turn, done).await;

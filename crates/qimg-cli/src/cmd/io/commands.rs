@@ -82,10 +82,18 @@ async fn run(s: &mut Session, words: &[String]) -> (ControlFlow<()>, Outcome) {
         "flush" => flush(s).await,
         "alloc" => alloc(s, args).await,
         "map" => map(s).await,
-        "length" => {
-            outln!("{}", size_str(s.size() as f64));
-            Ok(())
-        }
+        "length" => match s.usable() {
+            Ok(()) => {
+                outln!("{}", size_str(s.size() as f64));
+                Ok(())
+            }
+            Err(e) => {
+                outln!("getlength: {}", strerror(e));
+                Err(Failed)
+            }
+        },
+        // QEMU's `info` on a node without a driver prints nothing.
+        "info" if s.usable().is_err() => Ok(()),
         "info" => info(s),
         "truncate" => truncate(s, args).await,
         "sleep" => sleep(&args[0]).await,
@@ -199,11 +207,15 @@ async fn alloc(s: &mut Session, args: &[String]) -> Outcome {
 
 /// `map`: the runs of allocated and unallocated bytes of the image itself.
 async fn map(s: &mut Session) -> Outcome {
+    if let Err(e) = s.usable() {
+        complain!("qemu-io: Failed to query image length: {}", strerror(e));
+        return Err(Failed);
+    }
     let size = s.size();
     let mut at = 0;
     while at < size {
         let (allocated, n) = s.allocation(at, size - at).await.map_err(|e| {
-            outln!("map_is_allocated failed: {}", strerror(e));
+            complain!("qemu-io: Failed to get allocation status: {}", strerror(e));
             Failed
         })?;
         if n == 0 {
@@ -300,6 +312,10 @@ async fn truncate(s: &mut Session, args: &[String]) -> Outcome {
         },
     };
     let size = num(&o.operands[0])?;
+    if s.usable().is_err() {
+        complain!("qemu-io: No medium inserted");
+        return Err(Failed);
+    }
     match s.truncate_raw(size, prealloc).await {
         Ok(true) => return Ok(()),
         Ok(false) => {}

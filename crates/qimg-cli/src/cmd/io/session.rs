@@ -335,6 +335,15 @@ impl Session {
         }
     }
 
+    /// `Err(errno)` (`ENOMEDIUM`) once the open image was made unusable by corruption
+    /// found while writing ([`qimg::Error::Unusable`]), as QEMU's node without a driver.
+    pub fn usable(&self) -> Result<(), i32> {
+        match (&self.raw, &self.img) {
+            (None, Some(img)) => img.check_usable().map_err(|e| e.errno()),
+            _ => Ok(()),
+        }
+    }
+
     /// Closes the image (writing back its caches).
     pub async fn close(&mut self) -> Outcome {
         // The blkdebug node's breakpoints go with the image; a request stopped at one goes

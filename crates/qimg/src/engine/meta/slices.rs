@@ -66,7 +66,7 @@ impl<S: Storage> Shared<S> {
                         c_hex(index)
                     ),
                     qimg_format::FormatError::InvalidSubclusterBitmap { .. } => format!(
-                        "Invalid cluster entry found (L2 offset: {:#x}, L2 index: {})",
+                        "Invalid cluster entry found  (L2 offset: {:#x}, L2 index: {})",
                         key.table,
                         c_hex(index)
                     ),

@@ -95,6 +95,7 @@ impl<S: Storage + 'static> Queue<S> {
         };
         let len = buffers.len() as u64;
         if len == 0
+            || inner.shared.check_usable().is_err()
             || offset
                 .checked_add(len)
                 .is_none_or(|end| end > inner.shared.size())
