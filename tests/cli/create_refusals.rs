@@ -237,6 +237,9 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
         &["amend", "-o", ",,", "base.qcow2"],
         &["measure", "-O", "qcow2", "-o", "", "--size", "1M"],
         &["amend", "-o", "backing_file=y", "base.qcow2"],
+        // What the driver refuses at creation, when convert creates its output.
+        &["convert", "-O", "raw", "-o", "preallocation=bogus", "base.qcow2", "x"],
+        &["convert", "-O", "qcow2", "-o", "compat=bogus", "base.qcow2", "x"],
         // Unknown formats and an operand too many, in each command's words.
         &["create", "-f", "bogus", "x", "1M"],
         &["create", "-f", "bogus"],
@@ -313,4 +316,89 @@ fn raw(o: &std::process::Output) -> (String, String, Option<i32>) {
         String::from_utf8_lossy(&o.stderr).into_owned(),
         o.status.code(),
     )
+}
+
+/// As qemu-img, a create the qcow2 driver refuses (after the `Formatting` line) deletes the
+/// file it had made: a file of that name that existed before is gone, as with QEMU's tool; a
+/// refusal of the option parser leaves it. Sizes out of range and an image size given twice
+/// are refused in QEMU's words, and a missing backing file is reported before its format.
+#[test]
+fn as_qemu_img_a_refused_create_deletes_the_file_as_qemu_img_does() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("refuse-deletes");
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(qimg_bin(), bin.join("qemu-img")).unwrap();
+    let ours = |args: &[&str]| run(&s.0, &bin.join("qemu-img"), args);
+    ok(
+        "source",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "s.qcow2", "1M"]),
+    );
+    let mut differ = Vec::new();
+    for o in [
+        "cluster_size=3k",
+        "compat=bogus",
+        "compat=0.10,extended_l2=on",
+        "refcount_bits=3",
+        "preallocation=bogus",
+        "data_file_raw=on",
+        "compression_type=bogus",
+        "data_file=d.raw,compat=0.10",
+        "bogus=1",
+        "cluster_size=abc",
+        "cluster_size=-1",
+        "cluster_size=99999999999999999999",
+        "size=1k",
+        "backing_file=nx.qcow2",
+    ] {
+        let mut outs = Vec::new();
+        let create = ["create", "-f", "qcow2", "-o", o, "x.qcow2", "1M"];
+        let convert = ["convert", "-O", "qcow2", "-o", o, "s.qcow2", "x.qcow2"];
+        for (theirs, args) in [
+            (true, &create[..]),
+            (false, &create),
+            (true, &convert),
+            (false, &convert),
+        ] {
+            ok(
+                "pre-existing",
+                &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "x.qcow2", "1M"]),
+            );
+            let out = if theirs {
+                qemu_img(&s.0, &args)
+            } else {
+                ours(&args)
+            };
+            outs.push((raw(&out), s.path("x.qcow2").exists()));
+            let _ = std::fs::remove_file(s.path("x.qcow2"));
+        }
+        for pair in outs.chunks(2) {
+            if pair[0] != pair[1] {
+                differ.push(format!(
+                    "{o}\n  qemu-img: {:?}\n  qimg:     {:?}",
+                    pair[0], pair[1]
+                ));
+            }
+        }
+    }
+    assert!(differ.is_empty(), "differ:\n{}", differ.join("\n"));
+    // As qimg, nothing is touched: the options are checked before the file is made.
+    ok(
+        "pre-existing",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "x.qcow2", "1M"]),
+    );
+    let o = qimg(
+        &s.0,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=3k",
+            "x.qcow2",
+            "1M",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(s.path("x.qcow2").exists(), "qimg deleted the file");
 }

@@ -147,8 +147,17 @@ pub fn parse_offset(value: &str, what: &str) -> Result<u64> {
     size_argument(what, value).map_err(anyhow::Error::msg)
 }
 
-/// qemu's message for a size that does not parse (`qemu_opt_get_size`'s).
-pub fn size_error(key: &str) -> String {
+/// qemu's message for a size option `key` whose `value` does not parse (`parse_option_size`'s):
+/// a negative number or one past 64 bits is out of range, anything else not a number.
+pub fn size_error(key: &str, value: &str) -> String {
+    let t = value.trim_start();
+    let negative = t
+        .strip_prefix('-')
+        .is_some_and(|r| r.trim_start().starts_with(|c: char| c.is_ascii_digit()));
+    let too_large = parse_size_wide(value).is_some_and(|v| v > u64::MAX as u128);
+    if negative || too_large {
+        return format!("Value '{value}' is out of range for parameter '{key}'");
+    }
     format!(
         "Parameter '{key}' expects a non-negative number below 2^64\nOptional suffix k, M, G, \
          T, P or E means kilo-, mega-, giga-, tera-, peta-\nand exabytes, respectively."

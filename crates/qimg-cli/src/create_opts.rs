@@ -351,7 +351,7 @@ fn refuse(given: &mut Given, qemu: String, hint: &str) {
 /// own words.
 fn not_a_size(key: &str, value: &str) -> anyhow::Error {
     if crate::status::program() == "qemu-img" {
-        return anyhow::anyhow!(crate::args::size_error(key));
+        return anyhow::anyhow!(crate::args::size_error(key, value));
     }
     anyhow::anyhow!("Parameter '{key}' expects a size: '{value}'")
 }

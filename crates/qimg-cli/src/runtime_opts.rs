@@ -10,10 +10,7 @@ use crate::args::{on_off, parse_size, size_error};
 
 /// A size option's value.
 fn size(key: &str, v: &str) -> Result<u64, String> {
-    if v.trim_start().starts_with('-') {
-        return Err(format!("Value '{v}' is out of range for parameter '{key}'"));
-    }
-    parse_size(v).ok_or_else(|| size_error(key))
+    parse_size(v).ok_or_else(|| size_error(key, v))
 }
 
 /// Checks the runtime options among `pairs` (later values win, as in QEMU); `file`, when

@@ -198,7 +198,7 @@ fn parse(pairs: &[String]) -> Result<Parsed> {
             "data_file_raw" => o.data_file_raw = Some(on_off(k, v).map_err(anyhow::Error::msg)?),
             "size" => {
                 o.size =
-                    Some(parse_size(v).ok_or_else(|| anyhow!(crate::args::size_error("size")))?)
+                    Some(parse_size(v).ok_or_else(|| anyhow!(crate::args::size_error("size", v)))?)
             }
             "backing_file" | "backing_fmt" => backing = true,
             _ => {}

@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use qimg::tools::create::{CreateOptions, create};
 
 use crate::args::image_format;
@@ -78,7 +78,11 @@ pub fn run(args: CreateArgs) -> Result<()> {
     }
     o.unsafe_backing = args.unsafe_backing;
     if let Some(s) = &args.size {
-        o.size = Some(crate::args::size_argument("image size", s).map_err(anyhow::Error::msg)?);
+        let size = crate::args::size_argument("image size", s).map_err(anyhow::Error::msg)?;
+        if o.size.is_some() {
+            bail!("{file}: The image size must be specified only once");
+        }
+        o.size = Some(size);
     }
     let path = Path::new(&file);
     let show_progress = !args.quiet && std::io::stderr().is_terminal();
@@ -121,6 +125,13 @@ pub fn run(args: CreateArgs) -> Result<()> {
     if let Some(b) = &o.backing_file {
         let full = qimg::chain::resolve_backing(path, b);
         let qemu = crate::status::program() == "qemu-img";
+        // qemu-img opens the backing file first, then asks for its format.
+        if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
+            bail!(
+                "{file}: Could not open '{b}': {}\nCould not open backing image.",
+                crate::status::os_msg(&e)
+            );
+        }
         if o.backing_fmt.is_none() {
             match qimg::chain::probe_format(&full) {
                 Ok(f) if qemu => bail!(
@@ -129,12 +140,6 @@ pub fn run(args: CreateArgs) -> Result<()> {
                 ),
                 _ => bail!("{file}: backing_fmt: Backing file specified without backing format"),
             }
-        }
-        if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
-            bail!(
-                "{file}: Could not open '{b}': {}\nCould not open backing image.",
-                crate::status::os_msg(&e)
-            );
         }
     }
     let size = match qimg::tools::create::effective_size(path, &o) {
@@ -151,14 +156,32 @@ pub fn run(args: CreateArgs) -> Result<()> {
         // qemu-img flushes standard output after this line.
         crate::out::flush();
     }
-    if let Some(refused) = &given.refused {
-        bail!("{file}: {refused}");
+    let made = match (&given.refused, o.validate()) {
+        (Some(refused), _) => Err(anyhow!("{file}: {refused}")),
+        (None, Err(e)) => Err(anyhow!("{file}: {}", refusal_words(&e))),
+        (None, Ok(())) => create(path, &o, &mut progress)
+            .map(drop)
+            .with_context(|| file.clone()),
+    };
+    if made.is_err() {
+        delete_refused(path, &o);
     }
-    if let Err(e) = o.validate() {
-        bail!("{file}: {}", refusal_words(&e));
+    made
+}
+
+/// After a qcow2 create failed past its `Formatting` line (in `create` and `convert`): as
+/// qemu-img, deletes the image file and the data file, as QEMU's qcow2 driver, which has
+/// made them by the time it refuses, deletes them (`bdrv_co_delete_file_noerr`), so that a
+/// file of that name that existed before is gone. As qimg nothing is touched: the options
+/// are checked before any file is made.
+pub(crate) fn delete_refused(path: &Path, o: &CreateOptions) {
+    if crate::status::program() != "qemu-img" {
+        return;
     }
-    create(path, &o, &mut progress).with_context(|| file.clone())?;
-    Ok(())
+    let _ = std::fs::remove_file(path);
+    if let Some(d) = &o.data_file {
+        let _ = std::fs::remove_file(qimg::chain::resolve_backing(path, d));
+    }
 }
 
 /// A refusal of the create options: qimg names the option and value first

@@ -67,7 +67,7 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
         }
         match k {
             "size" | "cluster_size" if parse_size(v).is_none() => {
-                bail!("{}\n{invalid}", crate::args::size_error(k))
+                bail!("{}\n{invalid}", crate::args::size_error(k, v))
             }
             "extended_l2" | "lazy_refcounts" | "data_file_raw"
                 if !matches!(v, "on" | "off" | "yes" | "no" | "true" | "false") =>

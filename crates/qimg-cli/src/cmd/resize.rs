@@ -86,7 +86,7 @@ pub fn run(args: ResizeArgs) -> Result<()> {
         _ => (0, size_arg.as_str()),
     };
     let Some(n) = parse_size(digits) else {
-        bail!("{}", crate::args::size_error("size"));
+        bail!("{}", crate::args::size_error("size", digits));
     };
     let prealloc = match args.preallocation.as_deref() {
         None => Prealloc::Off,

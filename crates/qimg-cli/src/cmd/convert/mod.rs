@@ -277,6 +277,9 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
     let dst_file = &settings.dst_file;
     let mut nop = |_: u64, _: u64| {};
     if settings.out_fmt == ImageFormat::Raw {
+        if let Some(refused) = &settings.refused {
+            bail!("{dst_file}: error while converting raw: {refused}");
+        }
         create_raw(
             dst_path,
             size,
@@ -292,20 +295,27 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
     } else {
         let mut create_options = settings.create_options.clone();
         create_options.size = Some(size);
-        create_options.validate().map_err(|e| {
-            anyhow!(
+        let made = match (&settings.refused, create_options.validate()) {
+            (Some(refused), _) => Err(anyhow!(
+                "{dst_file}: error while converting qcow2: {refused}"
+            )),
+            (None, Err(e)) => Err(anyhow!(
                 "{dst_file}: error while converting qcow2: {}",
                 crate::cmd::create::refusal_words(&e)
-            )
-        })?;
-        create(dst_path, &create_options, &mut nop)
-            .map(|_| ())
-            .map_err(|e| {
-                anyhow!(
-                    "{dst_file}: error while converting qcow2: {}",
-                    lib_msg(&e, dst_file)
-                )
-            })?;
+            )),
+            (None, Ok(())) => create(dst_path, &create_options, &mut nop)
+                .map(|_| ())
+                .map_err(|e| {
+                    anyhow!(
+                        "{dst_file}: error while converting qcow2: {}",
+                        lib_msg(&e, dst_file)
+                    )
+                }),
+        };
+        if made.is_err() {
+            crate::cmd::create::delete_refused(dst_path, &create_options);
+        }
+        made?;
     }
     Ok(())
 }

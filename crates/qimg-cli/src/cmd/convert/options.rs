@@ -24,6 +24,8 @@ pub(super) struct Settings {
     /// The options of the new output (`-o`, `-B`, `-F`); its size is set once the sources
     /// are open.
     pub(super) create_options: CreateOptions,
+    /// A value of `-o` the format driver refuses once it creates the output (qemu's words).
+    pub(super) refused: Option<String>,
     /// The output gets (or, with `-n`, is said to have) a backing file.
     pub(super) has_backing: bool,
     /// `-n`: the output exists and is not created.
@@ -211,6 +213,7 @@ pub(super) fn settings(args: ConvertArgs) -> Result<Option<Settings>> {
         dst_file: dst_file.clone(),
         out_fmt,
         create_options,
+        refused: given.refused,
         has_backing,
         no_create: args.no_create,
         compress: args.compress,
