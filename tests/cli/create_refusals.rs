@@ -365,9 +365,9 @@ fn as_qemu_img_a_refused_create_deletes_the_file_as_qemu_img_does() {
                 &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "x.qcow2", "1M"]),
             );
             let out = if theirs {
-                qemu_img(&s.0, &args)
+                qemu_img(&s.0, args)
             } else {
-                ours(&args)
+                ours(args)
             };
             outs.push((raw(&out), s.path("x.qcow2").exists()));
             let _ = std::fs::remove_file(s.path("x.qcow2"));
