@@ -238,8 +238,24 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
         &["measure", "-O", "qcow2", "-o", "", "--size", "1M"],
         &["amend", "-o", "backing_file=y", "base.qcow2"],
         // What the driver refuses at creation, when convert creates its output.
-        &["convert", "-O", "raw", "-o", "preallocation=bogus", "base.qcow2", "x"],
-        &["convert", "-O", "qcow2", "-o", "compat=bogus", "base.qcow2", "x"],
+        &[
+            "convert",
+            "-O",
+            "raw",
+            "-o",
+            "preallocation=bogus",
+            "base.qcow2",
+            "x",
+        ],
+        &[
+            "convert",
+            "-O",
+            "qcow2",
+            "-o",
+            "compat=bogus",
+            "base.qcow2",
+            "x",
+        ],
         // Unknown formats and an operand too many, in each command's words.
         &["create", "-f", "bogus", "x", "1M"],
         &["create", "-f", "bogus"],

@@ -11,6 +11,7 @@ mod bitmaps_interop;
 mod check_interop;
 mod compare_measure;
 mod convert_interop;
+mod corruption_parity;
 mod create_refusals;
 mod image_locks;
 mod interop_create;

@@ -79,7 +79,9 @@ impl<S: Storage> Inner<S> {
         if m.is_closed() {
             return Ok(());
         }
-        if self.shared.writable {
+        // An image made unusable by corruption writes nothing more (QEMU's ejected driver
+        // does not write back its caches either): it is marked corrupt and wants a repair.
+        if self.shared.writable && self.shared.check_usable().is_ok() {
             self.shared.free_abandoned(&mut m).await?;
             self.store_bitmaps(&mut m).await?;
             self.shared.flush_closing(&mut m).await?;

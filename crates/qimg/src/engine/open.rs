@@ -462,13 +462,9 @@ impl<S: Storage> Inner<S> {
         bitmaps: Option<&qimg_format::bitmap::BitmapsExtension>,
     ) -> Result<()> {
         let mut m = self.meta.lock().await;
-        if let Some((a, b)) = m.first_metadata_conflict() {
-            let what = format!(
-                "metadata overlap: {} at {:#x}..{:#x} and {} at {:#x}..{:#x} share host bytes",
-                a.region, a.start, a.end, b.region, b.start, b.end
-            );
-            return Err(self.shared.signal_corruption(&mut m, what).await);
-        }
+        // Structures that share host bytes do not stop the open (QEMU opens such an image
+        // too): the first write that would land on another structure is refused and marks
+        // the image corrupt (`guard_write`), and reads go on.
         // Bitmaps are consistent only with autoclear bit 0; without it QEMU ignores them (and
         // drops the bit's meaning): so does the engine. Loaded before a dirty image's
         // refcounts are rebuilt, which must count their clusters.

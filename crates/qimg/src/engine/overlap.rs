@@ -310,36 +310,6 @@ impl OverlapIndex {
     }
 }
 
-impl OverlapIndex {
-    /// The first two known structures that share bytes, if any: an image where that happens
-    /// is corrupt (QEMU's check calls such clusters referenced twice).
-    pub(crate) fn first_conflict(&self) -> Option<(Hit, Hit)> {
-        let mut all: Vec<Hit> = self
-            .small
-            .iter()
-            .chain(self.large.iter())
-            .map(|(&(start, region), p)| Hit {
-                region,
-                start,
-                end: p.end,
-            })
-            .collect();
-        all.sort_by_key(|h| (h.start, h.region));
-        let mut widest: Option<Hit> = None;
-        for h in all {
-            if let Some(w) = widest {
-                if h.start < w.end {
-                    return Some((w, h));
-                }
-            }
-            if widest.is_none_or(|w| h.end > w.end) {
-                widest = Some(h);
-            }
-        }
-        None
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,20 +349,6 @@ mod tests {
         // Unset places are not metadata.
         ix.insert(Region::ActiveL2, 0, 65536);
         assert_eq!(ix.find(70000, 8, Writing::Data), None);
-    }
-
-    #[test]
-    fn conflicts_between_known_structures_are_found() {
-        let mut ix = OverlapIndex::new(4096);
-        ix.insert(Region::Header, 0, 4096);
-        ix.insert(Region::RefcountTable, 0x1000, 4096);
-        ix.insert(Region::RefcountBlock, 0x2000, 4096);
-        ix.insert(Region::ActiveL1, 0x3000, 8 * 1024);
-        ix.insert(Region::ActiveL2, 0x6000, 4096);
-        assert_eq!(ix.first_conflict(), None);
-        ix.insert(Region::ActiveL2, 0x4000, 4096);
-        let (a, b) = ix.first_conflict().unwrap();
-        assert_eq!((a.region, b.region), (Region::ActiveL1, Region::ActiveL2));
     }
 
     #[test]

@@ -160,13 +160,6 @@ impl Meta {
         self.dirty_on_disk = true;
     }
 
-    /// Two metadata structures that overlap, if any (checked at a writable open).
-    pub(crate) fn first_metadata_conflict(
-        &self,
-    ) -> Option<(super::overlap::Hit, super::overlap::Hit)> {
-        self.overlap.first_conflict()
-    }
-
     /// Records metadata of `region` at `[at, at + len)` for the overlap checks.
     pub(crate) fn note_metadata(&mut self, region: Region, at: u64, len: u64) {
         self.overlap.insert(region, at, len);
