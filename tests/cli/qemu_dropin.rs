@@ -2704,3 +2704,42 @@ fn qemu_io_truncate_preallocates_as_qemu_io() {
         assert!(outs[0].contains(refusal), "{refusal}: {}", outs[0]);
     }
 }
+
+#[test]
+fn a_file_of_the_bare_magic_is_raw_and_raw_files_resize_to_the_byte() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("bare-magic");
+    let ours = Ours::new(&s);
+    // "QFI\xfb" and nothing else: QEMU's probe wants a version (2 or more) after the magic.
+    let files = [("short.img", "QFIx"), ("odd.raw", "")];
+    let prepare: Prep = &[
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0xfb 3 1", "short.img"],
+        ),
+        ("qemu-img", &["resize", "-f", "raw", "odd.raw", "1000"]),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["info", "short.img"]),
+        ("qemu-io", &["-c", "read -v 0 4", "short.img"]),
+        ("qemu-img", &["check", "short.img"]),
+        ("qemu-img", &["info", "odd.raw"]),
+        ("qemu-img", &["resize", "-f", "raw", "odd.raw", "2000"]),
+        ("qemu-img", &["info", "-f", "raw", "odd.raw"]),
+        (
+            "qemu-img",
+            &["resize", "-f", "raw", "--shrink", "odd.raw", "100"],
+        ),
+        ("qemu-img", &["resize", "-f", "raw", "odd.raw", "50"]),
+        ("qemu-img", &["resize", "-f", "raw", "odd.raw", "+3"]),
+        ("qemu-img", &["info", "-f", "raw", "odd.raw"]),
+    ];
+    let outs = side_by_side(&s, &ours, &files, prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("file format: raw"), "{}", outs[0]);
+    assert!(
+        outs[0].contains("file length: 515 B (515 bytes)"),
+        "{}",
+        outs[0]
+    );
+}

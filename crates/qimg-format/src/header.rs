@@ -14,6 +14,18 @@ pub const MAGIC: u32 = 0x5146_49fb;
 pub fn has_magic(bytes: &[u8]) -> bool {
     bytes.len() >= 4 && bytes[..4] == MAGIC.to_be_bytes()
 }
+/// Whether a file starting with `bytes` is taken for qcow2 when no format is named: the
+/// magic and a version other than 0 (bytes past the end of a short file read as zeros). QEMU's
+/// probe wants version 2 or 3 for qcow2 and takes version 1 for its older qcow format, which
+/// qimg does not read: such a file is named as an unsupported qcow2 version rather than
+/// taken for raw; a version 0 file (or one of only the magic) is raw to both.
+pub fn probes_as_qcow2(bytes: &[u8]) -> bool {
+    let mut version = [0u8; 4];
+    for (i, b) in bytes.iter().skip(4).take(4).enumerate() {
+        version[i] = *b;
+    }
+    has_magic(bytes) && u32::from_be_bytes(version) != 0
+}
 /// Length of a version 2 header.
 pub const V2_HEADER_LEN: u32 = 72;
 /// Smallest legal version 3 header.
@@ -424,6 +436,18 @@ impl SnapshotPointer {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_probe_wants_the_magic_and_a_version() {
+        assert!(probes_as_qcow2(b"QFI\xfb\0\0\0\x03"));
+        assert!(probes_as_qcow2(b"QFI\xfb\0\0\0\x02rest"));
+        assert!(probes_as_qcow2(b"QFI\xfb\0\0\0\x01"));
+        // Version 0, or a file of only the magic (zeros past its end): raw, as QEMU's probe.
+        assert!(!probes_as_qcow2(b"QFI\xfb\0\0\0\0"));
+        assert!(!probes_as_qcow2(b"QFI\xfb"));
+        assert!(!probes_as_qcow2(b"QFI\xfb\0\0"));
+        assert!(!probes_as_qcow2(b"\0\0\0\0\0\0\0\x03"));
+    }
 
     #[test]
     fn the_magic_is_recognised_in_the_first_four_bytes_only() {

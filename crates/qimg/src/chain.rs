@@ -88,10 +88,11 @@ fn read_prefix(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
     read_at_most(&f, path, offset, len)
 }
 
-/// Guesses the format of an image from its first bytes: qcow2 magic, else raw.
+/// Guesses the format of an image from its first bytes: qcow2 when they have the magic and a
+/// version other than 0 ([`header::probes_as_qcow2`]), else raw.
 pub fn probe_format(path: &Path) -> Result<ImageFormat> {
-    let b = read_prefix(path, 0, 4)?;
-    Ok(if header::has_magic(&b) {
+    let b = read_prefix(path, 0, 8)?;
+    Ok(if header::probes_as_qcow2(&b) {
         ImageFormat::Qcow2
     } else {
         ImageFormat::Raw

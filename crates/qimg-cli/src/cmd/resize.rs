@@ -160,10 +160,8 @@ fn resize_raw(
         .map_err(|e| anyhow!("Could not stat '{file}': {}", os_msg(&e)))?
         .len();
     let current = crate::chain::raw_virtual_size(len);
+    // Any length: QEMU's file driver truncates to the byte (only qcow2 wants sectors).
     let total = new_size(current)?;
-    if total % 512 != 0 {
-        bail!("The new size must be a multiple of 512");
-    }
     match prealloc {
         Prealloc::Metadata => bail!("Unsupported preallocation mode: metadata"),
         Prealloc::Off => f.set_len(total),
