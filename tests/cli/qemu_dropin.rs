@@ -2739,3 +2739,54 @@ fn a_file_of_the_bare_magic_is_raw_and_raw_files_resize_to_the_byte() {
     assert!(outs[0].contains("file format: raw"), "{}", outs[0]);
     assert!(outs[0].contains("Image resized."), "{}", outs[0]);
 }
+
+#[test]
+fn a_missing_data_file_is_named_as_qemu_names_it() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("missing-data-file");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "data_file=d.raw,data_file_raw=on",
+                "a.qcow2",
+                "4M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "a.qcow2"]),
+        ("qemu-img", &["amend", "-o", "data_file=e.raw", "a.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "data_file=f.raw",
+                "c.qcow2",
+                "4M",
+            ],
+        ),
+        ("qemu-img", &["amend", "-o", "data_file=g.raw", "c.qcow2"]),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["info", "a.qcow2"]),
+        ("qemu-img", &["check", "a.qcow2"]),
+        ("qemu-io", &["-c", "read 0 512", "a.qcow2"]),
+        ("qemu-img", &["check", "c.qcow2"]),
+        ("qemu-img", &["check", "-r", "all", "c.qcow2"]),
+        ("qemu-img", &["convert", "-O", "raw", "a.qcow2", "o.raw"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Could not open 'e.raw': No such file"),
+        "{}",
+        outs[0]
+    );
+}

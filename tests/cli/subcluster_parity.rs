@@ -239,3 +239,45 @@ fn convert_leaves_an_extents_trailing_zeros_out_as_qemu_img() {
         outs[0]
     );
 }
+
+#[test]
+fn a_write_after_a_snapshot_copies_the_l2_table_before_the_data_as_qemu() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("l2-copy-first");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "t.qcow2",
+                "4M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 3 4k 4k", "t.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s1", "t.qcow2"]),
+    ];
+    let steps: Prep = &[
+        // The L2 table is shared with the snapshot: the write copies it, then allocates the
+        // data cluster after it (8 KiB written: the file ends there).
+        ("qemu-io", &["-c", "write -P 4 0 4k", "t.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        (
+            "qemu-io",
+            &["-f", "raw", "-c", "read -v 0x30000 8", "t.qcow2"],
+        ),
+        ("qemu-img", &["info", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("file length: 584 KiB (598016 bytes)"),
+        "{}",
+        outs[0]
+    );
+}

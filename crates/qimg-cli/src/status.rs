@@ -165,6 +165,17 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
             source: qimg::io::StorageError::Locked { holder },
         } if program() != "qimg" => return lock_error(holder, &path.display().to_string()),
         qimg::Error::Io { source, .. } => return os_msg(source),
+        // Another file of the image (its data file, a backing file) that does not open, as
+        // QEMU names it.
+        qimg::Error::Storage {
+            path,
+            source: qimg::io::StorageError::Open { source, .. },
+        } if program() != "qimg"
+            && !qimg::io::nbd::is_nbd_name(file)
+            && path.as_path() != std::path::Path::new(file) =>
+        {
+            return format!("Could not open '{}': {}", path.display(), os_msg(source));
+        }
         // An NBD export that could not be reached or refused: what the client said, as QEMU
         // says it.
         qimg::Error::Storage {

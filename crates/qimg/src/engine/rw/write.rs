@@ -282,12 +282,16 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
-    /// QEMU's order: a missing L2 table for guest cluster `gc` is made before the data
-    /// clusters it maps are allocated, so that a large write to an empty area lands as one
-    /// host extent after it (and the file ends where QEMU's does).
+    /// QEMU's order: a missing L2 table for guest cluster `gc`, or the copy of one a snapshot
+    /// shares, is made before the data clusters it maps are allocated, so that a large write
+    /// to an empty area lands as one host extent after it (and the file ends where QEMU's
+    /// does).
     pub(super) async fn table_before_data(&self, m: &mut Meta, gc: u64) -> Result<()> {
         let l1i = (gc / self.shared.geo.l2_coverage()) as usize;
-        if l1i < m.l1_len() && m.l2_table(l1i).is_none() {
+        if m.l1()
+            .get(l1i)
+            .is_some_and(|e| e.l2_offset.is_none() || !e.copied)
+        {
             self.shared.writable_l2_slice(m, gc).await?;
         }
         Ok(())

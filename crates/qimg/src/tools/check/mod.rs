@@ -189,6 +189,25 @@ pub fn check(
             )));
         }
     };
+    // The external data file must open, as at QEMU's open (the check does not read it).
+    if let Ok(c0) = block_on(path, read_cluster0(&read_only, path))? {
+        if let Some(name) = c0.data_file() {
+            let data = crate::chain::resolve_backing(path, &String::from_utf8_lossy(name));
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(opts.repair.is_some())
+                .open(&data)
+                .map_err(|source| {
+                    Error::storage(
+                        &data,
+                        StorageError::Open {
+                            path: data.clone(),
+                            source,
+                        },
+                    )
+                })?;
+        }
+    }
     if opts.repair.is_none() {
         read_only
             .lock_image(lock)
