@@ -266,6 +266,8 @@ fn as_qemu_img_the_refusals_print_qemu_imgs_words() {
         &["map", "base.qcow2", "base.qcow2"],
         &["create", "-f", "qcow2", "x", "1M", "2M"],
         &["resize", "base.qcow2", "1M", "2M"],
+        &["resize", "-p", "base.qcow2", "2M"],
+        &["resize", "--bogus", "base.qcow2", "2M"],
         &["measure", "-O", "qcow2", "base.qcow2", "base.qcow2"],
         &["amend", "-o", "compat=1.1", "base.qcow2", "base.qcow2"],
     ] {

@@ -73,6 +73,19 @@ pub fn run(args: ResizeArgs) -> Result<()> {
     if let Some(i) = rest.iter().position(|a| a == "--") {
         rest.remove(i);
     }
+    // qemu-img takes the last argument as the size (it may be negative) and hands the rest
+    // to getopt: an option it does not know is refused in getopt's words.
+    if let Some((_, before)) = rest.split_last() {
+        if let Some(a) = before.iter().find(|a| a.starts_with('-') && a.len() > 1) {
+            let p = crate::status::program();
+            let why = match a.strip_prefix("--") {
+                Some(_) => format!("unrecognized option '{a}'"),
+                None => format!("invalid option -- '{}'", &a[1..2]),
+            };
+            eprintln!("{p} resize: {why}\nTry '{p} resize --help' for more info");
+            crate::out::exit(1);
+        }
+    }
     if rest.len() > 2 {
         bail!("Extra argument(s) in command line\nTry 'qimg resize --help' for more info");
     }
