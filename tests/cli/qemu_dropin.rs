@@ -2790,3 +2790,200 @@ fn a_missing_data_file_is_named_as_qemu_names_it() {
         outs[0]
     );
 }
+
+#[test]
+fn growth_with_falloc_and_full_preallocation_lays_out_the_file_as_qemu() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("prealloc-growth");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "b.qcow2", "2M"]),
+        ("qemu-io", &["-c", "write -P 9 0 2M", "b.qcow2"]),
+        // 512-byte clusters: several L2 tables and refcount blocks.
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "cluster_size=512",
+                "s.qcow2",
+                "1M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 100k", "s.qcow2"]),
+        // Extended entries over a longer backing file, an old end inside a cluster, and a
+        // snapshot sharing the L2 table.
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "-b",
+                "b.qcow2",
+                "-F",
+                "qcow2",
+                "e.qcow2",
+                "1000k",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 1 0 100k",
+                "-c",
+                "write -P 2 900k 90k",
+                "e.qcow2",
+            ],
+        ),
+        ("qemu-img", &["snapshot", "-c", "s", "e.qcow2"]),
+        // A file longer than its clusters in use (a hole past them).
+        ("qemu-img", &["create", "-f", "qcow2", "h.qcow2", "1M"]),
+        ("qemu-img", &["resize", "--shrink", "h.qcow2", "512k"]),
+        ("qemu-img", &["resize", "-f", "raw", "h.qcow2", "2M"]),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["resize", "--preallocation=falloc", "s.qcow2", "+3M"],
+        ),
+        ("qemu-img", &["map", "--output=json", "s.qcow2"]),
+        ("qemu-img", &["check", "s.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "truncate -m full 40M",
+                "-c",
+                "read -P 0 1M 39M",
+                "s.qcow2",
+            ],
+        ),
+        ("qemu-img", &["check", "s.qcow2"]),
+        (
+            "qemu-img",
+            &["resize", "--preallocation=falloc", "e.qcow2", "+1100k"],
+        ),
+        ("qemu-img", &["map", "--output=json", "e.qcow2"]),
+        ("qemu-img", &["check", "e.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "read -P 1 0 100k",
+                "-c",
+                "read -P 9 100k 800k",
+                "-c",
+                "read -P 2 900k 90k",
+                "-c",
+                "read -P 9 990k 10k",
+                "-c",
+                "read -P 0 1000k 1100k",
+                "e.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "truncate -m falloc 3333k", "e.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "e.qcow2"]),
+        (
+            "qemu-img",
+            &["resize", "--preallocation=full", "h.qcow2", "4M"],
+        ),
+        ("qemu-img", &["info", "h.qcow2"]),
+        ("qemu-img", &["map", "h.qcow2"]),
+        ("qemu-img", &["check", "h.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("Image end offset: 4063232"), "{}", outs[0]);
+}
+
+#[test]
+fn shrinking_keeps_the_l2_table_of_the_new_end_as_qemu() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("shrink-boundary-table");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "1M"]),
+        ("qemu-img", &["create", "-f", "qcow2", "u.qcow2", "4M"]),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "u.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s", "u.qcow2"]),
+    ];
+    let steps: Prep = &[
+        // No L2 table yet: QEMU's discard of the cut range makes an empty one.
+        ("qemu-img", &["resize", "--shrink", "t.qcow2", "512k"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-img", &["info", "t.qcow2"]),
+        // A table a snapshot shares: copied.
+        ("qemu-img", &["resize", "--shrink", "u.qcow2", "1M"]),
+        ("qemu-img", &["check", "u.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "u.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("Image end offset: 327680"), "{}", outs[0]);
+}
+
+#[test]
+fn resizing_a_v2_image_with_snapshots_and_snapshots_of_1_bit_refcounts_are_refused_as_qemu() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("v2-snapshot-resize");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "compat=0.10",
+                "v2.qcow2",
+                "1M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "v2.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s", "v2.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "refcount_bits=1",
+                "r1.qcow2",
+                "1M",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 64k", "r1.qcow2"]),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "truncate 2M",
+                "-c",
+                "truncate -m falloc 3M",
+                "v2.qcow2",
+            ],
+        ),
+        ("qemu-img", &["resize", "v2.qcow2", "2M"]),
+        ("qemu-img", &["resize", "--shrink", "v2.qcow2", "512k"]),
+        ("qemu-img", &["info", "v2.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s", "r1.qcow2"]),
+        ("qemu-img", &["snapshot", "-l", "r1.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("qemu-io: Can't resize a v2 image which has snapshots"),
+        "{}",
+        outs[0]
+    );
+}

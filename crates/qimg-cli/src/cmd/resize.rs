@@ -239,9 +239,6 @@ async fn change_size(
     if total == current {
         return Ok(());
     }
-    if h.version < 3 && h.nb_snapshots > 0 {
-        bail!("Can't resize a v2 image which has snapshots");
-    }
     if total % 512 != 0 {
         bail!("The new size must be a multiple of 512");
     }
@@ -281,26 +278,23 @@ async fn change_size(
 
 /// Grows `img` to `total` bytes, as `qemu-img resize --preallocation` and qemu-io's
 /// `truncate -m` do: with `metadata` the new area gets host clusters and no data (holes, as
-/// QEMU's); with `falloc` and `full` it is written with zeros, cluster by cluster.
+/// QEMU's); with `falloc` and `full` data clusters in QEMU's layout
+/// ([`Image::resize_preallocated`]).
 pub(crate) async fn grow(
     img: &Image<qimg::io::AnyStorage>,
     total: u64,
     prealloc: Prealloc,
 ) -> qimg::Result<()> {
     let current = img.size();
+    if matches!(prealloc, Prealloc::Falloc | Prealloc::Full) {
+        return img
+            .resize_preallocated(total, prealloc == Prealloc::Full)
+            .await;
+    }
     img.resize(total).await?;
     if prealloc == Prealloc::Metadata {
         // Host clusters linked, no data written: the new area stays holes, as QEMU's.
         return img.preallocate(current, total - current).await;
-    }
-    if prealloc != Prealloc::Off {
-        let zeros = vec![0u8; ZERO_CHUNK as usize];
-        let mut at = current;
-        while at < total {
-            let n = (total - at).min(ZERO_CHUNK - at % ZERO_CHUNK);
-            img.write(&zeros[..n as usize], at).await?;
-            at += n;
-        }
     }
     Ok(())
 }

@@ -213,6 +213,10 @@ fn reason(e: &qimg::Error, file: &str, unsupported: &str) -> String {
     }
     match e {
         qimg::Error::Unsupported { .. } => unsupported.to_string(),
+        // QEMU's errno for what the image cannot take (a refcount that would overflow).
+        qimg::Error::InvalidOption(_) if crate::status::program() != "qimg" => {
+            crate::status::os_msg(&std::io::Error::from_raw_os_error(22))
+        }
         other => lib_msg(other, file),
     }
 }

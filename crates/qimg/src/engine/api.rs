@@ -256,6 +256,18 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.preallocate(offset, len).await
     }
 
+    /// Grows the virtual disk to `new_size` bytes as qemu-img's `resize
+    /// --preallocation=falloc` (`full == false`) or `full` does, in QEMU's layout: a new
+    /// refcount table after the last cluster in use, then the new area's data clusters in one
+    /// run (the cluster holding the old end moves there too, its bytes copied), reserved with
+    /// `fallocate` or (`full`) written with zeros, linked as clusters reading zeros (extended
+    /// entries keep their subclusters' states, or count them written where a longer backing
+    /// file would otherwise show through). With an external data file, or clusters of the
+    /// new area already allocated, zeros are written over the new area instead.
+    pub async fn resize_preallocated(&self, new_size: u64, full: bool) -> Result<()> {
+        self.inner.resize_preallocated(new_size, full).await
+    }
+
     /// Runs one pass of the cache-clean timer now: slices unused for a whole clean interval
     /// are written back if dirty and dropped. The timer task does this by itself when a tokio
     /// runtime was running at open; returns the bytes freed.

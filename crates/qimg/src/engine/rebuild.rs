@@ -219,7 +219,7 @@ impl<S: Storage> Inner<S> {
                 *slot = 1;
             }
         }
-        let area = plan_refcount_area(&skip, 0, start, 1, cs, e);
+        let area = plan_refcount_area(&skip, 0, start, 1, 0, cs, e);
         let end = area.end();
         let mut table = vec![0u64; (area.table_clusters * cs / TABLE_WORD) as usize];
         for (k, &j) in area.blocks.iter().enumerate() {

@@ -153,7 +153,9 @@ impl<S: Storage> Shared<S> {
 
     /// Notes `n` clusters from `start` (found by [`find_free_now`](Self::find_free_now)) as
     /// taken, their refcounts set: the hint moves past them if they were the first free ones.
-    fn claimed(&self, m: &mut Meta, start: u64, n: u64) {
+    /// Records `n` clusters from `start`, counted by the caller, as taken (the search hint
+    /// and the end of the clusters in use move past them).
+    pub(crate) fn claimed(&self, m: &mut Meta, start: u64, n: u64) {
         if m.free_hint == start {
             m.free_hint = start + n;
         }

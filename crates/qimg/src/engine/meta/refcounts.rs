@@ -288,64 +288,84 @@ impl<S: Storage> Shared<S> {
         min_entries: u64,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let cs = self.geo.cluster_size();
             let start = m.end_cluster.max(m.free_hint);
             // Leave room to grow: half as much again.
             let want = min_entries.max(m.reftable.len() as u64 * 3 / 2);
-            let plan = plan_refcount_area(
-                &m.reftable,
-                start,
-                start,
-                want,
-                cs,
-                self.rgeo.refblock_entries(),
-            );
-            if plan.table_clusters * cs / 8 > qimg_format::validate::MAX_REFTABLE_BYTES / 8 {
-                return Err(Error::corrupt(
-                    &self.path,
-                    "the refcount table would exceed 8 MiB: the image file is full",
-                ));
-            }
-            let end = plan.end();
-            let mut table = m.reftable.clone();
-            table.resize((plan.table_clusters * cs / 8) as usize, 0);
-            for (k, &j) in plan.blocks.iter().enumerate() {
-                table[j as usize] = (start + k as u64) * cs;
-            }
-            let order = self.rgeo.refcount_order();
-            let e = self.rgeo.refblock_entries();
-            self.file.debug_event(DebugEvent::RefblockAllocWriteBlocks);
-            for (k, &j) in plan.blocks.iter().enumerate() {
-                let mut block = vec![0u8; cs as usize];
-                for c in (j * e).max(start)..((j + 1) * e).min(end) {
-                    refcount::set(&mut block, order, c % e, 1).map_err(|e| self.fmt_err(e))?;
-                }
-                let at = (start + k as u64) * cs;
-                self.guard_write(m, at, cs, Writing::Data).await?;
-                self.file
-                    .write_at(&block, at)
-                    .await
-                    .map_err(|e| self.storage_error(e))?;
-            }
-            // New clusters under existing blocks are counted through the cache.
-            for c in start..end {
-                let j = c / e;
-                if !plan.blocks.contains(&j) {
-                    self.update_refcount(m, c, 1).await?;
-                }
-            }
-            self.write_back(m, CacheKind::Refcount).await?;
-            let table_at = plan.table_offset(cs);
-            let old_at = m.reftable_offset;
-            let old_clusters = refcount::table_bytes(m.reftable.len() as u64).div_ceil(cs);
-            self.install_reftable(m, table, table_at, plan.table_clusters)
-                .await?;
-            m.end_cluster = m.end_cluster.max(end);
-            if m.free_hint >= start {
-                m.free_hint = end;
-            }
-            self.free_clusters(m, old_at, old_clusters).await
+            self.refcount_area(m, start, want, 0).await.map(drop)
         })
+    }
+
+    /// QEMU's `qcow2_refcount_area`: from cluster `start` (past every cluster in use), new
+    /// refcount blocks for every reftable index up to the one covering cluster `cover_end`
+    /// (or the area itself) that has none, then a new refcount table of at least
+    /// `min_entries` entries naming them; the header switches to it and the old table is
+    /// freed. Returns the cluster after the area.
+    pub(crate) async fn refcount_area(
+        &self,
+        m: &mut Meta,
+        start: u64,
+        min_entries: u64,
+        cover_end: u64,
+    ) -> Result<u64> {
+        let cs = self.geo.cluster_size();
+        let plan = plan_refcount_area(
+            &m.reftable,
+            start,
+            start,
+            min_entries,
+            cover_end,
+            cs,
+            self.rgeo.refblock_entries(),
+        );
+        if plan.table_clusters * cs / 8 > qimg_format::validate::MAX_REFTABLE_BYTES / 8 {
+            return Err(Error::corrupt(
+                &self.path,
+                "the refcount table would exceed 8 MiB: the image file is full",
+            ));
+        }
+        let end = plan.end();
+        let mut table = m.reftable.clone();
+        table.resize((plan.table_clusters * cs / 8) as usize, 0);
+        for (k, &j) in plan.blocks.iter().enumerate() {
+            table[j as usize] = (start + k as u64) * cs;
+        }
+        let order = self.rgeo.refcount_order();
+        let e = self.rgeo.refblock_entries();
+        self.file.debug_event(DebugEvent::RefblockAllocWriteBlocks);
+        for (k, &j) in plan.blocks.iter().enumerate() {
+            let mut block = vec![0u8; cs as usize];
+            for c in (j * e).max(start)..((j + 1) * e).min(end) {
+                refcount::set(&mut block, order, c % e, 1).map_err(|e| self.fmt_err(e))?;
+            }
+            let at = (start + k as u64) * cs;
+            self.guard_write(m, at, cs, Writing::Data).await?;
+            self.file
+                .write_at(&block, at)
+                .await
+                .map_err(|e| self.storage_error(e))?;
+        }
+        // New clusters under existing blocks are counted through the cache.
+        for c in start..end {
+            let j = c / e;
+            if !plan.blocks.contains(&j) {
+                self.update_refcount(m, c, 1).await?;
+            }
+        }
+        self.write_back(m, CacheKind::Refcount).await?;
+        let table_at = plan.table_offset(cs);
+        let old_at = m.reftable_offset;
+        let old_clusters = refcount::table_bytes(m.reftable.len() as u64).div_ceil(cs);
+        self.install_reftable(m, table, table_at, plan.table_clusters)
+            .await?;
+        m.end_cluster = m.end_cluster.max(end);
+        if m.free_hint >= start {
+            m.free_hint = end;
+        }
+        // Nothing names the old table once the switch is durable: its clusters may be
+        // reused at once, and keep their bytes (QEMU frees it with `discard-other`, off).
+        self.free_clusters_as(m, old_at, old_clusters, false)
+            .await?;
+        Ok(end)
     }
 
     /// Writes `table` at `table_at`, flushes, and switches the header to it (synchronously):
@@ -393,14 +413,15 @@ impl RefcountArea {
 }
 
 /// Lays out new refcount blocks and a table from cluster `start`: blocks for every reftable
-/// index covering `cover_from..end` that `existing` lacks, and a table with at least
-/// `min_entries` entries covering all of them, where `end` includes the new clusters
-/// themselves. Iterates to the (monotone) fixed point.
+/// index covering `cover_from..max(end, cover_end)` that `existing` lacks, and a table with
+/// at least `min_entries` entries covering all of them, where `end` includes the new
+/// clusters themselves. Iterates to the (monotone) fixed point.
 pub(crate) fn plan_refcount_area(
     existing: &[u64],
     cover_from: u64,
     start: u64,
     min_entries: u64,
+    cover_end: u64,
     cluster_size: u64,
     entries: u64,
 ) -> RefcountArea {
@@ -411,7 +432,7 @@ pub(crate) fn plan_refcount_area(
         table_clusters: 1,
     };
     loop {
-        let end = area.end();
+        let end = area.end().max(cover_end);
         let last = (end - 1) / entries;
         let blocks: Vec<u64> = (cover_from / entries..=last)
             .filter(|&j| existing.get(j as usize).copied().unwrap_or(0) == 0)
@@ -449,7 +470,7 @@ mod tests {
     fn a_refcount_area_covers_itself() {
         // 512-byte clusters, 64-bit refcounts: 64 entries per block, 64 per table cluster.
         let existing = vec![1024u64; 64];
-        let area = plan_refcount_area(&existing, 4096, 4096, 65, 512, 64);
+        let area = plan_refcount_area(&existing, 4096, 4096, 65, 0, 512, 64);
         let end = area.end();
         for c in 4096..end {
             let j = c / 64;
@@ -463,7 +484,7 @@ mod tests {
 
     #[test]
     fn a_rebuild_area_covers_everything_from_zero() {
-        let area = plan_refcount_area(&[], 0, 100, 1, 65536, 32768);
+        let area = plan_refcount_area(&[], 0, 100, 1, 0, 65536, 32768);
         assert_eq!(area.blocks, vec![0]);
         assert_eq!(area.table_clusters, 1);
         assert_eq!(area.end(), 102);

@@ -20,6 +20,42 @@ use super::*;
 
 impl<S: Storage> Inner<S> {
     pub(crate) async fn resize(&self, new_size: u64) -> Result<()> {
+        self.resize_as(new_size, true).await
+    }
+
+    /// [`resize`](Self::resize) for QEMU's `falloc` and `full` growth: the data clusters
+    /// come in QEMU's layout ([`preallocate_data`](Self::preallocate_data), which also makes
+    /// the new area read zeros over a longer backing file), or where that layout does not
+    /// apply, zeros are written over the new area.
+    pub(crate) async fn resize_preallocated(&self, new_size: u64, full: bool) -> Result<()> {
+        let old = self.shared.size();
+        self.resize_as(new_size, false).await?;
+        if new_size <= old || self.preallocate_data(old, new_size - old, full).await? {
+            return Ok(());
+        }
+        let zeros = vec![0u8; 1 << 20];
+        let mut at = old;
+        while at < new_size {
+            let n = (new_size - at).min(zeros.len() as u64 - at % zeros.len() as u64);
+            self.write(&zeros[..n as usize], at).await?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// QEMU's refusal to change the size of a version 2 image with internal snapshots (their
+    /// size is not recorded in its snapshot table): one rule for growing and shrinking.
+    fn check_resizable(&self, m: &Meta) -> Result<()> {
+        if self.shared.version < 3 && m.snapshot_table().1 > 0 {
+            return Err(Error::Unsupported {
+                path: self.shared.path.clone(),
+                what: "Can't resize a v2 image which has snapshots".into(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn resize_as(&self, new_size: u64, zero_backing: bool) -> Result<()> {
         self.shared.check_writable()?;
         let size = self.shared.size();
         if new_size < size {
@@ -40,6 +76,7 @@ impl<S: Storage> Inner<S> {
         let _guard = self.locks.lock(0, u64::MAX, true).await;
         let mut m = self.meta.lock().await;
         self.ensure_open(&m)?;
+        self.check_resizable(&m)?;
         self.shared.grow_l1(&mut m, entries).await?;
         if self.shared.data_file_raw {
             let (storage, path) = self.shared.data();
@@ -64,7 +101,7 @@ impl<S: Storage> Inner<S> {
             None => 0,
         };
         let zero_end = backing_len.min(new_size);
-        if zero_end > size {
+        if zero_backing && zero_end > size {
             self.write_zeroes(size, zero_end - size, true).await?;
         }
         Ok(())
@@ -101,6 +138,7 @@ impl<S: Storage> Inner<S> {
         {
             let m = self.meta.lock().await;
             self.ensure_open(&m)?;
+            self.check_resizable(&m)?;
         }
         // The whole subclusters past the new end of a partly cut cluster read as zeros.
         let within = new_size % cs;
@@ -118,6 +156,12 @@ impl<S: Storage> Inner<S> {
         let span = self.shared.geo.l2_coverage();
         let mut m = self.meta.lock().await;
         self.shared.refuse_unaligned_l2(&mut m).await?;
+        // QEMU's discard of the cut range takes the L2 table of its first cluster for
+        // writing (`get_cluster_table`): made if missing, copied if a snapshot shares it. The
+        // table stays where the new end falls inside its range.
+        if keep_end < size && keep_end % span != 0 {
+            self.shared.writable_l2_slice(&mut m, keep_end).await?;
+        }
         let first_table = keep_end / span;
         let tables = m.l1_len() as u64;
         for index in first_table..tables {

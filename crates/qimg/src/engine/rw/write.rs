@@ -122,18 +122,28 @@ impl<S: Storage> Inner<S> {
                 fresh,
             });
         }
-        let mut fresh = prepared.iter().filter(|p| p.fresh).count() as u64;
-        if fresh > 0 {
-            for p in prepared.iter().filter(|p| p.fresh) {
-                self.table_before_data(&mut m, p.gc).await?;
+        // QEMU's order, one L2 table at a time: a missing (or shared) table, then the data
+        // clusters it maps, as one run; then the next table.
+        let coverage = self.shared.geo.l2_coverage();
+        // (index of the piece, its L2 table's L1 index)
+        let fresh: Vec<(usize, u64)> = (0..prepared.len())
+            .filter(|&i| prepared[i].fresh)
+            .map(|i| (i, prepared[i].gc / coverage))
+            .collect();
+        for group in fresh.chunk_by(|x, y| x.1 == y.1) {
+            if let Err(e) = self
+                .table_before_data(&mut m, prepared[group[0].0].gc)
+                .await
+            {
+                self.abandon_allocated(&mut m, &prepared).await;
+                return Err(e);
             }
             // Clusters that never held data read as zeros.
             let unused_from = m.never_used_from();
-            let most = MAX_RUN;
-            let (mut next, mut left) = (0, 0);
-            for p in prepared.iter_mut().filter(|p| p.fresh) {
+            let (mut next, mut left, mut to_come) = (0, 0, group.len() as u64);
+            for &(k, _) in group {
                 if left == 0 {
-                    let run = fresh.min(most);
+                    let run = to_come.min(MAX_RUN);
                     next = match self.shared.alloc_clusters(&mut m, run).await {
                         Ok(host) => host,
                         Err(e) => {
@@ -146,8 +156,9 @@ impl<S: Storage> Inner<S> {
                         .clusters_allocated
                         .fetch_add(run, Ordering::Relaxed);
                     left = run;
-                    fresh -= run;
+                    to_come -= run;
                 }
+                let p = &mut prepared[k];
                 p.host = next;
                 next += cs;
                 left -= 1;

@@ -46,12 +46,12 @@ impl<S: Storage> Inner<S> {
     /// an empty tree can still be snapshotted, as in QEMU).
     pub(super) fn check_shareable(&self, l1: &[L1Entry]) -> Result<()> {
         if self.shared.rgeo.max_refcount() < 2 && l1.iter().any(|e| e.l2_offset.is_some()) {
-            return Err(Error::Unsupported {
-                path: self.shared.path.clone(),
-                what: "internal snapshots with 1-bit refcounts (a shared cluster needs a \
-                       refcount of 2)"
-                    .into(),
-            });
+            // EINVAL, as QEMU's refcount overflow (which leaks a cluster; this refuses first).
+            return Err(Error::InvalidOption(format!(
+                "{}: internal snapshots with 1-bit refcounts (a shared cluster needs a \
+                 refcount of 2)",
+                self.shared.path.display()
+            )));
         }
         Ok(())
     }
