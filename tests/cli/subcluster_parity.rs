@@ -270,14 +270,11 @@ fn a_write_after_a_snapshot_copies_the_l2_table_before_the_data_as_qemu() {
             "qemu-io",
             &["-f", "raw", "-c", "read -v 0x30000 8", "t.qcow2"],
         ),
-        ("qemu-img", &["info", "t.qcow2"]),
+        // (Not `info`: it shows the snapshot's date, which differs by a second at times.)
+        ("qemu-io", &["-f", "raw", "-c", "length", "t.qcow2"]),
         ("qemu-img", &["check", "t.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
-    assert!(
-        outs[0].contains("file length: 584 KiB (598016 bytes)"),
-        "{}",
-        outs[0]
-    );
+    assert!(outs[0].contains("584 KiB"), "{}", outs[0]);
 }

@@ -355,9 +355,12 @@ impl<S: Storage> Shared<S> {
         let table_at = plan.table_offset(cs);
         let old_at = m.reftable_offset;
         let old_clusters = refcount::table_bytes(m.reftable.len() as u64).div_ceil(cs);
+        // The area is in use before the switch: a switch that fails after its write was
+        // issued may leave the header naming the new table (the image halts), and the file
+        // must not be cut short of it at close.
+        m.end_cluster = m.end_cluster.max(end);
         self.install_reftable(m, table, table_at, plan.table_clusters)
             .await?;
-        m.end_cluster = m.end_cluster.max(end);
         if m.free_hint >= start {
             m.free_hint = end;
         }

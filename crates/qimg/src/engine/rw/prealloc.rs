@@ -264,10 +264,11 @@ impl<S: Storage> Inner<S> {
             gc += cs;
             host += cs;
         }
-        // The head cluster's old host cluster loses the reference the entry held.
+        // The head cluster's old host cluster loses the reference the entry held, once the
+        // new entry is on disk (`release`: the refcount cache waits for the L2 cache).
         if offset > head {
-            if let Some(old_host) = head_entry.entry().host_cluster() {
-                self.shared.free_clusters(&mut m, old_host.0, 1).await?;
+            if let Some(freed) = old_reference(head_entry.entry()) {
+                self.release(&mut m, freed).await?;
             }
         }
         Ok(true)
