@@ -161,11 +161,13 @@ impl<S: Storage> Inner<S> {
         while first > 0 && self.shared.refcount(&mut m, first - 1).await? == 0 {
             first -= 1;
         }
-        let blocks = refcount_blocks_for(
-            first + n_data + n_l2,
-            cs,
-            self.shared.rgeo.refblock_entries(),
-        );
+        // QEMU's exact refcount metadata size (`qcow2_refcount_metadata_size`).
+        let blocks = self
+            .shared
+            .rgeo
+            .refcount_metadata_for(first + n_data + n_l2)
+            .map_err(|e| self.shared.fmt_err(e))?
+            .block_clusters;
         let e = self.shared.rgeo.refblock_entries();
         let data = self
             .shared
@@ -240,16 +242,7 @@ impl<S: Storage> Inner<S> {
         // Where a backing file reaches past the old end, QEMU asks for the new area to read
         // zeros and then counts every subcluster as written; otherwise extended entries keep
         // their subclusters' states.
-        let backing_len = match &self.backing {
-            None => 0,
-            Some(Backing::Qcow2(b)) => b.inner.shared.size(),
-            Some(Backing::Raw { storage, path }) => storage
-                .len()
-                .await
-                .map_err(|e| Error::storage(path, e))?
-                .next_multiple_of(512),
-        };
-        let written = (backing_len > offset).then_some(SubclusterBitmap {
+        let written = (self.backing_len().await? > offset).then_some(SubclusterBitmap {
             alloc: u32::MAX,
             zero: 0,
         });
@@ -272,21 +265,5 @@ impl<S: Storage> Inner<S> {
             }
         }
         Ok(true)
-    }
-}
-
-/// Refcount blocks needed to count `clusters` clusters and the refcount structures
-/// themselves (QEMU's `qcow2_refcount_metadata_size`, exact).
-fn refcount_blocks_for(clusters: u64, cluster_size: u64, per_block: u64) -> u64 {
-    let per_table_cluster = cluster_size / 8;
-    let (mut table, mut blocks, mut last) = (0u64, 0u64, u64::MAX);
-    loop {
-        blocks = (clusters + table + blocks).div_ceil(per_block);
-        table = blocks.div_ceil(per_table_cluster);
-        let n = clusters + blocks + table;
-        if n == last {
-            return blocks;
-        }
-        last = n;
     }
 }

@@ -43,6 +43,20 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    /// The length of the backing file as QEMU sees it when it grows an image (a raw file in
+    /// whole sectors), 0 without one: where a longer one would show through a new area.
+    pub(super) async fn backing_len(&self) -> Result<u64> {
+        Ok(match &self.backing {
+            None => 0,
+            Some(Backing::Qcow2(b)) => b.inner.shared.size(),
+            Some(Backing::Raw { storage, path }) => storage
+                .len()
+                .await
+                .map_err(|e| Error::storage(path, e))?
+                .next_multiple_of(512),
+        })
+    }
+
     /// QEMU's refusal to change the size of a version 2 image with internal snapshots (their
     /// size is not recorded in its snapshot table): one rule for growing and shrinking.
     fn check_resizable(&self, m: &Meta) -> Result<()> {
@@ -93,14 +107,7 @@ impl<S: Storage> Inner<S> {
         drop(_guard);
         // As QEMU: where a longer backing file would show through the new area, it reads as
         // zeros instead.
-        let backing_len = match &self.backing {
-            Some(Backing::Qcow2(b)) => b.inner.shared.size(),
-            Some(Backing::Raw { storage, path }) => {
-                storage.len().await.map_err(|e| Error::storage(path, e))?
-            }
-            None => 0,
-        };
-        let zero_end = backing_len.min(new_size);
+        let zero_end = self.backing_len().await?.min(new_size);
         if zero_backing && zero_end > size {
             self.write_zeroes(size, zero_end - size, true).await?;
         }
