@@ -156,7 +156,8 @@ fn qemu_io(dir: &Path, fmt: &str, target: &str, cmds: &[String]) -> String {
 fn create(dir: &Path, name: &str, extended_l2: bool, backing: Option<&str>) {
     let mut o = format!("extended_l2={}", if extended_l2 { "on" } else { "off" });
     if let Some(b) = backing {
-        o.push_str(&format!(",backing_file={b},backing_fmt=qcow2"));
+        let fmt = if b.ends_with(".raw") { "raw" } else { "qcow2" };
+        o.push_str(&format!(",backing_file={b},backing_fmt={fmt}"));
     }
     ok(
         "qemu-img create",
@@ -250,19 +251,29 @@ fn qemu_io_writes_through_the_export_standard_l2() {
 }
 
 /// A two-layer chain with data, zeros and unallocated ranges in each layer.
-fn make_chain(dir: &Path, extended_l2: bool) {
-    create(dir, "base.qcow2", extended_l2, None);
-    qemu_io(
-        dir,
-        "qcow2",
-        "base.qcow2",
+/// A qcow2 image over a qcow2 base, or over a sparse raw file (`raw_base`: its holes are
+/// zeros to block status, at the raw layer's depth).
+fn make_chain(dir: &Path, extended_l2: bool, raw_base: bool) {
+    let base = if raw_base { "base.raw" } else { "base.qcow2" };
+    if raw_base {
+        std::fs::File::create(dir.join(base))
+            .and_then(|f| f.set_len(32 << 20))
+            .unwrap();
+    } else {
+        create(dir, base, extended_l2, None);
+    }
+    let base_writes: &[String] = if raw_base {
+        &["write -P 1 0 192k".into(), "write -P 2 1M 4k".into()]
+    } else {
         &[
             "write -P 1 0 192k".into(),
             "write -P 2 1M 4k".into(),
             "write -z 2M 64k".into(),
-        ],
-    );
-    create(dir, "top.qcow2", extended_l2, Some("base.qcow2"));
+        ]
+    };
+    let fmt = if raw_base { "raw" } else { "qcow2" };
+    qemu_io(dir, fmt, base, base_writes);
+    create(dir, "top.qcow2", extended_l2, Some(base));
     qemu_io(
         dir,
         "qcow2",
@@ -282,7 +293,7 @@ fn map_json(dir: &Path, args: &[&str]) -> serde_json::Value {
     json("qemu-img map", &qemu_img(dir, &a))
 }
 
-fn block_status_matches_qemu_nbd(extended_l2: bool) {
+fn block_status_matches_qemu_nbd(extended_l2: bool, raw_base: bool) {
     let test = "block_status_matches_qemu_nbd";
     if !have_qemu_tools(test) {
         return;
@@ -290,7 +301,7 @@ fn block_status_matches_qemu_nbd(extended_l2: bool) {
     let s = Scratch::new("nbd-map");
     let (src, ours, theirs) = (s.path("src"), s.path("ours"), s.path("theirs"));
     std::fs::create_dir_all(&src).unwrap();
-    make_chain(&src, extended_l2);
+    make_chain(&src, extended_l2, raw_base);
     // Both servers get a copy made the same way (cp turns unwritten extents into holes).
     ok("cp", &run(&s.0, Path::new("cp"), &["-r", "src/.", "ours"]));
     ok(
@@ -351,12 +362,19 @@ fn block_status_matches_qemu_nbd(extended_l2: bool) {
 
 #[test]
 fn block_status_matches_qemu_nbd_extended_l2() {
-    block_status_matches_qemu_nbd(true);
+    block_status_matches_qemu_nbd(true, false);
 }
 
 #[test]
 fn block_status_matches_qemu_nbd_standard_l2() {
-    block_status_matches_qemu_nbd(false);
+    block_status_matches_qemu_nbd(false, false);
+}
+
+/// The holes of a raw backing file are zeros at its depth, as qemu-nbd reports them (they
+/// were reported as data).
+#[test]
+fn block_status_matches_qemu_nbd_over_a_sparse_raw_file() {
+    block_status_matches_qemu_nbd(true, true);
 }
 
 #[test]

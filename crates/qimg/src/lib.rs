@@ -144,6 +144,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod block_status;
 pub mod chain;
 pub mod engine;
 pub mod error;

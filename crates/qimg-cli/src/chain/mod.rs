@@ -3,9 +3,6 @@
 //! block status ([`block_status`]). `map` prints that status; `convert` plans its copy from it.
 
 mod block_status;
-mod host_file;
-mod l2_presence;
-mod prealloc;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -16,16 +13,14 @@ use qimg::format::validate::OpenMode;
 use qimg::io::AnyStorage;
 use qimg::{Backing, Image};
 
-pub(crate) use block_status::{Entry, StatusError, status};
-use host_file::HostFile;
-use l2_presence::L2Presence;
-use prealloc::metadata_preallocated;
+pub(crate) use block_status::{Entry, StatusError};
+pub(crate) use qimg::block_status::Layer;
+use qimg::block_status::{Chain, DataHoles, HostExtents};
 
 use crate::args::{image_format, split_opts};
 use crate::status::lib_msg;
 
-/// QEMU's sector: a raw image's virtual size is its file length rounded up to it.
-const SECTOR_SIZE: u64 = 512;
+use qimg::block_status::SECTOR_SIZE;
 
 /// The virtual size QEMU gives a raw file of `len` bytes.
 pub(crate) fn raw_virtual_size(len: u64) -> u64 {
@@ -82,46 +77,47 @@ pub(crate) fn raw_probe_warning(
     })
 }
 
-/// One image of the chain, with what the walk needs from it.
-pub(crate) enum Layer {
-    /// A qcow2 image.
-    Qcow2 {
-        /// The open image.
-        img: Image<AnyStorage>,
-        /// Its external data file, if any.
-        data_file: Option<PathBuf>,
-        /// Name of the file host offsets point into (data file or image file).
-        name: Rc<str>,
-        /// The host file, when the image is metadata-preallocated (holes read as zeros).
-        prealloc: Option<HostFile>,
-        /// Which L1 entries have an L2 table, to skip the ranges of empty entries without a
-        /// lookup per cluster (`None` if the L1 table could not be read: every range is then
-        /// looked up).
-        l2_presence: Option<L2Presence>,
-    },
-    /// A raw image.
-    Raw(HostFile),
+/// The layers of the image a command reads, top first ([`qimg::block_status::Chain`]), with
+/// the name of each layer's file as qemu-img shows it.
+pub(crate) struct Layers {
+    chain: Chain<AnyStorage>,
+    /// Per layer: the file host offsets point into, named as qemu-img names it.
+    names: Vec<Rc<str>>,
+    /// Per layer: the files it reads (the image file and its data file, if any).
+    files: Vec<Vec<PathBuf>>,
 }
 
-impl Layer {
-    /// The files this layer reads (the image file and its data file, if any).
-    pub(crate) fn files(&self) -> Vec<PathBuf> {
-        match self {
-            Layer::Qcow2 { img, data_file, .. } => {
-                let mut v = vec![img.path().to_path_buf()];
-                v.extend(data_file.clone());
-                v
-            }
-            Layer::Raw(f) => vec![f.path.clone()],
-        }
+impl std::ops::Deref for Layers {
+    type Target = [Layer<AnyStorage>];
+
+    fn deref(&self) -> &Self::Target {
+        self.chain.layers()
+    }
+}
+
+impl Layers {
+    /// The files layer `i` reads (the image file and its data file, if any).
+    pub(crate) fn files(&self, i: usize) -> &[PathBuf] {
+        &self.files[i]
     }
 
-    /// The virtual size as QEMU sees it (raw files round up to 512 bytes).
+    /// The top layer's virtual size.
     pub(crate) fn size(&self) -> u64 {
-        match self {
-            Layer::Qcow2 { img, .. } => img.size(),
-            Layer::Raw(f) => raw_virtual_size(f.len),
+        self.chain.size()
+    }
+}
+
+/// "Could not open" in qemu-img's words for a file of the chain the walk opens.
+fn host_open_error(e: qimg::Error, name: &str) -> anyhow::Error {
+    match e {
+        qimg::Error::Io { source, .. } => {
+            anyhow!(
+                "Could not open '{name}': {}",
+                crate::status::os_msg(&source)
+            )
         }
+        qimg::Error::Storage { source, .. } => anyhow!("Could not open '{name}': {source}"),
+        other => anyhow!("Could not open '{name}': {other}"),
     }
 }
 
@@ -131,9 +127,15 @@ pub(crate) async fn open_chain(
     file: &str,
     fmt: ImageFormat,
     force_share: bool,
-) -> Result<Vec<Layer>> {
+) -> Result<Layers> {
     // A file that is not there (or cannot be reached) in qemu-img's words.
-    if !path.to_str().is_some_and(qimg::io::nbd::is_nbd_name) {
+    let nbd = path.to_str().and_then(|p| {
+        qimg::io::nbd::NbdAddress::parse(p)
+            .ok()
+            .flatten()
+            .filter(|_| qimg::io::nbd::is_nbd_name(p))
+    });
+    if nbd.is_none() {
         if let Err(e) = std::fs::metadata(path) {
             return Err(crate::status::open_msg(
                 anyhow!("Could not open '{file}': {}", crate::status::os_msg(&e)),
@@ -142,7 +144,14 @@ pub(crate) async fn open_chain(
         }
     }
     if fmt == ImageFormat::Raw {
-        return Ok(vec![Layer::Raw(HostFile::open(path, Rc::from(file))?)]);
+        let host = HostExtents::open(path).map_err(|e| host_open_error(e, file))?;
+        // The map names an export as QEMU writes it back.
+        let name = nbd.map_or_else(|| file.to_string(), |a| a.to_string());
+        return Ok(Layers {
+            chain: Chain::raw(host),
+            names: vec![Rc::from(name)],
+            files: vec![vec![path.to_path_buf()]],
+        });
     }
     let opts = crate::image_spec::options_for(path)
         .clean_timer(false)
@@ -151,55 +160,45 @@ pub(crate) async fn open_chain(
         .open(path)
         .await
         .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
-    let mut layers = Vec::new();
-    let mut next = Some(img);
+    let mut names = Vec::new();
+    let mut files = Vec::new();
+    let mut next = Some(&img);
     while let Some(img) = next.take() {
         let c0 = read_cluster0(img.path(), OpenMode::ReadOnly)?;
         let data_file = c0
             .data_file()
             .map(|n| String::from_utf8_lossy(n).into_owned());
-        let (name, host_path): (Rc<str>, PathBuf) = match &data_file {
-            Some(n) => (
-                Rc::from(n.as_str()),
-                qimg::chain::resolve_backing(img.path(), n),
-            ),
-            None => (
-                Rc::from(img.path().display().to_string().as_str()),
-                img.path().to_path_buf(),
-            ),
+        let name = match &data_file {
+            Some(n) => n.clone(),
+            None => img.path().display().to_string(),
         };
-        let data_file = data_file.map(|_| host_path.clone());
-        let prealloc = if metadata_preallocated(img.path()) {
-            let mut host = HostFile::open(&host_path, name.clone())?;
-            host.drop_cache = true;
-            Some(host)
-        } else {
-            None
-        };
-        let below = match img.backing() {
-            Some(Backing::Qcow2(b)) => {
-                next = Some(b.clone());
-                None
+        names.push(Rc::from(name));
+        let mut mine = vec![img.path().to_path_buf()];
+        mine.extend(data_file.map(|_| img.data_path().to_path_buf()));
+        files.push(mine);
+        match img.backing() {
+            Some(Backing::Qcow2(b)) => next = Some(b),
+            Some(Backing::Raw { path, .. }) => {
+                names.push(Rc::from(path.display().to_string()));
+                files.push(vec![path.clone()]);
             }
-            Some(Backing::Raw { path, .. }) => Some(HostFile::open(
-                path,
-                Rc::from(path.display().to_string().as_str()),
-            )?),
-            None => None,
-        };
-        let l2_presence = L2Presence::read(img.path());
-        layers.push(Layer::Qcow2 {
-            img,
-            data_file,
-            l2_presence,
-            name,
-            prealloc,
-        });
-        if let Some(raw) = below {
-            layers.push(Layer::Raw(raw));
+            None => {}
         }
     }
-    Ok(layers)
+    let chain = Chain::of_image(&img, DataHoles::WhenPreallocated).map_err(|e| {
+        let name = match &e {
+            qimg::Error::Io { path, .. } | qimg::Error::Storage { path, .. } => {
+                path.display().to_string()
+            }
+            _ => file.to_string(),
+        };
+        host_open_error(e, &name)
+    })?;
+    Ok(Layers {
+        chain,
+        names,
+        files,
+    })
 }
 
 /// `-l`'s value: `NAME_OR_ID`, or `snapshot.id=ID` and/or `snapshot.name=NAME`.
@@ -224,20 +223,13 @@ pub(crate) fn snapshot_param(v: &str) -> Result<(Option<String>, Option<String>)
     Ok((id, name))
 }
 
-/// `-l`: the top image shows the snapshot, for its block status too (whose shortcut over
-/// empty L1 entries, read from the file's active table, no longer applies).
+/// `-l`: the top image shows the snapshot, for its block status too.
 pub(crate) async fn view_snapshot(
-    layers: &mut [Layer],
+    layers: &Layers,
     (id, name): &(Option<String>, Option<String>),
 ) -> Result<()> {
-    match layers.first_mut() {
-        Some(Layer::Qcow2 {
-            img, l2_presence, ..
-        }) => {
-            load_snapshot(img, id, name).await?;
-            *l2_presence = None;
-            Ok(())
-        }
+    match layers.first() {
+        Some(Layer::Qcow2 { image, .. }) => load_snapshot(image, id, name).await,
         _ => bail!("Failed to load snapshot: raw images have no snapshots"),
     }
 }

@@ -18,7 +18,7 @@ use qimg::chain::ImageFormat;
 
 use crate::cache_mode::CacheMode;
 use crate::chain::source_format;
-use crate::chain::{Layer, open_chain, status};
+use crate::chain::{Layer, open_chain};
 use crate::progress::{Pace, Progress};
 use crate::status::{lib_msg, open_msg, os_msg};
 
@@ -121,32 +121,27 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
             // relative one is taken from the directory of the image that names its backing
             // file (not the working directory).
             let wanted = Path::new(b);
-            layers
-                .iter()
-                .enumerate()
-                .skip(1)
-                .find(|(i, l)| {
-                    let files = l.files();
-                    let Some(p) = files.first() else {
+            (1..layers.len())
+                .find(|&i| {
+                    let Some(p) = layers.files(i).first() else {
                         return false;
                     };
                     if wanted.is_absolute() {
                         return same_file(p, wanted);
                     }
-                    let named_by = layers[i - 1].files();
+                    let named_by = layers.files(i - 1);
                     let dir = named_by.first().and_then(|f| f.parent());
                     dir.is_some_and(|d| same_file(p, &d.join(wanted)))
                 })
-                .map(|(i, _)| i)
                 .ok_or_else(|| anyhow!("Did not find '{b}' in the backing chain of '{file}'"))?
         }
     };
     let base = Base {
-        path: layers[base].files()[0].clone(),
+        path: layers.files(base)[0].clone(),
         raw: matches!(layers[base], Layer::Raw(_)),
         depth: base,
     };
-    let Layer::Qcow2 { img: top, .. } = &layers[0] else {
+    let Layer::Qcow2 { image: top, .. } = &layers[0] else {
         bail!("Image does not have a backing file");
     };
     let size = top.size();
@@ -155,14 +150,16 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
     let mut at = 0;
     while at < size {
         let n = (1u64 << 30).min(size - at);
-        status(&layers, 0, at, n, &mut entries).await?;
+        layers.status(at, n, &mut entries).await?;
         at += n;
     }
     // QEMU's mirror granularity (`bdrv_get_default_bitmap_granularity`): the base's cluster
     // size within 4 KiB..64 KiB (64 KiB for a raw base); zeroes go to the base only in
     // whole subclusters of it (`bdrv_round_to_subclusters`).
     let (granularity, zero_align) = match &layers[base.depth] {
-        Layer::Qcow2 { img, .. } => (img.cluster_size().clamp(4096, 65536), img.subcluster_size()),
+        Layer::Qcow2 { image: img, .. } => {
+            (img.cluster_size().clamp(4096, 65536), img.subcluster_size())
+        }
         Layer::Raw(_) => (65536, 1),
     };
     let steps = plan(&entries, base.depth, size, granularity, zero_align);

@@ -18,7 +18,7 @@ use qimg::Image;
 use qimg::io::AnyStorage;
 
 use crate::cache_mode::CacheMode;
-use crate::chain::{Entry, Layer, open_chain, source_format, status};
+use crate::chain::{Entry, Layer, Layers, open_chain, source_format};
 use crate::progress::Progress;
 use crate::status::{fail, lib_msg, open_msg, os_msg};
 
@@ -117,7 +117,7 @@ pub fn run(args: CompareArgs) -> ExitCode {
 
 /// One image: its chain (for block status), a reader of its guest data and its name.
 struct Side {
-    layers: Vec<Layer>,
+    layers: Layers,
     reader: Reader,
     name: String,
     size: u64,
@@ -137,7 +137,7 @@ impl Side {
             .await
             .map_err(|e| open_msg(e, file))?;
         let reader = match &layers[0] {
-            Layer::Qcow2 { img, .. } => Reader::Qcow2(img.clone()),
+            Layer::Qcow2 { image, .. } => Reader::Qcow2(image.clone()),
             Layer::Raw(_) => Reader::Raw(
                 AnyStorage::open(path, false, qimg::io::Backend::Threads, false).map_err(|e| {
                     let why = match &e {
@@ -148,7 +148,7 @@ impl Side {
                 })?,
             ),
         };
-        let size = layers[0].size();
+        let size = layers.size();
         Ok(Self {
             layers,
             reader,
@@ -180,7 +180,7 @@ impl Side {
         let mut at = start;
         while at < end {
             let n = STEP.min(end - at);
-            status(&self.layers, 0, at, n, &mut out).await?;
+            self.layers.status(at, n, &mut out).await?;
             at += n;
         }
         Ok(out)

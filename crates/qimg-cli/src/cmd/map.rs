@@ -23,7 +23,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 
 use crate::args::{json_output, parse_offset};
-use crate::chain::{Entry, Layer, open_chain, source_format, status};
+use crate::chain::{Entry, Layers, open_chain, source_format};
 
 /// Arguments of `qimg map`.
 #[derive(clap::Args)]
@@ -124,7 +124,7 @@ pub fn run(args: MapArgs) -> Result<()> {
         .context("cannot start the I/O runtime")?;
     rt.block_on(async {
         let layers = open_chain(path, &file, fmt, args.force_share).await?;
-        let mut length = layers[0].size();
+        let mut length = layers.size();
         if let Some(m) = max_length {
             length = length.min(start.saturating_add(m));
         }
@@ -137,7 +137,7 @@ pub fn run(args: MapArgs) -> Result<()> {
 
 /// Writes the map of guest bytes `[start, length)` of the chain, merging adjacent entries.
 async fn walk(
-    layers: &[Layer],
+    layers: &Layers,
     start: u64,
     length: u64,
     json: bool,
@@ -164,7 +164,7 @@ async fn walk(
     while at < length {
         let n = STEP.min(length - at);
         buf.clear();
-        status(layers, 0, at, n, &mut buf).await?;
+        layers.status(at, n, &mut buf).await?;
         for mut next in buf.drain(..) {
             if curr.mergeable(&next) {
                 curr.length += next.length;

@@ -11,7 +11,7 @@ use qimg::chain::ImageFormat;
 use qimg::tools::measure::{MeasureOptions, data_bytes};
 
 use crate::args::{image_format, json_output, parse_size};
-use crate::chain::{Layer, open_chain, source_format, status};
+use crate::chain::{Layer, open_chain, source_format};
 use crate::create_opts::takes;
 use crate::status::open_msg;
 
@@ -227,14 +227,14 @@ async fn measure_file(
 ) -> Result<Measured> {
     let path = Path::new(file);
     let fmt = source_format(path, file, args.fmt.as_deref()).map_err(|e| open_msg(e, file))?;
-    let mut layers = open_chain(path, file, fmt, args.force_share)
+    let layers = open_chain(path, file, fmt, args.force_share)
         .await
         .map_err(|e| open_msg(e, file))?;
     if let Some(sn) = &args.snapshot {
         let sn = crate::chain::snapshot_param(sn)?;
-        crate::chain::view_snapshot(&mut layers, &sn).await?;
+        crate::chain::view_snapshot(&layers, &sn).await?;
     }
-    let size = layers[0].size();
+    let size = layers.size();
     if out_fmt == "raw" {
         return Ok(raw_size(size));
     }
@@ -247,7 +247,8 @@ async fn measure_file(
         let mut at = 0;
         while at < size {
             let n = (1u64 << 30).min(size - at);
-            status(&layers, 0, at, n, &mut entries)
+            layers
+                .status(at, n, &mut entries)
                 .await
                 .with_context(|| format!("Error getting block status of '{file}'"))?;
             at += n;

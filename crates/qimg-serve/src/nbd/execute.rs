@@ -212,7 +212,7 @@ pub(super) async fn block_status<S: Storage + 'static>(
     let len = req.len.min(MAX_STATUS_SPAN);
     let mut runs: Vec<Run> = Vec::new();
     if neg.base_allocation || neg.allocation_depth {
-        if let Err(e) = status::layer(img, 1, req.offset, len, &mut runs).await {
+        if let Err(e) = status::chain(img, req.offset, len, &mut runs).await {
             return error_reply(neg, req, errno(&e), &e.to_string());
         }
     }

@@ -30,7 +30,6 @@
 
 mod execute;
 pub mod handshake;
-mod host_holes;
 pub mod proto;
 #[cfg(target_os = "linux")]
 mod queued;

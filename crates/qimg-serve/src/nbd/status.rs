@@ -1,14 +1,11 @@
-//! Block status of a range through the whole backing chain: `base:allocation` flags and
-//! `qemu:allocation-depth` values, computed by mapping each layer and descending into the
-//! backing image for the parts the layer above leaves unallocated.
+//! Block status of a range through the whole backing chain in NBD's terms: `base:allocation`
+//! flags and `qemu:allocation-depth` values from the library's walk, and the descriptors of
+//! each context.
 
-use std::future::Future;
-use std::pin::Pin;
-
+use qimg::Image;
+use qimg::block_status::{Chain, DataHoles, Status};
 use qimg::io::Storage;
-use qimg::{Backing, ExtentKind, Image};
 
-use super::host_holes::HostFile;
 use super::proto::{STATE_HOLE, STATE_ZERO};
 
 /// A run of bytes with one status.
@@ -22,78 +19,38 @@ pub(crate) struct Run {
     pub depth: u32,
 }
 
-type BoxFut<'a> = Pin<Box<dyn Future<Output = qimg::Result<()>> + Send + 'a>>;
-
-/// Appends the status of `len` bytes at `offset` of `img` (the layer at `depth`) to `out`.
-pub(crate) fn layer<'a, S: Storage + 'static>(
-    img: &'a Image<S>,
-    depth: u32,
+/// Appends the status of `len` bytes at `offset` of `img` and its backing chain to `out`
+/// ([`qimg::block_status`]; holes of the host file inside data clusters read as zeros).
+pub(crate) async fn chain<S: Storage + 'static>(
+    img: &Image<S>,
     offset: u64,
     len: u64,
-    out: &'a mut Vec<Run>,
-) -> BoxFut<'a> {
-    Box::pin(async move {
-        let zero = |len| Run {
-            len,
-            flags: STATE_HOLE | STATE_ZERO,
-            depth: 0,
-        };
-        let extents = img.map(offset, len).await?;
-        // Opened only when a data extent needs it.
-        let mut host: Option<HostFile> = None;
-        for e in extents {
-            let run = |flags| Run {
-                len: e.length,
-                flags,
-                depth,
-            };
-            match e.kind {
-                ExtentKind::Data { host_offset } => {
-                    let host = host.get_or_insert_with(|| HostFile::open(img.data_path()));
-                    for (len, data) in host.runs(host_offset, e.length) {
-                        let flags = if data { 0 } else { STATE_ZERO };
-                        out.push(Run { len, flags, depth });
-                    }
-                }
-                ExtentKind::Compressed { .. } => out.push(run(0)),
-                ExtentKind::Zero { .. } => out.push(run(STATE_HOLE | STATE_ZERO)),
-                ExtentKind::Unallocated { .. } => {
-                    let end = e.start + e.length;
-                    match img.backing() {
-                        None => out.push(zero(e.length)),
-                        Some(Backing::Qcow2(below)) => {
-                            let inside = end.min(below.size()).saturating_sub(e.start);
-                            if inside > 0 {
-                                layer(below, depth + 1, e.start, inside, out).await?;
-                            }
-                            if inside < e.length {
-                                out.push(zero(e.length - inside));
-                            }
-                        }
-                        Some(Backing::Raw { storage, path }) => {
-                            let size =
-                                storage.len().await.map_err(|source| qimg::Error::Storage {
-                                    path: path.clone(),
-                                    source,
-                                })?;
-                            let inside = end.min(size).saturating_sub(e.start);
-                            if inside > 0 {
-                                out.push(Run {
-                                    len: inside,
-                                    flags: 0,
-                                    depth: depth + 1,
-                                });
-                            }
-                            if inside < e.length {
-                                out.push(zero(e.length - inside));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
-    })
+    out: &mut Vec<Run>,
+) -> qimg::Result<()> {
+    let chain = Chain::of_image(img, DataHoles::Always)?;
+    let mut runs = Vec::new();
+    chain.status(offset, len, &mut runs).await?;
+    let layers = chain.layers().len();
+    out.extend(runs.into_iter().map(|s| Run {
+        len: s.length,
+        flags: if s.data { 0 } else { STATE_HOLE } | if s.zero { STATE_ZERO } else { 0 },
+        depth: allocation_depth(&s, layers),
+    }));
+    Ok(())
+}
+
+/// The `qemu:allocation-depth` value of `s` (1: the top layer) in a chain of `layers`, as
+/// QEMU's `bdrv_co_common_block_status_above` counts it: a range no layer has is 0, unless it
+/// lies past the end of a shorter layer below, whose zeros count as allocated there.
+fn allocation_depth(s: &Status, layers: usize) -> u32 {
+    let depth = u32::try_from(s.depth).unwrap_or(u32::MAX);
+    match s.present {
+        true => depth.saturating_add(1),
+        // Not present at `depth`, yet a layer below exists: the range is past its end (the
+        // walk descends into any layer that covers it).
+        false if s.depth + 1 < layers => depth.saturating_add(2),
+        false => 0,
+    }
 }
 
 /// `(length, value)` descriptors from `runs`, adjacent runs of one value merged.

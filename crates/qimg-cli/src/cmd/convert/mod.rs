@@ -37,7 +37,7 @@ use self::options::Settings;
 use self::plan::{Plan, data_bytes};
 use self::source::{SourceImage, open_sources};
 use self::target::{OutputImage, backing_len, open_target};
-use crate::chain::Layer;
+use crate::chain::Layers;
 use crate::status::lib_msg;
 
 /// Arguments of `qimg convert`.
@@ -324,7 +324,7 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
 /// data being read); as qemu-img, in its words: the source holds the file's lock, so creating
 /// it (`creating`: the output format's name) or opening it for writing (`-n`) fails to get it.
 pub(super) fn refuse_overwriting_source(
-    layers: &[Layer],
+    layers: &Layers,
     dst: &Path,
     file: &str,
     creating: Option<&str>,
@@ -332,9 +332,9 @@ pub(super) fn refuse_overwriting_source(
     let Ok(dst) = std::fs::canonicalize(dst) else {
         return Ok(());
     };
-    for l in layers {
-        for p in l.files() {
-            if std::fs::canonicalize(&p).is_ok_and(|p| p == dst) {
+    for i in 0..layers.len() {
+        for p in layers.files(i) {
+            if std::fs::canonicalize(p).is_ok_and(|p| p == dst) {
                 if crate::status::program() == "qimg" {
                     bail!(
                         "Could not open '{file}': the output is the source image or a file of \

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use anyhow::{Result, bail};
 
-use crate::chain::{Entry, Layer, StatusError, status};
+use crate::chain::{Entry, Layers, StatusError};
 
 /// Guest bytes per copy chunk (a multiple of every cluster size).
 const CHUNK: u64 = 2 << 20;
@@ -81,7 +81,7 @@ pub(super) fn push_range(v: &mut Vec<(u64, u64)>, start: u64, end: u64) {
 
 /// One source: its chain (for the block status) and where it lands in the output.
 pub(super) struct SourceChain {
-    pub(super) layers: Vec<Layer>,
+    pub(super) layers: Layers,
     /// First output byte of this source.
     pub(super) start: u64,
     /// Its virtual size.
@@ -155,7 +155,7 @@ impl<'a> Jobs<'a> {
         failed: &mut Vec<StatusFailed>,
     ) -> Result<()> {
         let mut part = Vec::new();
-        let Err(e) = status(&src.layers, 0, at, n, &mut part).await else {
+        let Err(e) = src.layers.status(at, n, &mut part).await else {
             out.append(&mut part);
             return Ok(());
         };

@@ -136,12 +136,12 @@ pub(super) async fn open_sources(
     let mut size = 0u64;
     for (file, fmt) in sources {
         let path = Path::new(file);
-        let mut layers = open_chain(path, file, *fmt, force_share).await?;
+        let layers = open_chain(path, file, *fmt, force_share).await?;
         refuse_overwriting_source(&layers, dst_path, dst_file, creating)?;
         if let Some(sn) = snapshot {
-            view_snapshot(&mut layers, sn).await?;
+            view_snapshot(&layers, sn).await?;
         }
-        let src_size = layers[0].size();
+        let src_size = layers.size();
         let reader = match fmt {
             ImageFormat::Qcow2 => {
                 let o = crate::image_spec::options_for(path)

@@ -6,10 +6,10 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 
-use qimg::chain::read_cluster0;
-use qimg::format::geometry::RefcountGeometry;
-use qimg::format::refcount::{self, REFTABLE_ENTRY_SIZE};
-use qimg::format::validate::OpenMode;
+use crate::chain::read_cluster0;
+use qimg_format::geometry::RefcountGeometry;
+use qimg_format::refcount::{self, REFTABLE_ENTRY_SIZE};
+use qimg_format::validate::OpenMode;
 
 /// The unit of `st_blocks` (POSIX: 512 bytes, whatever the file system's block size).
 const ST_BLOCK_UNIT: u64 = 512;
@@ -17,7 +17,7 @@ const ST_BLOCK_UNIT: u64 = 512;
 /// Whether the image file refcounts at least `max(allocated * 10 / 9, allocated + 2)`
 /// clusters, `allocated` being the clusters the file system really holds. Errors count as
 /// "no", as in QEMU.
-pub(super) fn metadata_preallocated(path: &Path) -> bool {
+pub fn metadata_preallocated(path: &Path) -> bool {
     detect(path).unwrap_or(false)
 }
 
