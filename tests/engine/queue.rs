@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::{Scratch, assert_clean, assert_same_as_model, have_qemu, qemu_create};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use qimg::io::{AlignedBuf, AnyStorage, Backend};
+use qimg::io::{AlignedBuf, AnyStorage, Backend, MemStorage};
 use qimg::{CacheOptions, Image, IoBuffers, OpenOptions, Queue, QueueOptions, Request};
 use qimg_testkit::model::GuestModel;
 use qimg_testkit::pattern::pattern;
@@ -739,6 +739,10 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
         .as_async()
         .queue(QueueOptions::new().depth(4))
         .unwrap();
+    assert!(
+        queue.stats().ring,
+        "a queue on a file has a ring of its own"
+    );
     let aligned =
         |byte: u8| IoBuffers::from_aligned(AlignedBuf::copy_from(&[byte; 8192], 4096).unwrap());
     // First write allocates: the engine.
@@ -852,6 +856,78 @@ fn aligned_requests_on_allocated_clusters_go_direct_and_the_rest_to_the_engine()
     drop(queue);
     image.close().unwrap();
     assert_clean(&dir.0, "d.qcow2", "queue routing");
+}
+
+/// Storage without a descriptor a ring could use (memory here; an NBD export or error
+/// injection alike): the queue has no ring, runs every request on its engine thread, and
+/// completes them as a queue with a ring does. The direct path's requests (aligned reads and
+/// in-place writes) included.
+#[test]
+fn a_queue_on_storage_without_a_descriptor_runs_every_request_on_its_engine_thread() {
+    qimg_testkit::require_qemu!();
+    let dir = Scratch::new("queue-mem");
+    let size = 4u64 << 20;
+    qemu_create(&dir.0, "m.qcow2", "extended_l2=on", size, None);
+    let bytes = std::fs::read(dir.path("m.qcow2")).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let image = rt
+        .block_on(
+            OpenOptions::new()
+                .writable(true)
+                .clean_timer(false)
+                .open_storage(MemStorage::from_bytes(&bytes), "m.qcow2", None, None),
+        )
+        .unwrap();
+    let mut queue = image.queue(QueueOptions::new().depth(4)).unwrap();
+    assert!(!queue.stats().ring, "memory has no descriptor: no ring");
+    let mut model = vec![0u8; size as usize];
+    let mut rng = Rng(11);
+    let mut requests = 0;
+    for round in 0..40u64 {
+        // The same few clusters again and again: allocating writes first, then in place.
+        let offset = rng.below(8) * 65536 + rng.below(16) * 4096;
+        let len = 4096 * (1 + rng.below(4) as usize);
+        let fill = (round as u8).wrapping_mul(7) | 1;
+        let data = AlignedBuf::copy_from(&vec![fill; len], 4096).unwrap();
+        let c = one_with(
+            &mut queue,
+            Request::Write {
+                offset,
+                buffers: IoBuffers::from_aligned(data),
+            },
+            round,
+        );
+        assert_eq!(c.result.unwrap(), len as u64);
+        model[offset as usize..][..len].fill(fill);
+        let c = one_with(
+            &mut queue,
+            Request::Read {
+                offset,
+                buffers: IoBuffers::from_aligned(AlignedBuf::zeroed(len, 4096).unwrap()),
+            },
+            1000 + round,
+        );
+        assert_eq!(c.result.as_ref().copied().unwrap(), len as u64);
+        assert_eq!(
+            contents_aligned(c.buffers.unwrap()),
+            model[offset as usize..][..len]
+        );
+        requests += 2;
+    }
+    let c = one_with(&mut queue, Request::Flush, 5000);
+    assert!(c.result.is_ok());
+    requests += 1;
+    let stats = queue.stats();
+    assert_eq!((stats.direct, stats.engine), (0, requests), "{stats:?}");
+    assert_eq!(stats.ring_enters, 0);
+    drop(queue);
+    let mut all = vec![0u8; size as usize];
+    rt.block_on(image.read(&mut all, 0)).unwrap();
+    assert!(all == model, "the image holds what the queue wrote");
+    rt.block_on(image.close()).unwrap();
 }
 
 fn contents_aligned(b: IoBuffers) -> Vec<u8> {
@@ -1786,7 +1862,11 @@ fn op_back(b: IoBuffers, what: &str) -> VmmOp {
 }
 
 /// Submits one request with `user_data` and waits for its completion.
-fn one_with(queue: &mut Queue<AnyStorage>, request: Request, user_data: u64) -> qimg::Completion {
+fn one_with<S: qimg::io::Storage + 'static>(
+    queue: &mut Queue<S>,
+    request: Request,
+    user_data: u64,
+) -> qimg::Completion {
     queue.submit(request, user_data).unwrap();
     loop {
         queue.wait().unwrap();

@@ -76,12 +76,7 @@ impl std::fmt::Debug for QueueRing {
 impl QueueRing {
     /// A ring for up to `depth` operations in flight (1..=4096).
     pub fn new(depth: u32) -> io::Result<Self> {
-        if depth == 0 || depth > 4096 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("queue depth {depth} is not in 1..=4096"),
-            ));
-        }
+        Self::check_depth(depth)?;
         let ring = IoUring::new(depth.next_power_of_two())?;
         let n = depth as usize;
         Ok(QueueRing {
@@ -92,6 +87,18 @@ impl QueueRing {
             submits: 0,
             poll: std::time::Duration::ZERO,
         })
+    }
+
+    /// Refuses a depth [`new`](Self::new) would refuse (outside 1..=4096), without making a
+    /// ring.
+    pub fn check_depth(depth: u32) -> io::Result<()> {
+        if depth == 0 || depth > 4096 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("queue depth {depth} is not in 1..=4096"),
+            ));
+        }
+        Ok(())
     }
 
     /// Has the kernel signal `eventfd` whenever it posts a completion.

@@ -162,9 +162,9 @@ pub struct Export<S: Storage + 'static = AnyStorage> {
     /// connections at once (a client that opens more waits otherwise).
     pub multi_conn: bool,
     /// Serve each connection's reads, writes, flushes, trims and write-zeroes through a
-    /// [`qimg::Queue`] of its own (Linux,
-    /// an image file the queue can reach directly): requests whose metadata is cached go to
-    /// the queue's io_uring ring without the engine. Needs a runtime with I/O enabled
+    /// [`qimg::Queue`] of its own (Linux): requests whose metadata is cached go to the
+    /// queue's io_uring ring without the engine (when the image file has a descriptor the
+    /// ring can use; otherwise the queue runs them on its engine thread). Needs a runtime with I/O enabled
     /// (`enable_io`, or `enable_all`); off by default.
     pub per_connection_queue: bool,
 }

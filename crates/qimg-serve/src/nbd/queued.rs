@@ -27,13 +27,11 @@ pub(super) struct ConnQueue<S: Storage + 'static, P> {
 }
 
 impl<S: Storage + 'static, P> ConnQueue<S, P> {
-    /// A queue on `image`; `None` where it cannot be made (no io_uring, storage without a
-    /// file descriptor): the engine serves the connection. Must run inside a runtime with
-    /// I/O enabled.
+    /// A queue on `image` (without a ring of its own where the storage has no descriptor or
+    /// io_uring is refused: every request then runs on its engine thread); `None` where it
+    /// cannot be made at all (no eventfd or thread, a runtime without I/O): the engine
+    /// serves the connection. Must run inside a runtime with I/O enabled.
     pub(super) fn start(image: &Image<S>) -> Option<Self> {
-        // Without a descriptor the queue's ring can use, every request would take the engine
-        // with an extra hop.
-        image.storage().direct_access()?;
         let queue = image.queue(QueueOptions::new().depth(DEPTH)).ok()?;
         let fd = queue.notifier().as_fd().try_clone_to_owned().ok()?;
         // Deprecated because a type that merely borrows a descriptor could close it while it

@@ -6,7 +6,10 @@
 //! [`Queue`] made for that loop:
 //!
 //! * each queue has its own io_uring ring (depth chosen by the caller) and an eventfd (the
-//!   caller's or one the queue owns) that the kernel signals for every completion;
+//!   caller's or one the queue owns) that the kernel signals for every completion; a queue
+//!   on storage without a descriptor (memory, an NBD export, error injection), or where
+//!   io_uring is refused (`ENOSYS`, `EPERM`), has no ring ([`QueueStats::ring`]) and runs
+//!   every request on its engine thread, completing it on the same eventfd;
 //! * [`Queue::submit`] takes a [`Request`] and a `user_data`; [`Queue::next_completed`] returns
 //!   [`Completion`]s in the caller's thread;
 //! * a read or write whose place in the image is known without metadata I/O (its L2 slice is
@@ -87,6 +90,7 @@ mod cow;
 mod direct;
 mod fast;
 mod loads;
+mod own_ring;
 mod request;
 mod ring;
 mod worker;
@@ -100,12 +104,13 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use qimg_io::queue::{IoBuffers, Notifier, QueueRing, RingCompletion};
+use qimg_io::queue::{IoBuffers, Notifier, RingCompletion};
 use qimg_io::{AlignedBuf, Storage};
 
 use self::cow::CowIo;
 use self::fast::Part;
 use self::loads::SliceLoad;
+use self::own_ring::OwnRing;
 use self::worker::Worker;
 use super::image::{Image, Inner};
 use super::rw::PreparedWrite;
@@ -180,7 +185,7 @@ pub struct Queue<S: Storage + 'static> {
     /// that does not borrow the queue, without touching the reference count shared with
     /// every other queue of the image on each request.
     lent: Option<Arc<Inner<S>>>,
-    ring: QueueRing,
+    ring: OwnRing,
     notifier: Notifier,
     pending: Vec<Pending>,
     free: Vec<usize>,
@@ -229,20 +234,19 @@ impl<S: Storage + 'static> Image<S> {
     pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
         let path = &self.inner.shared.path;
         let depth = options.depth.unwrap_or(128);
-        let mut ring = QueueRing::new(depth).map_err(|e| {
+        let notifier = match options.notifier {
+            Some(n) => n,
+            None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
+        };
+        // A ring only serves storage it can hand descriptors to.
+        let wanted = self.inner.shared.file.direct_access().is_some();
+        let ring = OwnRing::new(wanted, depth, options.poll, notifier.as_fd()).map_err(|e| {
             Error::io(
                 path,
                 format!("setting up an io_uring ring of depth {depth}"),
                 e,
             )
         })?;
-        ring.set_poll(options.poll);
-        let notifier = match options.notifier {
-            Some(n) => n,
-            None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
-        };
-        ring.register_eventfd(notifier.as_fd())
-            .map_err(|e| Error::io(path, "registering the eventfd with the ring", e))?;
         let worker = Worker::start()
             .map_err(|e| Error::io(path, "starting the queue's engine thread", e))?;
         Ok(Queue {
@@ -288,6 +292,7 @@ impl<S: Storage + 'static> Queue<S> {
     pub fn stats(&self) -> QueueStats {
         QueueStats {
             ring_enters: self.ring.submit_calls(),
+            ring: self.ring.exists(),
             ..self.stats
         }
     }

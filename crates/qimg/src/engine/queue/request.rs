@@ -241,4 +241,8 @@ pub struct QueueStats {
     /// lock an earlier read of the same batch took (consecutive reads share one lock hold,
     /// at most 16 of them).
     pub held_reads: u64,
+    /// Whether the queue has an io_uring ring of its own. Without one (storage without a
+    /// descriptor, a kernel or filter refusing io_uring) every request runs on the engine
+    /// thread.
+    pub ring: bool,
 }
