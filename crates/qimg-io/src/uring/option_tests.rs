@@ -1,6 +1,6 @@
 //! The conformance suite and a concurrency and cancellation stress with
 //! [`UringOptions::collect_inline_completions`] and [`UringOptions::complete_on_runtime`] on
-//! (the integration tests in `tests/uring.rs` cover the defaults), and the completion thread
+//! (the integration tests in `tests/io/uring.rs` cover the defaults), and the completion thread
 //! taking over when the runtime that waited for completions is gone.
 
 use std::future::Future;

@@ -1,7 +1,7 @@
 //! Clients that break the rules: each gets an error or a closed connection, never a panic or
 //! unbounded memory, and the server keeps serving the others. Then many clients at once.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

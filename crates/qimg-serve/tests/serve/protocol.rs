@@ -1,7 +1,7 @@
 //! The server against a well-behaved client built by hand: handshake options, reads with
 //! holes, writes, zeroes, trims, block status through a backing chain.
 
-mod common;
+use crate::common;
 
 use common::*;
 use qimg_serve::nbd::proto::*;
