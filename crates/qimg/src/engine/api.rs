@@ -1,6 +1,8 @@
-//! The public async API of [`Image`]: accessors, reads, writes, write-zeroes, discards,
-//! flushes, resizing, statistics and closing. Each call takes the locks it needs and runs the
-//! data path in `rw`.
+//! Every public method of [`Image`], in one place: accessors, reads, writes, write-zeroes,
+//! discards, flushes, resizing, statistics and closing (their bodies are the engine's), then
+//! snapshots, queues, transactions, the map, leases, emptying and shrinking, whose bodies live
+//! with their mechanism (`snapshot`, `queue`, `checkpoint`, `map`, `lease`, `read_lease`,
+//! `rw/empty.rs`, `rw/resize.rs`) as functions of the image.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::path::Path;
@@ -9,7 +11,15 @@ use std::sync::atomic::Ordering;
 use qimg_io::Storage;
 
 use super::bitmaps::{BitmapInfo, DirtyBitmap};
+use super::checkpoint::{self, Action};
 use super::image::{Backing, Image, Stats};
+use super::lease::{self, WriteLease};
+use super::map::{self, Extent};
+#[cfg(target_os = "linux")]
+use super::queue::{self, Queue, QueueOptions};
+use super::read_lease::{self, ReadLease};
+use super::rw::{empty, resize};
+use super::snapshot::{self, InternalSnapshot, SnapshotOptions};
 use crate::error::Result;
 
 impl<S: Storage + 'static> Image<S> {
@@ -281,5 +291,124 @@ impl<S: Storage + 'static> Image<S> {
     /// fail.
     pub async fn close(&self) -> Result<()> {
         self.inner.close().await
+    }
+}
+
+/// The rest of the public API; each body lives with its mechanism (`snapshot`, `queue`,
+/// `checkpoint`, `map`, the leases, `rw/empty.rs`, `rw/resize.rs`).
+impl<S: Storage + 'static> Image<S> {
+    /// The internal snapshots, in table order (as `qemu-img snapshot -l` lists them).
+    pub async fn snapshots(&self) -> Result<Vec<InternalSnapshot>> {
+        snapshot::snapshots(self).await
+    }
+
+    /// Creates a disk-only internal snapshot named `name` of the current contents, as
+    /// `qemu-img snapshot -c` does: its ID is one more than the largest numeric ID, its date
+    /// the system clock. Names need not be unique (qemu-img does not refuse duplicates).
+    /// Images with an external data file cannot have snapshots.
+    pub async fn create_snapshot(&self, name: &str) -> Result<InternalSnapshot> {
+        snapshot::create_snapshot(self, name).await
+    }
+
+    /// [`create_snapshot`](Self::create_snapshot) recording the date and guest clock of
+    /// `opts` (a VMM's own clock, or a fixed date for reproducible images).
+    pub async fn create_snapshot_with(
+        &self,
+        name: &str,
+        opts: &SnapshotOptions,
+    ) -> Result<InternalSnapshot> {
+        snapshot::create_snapshot_with(self, name, opts).await
+    }
+
+    /// Reverts the disk to snapshot `name_or_id` (an ID, else the first snapshot with that
+    /// name), as `qemu-img snapshot -a` does: the snapshot's L1 table becomes the active one
+    /// and the virtual size becomes the snapshot's. The snapshot stays. Refused, as by QEMU,
+    /// while the image has persistent dirty bitmaps (reverting would leave them wrong).
+    pub async fn apply_snapshot(&self, name_or_id: &str) -> Result<()> {
+        snapshot::apply_snapshot(self, name_or_id).await
+    }
+
+    /// Makes this read-only image show snapshot `id` and/or `name` (both, when both are
+    /// given, must match one snapshot; one alone is matched against the IDs, then the names,
+    /// when `id` and `name` are the same string) instead of the active disk, until the image
+    /// is closed. The virtual size stays the disk's, as in QEMU (past the snapshot's own
+    /// size the disk reads as unallocated). QEMU's `bdrv_snapshot_load_tmp`, as
+    /// `qemu-img convert -l` uses it. Nothing is written; a writable image is refused.
+    pub async fn view_snapshot(&self, id: Option<&str>, name: Option<&str>) -> Result<()> {
+        snapshot::view_snapshot(self, id, name).await
+    }
+
+    /// Deletes snapshot `name_or_id` (an ID, else the first snapshot with that name): its
+    /// entry leaves the table and every cluster only it used is freed.
+    pub async fn delete_snapshot(&self, name_or_id: &str) -> Result<()> {
+        snapshot::delete_snapshot(self, name_or_id).await
+    }
+
+    /// A per-queue completion handle on this image: its own io_uring ring and eventfd, and a
+    /// thread for the requests that need the engine. See [`Queue`].
+    pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
+        queue::queue(self, options)
+    }
+
+    /// Applies `actions` in order, all at one instant: every guest request (through any
+    /// handle: the engine, a [`Queue`](crate::Queue), a lease) either finished before them or
+    /// starts after them, and runs as if they all happened together. So a transaction that
+    /// takes a snapshot, disables bitmap `b0` and adds an enabled `b1` makes a checkpoint:
+    /// `b0` holds every change up to the snapshot, `b1` every change after it.
+    ///
+    /// All or nothing: every action is checked first (QEMU's refusals, in its words), the
+    /// snapshots are taken next (the only actions that write; when one fails, the actions
+    /// after it are not applied and those before stay), then the bitmap changes, which
+    /// cannot fail once checked. With crash-consistent bitmaps (the default) the bitmaps are
+    /// then stored on disk, so that a crash at any later point finds a bitmap added here
+    /// recording and one disabled here consistent with its final bits; a failure of that
+    /// store is returned after the actions took effect in memory. Returns the snapshots made,
+    /// in order.
+    pub async fn transaction(&self, actions: &[Action]) -> Result<Vec<InternalSnapshot>> {
+        checkpoint::transaction(self, actions).await
+    }
+
+    /// The extents of `[offset, offset + len)` in this image (not its backing chain), merged
+    /// where adjacent extents have the same kind and contiguous host bytes. Compressed
+    /// extents are reported per cluster.
+    pub async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        map::map(self, offset, len).await
+    }
+
+    /// Pins `len` guest bytes at `offset` for reading and returns where they are. A
+    /// zero-length range gives a lease with no extents.
+    pub async fn read_lease(&self, offset: u64, len: u64) -> Result<ReadLease<S>> {
+        read_lease::read_lease(self, offset, len).await
+    }
+
+    /// Makes every cluster of the image unallocated: reads then come from the backing file
+    /// (or are zeros without one). Data, zero and compressed clusters alike are dropped and
+    /// their host clusters freed. Where QEMU's `qcow2_make_empty` resets the whole image
+    /// (version 3, no snapshots, bitmaps or data file) so does this, leaving the same four
+    /// clusters; otherwise only ranges the image allocates are visited.
+    pub async fn make_empty(&self) -> Result<()> {
+        empty::make_empty(self).await
+    }
+
+    /// Changes the virtual disk size to `new_size` bytes, shrinking included (growing is as
+    /// [`Image::resize`]). Shrinking drops every cluster past the new end (see the module
+    /// documentation); `new_size` must be a multiple of 512.
+    pub async fn shrink(&self, new_size: u64) -> Result<()> {
+        resize::shrink(self, new_size).await
+    }
+
+    /// Reserves host space for writing `len` guest bytes at `offset` yourself: allocates new
+    /// clusters where needed, performs the copy-on-write around the range (from the old
+    /// cluster, the backing file or zeros), and returns where each part of the range goes.
+    /// A zero-length range gives a lease with no extents.
+    pub async fn write_lease(&self, offset: u64, len: u64) -> Result<WriteLease<S>> {
+        lease::write_lease(self, offset, len).await
+    }
+
+    /// The file that [`HostExtent::host_offset`](super::lease::HostExtent::host_offset)s of write leases and
+    /// [`ExtentKind::Data`](crate::ExtentKind::Data) offsets of [`map`](Image::map) refer to:
+    /// the external data file when the image has one, else the image file.
+    pub fn data_path(&self) -> &Path {
+        lease::data_path(self)
     }
 }

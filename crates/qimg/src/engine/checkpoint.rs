@@ -54,89 +54,72 @@ pub enum Action {
     },
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// Applies `actions` in order, all at one instant: every guest request (through any
-    /// handle: the engine, a [`Queue`](crate::Queue), a lease) either finished before them or
-    /// starts after them, and runs as if they all happened together. So a transaction that
-    /// takes a snapshot, disables bitmap `b0` and adds an enabled `b1` makes a checkpoint:
-    /// `b0` holds every change up to the snapshot, `b1` every change after it.
-    ///
-    /// All or nothing: every action is checked first (QEMU's refusals, in its words), the
-    /// snapshots are taken next (the only actions that write; when one fails, the actions
-    /// after it are not applied and those before stay), then the bitmap changes, which
-    /// cannot fail once checked. With crash-consistent bitmaps (the default) the bitmaps are
-    /// then stored on disk, so that a crash at any later point finds a bitmap added here
-    /// recording and one disabled here consistent with its final bits; a failure of that
-    /// store is returned after the actions took effect in memory. Returns the snapshots made,
-    /// in order.
-    pub async fn transaction(&self, actions: &[Action]) -> Result<Vec<InternalSnapshot>> {
-        let inner = &*self.inner;
-        let mut names: Vec<String> = self
-            .snapshots()
-            .await?
-            .into_iter()
-            .map(|s| s.name)
-            .collect();
-        for a in actions {
-            if let Action::Snapshot { name, .. } = a {
-                inner.check_new_snapshot(name)?;
-                if names.contains(name) {
-                    return Err(Error::InvalidOption(format!(
-                        "Snapshot with name '{name}' already exists"
-                    )));
-                }
-                names.push(name.clone());
+/// The body of [`Image::transaction`].
+pub(crate) async fn transaction<S: Storage + 'static>(
+    img: &Image<S>,
+    actions: &[Action],
+) -> Result<Vec<InternalSnapshot>> {
+    let inner = &*img.inner;
+    let mut names: Vec<String> = img.snapshots().await?.into_iter().map(|s| s.name).collect();
+    for a in actions {
+        if let Action::Snapshot { name, .. } = a {
+            inner.check_new_snapshot(name)?;
+            if names.contains(name) {
+                return Err(Error::InvalidOption(format!(
+                    "Snapshot with name '{name}' already exists"
+                )));
+            }
+            names.push(name.clone());
+        }
+    }
+    inner.check_bitmap_actions(actions)?;
+    // Every range: no request runs while the actions apply (a request that recorded
+    // itself in the bitmaps before and runs after records itself again, see
+    // `Inner::recorded`).
+    let _guard = inner.locks.lock(0, u64::MAX, true).await;
+    // Sources of merges as they are at this instant.
+    let mut merged = Vec::new();
+    for a in actions {
+        if let Action::MergeBitmaps { sources, .. } = a {
+            for s in sources {
+                merged.push(img.dirty_bitmap(s).await?);
             }
         }
-        inner.check_bitmap_actions(actions)?;
-        // Every range: no request runs while the actions apply (a request that recorded
-        // itself in the bitmaps before and runs after records itself again, see
-        // `Inner::recorded`).
-        let _guard = inner.locks.lock(0, u64::MAX, true).await;
-        // Sources of merges as they are at this instant.
-        let mut merged = Vec::new();
-        for a in actions {
-            if let Action::MergeBitmaps { sources, .. } = a {
-                for s in sources {
-                    merged.push(self.dirty_bitmap(s).await?);
-                }
-            }
+    }
+    let mut made = Vec::new();
+    for a in actions {
+        if let Action::Snapshot { name, options } = a {
+            made.push(super::snapshot::create_snapshot_locked(img, name, options).await?);
         }
-        let mut made = Vec::new();
-        for a in actions {
-            if let Action::Snapshot { name, options } = a {
-                made.push(self.create_snapshot_locked(name, options).await?);
-            }
-        }
-        let bitmaps_changed = actions
-            .iter()
-            .any(|a| !matches!(a, Action::Snapshot { .. }));
-        let mut merged = merged.into_iter();
-        for a in actions {
-            match a {
-                Action::Snapshot { .. } => {}
-                Action::AddBitmap {
-                    name,
-                    granularity,
-                    enabled,
-                } => inner.add_bitmap(name, *granularity, *enabled)?,
-                Action::RemoveBitmap { name } => inner.remove_bitmap(name)?,
-                Action::ClearBitmap { name } => inner.clear_bitmap(name)?,
-                Action::EnableBitmap { name, enabled } => inner.enable_bitmap(name, *enabled)?,
-                Action::MergeBitmaps { target, sources } => {
-                    for _ in sources {
-                        if let Some(source) = merged.next() {
-                            inner.merge_bitmap(target, &source)?;
-                        }
+    }
+    let bitmaps_changed = actions
+        .iter()
+        .any(|a| !matches!(a, Action::Snapshot { .. }));
+    let mut merged = merged.into_iter();
+    for a in actions {
+        match a {
+            Action::Snapshot { .. } => {}
+            Action::AddBitmap {
+                name,
+                granularity,
+                enabled,
+            } => inner.add_bitmap(name, *granularity, *enabled)?,
+            Action::RemoveBitmap { name } => inner.remove_bitmap(name)?,
+            Action::ClearBitmap { name } => inner.clear_bitmap(name)?,
+            Action::EnableBitmap { name, enabled } => inner.enable_bitmap(name, *enabled)?,
+            Action::MergeBitmaps { target, sources } => {
+                for _ in sources {
+                    if let Some(source) = merged.next() {
+                        inner.merge_bitmap(target, &source)?;
                     }
                 }
             }
         }
-        if bitmaps_changed {
-            // On disk before the transaction returns: a crash from here on finds the new
-            // bitmaps recording and the disabled ones with their final bits.
-            inner.persist_bitmaps().await?;
-        }
-        Ok(made)
     }
+    if bitmaps_changed {
+        // On disk before the transaction returns: a crash from here on finds the new
+        // bitmaps recording and the disabled ones with their final bits.
+        inner.persist_bitmaps().await?;
+    }
+    Ok(made)
 }

@@ -57,65 +57,62 @@ pub struct WriteLease<S: Storage + 'static> {
     extents: Vec<HostExtent>,
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// Reserves host space for writing `len` guest bytes at `offset` yourself: allocates new
-    /// clusters where needed, performs the copy-on-write around the range (from the old
-    /// cluster, the backing file or zeros), and returns where each part of the range goes.
-    /// A zero-length range gives a lease with no extents.
-    pub async fn write_lease(&self, offset: u64, len: u64) -> Result<WriteLease<S>> {
-        let inner = &self.inner;
-        inner.shared.check_writable()?;
-        inner.shared.check_range(offset, len)?;
-        let mut lease = WriteLease {
-            image: self.clone(),
-            lock_id: None,
-            pieces: Vec::new(),
-            extents: Vec::new(),
-        };
-        if len == 0 {
-            return Ok(lease);
-        }
-        let recorded = inner.record_change(offset, len).await?;
-        let bits = inner.shared.geo.cluster_bits();
-        let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
-        lease.lock_id = Some(inner.locks.acquire(first, end, true).await);
-        if let Err(e) = inner.recorded(recorded, offset, len).await {
+/// The body of [`Image::write_lease`].
+pub(crate) async fn write_lease<S: Storage + 'static>(
+    img: &Image<S>,
+    offset: u64,
+    len: u64,
+) -> Result<WriteLease<S>> {
+    let inner = &img.inner;
+    inner.shared.check_writable()?;
+    inner.shared.check_range(offset, len)?;
+    let mut lease = WriteLease {
+        image: img.clone(),
+        lock_id: None,
+        pieces: Vec::new(),
+        extents: Vec::new(),
+    };
+    if len == 0 {
+        return Ok(lease);
+    }
+    let recorded = inner.record_change(offset, len).await?;
+    let bits = inner.shared.geo.cluster_bits();
+    let (first, end) = (offset >> bits, ((offset + len - 1) >> bits) + 1);
+    lease.lock_id = Some(inner.locks.acquire(first, end, true).await);
+    if let Err(e) = inner.recorded(recorded, offset, len).await {
+        lease.abort().await;
+        return Err(e);
+    }
+    let cs = inner.shared.geo.cluster_size();
+    let mut spans = Vec::new();
+    let mut pos = 0u64;
+    while pos < len {
+        let at = offset + pos;
+        let within = at % cs;
+        let n = (cs - within).min(len - pos);
+        spans.push((at - within, within as usize, (within + n) as usize));
+        pos += n;
+    }
+    lease.pieces = match inner.prepare_chunks(&spans).await {
+        Ok(p) => p,
+        Err(e) => {
             lease.abort().await;
             return Err(e);
         }
-        let cs = inner.shared.geo.cluster_size();
-        let mut spans = Vec::new();
-        let mut pos = 0u64;
-        while pos < len {
-            let at = offset + pos;
-            let within = at % cs;
-            let n = (cs - within).min(len - pos);
-            spans.push((at - within, within as usize, (within + n) as usize));
-            pos += n;
+    };
+    for p in &lease.pieces {
+        if let Err(e) = inner.write_cow(p).await {
+            lease.abort().await;
+            return Err(e);
         }
-        lease.pieces = match inner.prepare_chunks(&spans).await {
-            Ok(p) => p,
-            Err(e) => {
-                lease.abort().await;
-                return Err(e);
-            }
-        };
-        for p in &lease.pieces {
-            if let Err(e) = inner.write_cow(p).await {
-                lease.abort().await;
-                return Err(e);
-            }
-        }
-        lease.extents = merge(lease.pieces.iter().map(PreparedWrite::guest_span));
-        Ok(lease)
     }
+    lease.extents = merge(lease.pieces.iter().map(PreparedWrite::guest_span));
+    Ok(lease)
+}
 
-    /// The file that [`HostExtent::host_offset`]s of write leases and
-    /// [`ExtentKind::Data`](crate::ExtentKind::Data) offsets of [`map`](Image::map) refer to:
-    /// the external data file when the image has one, else the image file.
-    pub fn data_path(&self) -> &Path {
-        self.inner.shared.data().1
-    }
+/// The body of [`Image::data_path`].
+pub(crate) fn data_path<S: Storage + 'static>(img: &Image<S>) -> &Path {
+    img.inner.shared.data().1
 }
 
 fn merge(spans: impl Iterator<Item = (u64, u64, u64)>) -> Vec<HostExtent> {

@@ -182,11 +182,11 @@ impl<S: Storage> Inner<S> {
     }
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// The extents of `[offset, offset + len)` in this image (not its backing chain), merged
-    /// where adjacent extents have the same kind and contiguous host bytes. Compressed
-    /// extents are reported per cluster.
-    pub async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.inner.map(offset, len).await
-    }
+/// The body of [`Image::map`].
+pub(crate) async fn map<S: Storage + 'static>(
+    img: &Image<S>,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<Extent>> {
+    img.inner.map(offset, len).await
 }

@@ -6,7 +6,7 @@
 //! | `open` | the [`Opener`] for referenced files, the backing-chain walk, checks at open |
 //! | `state` | what the metadata code works on: files, geometry, options, flags, request checks |
 //! | `image` | the [`Image`] handle and what it shares: state, backing image, metadata lock, range locks |
-//! | `api` | the public async API of [`Image`] |
+//! | `api` | every public method of [`Image`] (the bodies of some live with their mechanism below) |
 //! | `meta` | the metadata lock: L1 table, L2 and refcount slice caches, allocation, write ordering |
 //! | `rw` | read, write with copy-on-write planning, compressed writes, zero, discard, resize |
 //! | `lock` | range locks that serialise overlapping guest requests |

@@ -33,26 +33,27 @@ pub struct ReadLease<S: Storage + 'static> {
     extents: Vec<Extent>,
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// Pins `len` guest bytes at `offset` for reading and returns where they are. A
-    /// zero-length range gives a lease with no extents.
-    pub async fn read_lease(&self, offset: u64, len: u64) -> Result<ReadLease<S>> {
-        let inner = &self.inner;
-        inner.shared.check_range(offset, len)?;
-        let mut lease = ReadLease {
-            image: self.clone(),
-            lock_id: None,
-            extents: Vec::new(),
-        };
-        if len == 0 {
-            return Ok(lease);
-        }
-        let (first, end) = inner.cluster_span(offset, len);
-        lease.lock_id = Some(inner.locks.acquire(first, end, false).await);
-        // `map` takes the same clusters shared again, which a shared hold never waits for.
-        lease.extents = inner.map(offset, len).await?;
-        Ok(lease)
+/// The body of [`Image::read_lease`].
+pub(crate) async fn read_lease<S: Storage + 'static>(
+    img: &Image<S>,
+    offset: u64,
+    len: u64,
+) -> Result<ReadLease<S>> {
+    let inner = &img.inner;
+    inner.shared.check_range(offset, len)?;
+    let mut lease = ReadLease {
+        image: img.clone(),
+        lock_id: None,
+        extents: Vec::new(),
+    };
+    if len == 0 {
+        return Ok(lease);
     }
+    let (first, end) = inner.cluster_span(offset, len);
+    lease.lock_id = Some(inner.locks.acquire(first, end, false).await);
+    // `map` takes the same clusters shared again, which a shared hold never waits for.
+    lease.extents = inner.map(offset, len).await?;
+    Ok(lease)
 }
 
 impl<S: Storage + 'static> ReadLease<S> {

@@ -228,51 +228,51 @@ impl<S: Storage + 'static> std::fmt::Debug for Queue<S> {
     }
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// A per-queue completion handle on this image: its own io_uring ring and eventfd, and a
-    /// thread for the requests that need the engine. See [`Queue`].
-    pub fn queue(&self, options: QueueOptions) -> Result<Queue<S>> {
-        let path = &self.inner.shared.path;
-        let depth = options.depth.unwrap_or(128);
-        let notifier = match options.notifier {
-            Some(n) => n,
-            None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
-        };
-        // A ring only serves storage it can hand descriptors to.
-        let wanted = self.inner.shared.file.direct_access().is_some();
-        let ring = OwnRing::new(wanted, depth, options.poll, notifier.as_fd()).map_err(|e| {
-            Error::io(
-                path,
-                format!("setting up an io_uring ring of depth {depth}"),
-                e,
-            )
-        })?;
-        let worker = Worker::start()
-            .map_err(|e| Error::io(path, "starting the queue's engine thread", e))?;
-        Ok(Queue {
-            image: self.clone(),
-            lent: Some(self.inner.clone()),
-            ring,
-            notifier,
-            pending: Vec::new(),
-            free: Vec::new(),
-            ids: InFlightIds::default(),
-            batch: Vec::new(),
-            done: VecDeque::new(),
-            engine_done: Arc::new(Mutex::new(Vec::new())),
-            engine_in_flight: Arc::new(AtomicUsize::new(0)),
-            reaped: Vec::new(),
-            loads: Vec::new(),
-            collecting: false,
-            batching: false,
-            batch_now: None,
-            plan: Vec::new(),
-            reserved: 0,
-            bounces: Vec::new(),
-            stats: QueueStats::default(),
-            worker,
-        })
-    }
+/// The body of [`Image::queue`].
+pub(crate) fn queue<S: Storage + 'static>(
+    img: &Image<S>,
+    options: QueueOptions,
+) -> Result<Queue<S>> {
+    let path = &img.inner.shared.path;
+    let depth = options.depth.unwrap_or(128);
+    let notifier = match options.notifier {
+        Some(n) => n,
+        None => Notifier::new().map_err(|e| Error::io(path, "creating an eventfd", e))?,
+    };
+    // A ring only serves storage it can hand descriptors to.
+    let wanted = img.inner.shared.file.direct_access().is_some();
+    let ring = OwnRing::new(wanted, depth, options.poll, notifier.as_fd()).map_err(|e| {
+        Error::io(
+            path,
+            format!("setting up an io_uring ring of depth {depth}"),
+            e,
+        )
+    })?;
+    let worker =
+        Worker::start().map_err(|e| Error::io(path, "starting the queue's engine thread", e))?;
+    Ok(Queue {
+        image: img.clone(),
+        lent: Some(img.inner.clone()),
+        ring,
+        notifier,
+        pending: Vec::new(),
+        free: Vec::new(),
+        ids: InFlightIds::default(),
+        batch: Vec::new(),
+        done: VecDeque::new(),
+        engine_done: Arc::new(Mutex::new(Vec::new())),
+        engine_in_flight: Arc::new(AtomicUsize::new(0)),
+        reaped: Vec::new(),
+        loads: Vec::new(),
+        collecting: false,
+        batching: false,
+        batch_now: None,
+        plan: Vec::new(),
+        reserved: 0,
+        bounces: Vec::new(),
+        stats: QueueStats::default(),
+        worker,
+    })
 }
 
 impl<S: Storage + 'static> Queue<S> {

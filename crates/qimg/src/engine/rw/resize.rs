@@ -222,11 +222,7 @@ impl<S: Storage> Inner<S> {
     }
 }
 
-impl<S: Storage + 'static> Image<S> {
-    /// Changes the virtual disk size to `new_size` bytes, shrinking included (growing is as
-    /// [`Image::resize`]). Shrinking drops every cluster past the new end (see the module
-    /// documentation); `new_size` must be a multiple of 512.
-    pub async fn shrink(&self, new_size: u64) -> Result<()> {
-        self.inner.shrink(new_size).await
-    }
+/// The body of [`Image::shrink`].
+pub(crate) async fn shrink<S: Storage + 'static>(img: &Image<S>, new_size: u64) -> Result<()> {
+    img.inner.shrink(new_size).await
 }
