@@ -239,6 +239,34 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
             "{tool} {args:?}: {out}"
         );
     }
+    // `qemu-img --help`: the usage and the list of commands as qemu-img prints them (qimg
+    // has every command of qemu-img 10), and qcow2 and raw among the formats.
+    let commands = |out: &str| -> String {
+        let from = out.find("QEMU disk image utility").unwrap_or(out.len());
+        let to = out.find("Supported image formats").unwrap_or(out.len());
+        out[from..to.max(from)]
+            .lines()
+            .filter(|l| {
+                !l.contains("-T,--trace")
+                    && !l.contains("specify tracing")
+                    && !l.contains("[[enable=")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    for flag in ["--help", "-h"] {
+        let theirs = ok(
+            "qemu-img --help",
+            &run(&s.0, Path::new("qemu-img"), &[flag]),
+        );
+        let mine = ok("qemu-img --help", &ours.img(&s.0, &[flag]));
+        assert_eq!(commands(&mine), commands(&theirs), "qemu-img {flag}");
+        let formats = mine.split("Supported image formats:").nth(1).unwrap_or("");
+        assert!(
+            formats.contains(" qcow2 ") && formats.contains(" raw"),
+            "{mine}"
+        );
+    }
     // Options after dd's operands, as getopt permutes them.
     let (want, got) = both(
         &s,

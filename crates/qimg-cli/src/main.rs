@@ -133,6 +133,11 @@ fn parse() -> Cli {
             eprintln!("qemu-img: {r}\nTry 'qemu-img --help' for more info");
             crate::out::exit(1);
         }
+        // qemu-img's own help before the command (clap's lists qimg's commands its way).
+        if args.get(1).is_some_and(|a| a == "-h" || a == "--help") {
+            out!("{}", qemu_img_help());
+            crate::out::exit(0);
+        }
     }
     if let Err(e) = take_objects(&mut args) {
         eprintln!("{name}: {e}");
@@ -264,6 +269,50 @@ fn short_of(_e: &clap::Error, long: &str, typed: &str) -> bool {
 /// The QEMU release whose qemu-img and qemu-io command lines qimg implements (what
 /// `--version` says when qimg runs as one of them).
 const QEMU_INTERFACE: &str = "10.0.0";
+
+/// `qemu-img --help` in qemu-img's shape: version, usage, standard options, the commands
+/// qimg has (with qemu-img's one-line descriptions) and the drivers it opens.
+fn qemu_img_help() -> String {
+    // qemu-img's commands, in its order, that qimg implements.
+    const COMMANDS: [(&str, &str); 15] = [
+        ("amend", "Update format-specific options of the image"),
+        ("bench", "Run simple image benchmark"),
+        (
+            "bitmap",
+            "Perform modifications of the persistent bitmap in the image",
+        ),
+        ("check", "Check basic image integrity"),
+        ("commit", "Commit image to its backing file"),
+        ("compare", "Check if two images have the same contents"),
+        (
+            "convert",
+            "Copy one image to another with optional format conversion",
+        ),
+        ("create", "Create and format new image file"),
+        ("dd", "Copy input to output with optional format conversion"),
+        ("info", "Display information about image"),
+        ("map", "Dump image metadata"),
+        ("measure", "Calculate file size requred for a new image"),
+        ("rebase", "Change backing file of the image"),
+        ("resize", "Resize the image to the new size"),
+        ("snapshot", "List or manipulate snapshots within image"),
+    ];
+    let mut h = format!(
+        "qemu-img version {QEMU_INTERFACE} (qimg {})\n\
+         qimg implements the command line of QEMU's tools of that version\n\
+         QEMU disk image utility.  Usage:\n\n  \
+         qemu-img [standard options] COMMAND [--help | command options]\n\n\
+         Standard options:\n  -h, --help\n     display this help and exit\n  \
+         -V, --version\n     display version info and exit\n\n\
+         Recognized commands (run qemu-img COMMAND --help for command-specific help):\n\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    for (name, what) in COMMANDS {
+        h.push_str(&format!("  {name} - {what}\n"));
+    }
+    h.push_str("\nSupported image formats:\n\n  blkdebug file nbd null-co qcow2 raw\n");
+    h
+}
 
 /// Whether a qemu-img or qemu-io command line asks for the version (`-V`, `--version`)
 /// rather than giving it as an option's value.
