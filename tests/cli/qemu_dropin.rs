@@ -267,6 +267,22 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
             "{mine}"
         );
     }
+    // The standard option `-T` (tracing) before the command: taken, the command runs as
+    // without it (QEMU may warn that the event does not exist; its output is the same).
+    for args in [
+        &["-T", "no_such_event", "check", "a.qcow2"][..],
+        &["--trace=enable=no_such_event", "-Tx", "info", "a.qcow2"],
+    ] {
+        let theirs = ok("qemu-img -T", &run(&s.0, Path::new("qemu-img"), args));
+        let mine = ok("qemu-img -T", &ours.img(&s.0, args));
+        let stable = |o: &str| -> String {
+            o.lines()
+                .filter(|l| !l.starts_with("disk size"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(stable(&mine), stable(&theirs), "qemu-img {args:?}");
+    }
     // Options after dd's operands, as getopt permutes them.
     let (want, got) = both(
         &s,

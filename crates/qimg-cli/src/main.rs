@@ -122,6 +122,7 @@ fn parse() -> Cli {
         args.insert(1, "io".into());
     }
     if name == "qemu-img" {
+        drop_trace_options(&mut args);
         // qemu-img's words for a missing or unknown command (clap's are its own).
         let known = |c: &str| Cli::command().get_subcommands().any(|s| s.get_name() == c);
         let refusal = match args.get(1).and_then(|a| a.to_str()) {
@@ -269,6 +270,23 @@ fn short_of(_e: &clap::Error, long: &str, typed: &str) -> bool {
 /// The QEMU release whose qemu-img and qemu-io command lines qimg implements (what
 /// `--version` says when qimg runs as one of them).
 const QEMU_INTERFACE: &str = "10.0.0";
+
+/// qemu-img's standard option `-T`/`--trace` before the command, accepted and ignored as
+/// qemu-io's is (qimg has no QEMU trace events).
+fn drop_trace_options(args: &mut Vec<std::ffi::OsString>) {
+    loop {
+        let Some(a) = args.get(1).and_then(|a| a.to_str()) else {
+            return;
+        };
+        let n = match a {
+            "-T" | "--trace" => 2,
+            _ if a.starts_with("--trace=") || (a.starts_with("-T") && a.len() > 2) => 1,
+            _ => return,
+        };
+        let end = (1 + n).min(args.len());
+        args.drain(1..end);
+    }
+}
 
 /// `qemu-img --help` in qemu-img's shape: version, usage, standard options, the commands
 /// qimg has (with qemu-img's one-line descriptions) and the drivers it opens.
