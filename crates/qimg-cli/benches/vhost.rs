@@ -123,7 +123,13 @@ fn run(
         for c in completions.iter().take(n) {
             // SAFETY: do_io initialised the first `n` entries.
             let c = unsafe { c.assume_init_ref() };
-            assert_eq!(c.ret, 0, "request failed");
+            assert_eq!(
+                c.ret,
+                0,
+                "{} request failed on {}",
+                if write { "write" } else { "read" },
+                socket.display()
+            );
             free.push(c.user_data);
         }
         done += n;
