@@ -360,6 +360,64 @@ fn block_status_matches_qemu_nbd(extended_l2: bool, raw_base: bool) {
     assert_same_content(&ours, "top.qcow2", "../theirs/top.qcow2");
 }
 
+/// A qcow2 image read from an NBD export (qemu-nbd serving the file as raw) cannot grow: a
+/// write that needs a new cluster fails, through `qimg serve` (whose engine zeroes a new L2
+/// table with write-zeroes), and the image stays consistent. Write-zeroes past the end of an
+/// export used to "succeed" without sending anything, and the L1 table then named a table
+/// past the end of the file (`qemu-img check`: a reference past the end of the file).
+#[test]
+fn a_qcow2_image_on_an_nbd_export_cannot_grow_and_stays_consistent() {
+    if !have_qemu_tools("a_qcow2_image_on_an_nbd_export_cannot_grow_and_stays_consistent") {
+        return;
+    }
+    let s = Scratch::new("nbd-no-growth");
+    create(&s.0, "d.qcow2", true, None);
+    let (inner, outer) = (s.path("inner.sock"), s.path("outer.sock"));
+    let n = qemu_nbd(&s.0, "d.qcow2", &inner, &["--format=raw"]);
+    let pid = s.path("outer.pid");
+    let (nbd, pid_s, image) = (
+        format!("unix:{}", outer.display()),
+        pid.display().to_string(),
+        uri("", &inner),
+    );
+    let q = Server::start(
+        &s.0,
+        &qimg_bin(),
+        &[
+            "serve",
+            "--nbd",
+            &nbd,
+            "--persistent",
+            "--pidfile",
+            &pid_s,
+            &image,
+        ],
+        &pid,
+    );
+    let o = run(
+        &s.0,
+        Path::new("qemu-io"),
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 7 0 4k",
+            "-c",
+            "read -P 0 0 4k",
+            &uri("", &outer),
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("write failed"), "the write must fail: {out}");
+    assert!(
+        out.contains("read 4096/4096"),
+        "and the image still reads: {out}"
+    );
+    q.stop();
+    n.stop();
+    assert_check_clean(&s.0, "d.qcow2");
+}
+
 #[test]
 fn block_status_matches_qemu_nbd_extended_l2() {
     block_status_matches_qemu_nbd(true, false);

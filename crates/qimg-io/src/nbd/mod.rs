@@ -372,6 +372,26 @@ impl NbdStorage {
     }
 
     /// `cmd` over `[offset, offset + len)` in requests of at most [`MAX_REQUEST`] bytes.
+    /// Refuses `op` on bytes past the end of the export (which cannot grow): writes and
+    /// write-zeroes, whose bytes must be there to read back.
+    fn check_inside(&self, op: Op, offset: u64, len: u64) -> Result<()> {
+        if offset.saturating_add(len) <= self.size {
+            return Ok(());
+        }
+        Err(StorageError::Io {
+            op,
+            offset,
+            len,
+            source: io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("an NBD export cannot grow past its {} bytes", self.size),
+            ),
+        })
+    }
+
+    /// Sends `cmd` over `[offset, offset + len)` in pieces of at most `MAX_REQUEST` bytes;
+    /// bytes past the end of the export are left out (callers that need them refuse first,
+    /// [`check_inside`](Self::check_inside)).
     fn each_piece(&self, op: Op, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
         let mut at = offset;
         let end = offset.saturating_add(len).min(self.size);
@@ -423,17 +443,7 @@ impl Storage for NbdStorage {
     async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check_writable(Op::Write, offset, len)?;
-        if offset.saturating_add(len) > self.size {
-            return Err(StorageError::Io {
-                op: Op::Write,
-                offset,
-                len,
-                source: io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("an NBD export cannot grow past its {} bytes", self.size),
-                ),
-            });
-        }
+        self.check_inside(Op::Write, offset, len)?;
         // Pieces of at most MAX_REQUEST bytes, each sent from the caller's buffers.
         let mut at = offset;
         let mut pieces: Vec<IoSlice<'_>> = Vec::new();
@@ -481,6 +491,8 @@ impl Storage for NbdStorage {
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
         self.check_writable(Op::WriteZeroes, offset, len)?;
+        // Zeros past the end would not be there to read back: refused as a write is.
+        self.check_inside(Op::WriteZeroes, offset, len)?;
         if self.flags & TFLAG_SEND_WRITE_ZEROES != 0 {
             self.each_piece(
                 Op::WriteZeroes,
