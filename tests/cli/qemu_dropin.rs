@@ -283,6 +283,12 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         };
         assert_eq!(stable(&mine), stable(&theirs), "qemu-img {args:?}");
     }
+    // `-T` without its value: getopt's words.
+    for args in [&["-T"][..], &["--trace"]] {
+        let theirs = run(&s.0, Path::new("qemu-img"), args);
+        let mine = ours.img(&s.0, args);
+        assert_eq!(masked(&mine), masked(&theirs), "qemu-img {args:?}");
+    }
     // Options after dd's operands, as getopt permutes them.
     let (want, got) = both(
         &s,

@@ -279,6 +279,15 @@ fn drop_trace_options(args: &mut Vec<std::ffi::OsString>) {
             return;
         };
         let n = match a {
+            "-T" | "--trace" if args.len() < 3 => {
+                let which = if a == "-T" {
+                    "option requires an argument -- 'T'"
+                } else {
+                    "option '--trace' requires an argument"
+                };
+                eprintln!("qemu-img: {which}\nTry 'qemu-img --help' for more info");
+                crate::out::exit(1);
+            }
             "-T" | "--trace" => 2,
             _ if a.starts_with("--trace=") || (a.starts_with("-T") && a.len() > 2) => 1,
             _ => return,
