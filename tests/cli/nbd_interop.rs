@@ -418,6 +418,57 @@ fn a_qcow2_image_on_an_nbd_export_cannot_grow_and_stays_consistent() {
     assert_check_clean(&s.0, "d.qcow2");
 }
 
+/// An NBD export as the backing file of a new image, named by its URI: `create -b URI -F
+/// raw` as qemu-img (the export must answer; its name is not a path to resolve), then the
+/// image reads through to it, and qemu-img maps it as qimg does.
+#[test]
+fn an_nbd_export_is_a_backing_file_by_its_uri() {
+    if !have_qemu_tools("an_nbd_export_is_a_backing_file_by_its_uri") {
+        return;
+    }
+    let s = Scratch::new("nbd-backing");
+    create(&s.0, "b.qcow2", false, None);
+    qemu_io(&s.0, "qcow2", "b.qcow2", &["write -P 1 0 1M".into()]);
+    let sock = s.path("b.sock");
+    let n = qemu_nbd(&s.0, "b.qcow2", &sock, &["--read-only"]);
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(qimg_bin(), bin.join("qemu-img")).unwrap();
+    let backing = uri("", &sock);
+    let made = run(
+        &s.0,
+        &bin.join("qemu-img"),
+        &[
+            "create", "-q", "-f", "qcow2", "-b", &backing, "-F", "raw", "t.qcow2", "4M",
+        ],
+    );
+    ok("create with an NBD backing file", &made);
+    let o = run(
+        &s.0,
+        &qimg_bin(),
+        &[
+            "io",
+            "-c",
+            "read -P 1 0 64k",
+            "-c",
+            "write -P 2 64k 64k",
+            "t.qcow2",
+        ],
+    );
+    let out = ok("qimg io", &o);
+    assert!(!out.contains("failed"), "{out}");
+    let theirs = map_json(&s.0, &["t.qcow2"]);
+    let mine = run(
+        &s.0,
+        &bin.join("qemu-img"),
+        &["map", "--output=json", "t.qcow2"],
+    );
+    assert_eq!(json("qimg map", &mine), theirs);
+    // qemu-img check opens the backing file too: the export is still served.
+    assert_check_clean(&s.0, "t.qcow2");
+    n.stop();
+}
+
 #[test]
 fn block_status_matches_qemu_nbd_extended_l2() {
     block_status_matches_qemu_nbd(true, false);

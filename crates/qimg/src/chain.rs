@@ -126,10 +126,11 @@ pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
 }
 
 /// Resolves a backing file name relative to the directory of the image that names it, as
-/// QEMU does (`path_combine`).
+/// QEMU does (`path_combine`); an NBD name (`nbd://...`, `nbd+unix:///...`) is not a path
+/// and stays as it is.
 pub fn resolve_backing(image: &Path, backing: &str) -> PathBuf {
     let b = Path::new(backing);
-    if b.is_absolute() {
+    if b.is_absolute() || qimg_io::nbd::is_nbd_name(backing) {
         return b.to_path_buf();
     }
     match image.parent() {

@@ -126,7 +126,16 @@ pub fn run(args: CreateArgs) -> Result<()> {
         let full = qimg::chain::resolve_backing(path, b);
         let qemu = crate::status::program() == "qemu-img";
         // qemu-img opens the backing file first, then asks for its format.
-        if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
+        if qimg::io::nbd::is_nbd_name(b) {
+            // An export: it must answer (its size is its virtual size as raw).
+            let reached = qimg::chain::virtual_size_of(&full, qimg::chain::ImageFormat::Raw);
+            if let (Err(e), false) = (reached, o.unsafe_backing) {
+                bail!(
+                    "{file}: {}\nCould not open backing image.",
+                    crate::status::lib_msg(&e, b)
+                );
+            }
+        } else if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
             bail!(
                 "{file}: Could not open '{b}': {}\nCould not open backing image.",
                 crate::status::os_msg(&e)
