@@ -419,8 +419,10 @@ fn a_qcow2_image_on_an_nbd_export_cannot_grow_and_stays_consistent() {
 }
 
 /// An NBD export as the backing file of a new image, named by its URI: `create -b URI -F
-/// raw` as qemu-img (the export must answer; its name is not a path to resolve), then the
-/// image reads through to it, and qemu-img maps it as qimg does.
+/// raw` as qemu-img (the export must answer, in qemu-img's words when it does not; its name
+/// is not a path to resolve), against qemu-nbd at its defaults, which serves one client and
+/// exits (the create connects once); then the image reads through to it, and qemu-img maps
+/// it as qimg does.
 #[test]
 fn an_nbd_export_is_a_backing_file_by_its_uri() {
     if !have_qemu_tools("an_nbd_export_is_a_backing_file_by_its_uri") {
@@ -430,19 +432,40 @@ fn an_nbd_export_is_a_backing_file_by_its_uri() {
     create(&s.0, "b.qcow2", false, None);
     qemu_io(&s.0, "qcow2", "b.qcow2", &["write -P 1 0 1M".into()]);
     let sock = s.path("b.sock");
-    let n = qemu_nbd(&s.0, "b.qcow2", &sock, &["--read-only"]);
     let bin = s.path("bin");
     std::fs::create_dir_all(&bin).unwrap();
     std::os::unix::fs::symlink(qimg_bin(), bin.join("qemu-img")).unwrap();
     let backing = uri("", &sock);
-    let made = run(
-        &s.0,
-        &bin.join("qemu-img"),
-        &[
-            "create", "-q", "-f", "qcow2", "-b", &backing, "-F", "raw", "t.qcow2", "4M",
-        ],
+    let create_args = [
+        "create", "-q", "-f", "qcow2", "-b", &backing, "-F", "raw", "t.qcow2", "4M",
+    ];
+    // Nothing serves the socket yet: both refuse, in the same words.
+    let theirs = run(&s.0, Path::new("qemu-img"), &create_args);
+    let mine = run(&s.0, &bin.join("qemu-img"), &create_args);
+    assert!(!mine.status.success(), "no export, no image");
+    assert_eq!(
+        String::from_utf8_lossy(&mine.stderr),
+        String::from_utf8_lossy(&theirs.stderr)
     );
-    ok("create with an NBD backing file", &made);
+    let _ = std::fs::remove_file(s.path("t.qcow2"));
+    // qemu-nbd at its defaults: one client, then it exits.
+    let pid = s.path("once.pid");
+    let (sock_o, pid_o) = (
+        format!("--socket={}", sock.display()),
+        format!("--pid-file={}", pid.display()),
+    );
+    let once = Server::start(
+        &s.0,
+        Path::new("qemu-nbd"),
+        &[&sock_o, "--format=qcow2", "--read-only", &pid_o, "b.qcow2"],
+        &pid,
+    );
+    ok(
+        "create with an NBD backing file",
+        &run(&s.0, &bin.join("qemu-img"), &create_args),
+    );
+    drop(once);
+    let n = qemu_nbd(&s.0, "b.qcow2", &sock, &["--read-only"]);
     let o = run(
         &s.0,
         &qimg_bin(),

@@ -120,6 +120,10 @@ pub fn run(args: CreateArgs) -> Result<()> {
             .with_context(|| file.clone())?;
         return Ok(());
     }
+    // An export named as the backing file is reached once and held until the image is made:
+    // every later open of it here shares the connection, so a server that serves one client
+    // and then exits (qemu-nbd's default) serves the whole create.
+    let mut _held_export = None;
     // Before the `Formatting` line, as qemu-img: the backing file must be named with its
     // format, and must open.
     if let Some(b) = &o.backing_file {
@@ -127,13 +131,17 @@ pub fn run(args: CreateArgs) -> Result<()> {
         let qemu = crate::status::program() == "qemu-img";
         // qemu-img opens the backing file first, then asks for its format.
         if qimg::io::nbd::is_nbd_name(b) {
-            // An export: it must answer (its size is its virtual size as raw).
-            let reached = qimg::chain::virtual_size_of(&full, qimg::chain::ImageFormat::Raw);
-            if let (Err(e), false) = (reached, o.unsafe_backing) {
-                bail!(
-                    "{file}: {}\nCould not open backing image.",
-                    crate::status::lib_msg(&e, b)
-                );
+            match qimg::io::NbdStorage::shared(b, false) {
+                Ok(export) => _held_export = Some(export),
+                Err(source) if !o.unsafe_backing => {
+                    let e = qimg::Error::Storage {
+                        path: full.clone(),
+                        source,
+                    };
+                    let why = crate::status::lib_msg(&e, b);
+                    bail!("{file}: {why}\nCould not open backing image.")
+                }
+                Err(_) => {}
             }
         } else if let (Err(e), false, true) = (std::fs::metadata(&full), o.unsafe_backing, qemu) {
             bail!(
