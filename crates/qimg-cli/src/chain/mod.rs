@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use anyhow::{Result, anyhow, bail};
+use qimg::Image;
 use qimg::chain::{ImageFormat, probe_format, read_cluster0};
 use qimg::format::validate::OpenMode;
 use qimg::io::AnyStorage;
-use qimg::{Backing, Image};
 
 pub(crate) use block_status::{Entry, StatusError};
 pub(crate) use qimg::block_status::Layer;
@@ -160,31 +160,6 @@ pub(crate) async fn open_chain(
         .open(path)
         .await
         .map_err(|e| anyhow!("Could not open '{file}': {}", lib_msg(&e, file)))?;
-    let mut names = Vec::new();
-    let mut files = Vec::new();
-    let mut next = Some(&img);
-    while let Some(img) = next.take() {
-        let c0 = read_cluster0(img.path(), OpenMode::ReadOnly)?;
-        let data_file = c0
-            .data_file()
-            .map(|n| String::from_utf8_lossy(n).into_owned());
-        let name = match &data_file {
-            Some(n) => n.clone(),
-            None => img.path().display().to_string(),
-        };
-        names.push(Rc::from(name));
-        let mut mine = vec![img.path().to_path_buf()];
-        mine.extend(data_file.map(|_| img.data_path().to_path_buf()));
-        files.push(mine);
-        match img.backing() {
-            Some(Backing::Qcow2(b)) => next = Some(b),
-            Some(Backing::Raw { path, .. }) => {
-                names.push(Rc::from(path.display().to_string()));
-                files.push(vec![path.clone()]);
-            }
-            None => {}
-        }
-    }
     let chain = Chain::of_image(&img, DataHoles::WhenPreallocated).map_err(|e| {
         let name = match &e {
             qimg::Error::Io { path, .. } | qimg::Error::Storage { path, .. } => {
@@ -194,6 +169,29 @@ pub(crate) async fn open_chain(
         };
         host_open_error(e, &name)
     })?;
+    // Each layer's file as qemu-img names it (a data file by the name its image stores) and
+    // the files it reads.
+    let mut names = Vec::new();
+    let mut files = Vec::new();
+    for layer in chain.layers() {
+        match layer {
+            Layer::Qcow2 { image, .. } => {
+                let c0 = read_cluster0(image.path(), OpenMode::ReadOnly)?;
+                let data_file = c0
+                    .data_file()
+                    .map(|n| String::from_utf8_lossy(n).into_owned());
+                let mut mine = vec![image.path().to_path_buf()];
+                mine.extend(data_file.is_some().then(|| image.data_path().to_path_buf()));
+                files.push(mine);
+                let name = data_file.unwrap_or_else(|| image.path().display().to_string());
+                names.push(Rc::from(name));
+            }
+            Layer::Raw(host) => {
+                names.push(Rc::from(host.path().display().to_string()));
+                files.push(vec![host.path().to_path_buf()]);
+            }
+        }
+    }
     Ok(Layers {
         chain,
         names,

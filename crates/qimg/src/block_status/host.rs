@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use qimg_io::NbdStorage;
-use qimg_io::nbd::{NbdAddress, STATE_HOLE, is_nbd_name};
+use qimg_io::nbd::STATE_HOLE;
 
 use crate::error::{Error, Result};
 
@@ -32,12 +32,7 @@ impl HostExtents {
     /// `nbd+unix://`, ...). Errors: [`Error::Io`] for a file that does not open (or whose
     /// length cannot be read), [`Error::Storage`] for an export that cannot be reached.
     pub fn open(path: &Path) -> Result<Self> {
-        let name = path.to_str().filter(|p| is_nbd_name(p));
-        if let Some(uri) = name.filter(|u| matches!(NbdAddress::parse(u), Ok(Some(_)))) {
-            let nbd = NbdStorage::shared(uri, false).map_err(|source| Error::Storage {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        if let Some(nbd) = crate::chain::nbd_export(path)? {
             return Ok(Self {
                 len: nbd.size(),
                 source: Source::Nbd(nbd),

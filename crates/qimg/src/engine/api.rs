@@ -14,11 +14,11 @@ use super::bitmaps::{BitmapInfo, DirtyBitmap};
 use super::checkpoint::{self, Action};
 use super::image::{Backing, Image, Stats};
 use super::lease::{self, WriteLease};
-use super::map::{self, Extent};
+use super::map::Extent;
 #[cfg(target_os = "linux")]
 use super::queue::{self, Queue, QueueOptions};
 use super::read_lease::{self, ReadLease};
-use super::rw::{empty, resize};
+use super::rw::empty;
 use super::snapshot::{self, InternalSnapshot, SnapshotOptions};
 use crate::error::Result;
 
@@ -372,7 +372,7 @@ impl<S: Storage + 'static> Image<S> {
     /// where adjacent extents have the same kind and contiguous host bytes. Compressed
     /// extents are reported per cluster.
     pub async fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        map::map(self, offset, len).await
+        self.inner.map(offset, len).await
     }
 
     /// Pins `len` guest bytes at `offset` for reading and returns where they are. A
@@ -394,7 +394,7 @@ impl<S: Storage + 'static> Image<S> {
     /// [`Image::resize`]). Shrinking drops every cluster past the new end (see the module
     /// documentation); `new_size` must be a multiple of 512.
     pub async fn shrink(&self, new_size: u64) -> Result<()> {
-        resize::shrink(self, new_size).await
+        self.inner.shrink(new_size).await
     }
 
     /// Reserves host space for writing `len` guest bytes at `offset` yourself: allocates new
@@ -409,6 +409,6 @@ impl<S: Storage + 'static> Image<S> {
     /// [`ExtentKind::Data`](crate::ExtentKind::Data) offsets of [`map`](Image::map) refer to:
     /// the external data file when the image has one, else the image file.
     pub fn data_path(&self) -> &Path {
-        lease::data_path(self)
+        self.inner.shared.data().1
     }
 }

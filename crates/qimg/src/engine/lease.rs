@@ -27,8 +27,6 @@
 //! Compressed clusters and clusters shared with snapshots are copied into fresh clusters like
 //! any write; an in-place cluster (already allocated to this image) is handed out directly.
 
-use std::path::Path;
-
 use qimg_io::Storage;
 
 use super::image::Image;
@@ -108,11 +106,6 @@ pub(crate) async fn write_lease<S: Storage + 'static>(
     }
     lease.extents = merge(lease.pieces.iter().map(PreparedWrite::guest_span));
     Ok(lease)
-}
-
-/// The body of [`Image::data_path`].
-pub(crate) fn data_path<S: Storage + 'static>(img: &Image<S>) -> &Path {
-    img.inner.shared.data().1
 }
 
 fn merge(spans: impl Iterator<Item = (u64, u64, u64)>) -> Vec<HostExtent> {

@@ -1,4 +1,4 @@
-//! [`Image::map`]: where each part of a guest range lives, from cached metadata.
+//! [`Image::map`](crate::Image::map): where each part of a guest range lives, from cached metadata.
 //!
 //! This is the read side of the data path a VMM can drive itself: for [`ExtentKind::Data`]
 //! extents it may read the host file (or the external data file) directly at `host_offset`,
@@ -11,7 +11,7 @@ use qimg_format::l2::{L2Entry, SubclusterState};
 use qimg_format::units::GuestOffset;
 use qimg_io::Storage;
 
-use super::image::{Image, Inner};
+use super::image::Inner;
 use super::plan::state_runs;
 use crate::error::Result;
 
@@ -180,13 +180,4 @@ impl<S: Storage> Inner<S> {
         }
         Ok(out)
     }
-}
-
-/// The body of [`Image::map`].
-pub(crate) async fn map<S: Storage + 'static>(
-    img: &Image<S>,
-    offset: u64,
-    len: u64,
-) -> Result<Vec<Extent>> {
-    img.inner.map(offset, len).await
 }

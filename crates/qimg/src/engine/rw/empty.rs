@@ -45,7 +45,7 @@ pub(crate) async fn make_empty<S: Storage + 'static>(img: &Image<S>) -> Result<(
 
 /// Discards `[start, start + len)` widened to whole clusters (within the disk), so that
 /// nothing smaller than a subcluster is left behind.
-pub(crate) async fn discard_whole<S: Storage + 'static>(
+async fn discard_whole<S: Storage + 'static>(
     img: &Image<S>,
     start: u64,
     len: u64,

@@ -38,7 +38,7 @@ pub(crate) use cow::CowSource;
 pub(super) mod empty;
 mod prealloc;
 mod read;
-pub(super) mod resize;
+mod resize;
 mod vmstate;
 mod write;
 mod zero;

@@ -15,7 +15,6 @@ use qimg_format::header;
 use qimg_format::l1::L1Entry;
 use qimg_io::Storage;
 
-use super::super::image::Image;
 use super::*;
 
 impl<S: Storage> Inner<S> {
@@ -220,9 +219,4 @@ impl<S: Storage> Inner<S> {
         // the table and the file ends after its last cluster in use.
         self.shared.trim_file(&mut m).await
     }
-}
-
-/// The body of [`Image::shrink`].
-pub(crate) async fn shrink<S: Storage + 'static>(img: &Image<S>, new_size: u64) -> Result<()> {
-    img.inner.shrink(new_size).await
 }
