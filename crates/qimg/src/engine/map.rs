@@ -7,12 +7,11 @@
 //! may change it, so a caller that mixes its own I/O with qimg's writes must order them.
 
 use qimg_format::compressed::CompressedDescriptor;
-use qimg_format::l2::{L2Entry, SubclusterState};
 use qimg_format::units::GuestOffset;
 use qimg_io::Storage;
 
 use super::image::Inner;
-use super::plan::state_runs;
+use super::plan::{ReadSource, piece_parts};
 use crate::error::Result;
 
 /// What one extent of a guest range is.
@@ -138,40 +137,29 @@ impl<S: Storage> Inner<S> {
                 self.shared.lookup(&mut m, gc).await?
             };
             let cluster_end = (gc + cs).min(end);
-            let runs = state_runs(
-                &entry,
-                scs as usize,
-                (at - gc) as usize,
-                (cluster_end - gc) as usize,
-            );
-            for run in runs {
-                let within = run.start as u64;
-                let host = entry.entry().host_cluster().map(|h| h.0 + within);
-                let kind = match run.state {
-                    SubclusterState::Normal => ExtentKind::Data {
-                        host_offset: host.unwrap_or(0),
+            // The read planner's parts of this piece, as extents.
+            let piece = (gc, (at - gc) as usize, (cluster_end - at) as usize, 0);
+            for part in piece_parts(&entry, scs as usize, piece) {
+                let kind = match part.source {
+                    ReadSource::Data(host_offset) => ExtentKind::Data { host_offset },
+                    ReadSource::Zero { reserved } => ExtentKind::Zero {
+                        host_offset: reserved,
                     },
-                    SubclusterState::ZeroAlloc => ExtentKind::Zero { host_offset: host },
-                    SubclusterState::ZeroPlain => ExtentKind::Zero { host_offset: None },
-                    SubclusterState::UnallocatedAlloc => {
-                        ExtentKind::Unallocated { host_offset: host }
-                    }
-                    SubclusterState::UnallocatedPlain => {
-                        ExtentKind::Unallocated { host_offset: None }
-                    }
-                    SubclusterState::Compressed => match *entry.entry() {
-                        L2Entry::Compressed(descriptor) => ExtentKind::Compressed {
-                            descriptor,
-                            offset_in_cluster: within,
-                        },
-                        _ => ExtentKind::Unallocated { host_offset: None },
+                    ReadSource::Backing { reserved, .. } => ExtentKind::Unallocated {
+                        host_offset: reserved,
+                    },
+                    ReadSource::Compressed {
+                        descriptor, within, ..
+                    } => ExtentKind::Compressed {
+                        descriptor,
+                        offset_in_cluster: within as u64,
                     },
                 };
                 push(
                     &mut out,
                     Extent {
-                        start: gc + within,
-                        length: (run.end - run.start) as u64,
+                        start: at + part.pos as u64,
+                        length: part.len as u64,
                         kind,
                     },
                 );

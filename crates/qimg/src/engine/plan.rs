@@ -1,13 +1,19 @@
-//! Planning from cached metadata, shared by both executors (the engine's `rw`, a queue's
-//! direct path) and by [`Image::map`](crate::Image::map): what the bytes of one guest cluster
-//! read as, run by run, from `qimg-format`'s subcluster runs.
+//! The read planner, shared by both executors (the engine's `rw`, a queue's direct path) and
+//! by [`Image::map`](crate::Image::map): what each byte of a request reads as (this image's
+//! data at a host offset, zeros, the backing chain, a compressed cluster), decided from the
+//! clusters' L2 entries by `qimg-format`'s subcluster runs, without I/O.
 //!
-//! Every reader of a cluster walks its bytes here: the engine's read
-//! (`rw/read.rs::read_entry_range`, and whether a piece is plain data), a queue's direct read
-//! plan (`queue/fast.rs::plan_direct_read`), and the map. The write side's table (what a
-//! write copies, where it lands) is `rw/cow.rs::plan_write`, which both executors call too.
+//! [`plan_read`] plans a request from the entries its caller has at hand (the metadata cache,
+//! under the metadata lock) and stops at the first cluster whose entry it lacks; the caller
+//! gets that entry with I/O (the engine's `lookup_for_read`), plans the piece with
+//! [`piece_parts`] and resumes. A queue's direct path, which does no metadata I/O, sends the
+//! request to its engine instead, as it does when a part needs a backing read or inflating.
+//! Copy-on-write reads its sources through the same parts (`rw/cow.rs::cow_sources`); the
+//! write side's table (what a write copies, where it lands) is `rw/cow.rs::plan_write`, which
+//! both executors call too.
 
-use qimg_format::l2::{AnyL2Entry, SubclusterState};
+use qimg_format::compressed::CompressedDescriptor;
+use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
 
 /// Bytes `[start, end)` of one guest cluster, all in one subcluster state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,13 +42,125 @@ pub(crate) fn state_runs(
     })
 }
 
-/// Where bytes `[a, b)` of a cluster described by `entry` are in the file, when they are all
-/// plain data (every subcluster they touch allocated with data).
-pub(crate) fn plain_host(entry: &AnyL2Entry, scs: usize, a: usize, b: usize) -> Option<u64> {
-    let host = entry.entry().host_cluster()?.0;
-    state_runs(entry, scs, a, b)
-        .all(|r| r.state == SubclusterState::Normal)
-        .then_some(host + a as u64)
+/// A piece of a request inside one guest cluster: `(cluster start, offset in the cluster,
+/// length, position in the request)`, as `Inner::pieces` splits a range.
+pub(crate) type Piece = (u64, usize, usize, usize);
+
+/// What bytes of a read plan read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadSource {
+    /// This image's data at this host offset (in the external data file when there is one).
+    Data(u64),
+    /// Zeros. `reserved`: host space kept for them (a preallocated zero cluster or zero
+    /// subcluster of an allocated cluster), if any.
+    Zero {
+        /// Host offset of the reserved space.
+        reserved: Option<u64>,
+    },
+    /// Not allocated in this image: the backing chain from guest offset `guest` (zeros
+    /// without one). `reserved` as for [`Zero`](Self::Zero).
+    Backing {
+        /// Guest offset of the first byte.
+        guest: u64,
+        /// Host offset of the reserved space.
+        reserved: Option<u64>,
+    },
+    /// Bytes from `within` of the cluster at guest offset `gc`, stored compressed.
+    Compressed {
+        /// The cluster's descriptor.
+        descriptor: CompressedDescriptor,
+        /// Guest offset of the cluster.
+        gc: u64,
+        /// Offset of the first byte in the inflated cluster.
+        within: usize,
+    },
+}
+
+/// One part of a read plan: bytes `[pos, pos + len)` of the request read as `source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReadPart {
+    /// Position in the request.
+    pub(crate) pos: usize,
+    /// Length in bytes.
+    pub(crate) len: usize,
+    /// What they read as.
+    pub(crate) source: ReadSource,
+}
+
+/// The read plan of one piece whose cluster `entry` describes: one part per run of one
+/// subcluster state, in order, covering the piece exactly.
+pub(crate) fn piece_parts(
+    entry: &AnyL2Entry,
+    scs: usize,
+    (gc, a, n, pos): Piece,
+) -> impl Iterator<Item = ReadPart> + '_ {
+    let cluster = entry.entry().host_cluster().map(|h| h.0);
+    state_runs(entry, scs, a, a + n).map(move |run| {
+        let host = cluster.map(|h| h + run.start as u64);
+        let backing = ReadSource::Backing {
+            guest: gc + run.start as u64,
+            reserved: None,
+        };
+        let source = match run.state {
+            SubclusterState::Normal => host.map_or(backing, ReadSource::Data),
+            SubclusterState::ZeroAlloc => ReadSource::Zero { reserved: host },
+            SubclusterState::ZeroPlain => ReadSource::Zero { reserved: None },
+            SubclusterState::UnallocatedAlloc => ReadSource::Backing {
+                guest: gc + run.start as u64,
+                reserved: host,
+            },
+            SubclusterState::UnallocatedPlain => backing,
+            SubclusterState::Compressed => match *entry.entry() {
+                L2Entry::Compressed(descriptor) => ReadSource::Compressed {
+                    descriptor,
+                    gc,
+                    within: run.start,
+                },
+                // Only a compressed entry has compressed runs.
+                _ => backing,
+            },
+        };
+        ReadPart {
+            pos: pos + (run.start - a),
+            len: run.end - run.start,
+            source,
+        }
+    })
+}
+
+/// How [`plan_read`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Planned {
+    /// Every piece is planned.
+    Done,
+    /// The entry of this piece's cluster is not at hand: the pieces before it are planned,
+    /// the ones after it are left in the iterator.
+    Lacks(Piece),
+    /// The caller's `emit` refused a part (it cannot execute it).
+    Refused,
+}
+
+/// Plans a read of `pieces` in order: each piece's parts (see [`piece_parts`]) go to `emit`,
+/// from the entry `entry_of` gives for its cluster. Stops at the first piece whose entry
+/// `entry_of` does not have ([`Planned::Lacks`]), or when `emit` returns `false`
+/// ([`Planned::Refused`]).
+pub(crate) fn plan_read(
+    pieces: &mut impl Iterator<Item = Piece>,
+    scs: usize,
+    mut entry_of: impl FnMut(u64) -> Option<AnyL2Entry>,
+    mut emit: impl FnMut(ReadPart) -> bool,
+) -> Planned {
+    for piece in pieces {
+        let Some(entry) = entry_of(piece.0) else {
+            return Planned::Lacks(piece);
+        };
+        for part in piece_parts(&entry, scs, piece) {
+            if !emit(part) {
+                return Planned::Refused;
+            }
+        }
+    }
+    Planned::Done
 }
 
 #[cfg(test)]
@@ -102,15 +220,114 @@ mod tests {
         }
         let standard = AnyL2Entry::Standard(normal);
         check(&standard, cs, 100, cs - 100);
-        assert_eq!(plain_host(&standard, cs, 100, 200), Some((1 << 20) + 100));
+        let parts: Vec<_> = piece_parts(&standard, cs, (1 << 30, 100, 100, 7)).collect();
+        assert_eq!(
+            parts,
+            [ReadPart {
+                pos: 7,
+                len: 100,
+                source: ReadSource::Data((1 << 20) + 100)
+            }]
+        );
         let partly = AnyL2Entry::Extended(ExtendedL2Entry {
             entry: normal,
             bitmap: SubclusterBitmap {
                 alloc: 0b01,
-                zero: 0,
+                zero: 0b100,
             },
         });
-        assert_eq!(plain_host(&partly, scs, 0, scs), Some(1 << 20));
-        assert_eq!(plain_host(&partly, scs, 0, scs + 1), None);
+        let parts: Vec<_> = piece_parts(&partly, scs, (cs as u64, 10, 3 * scs, 0)).collect();
+        let gc = cs as u64;
+        assert_eq!(
+            parts,
+            [
+                ReadPart {
+                    pos: 0,
+                    len: scs - 10,
+                    source: ReadSource::Data((1 << 20) + 10)
+                },
+                ReadPart {
+                    pos: scs - 10,
+                    len: scs,
+                    source: ReadSource::Backing {
+                        guest: gc + scs as u64,
+                        reserved: Some((1 << 20) + scs as u64)
+                    }
+                },
+                ReadPart {
+                    pos: 2 * scs - 10,
+                    len: scs,
+                    source: ReadSource::Zero {
+                        reserved: Some((1 << 20) + 2 * scs as u64)
+                    }
+                },
+                ReadPart {
+                    pos: 3 * scs - 10,
+                    len: 10,
+                    source: ReadSource::Backing {
+                        guest: gc + 3 * scs as u64,
+                        reserved: Some((1 << 20) + 3 * scs as u64)
+                    }
+                },
+            ]
+        );
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+    use qimg_format::l2::L2Entry;
+    use qimg_format::units::HostOffset;
+
+    /// The plan stops at the first cluster whose entry is lacking, leaves the pieces after it
+    /// to resume with, and stops when the caller refuses a part.
+    #[test]
+    fn a_plan_stops_at_the_first_lacking_entry_and_resumes() {
+        let cs = 4096usize;
+        let data = |h: u64| {
+            AnyL2Entry::Standard(L2Entry::Normal {
+                host: HostOffset(h),
+                copied: true,
+            })
+        };
+        // Clusters 0 and 1 are at hand, 2 is not, 3 is.
+        let entry_of = |gc: u64| match gc / cs as u64 {
+            0 => Some(data(1 << 20)),
+            1 => Some(AnyL2Entry::Standard(L2Entry::Unallocated)),
+            2 => None,
+            _ => Some(data(2 << 20)),
+        };
+        let pieces = (0..4u64).map(|i| (i * cs as u64, 0, cs, i as usize * cs));
+        let mut pieces = pieces;
+        let mut parts = Vec::new();
+        let planned = plan_read(&mut pieces, cs, entry_of, |p| {
+            parts.push(p);
+            true
+        });
+        assert_eq!(planned, Planned::Lacks((2 * cs as u64, 0, cs, 2 * cs)));
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].source, ReadSource::Data(1 << 20));
+        assert_eq!(
+            parts[1].source,
+            ReadSource::Backing {
+                guest: cs as u64,
+                reserved: None
+            }
+        );
+        // Resumed: the one piece left.
+        let planned = plan_read(&mut pieces, cs, entry_of, |p| {
+            parts.push(p);
+            true
+        });
+        assert_eq!(planned, Planned::Done);
+        assert_eq!(parts[2].source, ReadSource::Data(2 << 20));
+        assert_eq!(parts[2].pos, 3 * cs);
+        // A caller that executes no backing reads refuses the plan.
+        let mut pieces = (0..2u64).map(|i| (i * cs as u64, 0, cs, i as usize * cs));
+        let planned = plan_read(&mut pieces, cs, entry_of, |p| {
+            !matches!(p.source, ReadSource::Backing { .. })
+        });
+        assert_eq!(planned, Planned::Refused);
     }
 }

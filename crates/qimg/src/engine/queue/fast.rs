@@ -3,12 +3,11 @@
 
 use std::time::Duration;
 
-use qimg_format::l2::{L2Entry, SubclusterState};
 use qimg_io::Storage;
 
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
-use crate::engine::plan::{StateRun, state_runs};
+use crate::engine::plan::{Planned, ReadSource, plan_read};
 use crate::engine::rw::{CowSource, Destination, PreparedWrite};
 
 /// One piece of a request on the direct path.
@@ -170,42 +169,25 @@ impl<S: Storage> Inner<S> {
         parts: &mut Vec<Part>,
     ) -> Option<()> {
         let scs = self.shared.geo.subcluster_size() as usize;
-        for (gc, a, n, pos) in self.pieces(offset, len) {
-            let entry = self.shared.lookup_cached(m, gc, stamp)?;
-            let host = match entry.entry() {
-                L2Entry::Compressed(_) => return None,
-                e => e.host_cluster().map(|h| h.0),
-            };
-            for StateRun {
-                start: at,
-                end: run_end,
-                state,
-            } in state_runs(&entry, scs, a, a + n)
-            {
-                let (p, l) = (pos + (at - a), run_end - at);
-                match state {
-                    SubclusterState::Normal => push(
-                        parts,
-                        Part::Io {
-                            host: host? + at as u64,
-                            pos: p,
-                            len: l,
-                        },
-                    ),
-                    SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => {
-                        push(parts, Part::Zero { pos: p, len: l })
-                    }
-                    SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
-                        if self.backing.is_some() {
-                            return None;
-                        }
-                        push(parts, Part::Zero { pos: p, len: l })
-                    }
-                    SubclusterState::Compressed => return None,
+        let backing = self.backing.is_some();
+        // The engine's plan; what the ring cannot do itself (a backing read, inflating a
+        // compressed cluster, a slice to load) goes to the engine.
+        let planned = plan_read(
+            &mut self.pieces(offset, len),
+            scs,
+            |gc| self.shared.lookup_cached(m, gc, stamp),
+            |part| {
+                let (pos, len) = (part.pos, part.len);
+                match part.source {
+                    ReadSource::Data(host) => push(parts, Part::Io { host, pos, len }),
+                    ReadSource::Zero { .. } => push(parts, Part::Zero { pos, len }),
+                    ReadSource::Backing { .. } if !backing => push(parts, Part::Zero { pos, len }),
+                    ReadSource::Backing { .. } | ReadSource::Compressed { .. } => return false,
                 }
-            }
-        }
-        Some(())
+                true
+            },
+        );
+        (planned == Planned::Done).then_some(())
     }
 
     /// Appends to `parts` (empty, as for [`plan_direct_read`](Self::plan_direct_read)) the

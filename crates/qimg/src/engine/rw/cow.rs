@@ -5,7 +5,7 @@
 use qimg_io::Storage;
 
 use super::*;
-use crate::engine::plan::state_runs;
+use crate::engine::plan::{ReadSource, piece_parts};
 
 /// What the bytes a write copies around the guest's (copy-on-write) read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,23 +35,21 @@ impl<S: Storage> Inner<S> {
     ) -> impl Iterator<Item = (usize, usize, CowSource)> {
         let scs = self.shared.geo.subcluster_size() as usize;
         let backing = &self.backing;
-        state_runs(old, scs, from, to).map(move |run| {
-            let guest = gc + run.start as u64;
-            let source = if run.state.reads_zeros() {
-                CowSource::Zero
-            } else if run.state.reads_backing() {
-                match backing {
+        // The read planner's parts of the range, by where the copy reads them.
+        piece_parts(old, scs, (gc, from, to - from, from)).map(move |part| {
+            let source = match part.source {
+                ReadSource::Zero { .. } => CowSource::Zero,
+                ReadSource::Backing { guest, .. } => match backing {
                     None => CowSource::Zero,
                     Some(Backing::Raw { .. }) => CowSource::RawBacking(guest),
                     Some(Backing::Qcow2(image)) if guest >= image.inner.shared.size() => {
                         CowSource::Zero
                     }
                     Some(Backing::Qcow2(_)) => CowSource::Qcow2Backing,
-                }
-            } else {
-                CowSource::Data
+                },
+                ReadSource::Data(_) | ReadSource::Compressed { .. } => CowSource::Data,
             };
-            (run.start, run.end, source)
+            (part.pos, part.pos + part.len, source)
         })
     }
 

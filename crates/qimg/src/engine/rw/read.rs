@@ -4,7 +4,7 @@ use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
-use crate::engine::plan::{StateRun, plain_host, state_runs};
+use crate::engine::plan::{Planned, ReadPart, ReadSource, piece_parts, plan_read};
 use std::future::Future;
 use std::pin::Pin;
 
@@ -42,36 +42,76 @@ impl<S: Storage> Inner<S> {
         }
         let (first, end) = self.cluster_span(offset, len);
         let _guard = self.locks.lock(first, end, false).await;
+        let scs = self.shared.geo.subcluster_size() as usize;
+        let mut parts = Vec::new();
         let mut at = offset;
         for buf in bufs.iter_mut() {
             let segment_len = buf.len() as u64;
-            // Data of consecutive clusters that lie one after another in the file is read in
-            // one request: `(host offset, position in buf, length)` of the run so far.
-            let mut run: Option<(u64, usize, usize)> = None;
-            for (gc, a, n, pos) in self.pieces(at, segment_len) {
-                let entry = self.lookup_for_read(gc).await?;
-                let host = plain_host(&entry, self.shared.geo.subcluster_size() as usize, a, a + n);
-                if let (Some(h), Some((rh, rp, rl))) = (host, &mut run) {
-                    if *rh + *rl as u64 == h && *rp + *rl == pos {
-                        *rl += n;
-                        continue;
+            let mut pieces = self.pieces(at, segment_len);
+            parts.clear();
+            // Planned from the cache under the metadata lock; a cluster whose entry is not
+            // cached is looked up with I/O (without the lock), then the plan resumes.
+            loop {
+                let planned = {
+                    let mut m = self.meta.lock().await;
+                    self.ensure_open(&m)?;
+                    let now = Some(self.shared.now());
+                    plan_read(
+                        &mut pieces,
+                        scs,
+                        |gc| self.shared.lookup_cached(&mut m, gc, now),
+                        |part| {
+                            parts.push(part);
+                            true
+                        },
+                    )
+                };
+                match planned {
+                    Planned::Lacks(piece) => {
+                        let entry = self.lookup_for_read(piece.0).await?;
+                        parts.extend(piece_parts(&entry, scs, piece));
                     }
-                }
-                if let Some((rh, rp, rl)) = run.take() {
-                    self.read_data(&mut buf[rp..rp + rl], rh).await?;
-                }
-                match host {
-                    Some(h) => run = Some((h, pos, n)),
-                    None => {
-                        self.read_entry_range(&entry, gc, a, &mut buf[pos..pos + n])
-                            .await?
-                    }
+                    Planned::Done | Planned::Refused => break,
                 }
             }
-            if let Some((rh, rp, rl)) = run {
-                self.read_data(&mut buf[rp..rp + rl], rh).await?;
-            }
+            self.read_parts(&parts, buf).await?;
             at += segment_len;
+        }
+        Ok(())
+    }
+
+    /// Executes a read plan into `out`: each part's bytes at its position. Data that lies
+    /// one after another in the file and in `out` is read in one request.
+    pub(super) async fn read_parts(&self, parts: &[ReadPart], out: &mut [u8]) -> Result<()> {
+        // `(host offset, position in out, length)` of the data run so far.
+        let mut run: Option<(u64, usize, usize)> = None;
+        for part in parts {
+            if let (ReadSource::Data(h), Some((rh, rp, rl))) = (part.source, &mut run) {
+                if *rh + *rl as u64 == h && *rp + *rl == part.pos {
+                    *rl += part.len;
+                    continue;
+                }
+            }
+            if let Some((rh, rp, rl)) = run.take() {
+                self.read_data(&mut out[rp..rp + rl], rh).await?;
+            }
+            let dst = &mut out[part.pos..part.pos + part.len];
+            match part.source {
+                ReadSource::Data(h) => run = Some((h, part.pos, part.len)),
+                ReadSource::Zero { .. } => dst.fill(0),
+                ReadSource::Backing { guest, .. } => self.read_backing(dst, guest).await?,
+                ReadSource::Compressed {
+                    descriptor,
+                    gc,
+                    within,
+                } => {
+                    let inflated = self.read_compressed(&descriptor, gc).await?;
+                    dst.copy_from_slice(&inflated[within..within + part.len]);
+                }
+            }
+        }
+        if let Some((rh, rp, rl)) = run {
+            self.read_data(&mut out[rp..rp + rl], rh).await?;
         }
         Ok(())
     }
@@ -161,7 +201,7 @@ impl<S: Storage> Inner<S> {
     }
 
     /// Reads `out.len()` bytes from offset `a` of the guest cluster at `gc` as `entry`
-    /// describes it.
+    /// describes it (the planner's parts of that one piece, executed).
     pub(super) async fn read_entry_range(
         &self,
         entry: &AnyL2Entry,
@@ -170,44 +210,8 @@ impl<S: Storage> Inner<S> {
         out: &mut [u8],
     ) -> Result<()> {
         let scs = self.shared.geo.subcluster_size() as usize;
-        let mut inflated: Option<Vec<u8>> = None;
-        for StateRun {
-            start: pos,
-            end: run_end,
-            state,
-        } in state_runs(entry, scs, a, a + out.len())
-        {
-            let dst = &mut out[pos - a..run_end - a];
-            match state {
-                SubclusterState::Normal => {
-                    let host = entry.entry().host_cluster().map_or(0, |h| h.0);
-                    let (data, path) = self.shared.data();
-                    data.debug_event(DebugEvent::ReadAio);
-                    data.read_at_zero_fill(dst, host + pos as u64)
-                        .await
-                        .map_err(|e| Error::storage(path, e))?;
-                }
-                SubclusterState::ZeroAlloc | SubclusterState::ZeroPlain => dst.fill(0),
-                SubclusterState::UnallocatedAlloc | SubclusterState::UnallocatedPlain => {
-                    self.read_backing(dst, gc + pos as u64).await?;
-                }
-                SubclusterState::Compressed => {
-                    if inflated.is_none() {
-                        let L2Entry::Compressed(d) = *entry.entry() else {
-                            return Err(Error::corrupt(
-                                &self.shared.path,
-                                "compressed state without descriptor",
-                            ));
-                        };
-                        inflated = Some(self.read_compressed(&d, gc).await?);
-                    }
-                    if let Some(c) = &inflated {
-                        dst.copy_from_slice(&c[pos..run_end]);
-                    }
-                }
-            }
-        }
-        Ok(())
+        let parts: Vec<ReadPart> = piece_parts(entry, scs, (gc, a, out.len(), 0)).collect();
+        self.read_parts(&parts, out).await
     }
 
     pub(super) async fn read_compressed(
