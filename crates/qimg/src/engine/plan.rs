@@ -14,6 +14,10 @@
 
 use qimg_format::compressed::CompressedDescriptor;
 use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
+use qimg_io::Storage;
+
+use crate::engine::image::Inner;
+use crate::engine::rw::{Destination, PreparedWrite};
 
 /// Bytes `[start, end)` of one guest cluster, all in one subcluster state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +165,50 @@ pub(crate) fn plan_read(
         }
     }
     Planned::Done
+}
+
+impl<S: Storage> Inner<S> {
+    /// The write planner: for each piece in order, the entry of its cluster (from `entry_of`)
+    /// and the write's table ([`prepare_piece`](Self::prepare_piece)), appended to `out`.
+    /// Stops at the first piece whose entry `entry_of` lacks ([`Planned::Lacks`]; the caller
+    /// looks it up with I/O, prepares it and resumes). Nothing is allocated: the engine
+    /// allocates the new clusters with I/O (`rw/write.rs::prepare_chunks`), a queue's direct
+    /// path from cached refcounts (`queue/fast.rs::plan_direct_write`).
+    pub(crate) fn plan_writes(
+        &self,
+        pieces: &mut impl Iterator<Item = Piece>,
+        mut entry_of: impl FnMut(u64) -> Option<AnyL2Entry>,
+        out: &mut Vec<PreparedWrite>,
+    ) -> Planned {
+        for piece in pieces {
+            let Some(old) = entry_of(piece.0) else {
+                return Planned::Lacks(piece);
+            };
+            out.push(self.prepare_piece(old, piece));
+        }
+        Planned::Done
+    }
+
+    /// A write of one piece into the cluster `old` describes: what it copies and where it
+    /// lands ([`plan_write`](Self::plan_write)); a new cluster is still to allocate (`fresh`,
+    /// host 0), except with an external data file, where the host offset is the guest one.
+    pub(crate) fn prepare_piece(&self, old: AnyL2Entry, (gc, a, n, _): Piece) -> PreparedWrite {
+        let plan = self.plan_write(&old, a, a + n);
+        let (host, fresh) = match plan.target {
+            Destination::InPlace(h) => (h, false),
+            Destination::New if self.shared.data_file.is_some() => (gc, false),
+            Destination::New => (0, true),
+        };
+        PreparedWrite {
+            gc,
+            a,
+            b: a + n,
+            old,
+            plan,
+            host,
+            fresh,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -84,7 +84,8 @@ impl<S: Storage> Inner<S> {
         }
         let b = a + n;
         let old = self.shared.lookup_cached(m, gc, stamp)?;
-        let plan = self.plan_write(&old, a, b);
+        let link = self.prepare_piece(old, (gc, a, n, 0));
+        let plan = &link.plan;
         if plan.freed.is_some()
             || !plan.relink
             || (plan.start == a && plan.end == b)
@@ -94,7 +95,7 @@ impl<S: Storage> Inner<S> {
         }
         let mut fills: Vec<(usize, usize, Fill)> = Vec::with_capacity(2);
         for (from, to) in [(plan.start, a), (b, plan.end)] {
-            for (at, end, source) in self.cow_sources(&old, gc, from, to) {
+            for (at, end, source) in self.cow_sources(&link.old, gc, from, to) {
                 let fill = match source {
                     CowSource::Zero => Fill::Zero,
                     CowSource::RawBacking(guest) => Fill::Backing(guest),
@@ -114,29 +115,12 @@ impl<S: Storage> Inner<S> {
                 }
             }
         }
-        let (host, fresh) = match plan.target {
-            Destination::InPlace(h) => {
-                // The engine reports an overlap (and marks the image corrupt).
-                let span = (plan.end - plan.start) as u64;
-                if m.data_overlaps_metadata(h + plan.start as u64, span) {
-                    return None;
-                }
-                (h, false)
-            }
-            Destination::New => (0, true),
-        };
-        Some(CowWrite {
-            link: PreparedWrite {
-                gc,
-                a,
-                b,
-                old,
-                plan,
-                host,
-                fresh,
-            },
-            fills,
-        })
+        // The engine reports an overlap (and marks the image corrupt).
+        let span = (plan.end - plan.start) as u64;
+        if !link.fresh && m.data_overlaps_metadata(link.host + plan.start as u64, span) {
+            return None;
+        }
+        Some(CowWrite { link, fills })
     }
 
     /// Allocates the new cluster of a planned copy-on-write write from a cached refcount
@@ -207,28 +191,30 @@ impl<S: Storage> Inner<S> {
     ) -> Option<Vec<PreparedWrite>> {
         let cs = self.shared.geo.cluster_size();
         let mut planned = Vec::new();
+        let lookup = |gc| self.shared.lookup_cached(m, gc, stamp);
+        if self.plan_writes(&mut self.pieces(offset, len), lookup, &mut planned) != Planned::Done {
+            return None;
+        }
         let mut fresh = 0;
         // Some piece skips copy-on-write of zeros: its new cluster must read as zeros.
         let mut unused_only = false;
-        for (gc, a, n, pos) in self.pieces(offset, len) {
-            let old = self.shared.lookup_cached(m, gc, stamp)?;
-            let mut plan = self.plan_write(&old, a, a + n);
-            if plan.freed.is_some() {
+        for p in &mut planned {
+            if p.plan.freed.is_some() {
                 return None;
             }
-            if plan.start != a || plan.end != a + n {
-                if plan.target != Destination::New
-                    || !self.cow_reads_zero(&old, gc, &plan, a, a + n)
+            if p.plan.start != p.a || p.plan.end != p.b {
+                if p.plan.target != Destination::New
+                    || !self.cow_reads_zero(&p.old, p.gc, &p.plan, p.a, p.b)
                 {
                     return None;
                 }
-                (plan.start, plan.end) = (a, a + n);
+                (p.plan.start, p.plan.end) = (p.a, p.b);
                 unused_only = true;
             }
-            if plan.relink && !self.shared.can_link_cached(m, gc) {
+            if p.plan.relink && !self.shared.can_link_cached(m, p.gc) {
                 return None;
             }
-            match plan.target {
+            match p.plan.target {
                 // With a data file the host offset is the guest offset: nothing to allocate,
                 // but also nothing the direct path links there.
                 Destination::New if self.shared.data_file.is_some() => return None,
@@ -236,13 +222,12 @@ impl<S: Storage> Inner<S> {
                 Destination::InPlace(h) => {
                     // The engine reports an overlap (and marks the image corrupt).
                     let overlaps = self.shared.data_file.is_none()
-                        && m.data_overlaps_metadata(h + a as u64, n as u64);
+                        && m.data_overlaps_metadata(h + p.a as u64, (p.b - p.a) as u64);
                     if overlaps {
                         return None;
                     }
                 }
             }
-            planned.push((gc, a, n, pos, old, plan));
         }
         let allocation = self.shared.allocation;
         let reservation = &self.shared.reservation;
@@ -253,30 +238,21 @@ impl<S: Storage> Inner<S> {
         };
         let mut hosts = self.shared.alloc_near_now(m, fresh, accept)?.into_iter();
         let mut links = Vec::new();
-        for (gc, a, n, pos, old, plan) in planned {
-            let (host, fresh) = match plan.target {
-                Destination::InPlace(h) => (h, false),
+        for mut p in planned {
+            if p.fresh {
                 // As many hosts as pieces that wanted one.
-                Destination::New => (hosts.next().unwrap_or_default(), true),
-            };
+                p.host = hosts.next().unwrap_or_default();
+            }
             push(
                 parts,
                 Part::Io {
-                    host: host + a as u64,
-                    pos,
-                    len: n,
+                    host: p.host + p.a as u64,
+                    pos: (p.gc + p.a as u64 - offset) as usize,
+                    len: p.b - p.a,
                 },
             );
-            if plan.relink {
-                links.push(PreparedWrite {
-                    gc,
-                    a,
-                    b: a + n,
-                    old,
-                    plan,
-                    host,
-                    fresh,
-                });
+            if p.plan.relink {
+                links.push(p);
             }
         }
         Some(links)

@@ -7,6 +7,7 @@ use qimg_io::Storage;
 
 use super::*;
 use crate::engine::meta::Needs;
+use crate::engine::plan::Planned;
 
 /// The most clusters [`Inner::prepare_chunks`] allocates as one run (4096 clusters: 256 MiB
 /// at 64 KiB; requests are rarely larger, and a larger one continues in a second run).
@@ -104,23 +105,18 @@ impl<S: Storage> Inner<S> {
         self.ensure_open(&m)?;
         let cs = self.shared.geo.cluster_size();
         let mut prepared = Vec::with_capacity(pieces.len());
-        for &(gc, a, b) in pieces {
-            let old = self.shared.lookup(&mut m, gc).await?;
-            let plan = self.plan_write(&old, a, b);
-            let (host, fresh) = match plan.target {
-                Destination::InPlace(h) => (h, false),
-                Destination::New if self.shared.data_file.is_some() => (gc, false),
-                Destination::New => (0, true),
-            };
-            prepared.push(PreparedWrite {
-                gc,
-                a,
-                b,
-                old,
-                plan,
-                host,
-                fresh,
-            });
+        let mut pieces = pieces.iter().map(|&(gc, a, b)| (gc, a, b - a, 0));
+        // The planner from the cache; an entry it lacks is looked up with I/O.
+        loop {
+            let now = Some(self.shared.now());
+            let lookup = |gc| self.shared.lookup_cached(&mut m, gc, now);
+            match self.plan_writes(&mut pieces, lookup, &mut prepared) {
+                Planned::Lacks(piece) => {
+                    let old = self.shared.lookup(&mut m, piece.0).await?;
+                    prepared.push(self.prepare_piece(old, piece));
+                }
+                Planned::Done | Planned::Refused => break,
+            }
         }
         // QEMU's order, one L2 table at a time: a missing (or shared) table, then the data
         // clusters it maps, as one run; then the next table.
