@@ -125,6 +125,11 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["info", "--output=xml", "a.qcow2"],
         &["map", "--output", "xml", "a.qcow2"],
         &["check", "-r", "bogus", "a.qcow2"],
+        // A format qemu-img does not know, and a file that is not there.
+        &["check", "-f", "foo", "a.qcow2"],
+        &["check", "-f", "foo", "gone.qcow2"],
+        &["check", "gone.qcow2"],
+        &["bench", "-c", "1", "gone.qcow2"],
         &["info"],
         &["check"],
         &["map"],

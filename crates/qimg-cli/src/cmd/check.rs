@@ -6,10 +6,10 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 use qimg::tools::check::{CheckEvent, CheckOptions, CheckReport, Repair, check};
 
-use crate::args::{image_format, json_output};
+use crate::args::json_output;
 use crate::status::{fail, lib_msg, open_msg};
 
 /// Arguments of `qimg check`.
@@ -61,18 +61,9 @@ pub fn run(args: CheckArgs) -> ExitCode {
         );
     };
     let path = Path::new(&file);
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => match image_format(name) {
-            Some(f) => f,
-            None => return fail(format!("Unknown file format '{name}'"), 1),
-        },
-        None => match probe_format(path) {
-            Ok(f) => f,
-            Err(e) => {
-                let msg = anyhow::anyhow!("Could not open '{file}': {}", lib_msg(&e, &file));
-                return fail(format!("{:#}", crate::status::open_msg(msg, &file)), 1);
-            }
-        },
+    let fmt = match crate::chain::source_format(path, &file, args.fmt.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(format!("{e:#}"), 1),
     };
     if args.force_share && repair.is_some() {
         return fail(

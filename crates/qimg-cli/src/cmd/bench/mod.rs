@@ -49,7 +49,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow};
-use qimg::chain::{ImageFormat, probe_format};
+use qimg::chain::ImageFormat;
 use qimg::io::{BlockingStrategy, BounceStorage, FileOptions, Storage, StorageError, UringOptions};
 use qimg::{CacheStats, Image, OpenOptions, Stats};
 
@@ -76,11 +76,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn bench(cfg: &Config) -> Result<()> {
     let fmt = match cfg.fmt {
         Some(f) => f,
-        None => probe_format(&cfg.path).map_err(|e| {
-            let name = &cfg.name;
-            let msg = crate::status::lib_msg(&e, name);
-            crate::status::open_msg(anyhow!("Could not open '{name}': {msg}"), name)
-        })?,
+        None => crate::chain::source_format(&cfg.path, &cfg.name, None)?,
     };
     let mut rt = if cfg.multi_thread {
         tokio::runtime::Builder::new_multi_thread()
