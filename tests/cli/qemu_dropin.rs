@@ -3043,3 +3043,97 @@ fn resizing_a_v2_image_with_snapshots_and_snapshots_of_1_bit_refcounts_are_refus
         outs[0]
     );
 }
+
+/// QEMU's discard and zeroing make the L2 table of what they cover writable before looking at
+/// the entries: a discard over a fresh image allocates its tables (`Image end offset` grows),
+/// a discard where a snapshot shares the table copies it, and a version 2 image zeroes by
+/// discarding (and discards nothing over a backing file). Ours leaves the same files.
+#[test]
+fn discard_and_zeroing_leave_qemus_l2_tables() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("discard-tables");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "compat=1.1",
+                "v3.qcow2",
+                "4M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "extended_l2=on",
+                "x.qcow2",
+                "4M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "compat=0.10",
+                "v2.qcow2",
+                "4M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "compat=0.10",
+                "-b",
+                "v2.qcow2",
+                "-F",
+                "qcow2",
+                "v2top.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 5 0 128k", "v2.qcow2"]),
+        ("qemu-io", &["-c", "write -P 6 0 64k", "v2top.qcow2"]),
+    ];
+    let steps: Prep = &[
+        ("qemu-io", &["-c", "discard 0 1M", "v3.qcow2"]),
+        ("qemu-img", &["check", "v3.qcow2"]),
+        ("qemu-io", &["-c", "discard 1M 64k", "-c", "map", "x.qcow2"]),
+        ("qemu-img", &["check", "x.qcow2"]),
+        ("qemu-img", &["snapshot", "-c", "s", "v3.qcow2"]),
+        ("qemu-io", &["-c", "discard 0 64k", "v3.qcow2"]),
+        ("qemu-img", &["check", "v3.qcow2"]),
+        (
+            "qemu-io",
+            &["-c", "write -z 2M 64k", "-c", "map", "v2.qcow2"],
+        ),
+        ("qemu-img", &["check", "v2.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "discard 0 64k",
+                "-c",
+                "read -P 6 0 64k",
+                "v2top.qcow2",
+            ],
+        ),
+        ("qemu-img", &["map", "--output=json", "v2top.qcow2"]),
+        ("qemu-img", &["check", "v2top.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+}

@@ -387,27 +387,50 @@ impl Session {
         }
         let backing = img.backing().is_some();
         let mut at = first;
-        // Runs of clusters to zero, issued as one request each.
-        let mut run: Option<(u64, u64)> = None;
+        // Runs of clusters to zero (`true`) or to leave unallocated (`false`), each issued as
+        // one request. QEMU leaves a cluster that is unallocated (or zero) without a backing
+        // file as it is, but makes its L2 table writable first (allocated when missing,
+        // copied when a snapshot shares it): the engine's discard of an unallocated cluster
+        // does just that.
+        let mut run: Option<(bool, u64, u64)> = None;
+        let mut runs = Vec::new();
         while at < last {
             let n = cs.min(last - at);
-            let zero = backing || self.has_host_cluster(at, n).await?;
-            if zero {
-                run = match run {
-                    Some((s, l)) if s + l == at => Some((s, l + n)),
-                    Some((s, l)) => {
-                        img.write_zeroes_unmap(s, l).await.map_err(|e| e.errno())?;
-                        Some((at, n))
-                    }
-                    None => Some((at, n)),
-                };
-            }
+            let kind = if backing || self.has_host_cluster(at, n).await? {
+                Some(true)
+            } else if self.unallocated(at, n).await? {
+                Some(false)
+            } else {
+                None
+            };
+            run = match (run, kind) {
+                (Some((k, s, l)), Some(kind)) if k == kind && s + l == at => Some((k, s, l + n)),
+                (r, kind) => {
+                    runs.extend(r);
+                    kind.map(|k| (k, at, n))
+                }
+            };
             at += n;
         }
-        if let Some((s, l)) = run {
-            img.write_zeroes_unmap(s, l).await.map_err(|e| e.errno())?;
+        runs.extend(run);
+        for (zero, s, l) in runs {
+            let done = if zero {
+                img.write_zeroes_unmap(s, l).await
+            } else {
+                img.discard(s, l).await
+            };
+            done.map_err(|e| e.errno())?;
         }
         self.after_write(false).await
+    }
+
+    /// Whether every byte of `[at, at + len)` is unallocated in the image itself (neither
+    /// data nor a zero cluster).
+    async fn unallocated(&self, at: u64, len: u64) -> Result<bool, i32> {
+        let extents = self.image().map(at, len).await.map_err(|e| e.errno())?;
+        Ok(extents
+            .iter()
+            .all(|e| matches!(e.kind, ExtentKind::Unallocated { host_offset: None })))
     }
 
     /// Bytes from `offset` (up to `len`) with the same allocation state in the image itself

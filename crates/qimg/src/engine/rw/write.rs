@@ -292,7 +292,8 @@ impl<S: Storage> Inner<S> {
     /// QEMU's order: a missing L2 table for guest cluster `gc`, or the copy of one a snapshot
     /// shares, is made before the data clusters it maps are allocated, so that a large write
     /// to an empty area lands as one host extent after it (and the file ends where QEMU's
-    /// does).
+    /// does). Write-zeroes and discard call it too where QEMU makes the table writable
+    /// although no entry changes (`get_cluster_table`).
     pub(super) async fn table_before_data(&self, m: &mut Meta, gc: u64) -> Result<()> {
         let l1i = (gc / self.shared.geo.l2_coverage()) as usize;
         if m.l1()

@@ -36,6 +36,9 @@ impl<S: Storage> Inner<S> {
                 Unmap::Zero { unmap } => self.zero_chunk(gc, a, a + n, unmap).await?,
                 // Over a backing file a discarded subcluster becomes a zero subcluster, so
                 // that the backing file's old data does not show again.
+                // v2 has no zero clusters: QEMU refuses to discard over a backing file
+                // (the old data would show again), and the data stays.
+                Unmap::Discard if self.backing.is_some() && self.shared.version == 2 => {}
                 Unmap::Discard if self.backing.is_some() => {
                     let b = self.extend_to_cluster_end_at_eof(gc, a + n);
                     let (first, end) = self.whole_subclusters(a, b);
@@ -145,7 +148,9 @@ impl<S: Storage> Inner<S> {
             }
         };
         if new == old {
-            return Ok(());
+            // QEMU makes the table writable (a missing one allocated, one a snapshot
+            // shares copied) before it looks at the entries, so its file holds the table.
+            return self.table_before_data(&mut m, gc).await;
         }
         if self.shared.data_file_raw {
             self.zero_raw_data(gc, first * scs, end * scs).await?;
@@ -232,6 +237,12 @@ impl<S: Storage> Inner<S> {
             }
         };
         if new == old {
+            // As QEMU's discard (`discard_in_l2_slice`), which makes the table of a whole
+            // discarded cluster writable first: a missing one allocated, a shared one copied.
+            let whole = first == 0 && end * scs >= self.shared.geo.cluster_size() as usize;
+            if whole {
+                self.table_before_data(&mut m, gc).await?;
+            }
             return Ok(());
         }
         if self.shared.data_file_raw {
