@@ -36,9 +36,6 @@ impl<S: Storage> Inner<S> {
                 Unmap::Zero { unmap } => self.zero_chunk(gc, a, a + n, unmap).await?,
                 // Over a backing file a discarded subcluster becomes a zero subcluster, so
                 // that the backing file's old data does not show again.
-                // v2 has no zero clusters: QEMU refuses to discard over a backing file
-                // (the old data would show again), and the data stays.
-                Unmap::Discard if self.backing.is_some() && self.shared.version == 2 => {}
                 Unmap::Discard if self.backing.is_some() => {
                     let b = self.extend_to_cluster_end_at_eof(gc, a + n);
                     let (first, end) = self.whole_subclusters(a, b);
