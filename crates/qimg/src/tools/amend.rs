@@ -2,7 +2,7 @@
 //!
 //! | option | what changes |
 //! |---|---|
-//! | `compat` | upgrade v2 → v3 (112-byte header, feature name table); downgrade v3 → v2 (zero clusters expanded: unallocated without a backing file, written zeros with one; header back to 72 bytes; refused with a data file, extended L2, zstd-compressed clusters, refcount widths other than 16 or internal snapshots; persistent bitmaps stay, as QEMU leaves them) |
+//! | `compat` | upgrade v2 → v3 (112-byte header, feature name table); downgrade v3 → v2 (zero clusters expanded in place in every L2 table, the snapshots' too, as QEMU's `qcow2_expand_zero_clusters`: unallocated without a backing file, a cluster written with zeros otherwise; header back to 72 bytes; refused with a data file, extended L2, zstd-compressed clusters or refcount widths other than 16; persistent bitmaps stay, as QEMU leaves them) |
 //! | `lazy_refcounts` | the compatible feature bit (v3 only) |
 //! | `refcount_bits` | a new refcount table and blocks of the new width, computed from every reference in the image, placed past the end of the file; the header then switches to them and the old structure becomes free space |
 //! | `data_file` | the name of the external data file (only for images that have one) |
@@ -57,9 +57,6 @@ pub struct AmendOptions {
 fn refuse(msg: impl Into<String>) -> Error {
     Error::InvalidOption(msg.into())
 }
-
-/// Bytes of zeros written at a time when expanding zero clusters.
-const ZERO_CHUNK: usize = 1 << 20;
 
 /// Amends the qcow2 image at `path`; `progress(done, total)` is called as the work goes.
 pub async fn amend(
@@ -117,12 +114,6 @@ pub async fn amend(
         }
         if h.refcount_order != 4 && opts.refcount_bits.is_none_or(|b| b != 16) {
             return Err(refuse("compat=0.10 requires refcount_bits=16"));
-        }
-        if h.nb_snapshots > 0 {
-            return Err(refuse(
-                "Cannot downgrade an image with internal snapshots (qimg does not rewrite \
-                 their tables)",
-            ));
         }
     }
     // An upgrade in the same call comes first, as in QEMU.
@@ -275,25 +266,7 @@ async fn expand(img: &Image<crate::io::AnyStorage>) -> Result<()> {
              clusters",
         ));
     }
-    let backed = img.backing().is_some();
-    let zeros = vec![0u8; ZERO_CHUNK];
-    for e in extents {
-        let ExtentKind::Zero { host_offset } = e.kind else {
-            continue;
-        };
-        if !backed && host_offset.is_none() {
-            img.discard(e.start, e.length).await?;
-            continue;
-        }
-        let mut at = e.start;
-        let end = e.start + e.length;
-        while at < end {
-            let n = (end - at).min(ZERO_CHUNK as u64);
-            img.write(&zeros[..n as usize], at).await?;
-            at += n;
-        }
-    }
-    Ok(())
+    img.inner.expand_zero_clusters().await
 }
 
 /// Replaces the refcount structure with one of width `1 << order`, computed from every

@@ -261,6 +261,12 @@ impl Meta {
         }
     }
 
+    /// The slices of L2 table `table` leave the cache unwritten (the caller wrote back what
+    /// was dirty, and changes the table in the file).
+    pub(crate) fn uncache_l2_table(&mut self, table: u64) {
+        let _ = self.l2.remove(table);
+    }
+
     /// The active tree uses L2 table `table` (one reference more in the overlap checks).
     pub(crate) fn note_l2_table(&mut self, table: u64) {
         self.overlap

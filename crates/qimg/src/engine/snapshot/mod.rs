@@ -25,6 +25,7 @@
 //! refcount write and the flag write a flag disagrees with its refcount, which `check -r all`
 //! repairs; QEMU has the same window, the two cannot change in one write).
 
+mod expand;
 mod tables;
 
 use std::time::{SystemTime, UNIX_EPOCH};
