@@ -3137,3 +3137,64 @@ fn discard_and_zeroing_leave_qemus_l2_tables() {
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
 }
+
+/// Opening an image reads its header cluster, not the first 2 MiB of the file: a small
+/// image's data stays out of the page cache, where it would make the unwritten extents QEMU
+/// leaves in its clusters read as data to `SEEK_DATA`, so QEMU's own `map` of the file after
+/// our `info`, `check` or `map` answers as after QEMU's (it found data everywhere before).
+#[test]
+fn opening_an_image_leaves_its_data_out_of_the_page_cache() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("open-reads");
+    let ours = Ours::new(&s);
+    // QEMU's tool in both runs (a path, which `side_by_side` does not replace with ours).
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let qemu = std::env::split_paths(&path)
+        .map(|d| d.join("qemu-img"))
+        .find(|f| f.is_file())
+        .expect("qemu-img on PATH");
+    let qemu = qemu.to_str().unwrap();
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "a.qcow2", "16M"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "bench", "-w", "-c", "100", "-s", "8k", "-S", "16k", "-o", "4k", "a.qcow2",
+            ],
+        ),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["info", "a.qcow2"]),
+        ("qemu-img", &["check", "a.qcow2"]),
+        (qemu, &["map", "-f", "raw", "a.qcow2"]),
+        // A write bench run as qemu-img leaves the file as QEMU's does.
+        (
+            "qemu-img",
+            &[
+                "bench", "-w", "-c", "50", "-s", "8k", "-S", "16k", "-o", "2M", "a.qcow2",
+            ],
+        ),
+        (qemu, &["map", "-f", "raw", "a.qcow2"]),
+        ("qemu-img", &["check", "a.qcow2"]),
+    ];
+    let timing = |out: &String| -> String {
+        out.lines()
+            .map(|l| {
+                if l.starts_with("Run completed in") {
+                    "TIMING"
+                } else {
+                    l
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let outs: Vec<String> = side_by_side(&s, &ours, &[], prepare, steps)
+        .iter()
+        .map(timing)
+        .collect();
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+}

@@ -41,7 +41,23 @@ impl ImageFormat {
 }
 
 /// Largest cluster 0 (2 MiB clusters).
-const MAX_CLUSTER0: u64 = 2 << 20;
+pub(crate) const MAX_CLUSTER0: u64 = 2 << 20;
+
+/// Bytes read first from the start of an image: every header and header extension QEMU or
+/// qimg writes fits.
+pub(crate) const HEADER_HEAD: u64 = 4096;
+
+/// How many bytes from the start of the file are cluster 0, given its first bytes (at least
+/// [`HEADER_HEAD`] of them, or the whole file): the header's cluster size; `None` when the
+/// header does not decode to a usable one (the caller reads up to [`MAX_CLUSTER0`] bytes).
+/// Reading only the cluster keeps a small image's data out of the page cache (where it
+/// would turn unwritten extents into data for `SEEK_DATA`, and so `qemu-img map`'s answers).
+pub(crate) fn cluster0_len(head: &[u8]) -> Option<u64> {
+    qimg_format::header::Header::decode(head)
+        .ok()
+        .and_then(|h| h.cluster_size())
+        .filter(|&c| (512..=MAX_CLUSTER0).contains(&c))
+}
 
 /// Most images in a backing chain below the opened one, for every walk down a chain (open,
 /// `info --backing-chain`, create's size probe). QEMU has no fixed limit; a chain deeper than
@@ -115,12 +131,17 @@ pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
 
 /// Reads and validates cluster 0 of a qcow2 image.
 pub fn read_cluster0(path: &Path, mode: OpenMode) -> Result<Cluster0> {
-    let mut bytes = read_prefix(path, 0, MAX_CLUSTER0)?;
+    let head = read_prefix(path, 0, HEADER_HEAD)?;
+    let cs = cluster0_len(&head);
+    let want = cs.unwrap_or(MAX_CLUSTER0);
+    let mut bytes = if want as usize > head.len() && head.len() as u64 == HEADER_HEAD {
+        read_prefix(path, 0, want)?
+    } else {
+        head
+    };
     // QEMU reads past EOF as zeros; a short file still has a (zero) end marker.
-    if let Ok(h) = qimg_format::header::Header::decode(&bytes) {
-        if let Some(cs) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
-            bytes.resize(cs as usize, 0);
-        }
+    if let Some(cs) = cs {
+        bytes.resize(cs as usize, 0);
     }
     validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
 }

@@ -26,11 +26,8 @@ use super::lock::RangeLocks;
 use super::meta::Meta;
 use super::options::{OpenOptions, Trust};
 use super::state::{Counters, Reservation, Shared};
-use crate::chain::{ImageFormat, data_file_path, probe_format, resolve_backing};
+use crate::chain::{self, ImageFormat, data_file_path, probe_format, resolve_backing};
 use crate::error::{Error, Result};
-
-/// Largest cluster 0 read at open (the largest cluster size).
-const MAX_CLUSTER0: usize = 2 << 20;
 
 /// Opens the files an image refers to (backing files, external data files) as storages of the
 /// same kind as the image.
@@ -430,18 +427,25 @@ pub(crate) async fn read_cluster0<S: Storage>(
     mode: OpenMode,
 ) -> Result<Cluster0> {
     let len = file.len().await.map_err(|e| Error::storage(path, e))?;
-    let want = usize::try_from(len.min(MAX_CLUSTER0 as u64)).unwrap_or(MAX_CLUSTER0);
-    let mut bytes = vec![0u8; want.max(512)];
+    // The header first; then the rest of the cluster it names (`chain::cluster0_len`).
+    let head = len.clamp(512, chain::HEADER_HEAD) as usize;
+    let mut bytes = vec![0u8; head];
     file.read_at_zero_fill(&mut bytes, 0)
         .await
         .map_err(|e| Error::storage(path, e))?;
-    if let Ok(h) = Header::decode(&bytes) {
-        if let Some(cs) = h
-            .cluster_size()
-            .filter(|&c| (512..=MAX_CLUSTER0 as u64).contains(&c))
-        {
-            bytes.resize(cs as usize, 0);
+    let want = match chain::cluster0_len(&bytes) {
+        Some(cs) => cs,
+        None => len.min(chain::MAX_CLUSTER0).max(head as u64),
+    } as usize;
+    if want > head {
+        bytes.resize(want, 0);
+        if len > head as u64 {
+            file.read_at_zero_fill(&mut bytes[head..], head as u64)
+                .await
+                .map_err(|e| Error::storage(path, e))?;
         }
+    } else {
+        bytes.truncate(want);
     }
     validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
 }

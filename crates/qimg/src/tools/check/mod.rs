@@ -99,7 +99,7 @@ use std::path::Path;
 use std::task::{Context, Poll, Waker};
 
 use qimg_format::cluster0::Cluster0;
-use qimg_format::header::{Header, SnapshotPointer};
+use qimg_format::header::SnapshotPointer;
 use qimg_format::validate::{OpenMode, validate_cluster0};
 use qimg_io::{BlockingStrategy, FileStorage, ImageLock, Storage, StorageError};
 use tokio::runtime::Builder;
@@ -313,20 +313,32 @@ pub async fn check_storage<S: Storage>(
 /// Cluster 0, validated as QEMU opens an image for a check: the snapshot table pointer is
 /// not looked at (the check reads and validates it itself, and `-r all` may repair it).
 async fn read_cluster0<S: Storage>(file: &S, path: &Path) -> Result<Cluster0> {
-    const MAX_CLUSTER0: u64 = 2 << 20;
     let len = file
         .len()
         .await
         .map_err(|e| Error::io(path, "stat", storage_io_error(e)))?;
-    let mut bytes = vec![0u8; len.clamp(512, MAX_CLUSTER0) as usize];
-    let n = len.min(MAX_CLUSTER0) as usize;
-    file.read_at(&mut bytes[..n], 0)
-        .await
-        .map_err(|e| Error::io(path, format!("read {n} bytes at 0x0"), storage_io_error(e)))?;
-    if let Ok(h) = Header::decode(&bytes) {
-        if let Some(cluster_size) = h.cluster_size().filter(|&c| c <= MAX_CLUSTER0) {
-            bytes.resize(cluster_size as usize, 0);
-        }
+    // The header first; then the rest of the cluster it names (`chain::cluster0_len`).
+    let read = |n: u64| async move {
+        let mut bytes = vec![0u8; len.clamp(512, n) as usize];
+        let got = len.min(n) as usize;
+        file.read_at(&mut bytes[..got], 0).await.map_err(|e| {
+            Error::io(
+                path,
+                format!("read {got} bytes at 0x0"),
+                storage_io_error(e),
+            )
+        })?;
+        Ok::<_, Error>(bytes)
+    };
+    let head = read(crate::chain::HEADER_HEAD).await?;
+    let cs = crate::chain::cluster0_len(&head);
+    let mut bytes = match cs {
+        Some(cs) if cs <= head.len() as u64 => head,
+        Some(cs) => read(cs).await?,
+        None => read(crate::chain::MAX_CLUSTER0).await?,
+    };
+    if let Some(cs) = cs {
+        bytes.resize(cs as usize, 0);
     }
     let mut masked = bytes.clone();
     SnapshotPointer::clear_in(&mut masked);
