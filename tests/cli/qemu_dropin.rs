@@ -3198,3 +3198,70 @@ fn opening_an_image_leaves_its_data_out_of_the_page_cache() {
         .collect();
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
 }
+
+/// `commit -p` prints qemu-img's progress skeleton: its line starts before anything is
+/// opened (so a refused commit prints `(0.00/100%)` and the newline too) and ends with
+/// `(100.00/100%)` when the job completes; the lines between depend on QEMU's job timing and
+/// are not compared.
+#[test]
+fn commit_progress_starts_and_ends_as_qemu_imgs() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("commit-progress");
+    let ours = Ours::new(&s);
+    ok(
+        "b",
+        &qemu_img(&s.0, &["create", "-q", "-f", "qcow2", "b.qcow2", "64M"]),
+    );
+    ok(
+        "t",
+        &qemu_img(
+            &s.0,
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", "t.qcow2",
+            ],
+        ),
+    );
+    ok(
+        "w",
+        &qemu_io_run(&s.0, &["-c", "write -P 1 0 3M", "t.qcow2"]),
+    );
+    // Refused: the same output, progress included.
+    let (q, o) = both(
+        &s,
+        &ours,
+        "qemu-img",
+        &["b.qcow2"],
+        &["commit", "-p", "b.qcow2"],
+    );
+    assert_eq!(o, q, "commit -p without a backing file");
+    // Done: the first and the last progress lines, and what follows them.
+    let (q, o) = both(
+        &s,
+        &ours,
+        "qemu-img",
+        &["b.qcow2", "t.qcow2"],
+        &["commit", "-p", "t.qcow2"],
+    );
+    let skeleton = |out: &str| {
+        let lines: Vec<String> = out
+            .split(['\r', '\n'])
+            .map(|l| l.trim().to_string())
+            .filter(|l| !l.is_empty())
+            .collect();
+        (
+            lines.first().cloned(),
+            lines.iter().rev().nth(1).cloned(),
+            lines.last().cloned(),
+        )
+    };
+    assert_eq!(skeleton(&o.0), skeleton(&q.0), "{o:?} {q:?}");
+    assert_eq!(
+        skeleton(&q.0),
+        (
+            Some("(0.00/100%)".into()),
+            Some("(100.00/100%)".into()),
+            Some("Image committed.".into()),
+        )
+    );
+    assert_eq!((&o.1, &o.2), (&q.1, &q.2));
+}

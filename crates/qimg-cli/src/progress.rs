@@ -42,6 +42,20 @@ impl Progress {
         }
     }
 
+    /// Sets the amount of work, once it is known (a progress line started before it).
+    pub fn set_total(&mut self, total: u64) {
+        self.total = total;
+    }
+
+    /// The work is done: 100% printed once more if the last line said less (qemu-img's
+    /// block jobs print it when the job completes, whatever was copied).
+    pub fn complete(&mut self) {
+        if self.on && self.last < 100.0 {
+            self.last = 100.0;
+            self.print(100.0);
+        }
+    }
+
     /// Ends the line (qemu-img prints a newline whether or not the work finished).
     pub fn end(&mut self) {
         if self.on {

@@ -64,6 +64,21 @@ pub fn run(args: CommitArgs) -> Result<()> {
     let Some(file) = args.filename.clone() else {
         bail!("Expecting one image file name\nTry 'qimg commit --help' for more info");
     };
+    // qemu-img starts its progress line before it opens anything, and ends it (a newline)
+    // however the commit ends.
+    let mut progress = Progress::start(args.progress && !args.quiet, 0);
+    let r = run_with(&args, &file, rate, &mut progress);
+    progress.end();
+    r?;
+    if !args.quiet {
+        outln!("Image committed.");
+    }
+    Ok(())
+}
+
+/// [`run`] with its progress line started.
+fn run_with(args: &CommitArgs, file: &str, rate: u64, progress: &mut Progress) -> Result<()> {
+    let file = file.to_string();
     let path = Path::new(&file);
     let fmt = source_format(path, &file, args.fmt.as_deref()).map_err(|e| open_msg(e, &file))?;
     if fmt == ImageFormat::Raw {
@@ -83,11 +98,7 @@ pub fn run(args: CommitArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the I/O runtime")?;
-    rt.block_on(commit(&args, path, &file, rate))?;
-    if !args.quiet {
-        outln!("Image committed.");
-    }
-    Ok(())
+    rt.block_on(commit(args, path, &file, rate, progress))
 }
 
 /// The base of the commit: its path, its format and its depth in the chain.
@@ -105,7 +116,13 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 /// The commit itself; `rate`: `-r`, bytes of data copied per second (0: no limit).
-async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result<()> {
+async fn commit(
+    args: &CommitArgs,
+    path: &Path,
+    file: &str,
+    rate: u64,
+    progress: &mut Progress,
+) -> Result<()> {
     // The chain, read without taking locks (the base is opened for writing below).
     let layers = open_chain(path, file, ImageFormat::Qcow2, true)
         .await
@@ -163,20 +180,12 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
         Layer::Raw(_) => (65536, 1),
     };
     let steps = plan(&entries, base.depth, size, granularity, zero_align);
-    let show = args.progress && !args.quiet;
-    let total: u64 = steps.iter().map(|r| r.1).sum();
-    let mut progress = Progress::start(show, total);
+    progress.set_total(steps.iter().map(|r| r.1).sum());
     let base_name = base.path.display().to_string();
     if base.raw {
         let mut pace = Pace::new(rate);
         copy_to_raw(
-            top,
-            &base.path,
-            &base_name,
-            size,
-            &steps,
-            &mut progress,
-            &mut pace,
+            top, &base.path, &base_name, size, &steps, progress, &mut pace,
         )
         .await?;
     } else {
@@ -187,7 +196,7 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
             .await
             .map_err(|e| anyhow!("Could not open '{base_name}': {}", lib_msg(&e, &base_name)))?;
         let mut pace = Pace::new(rate);
-        let r = copy_to_qcow2(top, &b, size, &steps, &mut progress, &mut pace).await;
+        let r = copy_to_qcow2(top, &b, size, &steps, progress, &mut pace).await;
         let closed = b
             .close()
             .await
@@ -195,14 +204,13 @@ async fn commit(args: &CommitArgs, path: &Path, file: &str, rate: u64) -> Result
         r.and(closed)?;
     }
     drop(layers);
+    progress.complete();
     if args.keep || args.base.is_some() {
-        progress.end();
         return Ok(());
     }
     let top = crate::image_spec::open_writable(path, file).await?;
     let r = top.make_empty().await;
     let closed = top.close().await;
-    progress.end();
     r.and(closed)
         .map_err(|e| anyhow!("Could not empty {file}: {}", lib_msg(&e, file)))
 }
