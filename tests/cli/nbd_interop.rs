@@ -1229,3 +1229,77 @@ fn the_nbd_client_speaks_tls_as_qemus_does() {
         common::qemu_io(dir, "qcow2", &image, &["read -P 0x5a 0 512k"]);
     }
 }
+
+/// `qemu-img bench` on an export (it was refused: bench opened only files), qemu-io's raw
+/// probe warning naming the export by its canonical URI, and a missing export refused
+/// without qemu-nbd reporting a client that vanished mid-negotiation (QEMU's client ends
+/// the handshake with `NBD_OPT_ABORT`): the same output as QEMU's tools.
+#[test]
+fn bench_and_refusals_on_an_export_speak_as_qemu_tools() {
+    if !have_qemu_tools("bench_and_refusals_on_an_export_speak_as_qemu_tools") {
+        return;
+    }
+    use crate::qemu_dropin::{Ours, masked};
+    let s = Scratch::new("nbd-bench");
+    let ours = Ours::new(&s);
+    create(&s.0, "a.qcow2", false, None);
+    qemu_io(&s.0, "qcow2", "a.qcow2", &["write -P 1 0 1M".into()]);
+    let sock = s.path("a.sock");
+    // qemu-nbd's own messages (stderr) are kept, so a complaint shows in the comparison.
+    let log = s.path("qemu-nbd.log");
+    let mut server = Command::new("qemu-nbd")
+        .args([
+            &format!("--socket={}", sock.display()),
+            "--format=qcow2",
+            "--persistent",
+            "a.qcow2",
+        ])
+        .current_dir(&s.0)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    // Hang guard: qemu-nbd listens within milliseconds; 10 s is far more.
+    for _ in 0..1000 {
+        if sock.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let export = uri("", &sock);
+    let missing = uri("nope", &sock);
+    let timing = |o: &std::process::Output| {
+        let (out, err, status) = masked(o);
+        let out: Vec<&str> = out
+            .lines()
+            .filter(|l| !l.starts_with("Run completed"))
+            .collect();
+        (out.join("\n"), err, status)
+    };
+    let cases: &[(&str, Vec<&str>)] = &[
+        ("qemu-img", vec!["bench", "-c", "100", "-d", "4", &export]),
+        (
+            "qemu-img",
+            vec!["bench", "-w", "-c", "10", "-f", "raw", &export],
+        ),
+        ("qemu-io", vec!["-c", "read -P 0 1M 4k", &export]),
+        ("qemu-img", vec!["info", &missing]),
+    ];
+    for (tool, args) in cases {
+        let theirs = run(&s.0, Path::new(tool), args);
+        let before = std::fs::read_to_string(&log).unwrap_or_default();
+        let mine = if *tool == "qemu-img" {
+            ours.img(&s.0, args)
+        } else {
+            ours.io(&s.0, args)
+        };
+        let after = std::fs::read_to_string(&log).unwrap_or_default();
+        assert_eq!(timing(&mine), timing(&theirs), "{tool} {args:?}");
+        assert_eq!(
+            after, before,
+            "qemu-nbd complained about qimg: {tool} {args:?}"
+        );
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+}

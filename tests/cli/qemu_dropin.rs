@@ -25,11 +25,11 @@ impl Ours {
         Ours { bin }
     }
 
-    fn img(&self, dir: &Path, args: &[&str]) -> Output {
+    pub(crate) fn img(&self, dir: &Path, args: &[&str]) -> Output {
         run(dir, &self.bin.join("qemu-img"), args)
     }
 
-    fn io(&self, dir: &Path, args: &[&str]) -> Output {
+    pub(crate) fn io(&self, dir: &Path, args: &[&str]) -> Output {
         run(dir, &self.bin.join("qemu-io"), args)
     }
 }
@@ -39,7 +39,7 @@ fn qemu_io_run(dir: &Path, args: &[&str]) -> Output {
 }
 
 /// Standard output and error with timing lines masked, and the exit status (or the signal).
-fn masked(o: &Output) -> (String, String, String) {
+pub(crate) fn masked(o: &Output) -> (String, String, String) {
     use std::os::unix::process::ExitStatusExt;
     let mask = |b: &[u8]| {
         String::from_utf8_lossy(b)

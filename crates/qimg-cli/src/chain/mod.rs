@@ -68,6 +68,13 @@ pub(crate) fn raw_probe_warning(
     fmt: ImageFormat,
 ) -> Option<String> {
     let probed = named.is_none() && crate::image_spec::format_for(file).is_none();
+    // QEMU names the node by its filename: an NBD export's in its canonical form.
+    let canonical = qimg::io::nbd::NbdAddress::parse(file)
+        .ok()
+        .flatten()
+        .filter(|_| qimg::io::nbd::is_nbd_name(file))
+        .map(|a| a.to_string());
+    let file = canonical.as_deref().unwrap_or(file);
     (probed && fmt == ImageFormat::Raw).then(|| {
         format!(
             "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \

@@ -143,6 +143,9 @@ pub(super) fn handshake(
                 let mut msg = vec![0u8; len.min(4096) as usize];
                 s.read_exact(&mut msg)?;
                 skip(s, u64::from(len) - msg.len() as u64)?;
+                // As QEMU's client: the handshake ends with NBD_OPT_ABORT (no reply awaited),
+                // so that the server does not report a client that vanished mid-negotiation.
+                let _ = send_option(s, OPT_ABORT, &[]);
                 let text = String::from_utf8_lossy(&msg);
                 let what = match k & !(1 << 31) {
                     // QEMU's words.

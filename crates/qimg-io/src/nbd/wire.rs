@@ -45,6 +45,8 @@ pub(super) const FLAG_NO_ZEROES: u16 = 2;
 pub(super) const OPT_EXPORT_NAME: u32 = 1;
 
 pub(super) const OPT_GO: u32 = 7;
+/// `NBD_OPT_ABORT`: the client gives up the handshake (a server then closes quietly).
+pub(super) const OPT_ABORT: u32 = 2;
 
 pub(super) const REP_ACK: u32 = 1;
 

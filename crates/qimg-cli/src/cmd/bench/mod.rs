@@ -92,6 +92,12 @@ fn bench(cfg: &Config) -> Result<()> {
         // O_DIRECT storage goes through a bounce layer (any buffer alignment); each choice is
         // its own storage type, so `bench_on` is instantiated per combination.
         let direct = cfg.cache_mode.direct;
+        // An NBD export (`nbd://...`, `nbd+unix:///...`): the client is the storage, whatever
+        // `-i` and `-t` say about files.
+        if let Some(name) = cfg.path.to_str().filter(|n| qimg::io::nbd::is_nbd_name(n)) {
+            let open = |_: &Path, w: bool| qimg::io::NbdStorage::connect(name, w);
+            return bench_on(cfg, fmt, &open).await;
+        }
         match cfg.aio {
             Aio::Threads => {
                 let file = file_options(direct);
