@@ -114,6 +114,10 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
             ],
         ),
     );
+    ok(
+        "r",
+        &qemu_img(&s.0, &["create", "-q", "-f", "raw", "r.raw", "1M"]),
+    );
     let mut differ = Vec::new();
     for args in [
         &["convert", "--foo", "a.qcow2", "b.raw"][..],
@@ -125,6 +129,16 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["info", "--output=xml", "a.qcow2"],
         &["map", "--output", "xml", "a.qcow2"],
         &["check", "-r", "bogus", "a.qcow2"],
+        // A file that is not qcow2 opened as qcow2, and a probed raw file.
+        &["info", "-f", "qcow2", "r.raw"],
+        &["map", "-f", "qcow2", "r.raw"],
+        &["amend", "-f", "qcow2", "-o", "compat=1.1", "r.raw"],
+        &[
+            "rebase", "-f", "qcow2", "-u", "-b", "x.raw", "-F", "raw", "r.raw",
+        ],
+        &["bench", "-f", "qcow2", "-c", "1", "r.raw"],
+        &["snapshot", "-l", "r.raw"],
+        &["snapshot", "-c", "s", "r.raw"],
         // A format qemu-img does not know, and a file that is not there.
         &["check", "-f", "foo", "a.qcow2"],
         &["check", "-f", "foo", "gone.qcow2"],
@@ -189,12 +203,19 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
             "1M",
         ],
     ] {
-        let (want, got) = both(&s, &ours, "qemu-img", &["a.qcow2"], args);
+        let (want, got) = both(&s, &ours, "qemu-img", &["a.qcow2", "r.raw"], args);
         if want != got {
             differ.push(format!(
                 "{args:?}\n  qemu-img: {want:?}\n  qimg:     {got:?}"
             ));
         }
+    }
+    let args = ["-f", "qcow2", "-c", "read 0 1", "r.raw"];
+    let (want, got) = both(&s, &ours, "qemu-io", &["r.raw"], &args);
+    if want != got {
+        differ.push(format!(
+            "qemu-io {args:?}\n  qemu-io: {want:?}\n  qimg:    {got:?}"
+        ));
     }
     // A secret is taken (and the command runs); qemu-io refuses as qemu-io.
     let (want, got) = both(

@@ -121,6 +121,8 @@ pub fn qemu_header_words(e: &qimg::Error) -> Option<String> {
             format!("Unsupported qcow2 feature(s): {}", parts.join(", "))
         }
         F::UnsupportedVersion { version } => format!("Unsupported qcow2 version {version}"),
+        // A file opened as qcow2 (`-f qcow2`) that is not one.
+        F::BadMagic { .. } => "Image is not in qcow2 format".into(),
         F::InvalidField {
             what,
             offset,

@@ -159,7 +159,11 @@ pub fn run(args: AmendArgs) -> Result<()> {
     };
     let r = rt.block_on(amend(path, &opts, &mut report));
     progress.end();
-    r.map_err(|e| anyhow!("{}", lib_msg(&e, &file)))
+    r.map_err(|e| match crate::status::qemu_header_words(&e) {
+        // A header QEMU refuses at open, in its words.
+        Some(words) => anyhow!("Could not open '{file}': {words}"),
+        None => anyhow!("{}", lib_msg(&e, &file)),
+    })
 }
 
 enum Parsed {

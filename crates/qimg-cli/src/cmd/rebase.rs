@@ -157,6 +157,10 @@ fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
     }
     qimg::tools::amend::set_backing_file(path, new, new.and(args.backing_fmt.as_deref())).map_err(
         |e| {
+            if let Some(words) = crate::status::qemu_header_words(&e) {
+                // A header QEMU refuses when it opens the image, before any change.
+                return anyhow!("Could not open '{file}': {words}");
+            }
             anyhow!(
                 "Could not change the backing file to '{}': {}",
                 new.unwrap_or(""),

@@ -116,7 +116,8 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
     }
     let fmt = source_format(path, &file, args.fmt.as_deref())?;
     if fmt == ImageFormat::Raw {
-        if args.fmt.is_none() {
+        // QEMU warns only where a write could reach block 0: not for a list (read-only).
+        if args.fmt.is_none() && !matches!(action, Action::List) {
             eprintln!(
                 "WARNING: Image format was not specified for '{file}' and probing guessed raw.\n         \
                  Automatically detecting the format is dangerous for raw images, write operations on block 0 will be restricted.\n         \

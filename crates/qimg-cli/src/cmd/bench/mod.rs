@@ -226,10 +226,12 @@ where
                 .allocation(cfg.allocation)
                 .crash_consistent_bitmaps(cfg.crash_consistent_bitmaps)
                 .direct(cfg.cache_mode.direct);
-            let img = opts
-                .open_with(&cfg.path, open)
-                .await
-                .map_err(|e| open_error(cfg, e))?;
+            let img = opts.open_with(&cfg.path, open).await.map_err(|e| {
+                match crate::status::qemu_header_words(&e) {
+                    Some(words) => anyhow!("Could not open '{}': {words}", cfg.name),
+                    None => open_error(cfg, e),
+                }
+            })?;
             let size = img.size();
             let before = chain_stats(&img).await;
             let outcome = match announce(cfg, size, 4096) {
