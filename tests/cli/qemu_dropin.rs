@@ -129,6 +129,18 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
         &["info", "--output=xml", "a.qcow2"],
         &["map", "--output", "xml", "a.qcow2"],
         &["check", "-r", "bogus", "a.qcow2"],
+        // Backing names qemu-img refuses before anything else.
+        &[
+            "create", "-f", "qcow2", "-b", "y.qcow2", "-F", "qcow2", "y.qcow2", "1M",
+        ],
+        &["create", "-f", "qcow2", "-b", "", "z.qcow2", "1M"],
+        &["create", "-f", "raw", "-b", "a.qcow2", "r2.raw", "1M"],
+        &["create", "-f", "raw", "-F", "raw", "r2.raw", "1M"],
+        // A backing file that does not open, one level per image (QEMU's nested words);
+        // check opens the chain too.
+        &["check", "nb.qcow2"],
+        &["map", "nb.qcow2"],
+        &["convert", "-O", "raw", "nb.qcow2", "x.raw"],
         // A file that is not qcow2 opened as qcow2, and a probed raw file.
         &["info", "-f", "qcow2", "r.raw"],
         &["map", "-f", "qcow2", "r.raw"],
@@ -203,19 +215,29 @@ fn command_line_refusals_and_version_speak_as_qemus_tools() {
             "1M",
         ],
     ] {
-        let (want, got) = both(&s, &ours, "qemu-img", &["a.qcow2", "r.raw"], args);
+        let (want, got) = both(
+            &s,
+            &ours,
+            "qemu-img",
+            &["a.qcow2", "r.raw", "nb.qcow2"],
+            args,
+        );
         if want != got {
             differ.push(format!(
                 "{args:?}\n  qemu-img: {want:?}\n  qimg:     {got:?}"
             ));
         }
     }
-    let args = ["-f", "qcow2", "-c", "read 0 1", "r.raw"];
-    let (want, got) = both(&s, &ours, "qemu-io", &["r.raw"], &args);
-    if want != got {
-        differ.push(format!(
-            "qemu-io {args:?}\n  qemu-io: {want:?}\n  qimg:    {got:?}"
-        ));
+    for args in [
+        &["-f", "qcow2", "-c", "read 0 1", "r.raw"][..],
+        &["-c", "read 0 1", "nb.qcow2"],
+    ] {
+        let (want, got) = both(&s, &ours, "qemu-io", &["r.raw", "nb.qcow2"], args);
+        if want != got {
+            differ.push(format!(
+                "qemu-io {args:?}\n  qemu-io: {want:?}\n  qimg:    {got:?}"
+            ));
+        }
     }
     // A secret is taken (and the command runs); qemu-io refuses as qemu-io.
     let (want, got) = both(

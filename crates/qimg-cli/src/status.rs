@@ -161,6 +161,10 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
         return words;
     }
     let mut s = match e {
+        // A backing file that does not open: QEMU's words, one level per image of the chain.
+        qimg::Error::Backing { source, .. } if program() != "qimg" => {
+            return format!("Could not open backing file: {}", lib_msg(source, ""));
+        }
         // Another process's lock, in QEMU's words when qimg speaks as QEMU's tools.
         qimg::Error::Storage {
             path,

@@ -49,6 +49,16 @@ pub enum Error {
         #[source]
         source: qimg_io::StorageError,
     },
+    /// The backing file an image names could not be opened (the error of that open, which
+    /// may itself be one of a deeper backing file).
+    #[error("{path}: cannot open its backing file: {source}")]
+    Backing {
+        /// The image that names the backing file.
+        path: PathBuf,
+        /// Why the backing file did not open.
+        #[source]
+        source: Box<Error>,
+    },
     /// A write-side request on an image opened read-only.
     #[error("{path}: the image is open read-only")]
     ReadOnly {
@@ -164,6 +174,7 @@ impl Error {
     /// when another process holds the image.
     pub fn kind(&self) -> io::ErrorKind {
         match self {
+            Self::Backing { source, .. } => source.kind(),
             Self::Io { source, .. } => source.kind(),
             Self::Storage { source, .. } => source.kind(),
             Self::Format { .. } | Self::Corrupt { .. } | Self::Unusable { .. } => {
@@ -182,6 +193,7 @@ impl Error {
     /// The operating system's error number when a system call failed, else `None`.
     pub fn os_error(&self) -> Option<i32> {
         match self {
+            Self::Backing { source, .. } => source.os_error(),
             Self::Io { source, .. } => source.raw_os_error(),
             Self::Storage { source, .. } => source.raw_os_error(),
             _ => None,
@@ -199,6 +211,7 @@ impl Error {
             return e;
         }
         match self {
+            Self::Backing { source, .. } => source.errno(),
             Self::ReadOnly { .. } => libc_errno::EPERM,
             Self::OutOfRange { .. } | Self::InvalidOption(_) | Self::Cache { .. } => {
                 libc_errno::EINVAL

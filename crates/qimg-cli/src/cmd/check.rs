@@ -76,6 +76,17 @@ pub fn run(args: CheckArgs) -> ExitCode {
     if fmt == ImageFormat::Raw {
         return fail("This image format does not support checks", 63);
     }
+    // QEMU opens the whole chain to check the top: a backing file that does not open stops
+    // the check (other open errors are the check's to report).
+    if let Err(e) = backing_chain_opens(path) {
+        return fail(
+            format!(
+                "Could not open '{file}': {}",
+                crate::status::lib_msg(&e, &file)
+            ),
+            1,
+        );
+    }
 
     let human = !json && !args.quiet;
     let tty = !args.quiet && std::io::stderr().is_terminal();
@@ -204,4 +215,37 @@ fn human_text(r: &CheckReport) -> String {
         s.push_str(&format!("Image end offset: {}\n", r.image_end_offset));
     }
     s
+}
+
+/// Whether the backing chain of the qcow2 image at `path` opens: the error of the first
+/// backing file that does not; `Ok` also when the image itself does not open (its check
+/// says why).
+fn backing_chain_opens(path: &Path) -> Result<(), qimg::Error> {
+    let Ok(c0) = qimg::chain::read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly)
+    else {
+        return Ok(());
+    };
+    if c0.backing_file.is_none() {
+        return Ok(());
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread().build() {
+        Ok(rt) => rt,
+        Err(_) => return Ok(()),
+    };
+    rt.block_on(async {
+        let opened = qimg::OpenOptions::new()
+            .writable(false)
+            .force_share(true)
+            .clean_timer(false)
+            .open(path)
+            .await;
+        match opened {
+            Ok(img) => {
+                let _ = img.close().await;
+                Ok(())
+            }
+            Err(e @ qimg::Error::Backing { .. }) => Err(e),
+            Err(_) => Ok(()),
+        }
+    })
 }

@@ -101,8 +101,12 @@ pub fn run(args: CreateArgs) -> Result<()> {
         }
     };
     if args.fmt == "raw" {
-        if o.backing_file.is_some() || o.backing_fmt.is_some() {
-            bail!("{file}: raw images cannot have a backing file");
+        // qemu-img's words (the raw driver has neither option).
+        if o.backing_file.is_some() {
+            bail!("{file}: Backing file not supported for file format 'raw'");
+        }
+        if o.backing_fmt.is_some() {
+            bail!("{file}: Backing file format not supported for file format 'raw'");
         }
         let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
         if !args.quiet {
@@ -127,6 +131,15 @@ pub fn run(args: CreateArgs) -> Result<()> {
     // Before the `Formatting` line, as qemu-img: the backing file must be named with its
     // format, and must open.
     if let Some(b) = &o.backing_file {
+        // qemu-img's first checks of the name (`bdrv_img_create`), as it spells them.
+        if *b == file {
+            bail!(
+                "{file}: Error: Trying to create an image with the same filename as the backing file"
+            );
+        }
+        if b.is_empty() {
+            bail!("{file}: Expected backing file name, got empty string");
+        }
         let full = qimg::chain::resolve_backing(path, b);
         let qemu = crate::status::program() == "qemu-img";
         // qemu-img opens the backing file first, then asks for its format.

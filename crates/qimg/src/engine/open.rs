@@ -179,8 +179,14 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 let name = String::from_utf8_lossy(name).into_owned();
                 confined(opts, &path, "backing file", &name)?;
                 let bpath = resolve_backing(&path, &name);
+                // What fails in opening the backing file is wrapped: the error says which
+                // image names it (one level per image, as QEMU's messages nest).
+                let backing_err = |e: Error| Error::Backing {
+                    path: path.clone(),
+                    source: Box::new(e),
+                };
                 let fmt = match c0.backing_format() {
-                    None => probe_format(&bpath)?,
+                    None => probe_format(&bpath).map_err(backing_err)?,
                     Some(name) => {
                         ImageFormat::from_name(name).ok_or_else(|| Error::Unsupported {
                             path: path.clone(),
@@ -193,10 +199,10 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 };
                 let storage = op
                     .open(&bpath, false)
-                    .map_err(|e| Error::storage(&bpath, e))?;
+                    .map_err(|e| backing_err(Error::storage(&bpath, e)))?;
                 Some(match fmt {
                     ImageFormat::Raw => {
-                        lock(&storage, &bpath, opts.image_lock(false))?;
+                        lock(&storage, &bpath, opts.image_lock(false)).map_err(backing_err)?;
                         Backing::Raw {
                             storage,
                             path: bpath,
@@ -208,7 +214,8 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                         bopts.data_file = None;
                         let img =
                             open_chain(storage, bpath, &bopts, Some(op), None, depth + 1, seen)
-                                .await?;
+                                .await
+                                .map_err(backing_err)?;
                         Backing::Qcow2(img)
                     }
                 })

@@ -34,6 +34,10 @@ pub(super) fn open_error(e: &qimg::Error, file: &str) -> String {
     if let Some(words) = crate::status::qemu_header_words(e) {
         return words;
     }
+    // A backing file that does not open: the chain's words, without the image's name.
+    if let qimg::Error::Backing { .. } = e {
+        return crate::status::lib_msg(e, file);
+    }
     // A read-write open of an image marked corrupt, in QEMU's words.
     if let qimg::Error::Format {
         source:
