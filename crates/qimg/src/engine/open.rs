@@ -181,9 +181,13 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 let bpath = resolve_backing(&path, &name);
                 // What fails in opening the backing file is wrapped: the error says which
                 // image names it (one level per image, as QEMU's messages nest).
-                let backing_err = |e: Error| Error::Backing {
-                    path: path.clone(),
-                    source: Box::new(e),
+                // qimg's own limits (chain depth, loops) pass through as they are.
+                let backing_err = |e: Error| match e {
+                    e @ Error::Unsupported { .. } => e,
+                    e => Error::Backing {
+                        path: path.clone(),
+                        source: Box::new(e),
+                    },
                 };
                 let fmt = match c0.backing_format() {
                     None => probe_format(&bpath).map_err(backing_err)?,
