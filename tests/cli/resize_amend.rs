@@ -640,3 +640,53 @@ fn amend_downgrades_images_with_snapshots_as_qemu_img() {
         outs[0]
     );
 }
+
+/// Shrinking into an extended-L2 cluster whose only data lies past the new end keeps the
+/// cluster allocated, as QEMU's (its discard starts at the next cluster): `check` counts
+/// and ends the file as qemu-img's, and `map` shows the same. Growing again, qimg reads
+/// zeros there (QEMU shows the old bytes again).
+#[test]
+fn shrinking_into_an_extended_cluster_keeps_it_as_qemu_img() {
+    use crate::qemu_dropin::{Ours, Prep, side_by_side};
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("shrink-cut-cluster");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                "cluster_size=2M,extended_l2=on",
+                "h.qcow2",
+                "64M",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 1 0 100k",
+                "-c",
+                "write -P 2 3M 1k",
+                "h.qcow2",
+            ],
+        ),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["resize", "--shrink", "h.qcow2", "3M"]),
+        ("qemu-img", &["check", "h.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "h.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    let dir = s.path("qimg");
+    ok("grow", &qimg(&dir, &["resize", "h.qcow2", "4M"]));
+    let o = ours.io(&dir, &["-c", "read -P 0 3M 1k", "h.qcow2"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && !text.contains("fail"), "{text}");
+    assert_clean(&dir, "h.qcow2", "grown again");
+}

@@ -146,13 +146,16 @@ impl<S: Storage> Inner<S> {
             self.ensure_open(&m)?;
             self.check_resizable(&m)?;
         }
-        // The whole subclusters past the new end of a partly cut cluster read as zeros.
+        // The whole subclusters past the new end of a partly cut cluster read as zeros (so
+        // that growing again shows zeros there). The host cluster stays, as QEMU keeps every
+        // cluster the new end falls in (its discard starts at the next cluster), so `check`
+        // counts and ends the file as QEMU's.
         let within = new_size % cs;
         if self.shared.geo.extended_l2() && within != 0 {
             let gc = new_size - within;
             let first = within.div_ceil(scs) * scs;
             if first < cs && gc + first < size {
-                self.zero_chunk(gc, first as usize, cs as usize, true)
+                self.zero_chunk(gc, first as usize, cs as usize, false)
                     .await?;
             }
         }
