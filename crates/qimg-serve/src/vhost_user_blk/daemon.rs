@@ -112,6 +112,7 @@ pub fn serve(
                 queue,
                 pending: HashMap::new(),
                 next: 0,
+                logged: 0,
             }))
         })
         .collect::<Result<Vec<_>, qimg::Error>>()?;

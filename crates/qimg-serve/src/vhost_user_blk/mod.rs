@@ -162,6 +162,24 @@ struct QueueState {
     queue: Queue<AnyStorage>,
     pending: HashMap<u64, InFlight>,
     next: u64,
+    /// Errors reported on stderr so far (at most [`LOGGED_ERRORS`]: a guest cannot flood it).
+    logged: u32,
+}
+
+/// Most errors one virtqueue reports on stderr.
+const LOGGED_ERRORS: u32 = 16;
+
+impl QueueState {
+    /// Reports why a request of virtqueue `q` failed, up to [`LOGGED_ERRORS`] times.
+    fn report(&mut self, q: usize, what: &dyn std::fmt::Display) {
+        self.logged += 1;
+        if self.logged <= LOGGED_ERRORS {
+            eprintln!("qimg: vhost-user-blk queue {q}: request failed: {what}");
+        }
+        if self.logged == LOGGED_ERRORS {
+            eprintln!("qimg: vhost-user-blk queue {q}: further errors are not reported");
+        }
+    }
 }
 
 /// What every connection's backend shares: the image, one engine queue per virtqueue.

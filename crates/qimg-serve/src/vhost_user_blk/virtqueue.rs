@@ -8,15 +8,14 @@ use std::sync::atomic::Ordering;
 use qimg::{IoBuffers, Request};
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
-use virtio_queue::QueueOwnedT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemory};
 
 use self::request::{BlkRequest, Desc, parse};
 
 impl Backend {
     /// Takes every available chain of virtqueue `q` and submits it.
     pub(super) fn process_queue(&self, q: usize, vring: &VringRwLock<Mem>) -> io::Result<()> {
-        let mem = self.mem.memory();
         let event_idx = self.event_idx.load(Ordering::Acquire);
         let mut state = self.device.queues[q]
             .lock()
@@ -26,13 +25,12 @@ impl Backend {
             if event_idx {
                 vring.disable_notification().map_err(io::Error::other)?;
             }
-            let chains: Vec<_> = {
+            let (mem, chains) = {
                 let mut v = vring.get_mut();
-                match v.get_queue_mut().iter(mem.clone()) {
-                    Ok(iter) => iter.collect(),
-                    Err(e) => return Err(io::Error::other(e)),
-                }
+                available_chains(v.get_queue_mut(), || self.mem.memory())
+                    .map_err(io::Error::other)?
             };
+            let found = !chains.is_empty();
             // The chains' engine requests, handed to the queue at once below (one
             // `io_uring_enter` for all of them).
             let mut batch = Vec::new();
@@ -56,7 +54,7 @@ impl Backend {
                 } else {
                     parse(&*mem, &descs, &self.device.limits)
                 };
-                if let Some(done) = self.start(&mut state, &mem, head, parsed, &mut batch) {
+                if let Some(done) = self.start(q, &mut state, &mem, head, parsed, &mut batch) {
                     let (status, used) = done;
                     if let Some(at) = status {
                         let _ = mem.write_obj(used.1, GuestAddress(at));
@@ -78,7 +76,12 @@ impl Backend {
                     }
                 }
             }
-            if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
+            let more = if event_idx {
+                vring.enable_notification().map_err(io::Error::other)?
+            } else {
+                found
+            };
+            if !more {
                 break;
             }
         }
@@ -93,6 +96,7 @@ impl Backend {
     #[allow(clippy::type_complexity)]
     pub(super) fn start(
         &self,
+        q: usize,
         state: &mut QueueState,
         mem: &GuestMemoryLoadGuardOf,
         head: u16,
@@ -131,13 +135,19 @@ impl Backend {
             BlkRequest::Read { offset, data } => {
                 match IoBuffers::from_guest(mem.clone().into_inner(), &data) {
                     Ok(buffers) => Request::Read { offset, buffers },
-                    Err(_) => return Some((status, (1, VIRTIO_BLK_S_IOERR as u8))),
+                    Err(e) => {
+                        state.report(q, &e);
+                        return Some((status, (1, VIRTIO_BLK_S_IOERR as u8)));
+                    }
                 }
             }
             BlkRequest::Write { offset, data } => {
                 match IoBuffers::from_guest(mem.clone().into_inner(), &data) {
                     Ok(buffers) => Request::Write { offset, buffers },
-                    Err(_) => return Some((status, (1, VIRTIO_BLK_S_IOERR as u8))),
+                    Err(e) => {
+                        state.report(q, &e);
+                        return Some((status, (1, VIRTIO_BLK_S_IOERR as u8)));
+                    }
                 }
             }
             BlkRequest::Flush if self.device.options.no_flush => {
@@ -188,6 +198,9 @@ impl Backend {
                 continue;
             }
             let ok = c.result.is_ok();
+            if let Err(e) = &c.result {
+                state.report(q, e);
+            }
             if ok && p.durable {
                 waiting.push((p.head, p.status, p.used));
                 continue;
@@ -234,5 +247,123 @@ impl Backend {
             vring.signal_used_queue()?;
         }
         Ok(())
+    }
+}
+
+/// The chains the driver has made available, with a view of guest memory that holds every
+/// region they use; `fresh` takes the current view.
+///
+/// A driver maps a memory region (`VHOST_USER_ADD_MEM_REG`, acknowledged only once the
+/// daemon has replaced the shared memory) before it publishes a request that uses it. So a
+/// view taken *after* the available index was read holds the regions of every request up to
+/// that index, and only those requests are taken (later ones wait for the next pass). A view
+/// taken before reading the index may lack a region mapped in between, and a request using it
+/// failed with `VIRTIO_BLK_S_IOERR` (a front-end mapping its buffers just after `start` and
+/// writing at once hit this about once in ten runs).
+pub(super) fn available_chains<G>(
+    queue: &mut virtio_queue::Queue,
+    fresh: impl Fn() -> G,
+) -> Result<(G, Vec<DescriptorChain<G>>), virtio_queue::Error>
+where
+    G: std::ops::Deref + Clone,
+    G::Target: GuestMemory,
+{
+    let seen = queue.avail_idx(&*fresh(), Ordering::Acquire)?;
+    let mem = fresh();
+    let ready = (seen - std::num::Wrapping(queue.next_avail())).0;
+    let chains = queue.iter(mem.clone())?.take(usize::from(ready)).collect();
+    Ok((mem, chains))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::sync::Arc;
+    use vm_memory::{GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+    const RINGS: u64 = 0;
+    const AVAIL: u64 = 0x1000;
+    const USED: u64 = 0x2000;
+    const BUFFERS: u64 = 1 << 30;
+
+    fn ring_memory() -> Arc<GuestMemoryMmap<()>> {
+        Arc::new(GuestMemoryMmap::from_ranges(&[(GuestAddress(RINGS), 0x10000)]).unwrap())
+    }
+
+    fn queue() -> virtio_queue::Queue {
+        let mut q = virtio_queue::Queue::new(16).unwrap();
+        q.set_desc_table_address(Some(RINGS as u32), Some(0));
+        q.set_avail_ring_address(Some(AVAIL as u32), Some(0));
+        q.set_used_ring_address(Some(USED as u32), Some(0));
+        q.set_ready(true);
+        q
+    }
+
+    /// The driver publishes request `n` (one descriptor at `addr`): descriptor `n`, ring slot
+    /// `n`, then the index.
+    fn publish(mem: &GuestMemoryMmap<()>, n: u16, addr: u64) {
+        let desc = RINGS + u64::from(n) * 16;
+        mem.write_obj(addr, GuestAddress(desc)).unwrap();
+        mem.write_obj(4096u32, GuestAddress(desc + 8)).unwrap();
+        mem.write_obj(0u16, GuestAddress(desc + 12)).unwrap();
+        mem.write_obj(n, GuestAddress(AVAIL + 4 + 2 * u64::from(n)))
+            .unwrap();
+        mem.write_obj(n + 1, GuestAddress(AVAIL + 2)).unwrap();
+    }
+
+    /// A driver maps a region and publishes a request in it just after the backend looked at
+    /// its memory: the view the chains come with holds the region (before the fix, the view
+    /// was taken first and the request's buffers were "invalid guest address", answered EIO).
+    #[test]
+    fn a_region_mapped_before_its_request_is_published_is_in_the_view() {
+        let old = ring_memory();
+        let region = GuestRegionMmap::new(MmapRegion::new(0x10000).unwrap(), GuestAddress(BUFFERS));
+        let new = Arc::new(old.insert_region(Arc::new(region.unwrap())).unwrap());
+        let mut q = queue();
+        let calls = Cell::new(0);
+        let fresh = || {
+            calls.set(calls.get() + 1);
+            if calls.get() == 1 {
+                // The driver acts right after this view is taken: the region is added (the
+                // daemon's memory becomes `new`), then the request is published.
+                publish(&new, 0, BUFFERS);
+                old.clone()
+            } else {
+                new.clone()
+            }
+        };
+        let (mem, chains) = available_chains(&mut q, fresh).unwrap();
+        assert_eq!(chains.len(), 1);
+        let addr = chains[0].clone().next().unwrap().addr();
+        assert_eq!(addr, GuestAddress(BUFFERS));
+        assert!(
+            mem.read_slice(&mut [0u8; 4096], addr).is_ok(),
+            "the request's buffer is not in the view it came with"
+        );
+    }
+
+    /// Requests published after the index was read wait for the next pass: their regions may
+    /// be newer than the view.
+    #[test]
+    fn requests_published_after_the_index_was_read_wait_for_the_next_pass() {
+        let mem = ring_memory();
+        let mut q = queue();
+        publish(&mem, 0, RINGS + 0x8000);
+        let calls = Cell::new(0);
+        let fresh = || {
+            calls.set(calls.get() + 1);
+            if calls.get() == 2 {
+                publish(&mem, 1, RINGS + 0x9000);
+            }
+            mem.clone()
+        };
+        let (_, chains) = available_chains(&mut q, fresh).unwrap();
+        assert_eq!(chains.len(), 1);
+        let (_, chains) = available_chains(&mut q, || mem.clone()).unwrap();
+        assert_eq!(chains.len(), 1);
+        assert_eq!(chains[0].head_index(), 1);
+        let (_, chains) = available_chains(&mut q, || mem.clone()).unwrap();
+        assert!(chains.is_empty());
     }
 }
