@@ -1464,6 +1464,69 @@ fn commit_refuses_a_missing_base_as_qemu_img() {
     );
 }
 
+/// A safe `rebase` without `-F` runs as qemu-img's: the image (with its backing chain) opens
+/// first, then the new backing file (probed), the differing clusters are copied, and only
+/// then is the change refused; the image keeps its old backing file with the copied clusters
+/// (map compared). `-f raw` with a missing new backing file reports that file first.
+#[test]
+fn rebase_without_a_backing_format_copies_then_refuses_as_qemu_img() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("rebase-no-fmt");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "b0.qcow2", "1M"],
+        ),
+        ("qemu-io", &["-c", "write -P 1 0 256k", "b0.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "b0.qcow2", "-F", "qcow2", "b1.qcow2",
+            ],
+        ),
+        ("qemu-io", &["-c", "write -P 2 128k 128k", "b1.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "b1.qcow2", "-F", "qcow2", "t.qcow2",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "b1.qcow2", "-F", "qcow2", "t2.qcow2",
+            ],
+        ),
+        ("qemu-img", &["create", "-q", "-f", "raw", "r.raw", "1M"]),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["rebase", "-b", "b0.qcow2", "t.qcow2"]),
+        ("qemu-img", &["map", "t.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "rebase",
+                "-u",
+                "-b",
+                "nope.qcow2",
+                "-F",
+                "qcow2",
+                "t2.qcow2",
+            ],
+        ),
+        ("qemu-img", &["rebase", "-b", "b0.qcow2", "t2.qcow2"]),
+        ("qemu-img", &["rebase", "-f", "raw", "-b", "x", "r.raw"]),
+        (
+            "qemu-img",
+            &["rebase", "-u", "-f", "raw", "-b", "x", "r.raw"],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("t.qcow2\n"), "{}", outs[0]);
+}
+
 /// Size arguments as qemu-img's `cvtnum`: what does not parse is invalid, what parses past
 /// 63 bits is out of range, each in its words (`convert -S`/`-r`, `map --max-length`, `commit
 /// -r`); `convert -r RATE` and `commit -r RATE` copy the same bytes.
@@ -3307,4 +3370,81 @@ fn commit_progress_starts_and_ends_as_qemu_imgs() {
         )
     );
     assert_eq!((&o.1, &o.2), (&q.1, &q.2));
+}
+
+/// Error injection as QEMU's blkdebug, image state included: a failed write of a new L2
+/// table (`l2_update`, which QEMU's cache flush announces) gives the table's cluster back and
+/// maps nothing; a failed write still counts as a change, so the flush at close meets the
+/// active rule and fails as QEMU's (its two messages); refusals of a config in QEMU's words.
+#[test]
+fn blkdebug_failures_leave_the_image_as_qemus() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("blkdebug-state");
+    let ours = Ours::new(&s);
+    let files = [
+        (
+            "l2.cfg",
+            "[inject-error]\nevent = \"l2_update\"\nerrno = \"5\"\nonce = \"on\"\n",
+        ),
+        (
+            "st.cfg",
+            "[set-state]\nstate = \"1\"\nevent = \"write_aio\"\nnew_state = \"2\"\n\
+             [inject-error]\nstate = \"2\"\nevent = \"write_aio\"\nerrno = \"5\"\n",
+        ),
+        ("bad.cfg", "[inject-error]\nevent = \"bogus\"\n"),
+    ];
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"],
+        ),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "b.qcow2", "1M"],
+        ),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &["-c", "write -P 1 0 64k", "blkdebug:l2.cfg:a.qcow2"],
+        ),
+        ("qemu-img", &["check", "a.qcow2"]),
+        ("qemu-img", &["map", "a.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 1 0 64k",
+                "-c",
+                "read -P 1 0 64k",
+                "blkdebug:l2.cfg:a.qcow2",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "write 0 512",
+                "-c",
+                "write 512 512",
+                "-c",
+                "write 1024 512",
+                "blkdebug:st.cfg:b.qcow2",
+            ],
+        ),
+        ("qemu-img", &["check", "b.qcow2"]),
+        ("qemu-io", &["-c", "read 0 512", "blkdebug:bad.cfg:a.qcow2"]),
+        (
+            "qemu-io",
+            &["-c", "read 0 512", "blkdebug:nope.cfg:a.qcow2"],
+        ),
+        ("qemu-io", &["-c", "read 0 512", "blkdebug:a.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &files, prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("Failed to flush the L2 table cache"),
+        "{}",
+        outs[0]
+    );
 }

@@ -249,11 +249,13 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
     let last = args.len().saturating_sub(1);
     // How the tool names the image it could not open (qemu-io's words differ).
     let io = program == "qemu-io" || args.get(1).is_some_and(|a| a == "io");
-    let failed = |s: &str, e: String| match (io, s.starts_with("json:")) {
-        (true, true) => format!("can't open device {s}: {e}"),
-        (true, false) => format!("can't open: {e}"),
-        (false, _) => format!("Could not open '{s}': {e}"),
-    };
+    // qemu-io names a `json:` or `blkdebug:` name it could not open ("can't open device").
+    let failed =
+        |s: &str, e: String| match (io, s.starts_with("json:") || s.starts_with("blkdebug:")) {
+            (true, true) => format!("can't open device {s}: {e}"),
+            (true, false) => format!("can't open: {e}"),
+            (false, _) => format!("Could not open '{s}': {e}"),
+        };
     for (i, a) in args.iter_mut().enumerate().skip(1) {
         let Some(s) = a.to_str() else { continue };
         if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
@@ -266,7 +268,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             let (config, image) = rest.split_once(':').ok_or_else(|| {
                 failed(
                     s,
-                    "Invalid filename, expected blkdebug:[config]:image".into(),
+                    "blkdebug requires both config file and image path".into(),
                 )
             })?;
             let mut rules = qimg::io::BlkdebugConfig::default();

@@ -85,6 +85,15 @@ pub fn run(args: RebaseArgs) -> Result<()> {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
         }
+        // A safe rebase opens the new backing file first (QEMU's order).
+        if let (Some(n), false) = (new, args.unsafe_mode) {
+            if !resolve_backing(path, n).exists() {
+                bail!(
+                    "Could not open new backing file '{n}': Could not open '{n}': No such file \
+                     or directory"
+                );
+            }
+        }
         // As QEMU's bdrv_change_backing_file: a missing format is refused before the driver
         // is asked.
         if let (Some(n), None) = (new, args.backing_fmt.as_deref()) {
@@ -97,15 +106,17 @@ pub fn run(args: RebaseArgs) -> Result<()> {
     }
     let new_fmt = match (new, args.backing_fmt.as_deref()) {
         (Some(n), None) => {
-            // A safe rebase opens the new backing file first (QEMU's order): one that is
-            // not there is what it reports.
-            if !args.unsafe_mode && !resolve_backing(path, n).exists() {
+            if args.unsafe_mode {
                 bail!(
-                    "Could not open new backing file '{n}': Could not open '{n}': No such file \
-                     or directory"
-                );
+                    "Could not change the backing file to '{n}': backing format must be specified"
+                )
             }
-            bail!("Could not change the backing file to '{n}': backing format must be specified")
+            // As qemu-img: a safe rebase without -F opens the image and the new backing file
+            // (probed), copies what differs, and only then is refused by `finish` (QEMU's
+            // bdrv_change_backing_file), leaving the image backed as before with the copied
+            // clusters allocated. A new backing file that does not open is reported by the
+            // copy, after the image itself opened.
+            Some(qimg::chain::probe_format(&resolve_backing(path, n)).unwrap_or(ImageFormat::Raw))
         }
         (Some(_), Some(f)) => Some(image_format(f).ok_or_else(|| anyhow!("Unknown driver '{f}'"))?),
         (None, _) => None,

@@ -236,7 +236,7 @@ impl BlkdebugConfig {
         };
         let event_name = get("event").ok_or("Missing event name for rule")?;
         let event = DebugEvent::from_name(event_name)
-            .ok_or_else(|| format!("Invalid event name \"{event_name}\""))?;
+            .ok_or_else(|| format!("invalid parameter value: {event_name}"))?;
         let state = get("state").map(|v| number("state", v)).transpose()?;
         match kind {
             "inject-error" => {
@@ -488,6 +488,15 @@ impl<S: Storage> BlkdebugStorage<S> {
         self.written.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// The end of a write or write-zeroes, failed or not: as QEMU's block layer, the done
+    /// event and the count of modifications (a failed write may have landed in part, so the
+    /// next flush is not skipped, and meets the rules).
+    fn finished_write<T>(&self, done: Result<T>) -> Result<T> {
+        self.event(DebugEvent::PwritevDone);
+        self.modifies();
+        done
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Rules> {
         self.rules.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -567,32 +576,32 @@ impl<S: Storage> Storage for BlkdebugStorage<S> {
     async fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.event(DebugEvent::Pwritev);
         self.stop_if_hit().await;
-        self.check(Op::Write, IoType::Write, offset, buf.len() as u64)?;
-        self.inner.write_at(buf, offset).await?;
-        self.modifies();
-        self.event(DebugEvent::PwritevDone);
-        Ok(())
+        let done = match self.check(Op::Write, IoType::Write, offset, buf.len() as u64) {
+            Ok(()) => self.inner.write_at(buf, offset).await,
+            Err(e) => Err(e),
+        };
+        self.finished_write(done)
     }
 
     async fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<()> {
         let len = bufs.iter().map(|b| b.len() as u64).sum();
         self.event(DebugEvent::Pwritev);
         self.stop_if_hit().await;
-        self.check(Op::Write, IoType::Write, offset, len)?;
-        self.inner.write_vectored_at(bufs, offset).await?;
-        self.modifies();
-        self.event(DebugEvent::PwritevDone);
-        Ok(())
+        let done = match self.check(Op::Write, IoType::Write, offset, len) {
+            Ok(()) => self.inner.write_vectored_at(bufs, offset).await,
+            Err(e) => Err(e),
+        };
+        self.finished_write(done)
     }
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<ZeroOutcome> {
         self.event(DebugEvent::PwritevZero);
         self.stop_if_hit().await;
-        self.check(Op::WriteZeroes, IoType::WriteZeroes, offset, len)?;
-        let done = self.inner.write_zeroes(offset, len).await?;
-        self.modifies();
-        self.event(DebugEvent::PwritevDone);
-        Ok(done)
+        let done = match self.check(Op::WriteZeroes, IoType::WriteZeroes, offset, len) {
+            Ok(()) => self.inner.write_zeroes(offset, len).await,
+            Err(e) => Err(e),
+        };
+        self.finished_write(done)
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<DiscardOutcome> {

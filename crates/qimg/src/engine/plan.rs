@@ -3,13 +3,11 @@
 //! data at a host offset, zeros, the backing chain, a compressed cluster), decided from the
 //! clusters' L2 entries by `qimg-format`'s subcluster runs, without I/O.
 //!
-//! [`piece_parts`] plans one piece from its cluster's entry: the engine's read looks each
-//! entry up in turn (`lookup_for_read`, which loads a missing slice without the metadata
-//! lock) and executes the parts. [`plan_read`] plans a whole request from the entries its
-//! caller has at hand and stops at the first cluster whose entry it lacks: a queue's direct
-//! path, which does no metadata I/O, plans from the cache with it and loads the missing slice
-//! on its ring, or sends the request to its engine when a part needs a backing read or
-//! inflating.
+//! [`plan_read`] plans a request from the entries its caller has at hand (the metadata cache,
+//! under the metadata lock) and stops at the first cluster whose entry it lacks; the caller
+//! gets that entry with I/O (the engine's `lookup_for_read`), plans the piece with
+//! [`piece_parts`] and resumes. A queue's direct path, which does no metadata I/O, sends the
+//! request to its engine instead, as it does when a part needs a backing read or inflating.
 //! Copy-on-write reads its sources through the same parts (`rw/cow.rs::cow_sources`); the
 //! write side's table (what a write copies, where it lands) is `rw/cow.rs::plan_write`, which
 //! both executors call too.

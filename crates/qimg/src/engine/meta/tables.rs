@@ -77,6 +77,8 @@ impl<S: Storage> Shared<S> {
                 .await
                 .map_err(|e| self.storage_error(e))?;
             self.file.debug_event(DebugEvent::L2AllocWrite);
+            // QEMU writes the new table through its L2 cache: a write-back event.
+            self.file.debug_event(DebugEvent::L2Update);
             self.file
                 .write_at(&content, new)
                 .await
@@ -87,6 +89,7 @@ impl<S: Storage> Shared<S> {
             // With sparse allocation (QEMU's layout) the zeros are written, as QEMU writes a
             // new table, so the file's extents are QEMU's.
             self.file.debug_event(DebugEvent::L2AllocWrite);
+            self.file.debug_event(DebugEvent::L2Update);
             let zeroed = if self.allocation == crate::Allocation::Sparse {
                 let zeros = self.io_buf(cs as usize)?;
                 self.file.write_at(&zeros, new).await

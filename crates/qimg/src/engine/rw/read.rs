@@ -4,7 +4,7 @@ use qimg_io::DebugEvent;
 use qimg_io::Storage;
 
 use super::*;
-use crate::engine::plan::{ReadPart, ReadSource, piece_parts};
+use crate::engine::plan::{Planned, ReadPart, ReadSource, piece_parts, plan_read};
 use std::future::Future;
 use std::pin::Pin;
 
@@ -47,12 +47,32 @@ impl<S: Storage> Inner<S> {
         let mut at = offset;
         for buf in bufs.iter_mut() {
             let segment_len = buf.len() as u64;
+            let mut pieces = self.pieces(at, segment_len);
             parts.clear();
-            // Each piece's entry (from the cache, or loaded without the metadata lock), then
-            // its parts from the planner; executed per segment, consecutive data as one read.
-            for piece in self.pieces(at, segment_len) {
-                let entry = self.lookup_for_read(piece.0).await?;
-                parts.extend(piece_parts(&entry, scs, piece));
+            // Planned from the cache under the metadata lock; a cluster whose entry is not
+            // cached is looked up with I/O (without the lock), then the plan resumes.
+            loop {
+                let planned = {
+                    let mut m = self.meta.lock().await;
+                    self.ensure_open(&m)?;
+                    let now = Some(self.shared.now());
+                    plan_read(
+                        &mut pieces,
+                        scs,
+                        |gc| self.shared.lookup_cached(&mut m, gc, now),
+                        |part| {
+                            parts.push(part);
+                            true
+                        },
+                    )
+                };
+                match planned {
+                    Planned::Lacks(piece) => {
+                        let entry = self.lookup_for_read(piece.0).await?;
+                        parts.extend(piece_parts(&entry, scs, piece));
+                    }
+                    Planned::Done | Planned::Refused => break,
+                }
             }
             self.read_parts(&parts, buf).await?;
             at += segment_len;
