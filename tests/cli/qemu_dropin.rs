@@ -3448,3 +3448,115 @@ fn blkdebug_failures_leave_the_image_as_qemus() {
         outs[0]
     );
 }
+
+/// `create` with qcow2's encryption options: the `Formatting` line shows them in qemu-img's
+/// order, then QEMU's refusal (no format, no secret, an unknown secret, an unknown format);
+/// `encryption=off` makes a plain image; raw refuses the option outright.
+#[test]
+fn create_refuses_encryption_options_in_qemu_imgs_words() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("create-encrypt");
+    let ours = Ours::new(&s);
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "encrypt.format=luks",
+                "a.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "encrypt.key-secret=s",
+                "b.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "--object",
+                "secret,id=s0,data=x",
+                "-o",
+                "encrypt.key-secret=nosuch,encrypt.format=luks,encrypt.cipher-alg=aes-256",
+                "c.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "encryption=on",
+                "d.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "encrypt.format=foo",
+                "e.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "encryption=off,cluster_size=4k",
+                "f.qcow2",
+                "1M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "raw",
+                "-o",
+                "encrypt.format=luks",
+                "g.raw",
+                "1M",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], &[], steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("No secret with id 'nosuch'"),
+        "{}",
+        outs[0]
+    );
+    for who in ["qemu", "qimg"] {
+        let made: Vec<bool> = ["a.qcow2", "c.qcow2", "f.qcow2", "g.raw"]
+            .iter()
+            .map(|f| s.path(who).join(f).exists())
+            .collect();
+        assert_eq!(made, [false, false, true, false], "{who}: files left");
+    }
+}

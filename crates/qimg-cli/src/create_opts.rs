@@ -187,6 +187,11 @@ pub fn apply(
 ) -> Result<()> {
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
+        if fmt != "raw" && ENCRYPTION.contains(&k) {
+            // Shown on the `Formatting` line; refused after it (below).
+            given.pairs.push((k.to_string(), v.to_string()));
+            continue;
+        }
         if !takes(fmt, k) {
             bail!("Invalid parameter '{k}'");
         }
@@ -261,7 +266,59 @@ pub fn apply(
         }
         given.pairs.push((k.to_string(), v.to_string()));
     }
+    if let Some(why) = encryption_refusal(given) {
+        refuse(given, why, "(qimg does not create encrypted images)");
+    }
     Ok(())
+}
+
+/// qcow2's encryption options, in the order qemu-img prints them on the `Formatting` line.
+const ENCRYPTION: [&str; 9] = [
+    "encryption",
+    "encrypt.format",
+    "encrypt.key-secret",
+    "encrypt.cipher-alg",
+    "encrypt.cipher-mode",
+    "encrypt.ivgen-alg",
+    "encrypt.ivgen-hash-alg",
+    "encrypt.hash-alg",
+    "encrypt.iter-time",
+];
+
+/// Why an image with the encryption options of `given` is not made: QEMU's refusals (no
+/// format, no secret, an unknown secret), then qimg's own (it does not encrypt).
+fn encryption_refusal(given: &Given) -> Option<String> {
+    let any = given
+        .pairs
+        .iter()
+        .any(|(k, _)| ENCRYPTION.contains(&k.as_str()));
+    if !any {
+        return None;
+    }
+    let legacy = given
+        .get("encryption")
+        .is_some_and(|v| matches!(v, "on" | "yes" | "true"));
+    let format = given.get("encrypt.format").or(legacy.then_some("aes"));
+    let Some(format) = format else {
+        let others = given.pairs.iter().any(|(k, _)| k.starts_with("encrypt."));
+        if !others {
+            // `encryption=off` and no `encrypt.` option: no encryption.
+            return None;
+        }
+        return Some("Parameter 'encrypt.format' is missing".into());
+    };
+    if !matches!(format, "luks" | "aes") {
+        return Some(format!(
+            "Parameter 'format' does not accept value '{format}'"
+        ));
+    }
+    match given.get("encrypt.key-secret") {
+        None => Some("Parameter 'encrypt.key-secret' is required for cipher".into()),
+        Some(id) if !crate::image_spec::has_secret(id) => Some(format!("No secret with id '{id}'")),
+        Some(_) => Some(format!(
+            "qimg does not create encrypted images (encrypt.format={format})"
+        )),
+    }
 }
 
 /// The `Formatting '...', fmt=...` line qemu-img prints, in its field order.
@@ -289,6 +346,11 @@ pub fn formatting_line(
             parts.push(format!("extent_size_hint={h}"));
         }
         return format!("Formatting '{file}', {}", parts.join(" "));
+    }
+    for key in ENCRYPTION {
+        if let Some(v) = given.get(key) {
+            parts.push(format!("{key}={v}"));
+        }
     }
     parts.push(format!("cluster_size={}", opts.cluster_size));
     parts.push(format!(

@@ -32,6 +32,22 @@ static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
 /// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
 static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
 
+/// `--object secret` ids (their data is checked when the object is made; qimg has no
+/// encrypted images to use it for yet).
+static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Records a `secret` object's id.
+pub fn add_secret(id: &str) {
+    let mut all = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    all.push(id.to_string());
+}
+
+/// Whether a `secret` object with id `id` was given.
+pub fn has_secret(id: &str) -> bool {
+    let all = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter().any(|s| s == id)
+}
+
 /// Records a `tls-creds-x509` object (its credentials directory) for `tls-creds=ID`.
 pub fn add_tls_creds(id: &str, dir: &str, client: bool) {
     let mut all = TLS_CREDS.lock().unwrap_or_else(|e| e.into_inner());

@@ -258,7 +258,9 @@ fn check_object(value: &str) -> Result<(), String> {
             .map(drop)
             .map_err(|e| format!("Unable to read {f}: {}", status::os_msg(&e))),
         (Some(_), None) => Ok(()),
-    }
+    }?;
+    image_spec::add_secret(get("id").unwrap_or_default());
+    Ok(())
 }
 
 /// Whether the short option `typed` (`-f`) is the one whose long form clap reported (`long`,

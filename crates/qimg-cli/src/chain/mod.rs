@@ -43,21 +43,42 @@ pub(crate) fn read_raw(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::R
     Ok(())
 }
 
-/// The format of source `file`: the one `-f` names (`named`), or else the probed one; errors
-/// are worded as qemu-img's "Could not open" for a source image.
-pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Result<ImageFormat> {
+/// Why [`format_of`] found no format.
+pub(crate) enum FormatError {
+    /// The named driver is not one qimg has.
+    UnknownDriver(String),
+    /// The file could not be read to probe it.
+    Probe(qimg::Error),
+}
+
+/// The format of image `file` (at `path`): the one `-f` names (`named`), else the one its
+/// `json:` or `--image-opts` name gives, else the probed one. The one rule every command
+/// uses; each words the failure its tool's way ([`source_format`] as qemu-img does).
+pub(crate) fn format_of(
+    path: &Path,
+    file: &str,
+    named: Option<&str>,
+) -> std::result::Result<ImageFormat, FormatError> {
     let given = crate::image_spec::format_for(file);
     match named.or(given.as_deref()) {
-        Some(name) => image_format(name)
-            .ok_or_else(|| anyhow!("Could not open '{file}': Unknown driver '{name}'")),
-        // A file that is not there in qemu-img's words (`open_msg`).
-        None => probe_format(path).map_err(|e| {
-            crate::status::open_msg(
-                anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                file,
-            )
-        }),
+        Some(name) => image_format(name).ok_or_else(|| FormatError::UnknownDriver(name.into())),
+        None => probe_format(path).map_err(FormatError::Probe),
     }
+}
+
+/// The format of source `file` ([`format_of`]), errors worded as qemu-img's "Could not open"
+/// for a source image.
+pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Result<ImageFormat> {
+    format_of(path, file, named).map_err(|e| match e {
+        FormatError::UnknownDriver(name) => {
+            anyhow!("Could not open '{file}': Unknown driver '{name}'")
+        }
+        // A file that is not there in qemu-img's words (`open_msg`).
+        FormatError::Probe(e) => crate::status::open_msg(
+            anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
+            file,
+        ),
+    })
 }
 
 /// qemu-img's warning when the format of `file` was probed (neither `named` nor given by the

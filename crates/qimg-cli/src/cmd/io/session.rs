@@ -33,14 +33,13 @@ use super::errors::*;
 
 use std::path::Path;
 
-use qimg::chain::{ImageFormat, probe_format, read_cluster0};
+use qimg::chain::{ImageFormat, read_cluster0};
 use qimg::format::validate::OpenMode;
 use qimg::io::{AnyStorage, Backend, Storage};
 use qimg::{Image, OpenOptions};
 
-use crate::args::image_format;
 use crate::cache_mode::CacheMode;
-use crate::chain::raw_probe_warning;
+use crate::chain::{FormatError, raw_probe_warning};
 use crate::status::{lib_msg, os_msg};
 
 /// `ENOTSUP`.
@@ -223,16 +222,15 @@ impl Session {
         self.copy_on_read = spec.copy_on_read;
         self.discard_ignored = spec.discard_ignored;
         let path = Path::new(file);
-        let given = crate::image_spec::format_for(file);
-        let fmt = match spec.fmt.as_ref().or(given.as_ref()) {
-            Some(name) => match image_format(name) {
-                Some(f) => f,
-                None => return fail(format!("Unknown driver '{name}'")),
-            },
-            None => match probe_format(path) {
-                Ok(f) => f,
-                Err(e) => return fail(format!("Could not open '{file}': {}", lib_msg(&e, file))),
-            },
+        // qemu-io's words: the driver without the file's name.
+        let fmt = match crate::chain::format_of(path, file, spec.fmt.as_deref()) {
+            Ok(f) => f,
+            Err(FormatError::UnknownDriver(name)) => {
+                return fail(format!("Unknown driver '{name}'"));
+            }
+            Err(FormatError::Probe(e)) => {
+                return fail(format!("Could not open '{file}': {}", lib_msg(&e, file)));
+            }
         };
         if spec.snapshot {
             return match self.open_snapshot(path, fmt, spec).await {
