@@ -3560,3 +3560,94 @@ fn create_refuses_encryption_options_in_qemu_imgs_words() {
         assert_eq!(made, [false, false, true, false], "{who}: files left");
     }
 }
+
+/// QEMU's null device (`null-co://`, `json:{"driver":"null-co",...}`, `--image-opts
+/// driver=null-co,...`): qemu-io reads that leave the buffer (or zeros with `read-zeroes`),
+/// writes that keep nothing, its allocation, `info` (twice the format name, as qemu-io
+/// prints it), no resize; qemu-img's `info` (a node of its own, or raw over the protocol,
+/// named as QEMU renders the options), `map`, `convert`, `compare`, `measure`; names QEMU
+/// refuses.
+#[test]
+fn the_null_device_behaves_as_qemus_null_co() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("null-co");
+    let ours = Ours::new(&s);
+    let zeroes = r#"json:{"driver":"null-co","size":4096,"read-zeroes":true}"#;
+    let mib = r#"json:{"driver":"null-co","size":1048576,"read-zeroes":true}"#;
+    let raw_over = r#"json:{"driver":"raw","file":{"driver":"null-co","size":4096}}"#;
+    let steps: Prep = &[
+        ("qemu-io", &["-c", "read -P 0xab 0 512", "null-co://"]),
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "read -v 0 16",
+                "-c",
+                "write -P 1 0 512",
+                "-c",
+                "length",
+                "-c",
+                "info",
+                "-c",
+                "map",
+                "-c",
+                "alloc 0 4k",
+                "null-co://",
+            ],
+        ),
+        (
+            "qemu-io",
+            &["-c", "read -P 0 0 512", "-c", "info", "-c", "map", zeroes],
+        ),
+        (
+            "qemu-io",
+            &["-c", "read 0 512", "null-co://?read-zeroes=on"],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                "-c",
+                "read -P 0 0 4k",
+                "-c",
+                "length",
+                "driver=null-co,read-zeroes=on,size=8k",
+            ],
+        ),
+        ("qemu-io", &["-c", "truncate 1M", "null-co://"]),
+        ("qemu-img", &["info", "null-co://"]),
+        ("qemu-img", &["info", "--output=json", zeroes]),
+        (
+            "qemu-img",
+            &["info", "--image-opts", "driver=null-co,read-zeroes=on"],
+        ),
+        ("qemu-img", &["info", raw_over]),
+        ("qemu-img", &["info", "-f", "null-co", "null-co://"]),
+        ("qemu-img", &["info", "-f", "null-co", "x.qcow2"]),
+        ("qemu-img", &["map", "--output=json", zeroes]),
+        ("qemu-img", &["convert", "-O", "qcow2", mib, "n.qcow2"]),
+        ("qemu-img", &["map", "n.qcow2"]),
+        ("qemu-img", &["compare", mib, "n.qcow2"]),
+        ("qemu-img", &["measure", "-O", "qcow2", mib]),
+        (
+            "qemu-img",
+            &[
+                "info",
+                r#"json:{"driver":"null-co","filename":"null-co://x"}"#,
+            ],
+        ),
+        (
+            "qemu-img",
+            &["info", r#"json:{"driver":"null-co","size":"1M"}"#],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], &[], steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("format name: null-co\nformat name: null-co"),
+        "{}",
+        outs[0]
+    );
+}

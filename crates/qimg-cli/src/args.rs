@@ -126,7 +126,16 @@ pub fn on_off(key: &str, v: &str) -> Result<bool, String> {
 
 /// The image format named by `-f`/`-O`/`driver=` (`qcow2` or `raw`).
 pub fn image_format(name: &str) -> Option<ImageFormat> {
-    ImageFormat::from_name(name.as_bytes())
+    match name {
+        // QEMU's null device reads and writes as a raw image would (see `is_null_driver`).
+        "null-co" | "null-aio" => Some(ImageFormat::Raw),
+        _ => ImageFormat::from_name(name.as_bytes()),
+    }
+}
+
+/// Whether `name` is QEMU's null driver (a node of its own, not raw over a file).
+pub fn is_null_driver(name: &str) -> bool {
+    matches!(name, "null-co" | "null-aio")
 }
 
 /// `--output human|json` of command `sub`: whether the output is JSON (refused in

@@ -266,18 +266,28 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
     // How the tool names the image it could not open (qemu-io's words differ).
     let io = program == "qemu-io" || args.get(1).is_some_and(|a| a == "io");
     // qemu-io names a `json:` or `blkdebug:` name it could not open ("can't open device").
-    let failed =
-        |s: &str, e: String| match (io, s.starts_with("json:") || s.starts_with("blkdebug:")) {
-            (true, true) => format!("can't open device {s}: {e}"),
-            (true, false) => format!("can't open: {e}"),
-            (false, _) => format!("Could not open '{s}': {e}"),
-        };
+    let named = |s: &str| {
+        ["json:", "blkdebug:", "null-co:"]
+            .iter()
+            .any(|p| s.starts_with(p))
+    };
+    let failed = |s: &str, e: String| match (io, named(s)) {
+        (true, true) => format!("can't open device {s}: {e}"),
+        (true, false) => format!("can't open: {e}"),
+        (false, _) => format!("Could not open '{s}': {e}"),
+    };
     for (i, a) in args.iter_mut().enumerate().skip(1) {
         let Some(s) = a.to_str() else { continue };
         if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
             // The file protocol named explicitly: the rest is the file name.
             *a = name.to_string().into();
             continue;
+        }
+        if s.starts_with(qimg::io::null::NULL_CO) && s != qimg::io::null::NULL_CO {
+            return Err(failed(
+                s,
+                "The only allowed filename for this driver is 'null-co://'".into(),
+            ));
         }
         if let Some(rest) = s.strip_prefix("blkdebug:") {
             // `blkdebug:CONFIG:IMAGE`: error injection over the file IMAGE.
@@ -325,6 +335,79 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         *a = name.into();
     }
     Ok(())
+}
+
+/// The `json:{...}` name QEMU shows for an image given as the option string or `json:` name
+/// `typed` (as `typed_name` keeps it): the options as a JSON object, each object's keys in
+/// the order of QEMU's `QDict` buckets (its `tdb_hash` modulo 512), `": "` and `", "`
+/// between. Option-string values stay strings, as QEMU keeps them. `None` for other names.
+pub fn qemu_json_name(typed: &str) -> Option<String> {
+    let v = options_value(typed)?;
+    Some(format!("json:{}", qdict_json(&v)))
+}
+
+/// The object under key `key` of the options `typed` names, as [`qemu_json_name`] renders it
+/// (a child node's name: `file`).
+pub fn qemu_json_child(typed: &str, key: &str) -> Option<String> {
+    let v = options_value(typed)?;
+    let child = v.get(key)?;
+    child
+        .is_object()
+        .then(|| format!("json:{}", qdict_json(child)))
+}
+
+fn options_value(typed: &str) -> Option<Value> {
+    if let Some(json) = typed.strip_prefix("json:") {
+        return serde_json::from_str::<Value>(json)
+            .ok()
+            .filter(Value::is_object);
+    }
+    let mut root = serde_json::Map::new();
+    for p in split_opts(typed) {
+        let (k, v) = p.split_once('=')?;
+        let mut parts: Vec<&str> = k.split('.').collect();
+        let last = parts.pop()?;
+        let mut at = &mut root;
+        for part in parts {
+            let next = at
+                .entry(part.to_string())
+                .or_insert_with(|| Value::Object(serde_json::Map::new()));
+            at = next.as_object_mut()?;
+        }
+        at.insert(last.to_string(), Value::String(v.to_string()));
+    }
+    Some(Value::Object(root))
+}
+
+/// QEMU's `tdb_hash` of a `QDict` key, modulo its 512 buckets: the order `qdict_first` /
+/// `qdict_next` visit keys in.
+fn qdict_bucket(key: &str) -> u32 {
+    let mut value = 0x238F_13AFu32.wrapping_mul(key.len() as u32);
+    for (i, c) in key.bytes().enumerate() {
+        value = value.wrapping_add(u32::from(c) << ((i * 5) % 24));
+    }
+    1_103_515_243u32.wrapping_mul(value).wrapping_add(12345) % 512
+}
+
+fn qdict_json(v: &Value) -> String {
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            // Within a bucket the key inserted last comes first.
+            keys.reverse();
+            keys.sort_by_key(|k| qdict_bucket(k));
+            let items: Vec<String> = keys
+                .iter()
+                .map(|k| format!("{}: {}", Value::String((*k).clone()), qdict_json(&map[*k])))
+                .collect();
+            format!("{{{}}}", items.join(", "))
+        }
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(qdict_json).collect();
+            format!("[{}]", items.join(", "))
+        }
+        other => other.to_string(),
+    }
 }
 
 /// Whether `key` is a runtime option qimg takes and leaves to its own defaults.
@@ -493,6 +576,23 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         Ok(Some(name))
     };
     let mut blkdebug_keys = Vec::new();
+    let mut null_keys: Vec<String> = Vec::new();
+    let mut null = |prefix: &str| -> Result<Option<String>, String> {
+        let key = |k: &str| format!("{prefix}{k}");
+        let mut opts = qimg::io::NullOptions::default();
+        if let Some(v) = get(&key("size")) {
+            opts.size = crate::args::parse_size(v)
+                .ok_or("Parameter 'size' expects a non-negative number below 2^64")?;
+        }
+        if let Some(v) = get(&key("read-zeroes")) {
+            opts.read_zeroes = crate::args::on_off("read-zeroes", v)?;
+        }
+        null_keys = ["size", "read-zeroes", "latency-ns"]
+            .iter()
+            .map(|k| key(k))
+            .collect();
+        Ok(Some(opts.name()))
+    };
     let name = match driver {
         "qcow2" | "raw" | "" => {
             if !driver.is_empty() {
@@ -501,6 +601,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             match get("file.driver").map(String::as_str) {
                 None | Some("file") => get("file.filename").or_else(|| get("file")).cloned(),
                 Some("nbd") => nbd("file.")?,
+                Some("null-co" | "null-aio") => null("file.")?,
                 Some("blkdebug") => {
                     let (image, used) = blkdebug_node(pairs, "file.")?;
                     blkdebug_keys = used;
@@ -510,6 +611,11 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             }
         }
         "file" => get("filename").cloned(),
+        // QEMU's null device as the image, with no format layer.
+        "null-co" | "null-aio" => {
+            ov.format = Some(driver.to_string());
+            null("")?
+        }
         // The export itself as the image, read as raw (what QEMU's protocol node reads).
         "nbd" => {
             ov.format = Some("raw".into());
@@ -519,11 +625,16 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
     };
     crate::runtime_opts::check(pairs, name.as_deref().map(Path::new))?;
     for (k, v) in pairs {
-        let known = matches!(
-            k.as_str(),
-            "driver" | "file" | "file.driver" | "file.filename" | "filename"
-        ) || nbd_keys.contains(k)
-            || blkdebug_keys.contains(k);
+        let generic = if crate::args::is_null_driver(driver) {
+            k == "driver"
+        } else {
+            matches!(
+                k.as_str(),
+                "driver" | "file" | "file.driver" | "file.filename" | "filename"
+            )
+        };
+        let known =
+            generic || nbd_keys.contains(k) || blkdebug_keys.contains(k) || null_keys.contains(k);
         match k.as_str() {
             _ if known || ignored(k) => {}
             "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,
@@ -538,6 +649,11 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             "data-file" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             "data-file.filename" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             "data-file.driver" if driver == "qcow2" && v == "file" => {}
+            _ if crate::args::is_null_driver(driver) => {
+                return Err(format!(
+                    "Block protocol '{driver}' doesn't support the option '{k}'"
+                ));
+            }
             _ => {
                 let d = if driver.is_empty() { "qcow2" } else { driver };
                 return Err(format!(

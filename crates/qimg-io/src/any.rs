@@ -12,6 +12,7 @@ use crate::bounce::BounceStorage;
 use crate::error::Result;
 use crate::file::{FileOptions, FileStorage};
 use crate::nbd::NbdStorage;
+use crate::null::NullStorage;
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 use crate::uring::{UringOptions, UringStorage};
@@ -48,6 +49,8 @@ pub enum AnyStorage {
     /// An export of an NBD server ([`NbdStorage`]), for an NBD name: the process's one
     /// connection to it ([`NbdStorage::shared`]).
     Nbd(std::sync::Arc<NbdStorage>),
+    /// QEMU's `null-co` device ([`NullStorage`]), for a null name (`null-co://`).
+    Null(NullStorage),
     /// A buffered file with error injection ([`BlkdebugStorage`]): a path given rules with
     /// [`blkdebug::attach`](crate::blkdebug::attach).
     Blkdebug(Box<BlkdebugStorage<FileStorage>>),
@@ -67,6 +70,9 @@ impl AnyStorage {
         if let Some(name) = path.as_ref().to_str() {
             if crate::nbd::is_nbd_name(name) {
                 return Ok(Self::Nbd(NbdStorage::shared(name, writable)?));
+            }
+            if let Some(opts) = crate::null::parse_name(name) {
+                return Ok(Self::Null(NullStorage::new(opts)));
             }
         }
         if let Some((config, breaks)) = crate::blkdebug::attached(path.as_ref()) {
@@ -154,6 +160,7 @@ macro_rules! each {
             #[cfg(target_os = "linux")]
             AnyStorage::UringDirect($s) => $e,
             AnyStorage::Nbd($s) => $e,
+            AnyStorage::Null($s) => $e,
             AnyStorage::Blkdebug($s) => $e,
             AnyStorage::BlkdebugDirect($s) => $e,
         }

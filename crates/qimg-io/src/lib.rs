@@ -112,6 +112,7 @@ pub mod holes;
 mod image_lock;
 mod mem;
 pub mod nbd;
+pub mod null;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 pub mod queue;
@@ -134,6 +135,7 @@ pub use file::{BlockingStrategy, FileOptions, FileStorage};
 pub use image_lock::{HeldImageLock, ImageLock};
 pub use mem::MemStorage;
 pub use nbd::NbdStorage;
+pub use null::{NullOptions, NullStorage};
 pub use storage::{AllocateOutcome, DirectAccess, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringStorage};

@@ -90,8 +90,17 @@ pub(crate) fn nbd_export(path: &Path) -> Result<Option<std::sync::Arc<qimg_io::N
         .map_err(|e| Error::storage(path, e))
 }
 
+/// The null device `path` names (`null-co://`, QEMU's `null-co` driver), if it names one.
+pub fn null_device(path: &Path) -> Option<qimg_io::NullOptions> {
+    path.to_str().and_then(qimg_io::null::parse_name)
+}
+
 /// Up to `len` bytes from `offset` of the file or NBD export `path` names.
 fn read_prefix(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
+    if let Some(null) = null_device(path) {
+        // What a probe of QEMU's null device sees: nothing but zeros (raw).
+        return Ok(vec![0; len.min(null.size.saturating_sub(offset)) as usize]);
+    }
     if let Some(nbd) = nbd_export(path)? {
         let mut buf = vec![0u8; len.min(nbd.size().saturating_sub(offset)) as usize];
         let n = nbd
@@ -118,6 +127,9 @@ pub fn probe_format(path: &Path) -> Result<ImageFormat> {
 /// The virtual size of an image of the given format.
 pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
     match fmt {
+        ImageFormat::Raw if null_device(path).is_some() => {
+            Ok(null_device(path).map_or(0, |n| n.size))
+        }
         ImageFormat::Raw => match nbd_export(path)? {
             Some(nbd) => Ok(nbd.size()),
             None => Ok(open(path)?

@@ -49,6 +49,8 @@ pub(crate) enum FormatError {
     UnknownDriver(String),
     /// The file could not be read to probe it.
     Probe(qimg::Error),
+    /// The named driver does not take this name (the null driver, a file).
+    Refused(String),
 }
 
 /// The format of image `file` (at `path`): the one `-f` names (`named`), else the one its
@@ -61,6 +63,13 @@ pub(crate) fn format_of(
 ) -> std::result::Result<ImageFormat, FormatError> {
     let given = crate::image_spec::format_for(file);
     match named.or(given.as_deref()) {
+        Some(name)
+            if crate::args::is_null_driver(name) && qimg::chain::null_device(path).is_none() =>
+        {
+            Err(FormatError::Refused(
+                "The only allowed filename for this driver is 'null-co://'".into(),
+            ))
+        }
         Some(name) => image_format(name).ok_or_else(|| FormatError::UnknownDriver(name.into())),
         None => probe_format(path).map_err(FormatError::Probe),
     }
@@ -73,6 +82,7 @@ pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Res
         FormatError::UnknownDriver(name) => {
             anyhow!("Could not open '{file}': Unknown driver '{name}'")
         }
+        FormatError::Refused(why) => anyhow!("Could not open '{file}': {why}"),
         // A file that is not there in qemu-img's words (`open_msg`).
         FormatError::Probe(e) => crate::status::open_msg(
             anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
@@ -163,7 +173,7 @@ pub(crate) async fn open_chain(
             .flatten()
             .filter(|_| qimg::io::nbd::is_nbd_name(p))
     });
-    if nbd.is_none() {
+    if nbd.is_none() && qimg::chain::null_device(path).is_none() {
         if let Err(e) = std::fs::metadata(path) {
             return Err(crate::status::open_msg(
                 anyhow!("Could not open '{file}': {}", crate::status::os_msg(&e)),

@@ -45,6 +45,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
         None => None,
     };
     let path = Path::new(&filename);
+    if let Err(crate::chain::FormatError::Refused(why)) =
+        crate::chain::format_of(path, &filename, args.fmt.as_deref())
+    {
+        anyhow::bail!("Could not open '{filename}': {why}");
+    }
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
     let _lock = read_lock(path, args.force_share)
@@ -75,11 +80,14 @@ pub fn run(args: InfoArgs) -> Result<()> {
         }
         other => other.into(),
     };
-    let list = if args.backing_chain {
+    let mut list = if args.backing_chain {
         backing_chain(path, fmt).map_err(opened)?
     } else {
         vec![image_info(path, fmt).map_err(opened)?]
     };
+    if qimg::chain::null_device(path).is_some() {
+        show_null_device(&mut list[0], &filename, args.fmt.as_deref());
+    }
     if json {
         let v = if args.backing_chain {
             serde_json::to_value(&list)?
@@ -92,6 +100,35 @@ pub fn run(args: InfoArgs) -> Result<()> {
         out!("{}", texts.join("\n"));
     }
     Ok(())
+}
+
+/// QEMU's view of its null device (`null-co://`, `json:{"driver":"null-co",...}`): a node of
+/// its own (format `null-co`, no child) when the null driver is named, else raw over a
+/// `null-co` protocol node; an option string or `json:` name shown as QEMU renders it.
+fn show_null_device(info: &mut qimg::tools::info::ImageInfo, file: &str, named: Option<&str>) {
+    let given = crate::image_spec::format_for(file);
+    let node = named
+        .or(given.as_deref())
+        .is_some_and(crate::args::is_null_driver);
+    let typed = crate::status::typed_name(file);
+    let shown = typed
+        .as_deref()
+        .and_then(crate::image_spec::qemu_json_name)
+        .unwrap_or_else(|| file.to_string());
+    if node {
+        info.format = "null-co".into();
+        info.children.clear();
+        info.format_specific = None;
+        info.filename = shown;
+        return;
+    }
+    info.filename = shown;
+    let child = typed
+        .as_deref()
+        .and_then(|t| crate::image_spec::qemu_json_child(t, "file"));
+    if let (Some(c), Some(name)) = (info.children.first_mut(), child) {
+        c.info.filename = name;
+    }
 }
 
 /// Opens `path` and takes QEMU's read lock on it (a shared read with `force_share`); a file

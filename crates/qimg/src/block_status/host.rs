@@ -25,6 +25,8 @@ pub struct HostExtents {
 enum Source {
     File(File),
     Nbd(Arc<NbdStorage>),
+    /// QEMU's null device: no data anywhere.
+    Null,
 }
 
 impl HostExtents {
@@ -32,6 +34,14 @@ impl HostExtents {
     /// `nbd+unix://`, ...). Errors: [`Error::Io`] for a file that does not open (or whose
     /// length cannot be read), [`Error::Storage`] for an export that cannot be reached.
     pub fn open(path: &Path) -> Result<Self> {
+        if let Some(null) = crate::chain::null_device(path) {
+            return Ok(Self {
+                len: null.size,
+                source: Source::Null,
+                path: path.to_path_buf(),
+                drop_cache: false,
+            });
+        }
         if let Some(nbd) = crate::chain::nbd_export(path)? {
             return Ok(Self {
                 len: nbd.size(),
@@ -95,6 +105,8 @@ impl HostExtents {
                     .collect();
             }
             Source::Nbd(nbd) => nbd,
+            Source::Null if end <= start => return Vec::new(),
+            Source::Null => return vec![(start, end - start, false)],
         };
         let data_end = end.min(self.len).max(start);
         let runs: Vec<(u64, bool)> = match nbd.block_status(start, data_end - start) {

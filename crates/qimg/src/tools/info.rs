@@ -158,6 +158,23 @@ fn lossy(b: &[u8]) -> String {
 }
 
 fn file_info(path: &Path, name: &str) -> Result<ImageInfo> {
+    if let Some(null) = crate::chain::null_device(path) {
+        return Ok(ImageInfo {
+            filename: name.to_string(),
+            format: "null-co".into(),
+            virtual_size: null.size,
+            actual_size: Some(0),
+            cluster_size: None,
+            dirty_flag: None,
+            backing_filename: None,
+            full_backing_filename: None,
+            backing_filename_format: None,
+            encrypted: None,
+            snapshots: None,
+            format_specific: None,
+            children: Vec::new(),
+        });
+    }
     if let Some(nbd) = crate::chain::nbd_export(path)? {
         return Ok(ImageInfo {
             filename: name.to_string(),

@@ -238,6 +238,25 @@ async fn map(s: &mut Session) -> Outcome {
 
 /// `info`: format, cluster size, VM state offset and the format-specific settings.
 fn info(s: &mut Session) -> Outcome {
+    if let Some(r) = &s.raw {
+        if matches!(r.storage, qimg::io::AnyStorage::Null(_)) {
+            // QEMU's null device has no block-driver info past its name.
+            let node = s.opened.as_ref().is_some_and(|(file, spec)| {
+                let given = crate::image_spec::format_for(file);
+                spec.fmt
+                    .as_deref()
+                    .or(given.as_deref())
+                    .is_some_and(crate::args::is_null_driver)
+            });
+            // QEMU's qemu-io prints the null node's name twice (its info has no block-driver
+            // part, and the format name comes again in its place).
+            outln!("format name: {}", if node { "null-co" } else { "raw" });
+            if node {
+                outln!("format name: null-co");
+            }
+            return Ok(());
+        }
+    }
     if s.raw.is_some() {
         outln!("format name: raw");
         outln!("cluster size: 0 bytes");

@@ -438,8 +438,12 @@ impl Session {
     /// and that state.
     pub async fn allocation(&self, offset: u64, len: u64) -> Result<(bool, u64), i32> {
         const STEP: u64 = 1 << 30;
-        if self.raw.is_some() {
-            // A raw file holds every byte (holes read as zeros): all allocated, as QEMU says.
+        if let Some(r) = &self.raw {
+            // A raw file holds every byte (holes read as zeros): all allocated, as QEMU says;
+            // QEMU's null device holds none, unless it reads zeros.
+            if let qimg::io::AnyStorage::Null(n) = &r.storage {
+                return Ok((n.options().read_zeroes, len));
+            }
             return Ok((true, len));
         }
         let img = self.image();

@@ -14,6 +14,11 @@ use crate::cmd::resize::Prealloc;
 /// the file system reports it (`SEEK_DATA`); `false` when that cannot be told.
 pub(super) fn raw_hole(path: &Path, offset: u64, len: u64) -> bool {
     use nix::unistd::{Whence, lseek};
+    if let Some(null) = qimg::chain::null_device(path) {
+        // QEMU's null device has no data; with `read-zeroes` it reports zeros.
+        let _ = (offset, len);
+        return !null.read_zeroes;
+    }
     let Ok(file) = std::fs::File::open(path) else {
         return false;
     };
@@ -93,6 +98,10 @@ impl Session {
         let Some(r) = &self.raw else {
             return Ok(false);
         };
+        if matches!(r.storage, AnyStorage::Null(_)) {
+            // QEMU's null driver has no truncate.
+            return Err("Image format driver does not support resize".into());
+        }
         let failed = |e: StorageError| strerror(storage_errno(e));
         let old = r.storage.len().await.map_err(failed)?;
         if prealloc != Prealloc::Off && size < old {

@@ -35,7 +35,9 @@ pub(super) async fn read(s: &mut Session, args: &[String]) -> Outcome {
         s.check_request(offset, count)
             .map_err(|e| io_failed("read", e))?;
     }
-    let mut buf = vec![0u8; count as usize];
+    // Filled as qemu-io's buffers are (`qemu_io_alloc`): what a read leaves alone (QEMU's
+    // null device) shows as 0xab.
+    let mut buf = vec![0xabu8; count as usize];
     let t0 = Instant::now();
     if vm_state {
         s.read_vmstate(&mut buf, offset).await
@@ -113,7 +115,7 @@ pub(super) async fn readv(s: &mut Session, name: &str, args: &[String], aio: boo
     if let Err(e) = s.check_request(offset, total) {
         return failed(e);
     }
-    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n as usize]).collect();
+    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0xabu8; n as usize]).collect();
     let t0 = Instant::now();
     if let Err(e) = s.read_vectored(&mut bufs, offset).await {
         return failed(e);

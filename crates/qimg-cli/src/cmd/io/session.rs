@@ -228,6 +228,7 @@ impl Session {
             Err(FormatError::UnknownDriver(name)) => {
                 return fail(format!("Unknown driver '{name}'"));
             }
+            Err(FormatError::Refused(why)) => return fail(why),
             Err(FormatError::Probe(e)) => {
                 return fail(format!("Could not open '{file}': {}", lib_msg(&e, file)));
             }
