@@ -2467,10 +2467,45 @@ fn runtime_option_values_are_checked_as_qemu_checks_them() {
                 "driver=qcow2,file.filename=t.qcow2,cache-size=64k,refcount-cache-size=128k",
             ],
         ),
+        // `file=NAME` names a block node, which these tools never have.
+        (
+            "qemu-img",
+            &["info", "--image-opts", "driver=qcow2,file=t.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &["info", r#"json:{"driver":"qcow2","file":"t.qcow2"}"#],
+        ),
+        ("qemu-io", &["-c", "open -o driver=qcow2,file=t.qcow2"]),
+        // What names the file, and `read-only`, decide before the other options.
+        (
+            "qemu-io",
+            &[
+                "-c",
+                "open -o driver=qcow2,bogus=1",
+                "-c",
+                "open -o l2-cache-size=1M",
+                "-c",
+                "open -o file.driver=file",
+                "-c",
+                "open -o driver=qcow2,file.filename=nope.qcow2",
+                "-c",
+                "open -o read-only=on t.qcow2",
+                "-c",
+                "open -r -o read-only=off t.qcow2",
+                "-c",
+                "write -q 0 512",
+            ],
+        ),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
     assert!(outs[0].contains("may not exceed"), "{}", outs[0]);
+    assert!(
+        outs[0].contains("Cannot find device='t.qcow2' nor node-name='t.qcow2'"),
+        "{}",
+        outs[0]
+    );
     // A blkdebug node's request limits.
     let node = "driver=qcow2,file.driver=blkdebug,file.image.filename=t.qcow2,file.";
     let limits: Vec<String> = [

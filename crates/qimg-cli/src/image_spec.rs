@@ -415,12 +415,13 @@ pub fn ignored(key: &str) -> bool {
     IGNORED.contains(&key) || key.starts_with("overlap-check.")
 }
 
-/// qemu-io's `open -o` options: `(file name they name, driver, read-only)`. The file name may
-/// come from the command's operand instead; the driver, when named, must be qcow2 or raw.
+/// qemu-io's `open -o` options: `(file name they name, driver, read-only when given)`. The
+/// file name may come from the command's operand instead; the driver, when named, must be
+/// qcow2 or raw.
 pub fn open_options(
     pairs: &[(String, String)],
     operand: Option<&Path>,
-) -> Result<(Option<String>, Option<String>, bool), String> {
+) -> Result<(Option<String>, Option<String>, Option<bool>), String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
     let driver = get("driver").cloned();
     if let Some(d) = driver.as_deref().filter(|d| !matches!(*d, "qcow2" | "raw")) {
@@ -430,7 +431,18 @@ pub fn open_options(
         None | Some("file") => {}
         Some(other) => return Err(format!("the protocol '{other}' is not supported")),
     }
-    let file = get("file.filename").or_else(|| get("file"));
+    node_reference(get("file"))?;
+    let file = get("file.filename");
+    if file.is_none() && operand.is_none() && get("file.driver").is_some_and(|d| d == "file") {
+        return Err("The 'file' block driver requires a file name".into());
+    }
+    if file.or(get("filename")).is_none() && operand.is_none() {
+        // Before the options are checked, as QEMU opens the file node first.
+        if driver.is_none() && get("file.driver").is_none() {
+            return Err("Must specify either driver or file".into());
+        }
+        return Err("A block device must be specified for \"file\"".into());
+    }
     crate::runtime_opts::check(pairs, file.map(Path::new).or(operand))?;
     for (k, _) in pairs {
         let known = matches!(
@@ -444,11 +456,18 @@ pub fn open_options(
             ));
         }
     }
-    let name = get("file.filename")
-        .or_else(|| get("file"))
-        .or_else(|| get("filename"));
-    let read_only = get("read-only").is_some_and(|v| v == "on" || v == "true");
+    let name = get("file.filename").or_else(|| get("filename"));
+    let read_only = get("read-only").map(|v| v == "on" || v == "true");
     Ok((name.cloned(), driver, read_only))
+}
+
+/// `file=NAME` (a string, not an object): QEMU takes it as the name of a block node defined
+/// elsewhere (`--blockdev`), which qemu-img and qemu-io never have, and refuses it so.
+fn node_reference(file: Option<&String>) -> Result<(), String> {
+    match file {
+        Some(v) => Err(format!("Cannot find device='{v}' nor node-name='{v}'")),
+        None => Ok(()),
+    }
 }
 
 /// Whether `s` is an `--image-opts` option string rather than another argument.
@@ -599,7 +618,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
                 ov.format = Some(driver.to_string());
             }
             match get("file.driver").map(String::as_str) {
-                None | Some("file") => get("file.filename").or_else(|| get("file")).cloned(),
+                None | Some("file") => {
+                    node_reference(get("file"))?;
+                    get("file.filename").cloned()
+                }
                 Some("nbd") => nbd("file.")?,
                 Some("null-co" | "null-aio") => null("file.")?,
                 Some("blkdebug") => {

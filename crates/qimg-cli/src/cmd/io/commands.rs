@@ -392,8 +392,11 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
     let (named, driver, read_only) = match crate::image_spec::open_options(&pairs, operand) {
         Ok(r) => r,
         Err(e) => {
-            let device = o.operands.first().map(String::as_str).unwrap_or("");
-            complain!("qemu-io: can't open device {device}: {e}");
+            // qemu-io names the device only when the command gave a file name.
+            match o.operands.first() {
+                Some(device) => complain!("qemu-io: can't open device {device}: {e}"),
+                None => complain!("qemu-io: can't open: {e}"),
+            }
             return Err(Failed);
         }
     };
@@ -425,13 +428,25 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         complain!("qemu-io: file open already, try 'help close'");
         return Err(Failed);
     }
+    if read_only == Some(true) && !o.has('r') {
+        // qemu-io asks for a writable device; the node the options made cannot be one.
+        let device = o
+            .operands
+            .first()
+            .or(named.as_ref())
+            .cloned()
+            .unwrap_or_default();
+        complain!("qemu-io: can't open device {device}: Block node is read-only");
+        return Err(Failed);
+    }
     let Some(file) = o.operands.first().or(named.as_ref()) else {
         complain!("qemu-io: qimg io: open needs a file name");
         return Err(Failed);
     };
     let spec = OpenSpec {
         fmt: driver,
-        read_only: o.has('r') || read_only,
+        // `-o read-only=` overrides `-r`.
+        read_only: read_only.unwrap_or(o.has('r')),
         force_share: o.has('U'),
         cache,
         backend,
@@ -439,6 +454,7 @@ async fn open(s: &mut Session, args: &[String]) -> Outcome {
         snapshot: o.has('s'),
         copy_on_read: o.has('C'),
         discard_ignored,
+        named_by_options: o.operands.is_empty(),
     };
     s.open(file, &spec).await
 }

@@ -183,5 +183,6 @@ fn open_spec(args: &IoArgs) -> Result<OpenSpec, String> {
         snapshot: args.snapshot,
         copy_on_read: args.copy_on_read,
         discard_ignored,
+        named_by_options: false,
     })
 }

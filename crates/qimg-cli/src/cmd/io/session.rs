@@ -68,6 +68,9 @@ pub struct OpenSpec {
     /// `-d ignore` / `-d off`: discard requests succeed and do nothing (QEMU's open without
     /// `BDRV_O_UNMAP`); qemu-io's default is `unmap`.
     pub discard_ignored: bool,
+    /// The file name came from `open -o file.filename=...`, not an operand: qemu-io then
+    /// names no device when the open fails.
+    pub named_by_options: bool,
 }
 
 /// qemu-io's default cache mode, `writethrough`.
@@ -202,6 +205,7 @@ impl Session {
         let fail = |msg: String| {
             // Named as typed: a `json:` name is the device; an option string has none.
             match crate::status::typed_name(file) {
+                _ if spec.named_by_options => complain!("qemu-io: can't open: {msg}"),
                 Some(t) if !t.starts_with("json:") => complain!("qemu-io: can't open: {msg}"),
                 Some(t) => complain!("qemu-io: can't open device {t}: {msg}"),
                 None => complain!("qemu-io: can't open device {file}: {msg}"),
