@@ -415,13 +415,16 @@ pub fn ignored(key: &str) -> bool {
     IGNORED.contains(&key) || key.starts_with("overlap-check.")
 }
 
+/// What qemu-io's `open -o` options say: `(file name, driver, read-only when given)`.
+pub type OpenNames = (Option<String>, Option<String>, Option<bool>);
+
 /// qemu-io's `open -o` options: `(file name they name, driver, read-only when given)`. The
 /// file name may come from the command's operand instead; the driver, when named, must be
 /// qcow2 or raw.
 pub fn open_options(
     pairs: &[(String, String)],
     operand: Option<&Path>,
-) -> Result<(Option<String>, Option<String>, Option<bool>), String> {
+) -> Result<OpenNames, String> {
     let get = |key: &str| pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
     let driver = get("driver").cloned();
     if let Some(d) = driver.as_deref().filter(|d| !matches!(*d, "qcow2" | "raw")) {
