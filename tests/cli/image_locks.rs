@@ -218,3 +218,77 @@ fn two_qimg_writers_refuse_each_other_and_locking_off_takes_no_lock() {
     assert!(ok, "qemu-img info beside an unlocked qimg: {err}");
     rt.block_on(unlocked.close()).unwrap();
 }
+
+/// Every qemu-img command that writes an image, run while qemu-io holds it for writing:
+/// refused as qemu-img refuses it (the same words, run as `qemu-img`), and the image and its
+/// backing file are left byte for byte as they were. Before,
+/// `rebase -u`, `create`, `convert` (with and without `-n`) and `dd` wrote into the held
+/// files (a header rewritten, files truncated).
+#[test]
+fn commands_that_write_refuse_an_image_qemu_holds_and_leave_it_alone() {
+    qimg_testkit::require_qemu!();
+    let dir = image("locks-writers-refused");
+    let ours = crate::qemu_dropin::Ours::new(&dir);
+    let run = |prog: &Path, args: &[&str]| {
+        let o = Command::new(prog)
+            .current_dir(&dir.0)
+            .args(args)
+            .output()
+            .expect("run");
+        let status = o.status.code();
+        (status, String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    assert!(
+        Command::new(QEMU_IMG)
+            .current_dir(&dir.0)
+            .args(["create", "-q", "-f", "qcow2", "b.qcow2", "1M"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert!(
+        Command::new(QEMU_IMG)
+            .current_dir(&dir.0)
+            .args([
+                "create", "-q", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", "t.qcow2"
+            ])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let holder = QemuHolder::open(&dir.0, "t.qcow2", false);
+    let files = ["t.qcow2", "b.qcow2"];
+    let before: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(dir.path(f)).unwrap())
+        .collect();
+    let cases: &[&[&str]] = &[
+        &["snapshot", "-c", "s", "t.qcow2"],
+        &["commit", "t.qcow2"],
+        &["rebase", "-u", "-b", "", "t.qcow2"],
+        &["rebase", "-b", "", "t.qcow2"],
+        &["bitmap", "--add", "t.qcow2", "bm"],
+        &["amend", "-o", "lazy_refcounts=on", "t.qcow2"],
+        &["resize", "t.qcow2", "2M"],
+        &["create", "-q", "-f", "qcow2", "t.qcow2", "1M"],
+        &["create", "-q", "-f", "raw", "t.qcow2", "1M"],
+        &["convert", "-n", "-O", "qcow2", "a.qcow2", "t.qcow2"],
+        &["convert", "-O", "qcow2", "a.qcow2", "t.qcow2"],
+        &["convert", "-O", "raw", "a.qcow2", "t.qcow2"],
+        &["dd", "if=a.qcow2", "of=t.qcow2", "-O", "qcow2"],
+        &["dd", "if=a.qcow2", "of=t.qcow2"],
+        &["check", "-r", "all", "t.qcow2"],
+    ];
+    for args in cases {
+        let theirs = run(Path::new(QEMU_IMG), args);
+        let mine = run(&ours.bin().join("qemu-img"), args);
+        assert_eq!(mine, theirs, "qemu-img {args:?}: qimg (left), QEMU (right)");
+        assert_ne!(theirs.0, Some(0), "QEMU took {args:?}");
+        let now: Vec<Vec<u8>> = files
+            .iter()
+            .map(|f| std::fs::read(dir.path(f)).unwrap())
+            .collect();
+        assert!(now == before, "qemu-img {args:?} changed a held file");
+    }
+    drop(holder);
+}

@@ -25,6 +25,11 @@ impl Ours {
         Ours { bin }
     }
 
+    /// The directory of the `qemu-img` and `qemu-io` links to qimg.
+    pub(crate) fn bin(&self) -> &Path {
+        &self.bin
+    }
+
     pub(crate) fn img(&self, dir: &Path, args: &[&str]) -> Output {
         run(dir, &self.bin.join("qemu-img"), args)
     }

@@ -230,6 +230,17 @@ pub fn open_msg(e: anyhow::Error, file: &str) -> anyhow::Error {
     }
 }
 
+/// Whether `e` is another process's lock on a file (nothing was changed; the file is theirs).
+pub fn is_locked(e: &qimg::Error) -> bool {
+    matches!(
+        e,
+        qimg::Error::Storage {
+            source: qimg::io::StorageError::Locked { .. },
+            ..
+        }
+    )
+}
+
 /// QEMU's message for a lock another process holds on `file`. The engine names the lock
 /// byte the other process holds: its "shared" byte (it does not share a permission this
 /// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this

@@ -162,6 +162,17 @@ pub fn run(args: AmendArgs) -> Result<()> {
     r.map_err(|e| match crate::status::qemu_header_words(&e) {
         // A header QEMU refuses at open, in its words.
         Some(words) => anyhow!("Could not open '{file}': {words}"),
+        // Another process's lock: QEMU fails the open.
+        None if matches!(
+            &e,
+            qimg::Error::Storage {
+                source: qimg::io::StorageError::Locked { .. },
+                ..
+            }
+        ) && crate::status::program() != "qimg" =>
+        {
+            anyhow!("Could not open '{file}': {}", lib_msg(&e, &file))
+        }
         None => anyhow!("{}", lib_msg(&e, &file)),
     })
 }

@@ -123,6 +123,23 @@ async fn commit(
     rate: u64,
     progress: &mut Progress,
 ) -> Result<()> {
+    // QEMU opens the image for writing first: one another process holds is refused before
+    // anything else is looked at.
+    if let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
+        if let Err(qimg::io::StorageError::Locked { holder }) =
+            qimg::io::ImageLock::ReadWrite.lock(&f)
+        {
+            let words = match crate::status::program() {
+                "qimg" => format!("the image is in use ({holder})"),
+                _ => crate::status::lock_error(&holder, file),
+            };
+            bail!("Could not open '{file}': {words}");
+        }
+    }
     // The chain, read without taking locks (the base is opened for writing below).
     let layers = open_chain(path, file, ImageFormat::Qcow2, true)
         .await

@@ -120,9 +120,13 @@ pub fn run(args: CreateArgs) -> Result<()> {
         if let Some(refused) = &given.refused {
             bail!("{file}: {refused}");
         }
-        qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress)
-            .with_context(|| file.clone())?;
-        return Ok(());
+        return match qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress) {
+            Ok(()) => Ok(()),
+            Err(e) if crate::status::program() != "qimg" || crate::status::is_locked(&e) => {
+                Err(anyhow!("{file}: {}", create_failure(&e, &file)))
+            }
+            Err(e) => Err(anyhow::Error::new(e).context(file.clone())),
+        };
     }
     // An export named as the backing file is reached once and held until the image is made:
     // every later open of it here shares the connection, so a server that serves one client
@@ -189,14 +193,36 @@ pub fn run(args: CreateArgs) -> Result<()> {
     let made = match (&given.refused, o.validate()) {
         (Some(refused), _) => Err(anyhow!("{file}: {refused}")),
         (None, Err(e)) => Err(anyhow!("{file}: {}", refusal_words(&e))),
-        (None, Ok(())) => create(path, &o, &mut progress)
-            .map(drop)
-            .with_context(|| file.clone()),
+        (None, Ok(())) => match create(path, &o, &mut progress) {
+            Ok(_) => Ok(()),
+            // Another process holds the file: nothing was made, and the file stays theirs.
+            Err(e) if crate::status::is_locked(&e) => {
+                return Err(anyhow!("{file}: {}", create_failure(&e, &file)));
+            }
+            Err(e) if crate::status::program() != "qimg" => {
+                Err(anyhow!("{file}: {}", create_failure(&e, &file)))
+            }
+            Err(e) => Err(anyhow::Error::new(e).context(file.clone())),
+        },
     };
     if made.is_err() {
         delete_refused(path, &o);
     }
     made
+}
+
+/// Why making image file `file` failed, in QEMU's words: the file that could not be created
+/// (`Could not create 'F': ...`), another process's lock, or the library's words.
+pub(crate) fn create_failure(e: &qimg::Error, file: &str) -> String {
+    match e {
+        qimg::Error::Io { op, source, .. } if op == "create" => {
+            format!(
+                "Could not create '{file}': {}",
+                crate::status::os_msg(source)
+            )
+        }
+        _ => crate::status::lib_msg(e, file),
+    }
 }
 
 /// After a qcow2 create failed past its `Formatting` line (in `create` and `convert`): as

@@ -157,11 +157,28 @@ pub fn run(a: DdArgs) -> Result<()> {
     let out_size = if skip_past { 0 } else { size - start };
     let out_path = Path::new(&output);
     let out_msg = |e: &dyn std::fmt::Display| anyhow!("{output}: {e}");
+    // As qemu-img's dd: the output is made as `create` makes it (QEMU's write lock first:
+    // a file another process holds is refused, not truncated).
+    let made = |e: qimg::Error| {
+        out_msg(&format!(
+            "error while creating output image: {}",
+            crate::cmd::create::create_failure(&e, &output)
+        ))
+    };
     let mut raw_out = None;
     match out_fmt {
         ImageFormat::Raw => {
-            let f = File::create(out_path).map_err(|e| out_msg(&os_msg(&e)))?;
-            f.set_len(out_size).map_err(|e| out_msg(&os_msg(&e)))?;
+            qimg::tools::create::create_raw(
+                out_path,
+                out_size,
+                qimg::tools::create::Preallocation::Off,
+                &mut |_, _| {},
+            )
+            .map_err(made)?;
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(out_path)
+                .map_err(|e| out_msg(&os_msg(&e)))?;
             raw_out = Some(f);
         }
         ImageFormat::Qcow2 => {
@@ -169,7 +186,7 @@ pub fn run(a: DdArgs) -> Result<()> {
                 size: Some(out_size),
                 ..Default::default()
             };
-            create(out_path, &opts, &mut |_, _| {}).map_err(|e| out_msg(&lib_msg(&e, &output)))?;
+            create(out_path, &opts, &mut |_, _| {}).map_err(made)?;
         }
     }
     let mut at = start;

@@ -52,8 +52,16 @@ pub fn run(args: InfoArgs) -> Result<()> {
     }
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
-    let _lock = read_lock(path, args.force_share)
-        .map_err(|e| anyhow!("Could not open '{}': {e}", filename))?;
+    let _lock = read_lock(path, args.force_share).map_err(|e| match &e {
+        // Another process's lock, in QEMU's words when qimg runs as qemu-img.
+        qimg::io::StorageError::Locked { holder } if crate::status::program() != "qimg" => {
+            anyhow!(
+                "Could not open '{filename}': {}",
+                crate::status::lock_error(holder, &filename)
+            )
+        }
+        _ => anyhow!("Could not open '{filename}': {e}"),
+    })?;
     // A file that cannot be opened is worded as qemu-img words it.
     let file = &filename;
     let opened = |e: qimg::Error| match e {
@@ -133,7 +141,10 @@ fn show_null_device(info: &mut qimg::tools::info::ImageInfo, file: &str, named: 
 
 /// Opens `path` and takes QEMU's read lock on it (a shared read with `force_share`); a file
 /// that cannot be opened is left for `image_info` to report as it does.
-fn read_lock(path: &Path, force_share: bool) -> Result<Option<FileStorage>> {
+fn read_lock(
+    path: &Path,
+    force_share: bool,
+) -> std::result::Result<Option<FileStorage>, qimg::io::StorageError> {
     let Ok(file) = FileStorage::open(path) else {
         return Ok(None);
     };

@@ -172,6 +172,10 @@ fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
                 // A header QEMU refuses when it opens the image, before any change.
                 return anyhow!("Could not open '{file}': {words}");
             }
+            if crate::status::is_locked(&e) {
+                // Another process's lock: QEMU fails the open, before any change.
+                return anyhow!("Could not open '{file}': {}", lib_msg(&e, file));
+            }
             anyhow!(
                 "Could not change the backing file to '{}': {}",
                 new.unwrap_or(""),

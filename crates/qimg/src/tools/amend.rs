@@ -228,13 +228,19 @@ async fn open(path: &Path) -> Result<Image<crate::io::AnyStorage>> {
 
 /// Reads cluster 0, lets `change` edit it, and writes it back.
 fn rewrite_header(path: &Path, change: impl FnOnce(&mut Cluster0) -> Result<()>) -> Result<()> {
-    let mut c0 = read_cluster0(path, OpenMode::ReadOnly)?;
-    change(&mut c0)?;
-    let bytes = c0.encode().map_err(|e| Error::format(path, e))?;
     let f = FsOpen::new()
+        .read(true)
         .write(true)
         .open(path)
         .map_err(|e| Error::io(path, "open", e))?;
+    // QEMU's write lock, as any writer of the image takes it: a header another process has
+    // open (a VM's disk, a qemu-io session) is refused, never rewritten under it.
+    let _lock = crate::io::ImageLock::ReadWrite
+        .lock(&f)
+        .map_err(|e| Error::storage(path, e))?;
+    let mut c0 = read_cluster0(path, OpenMode::ReadOnly)?;
+    change(&mut c0)?;
+    let bytes = c0.encode().map_err(|e| Error::format(path, e))?;
     f.write_all_at(&bytes, 0)
         .and_then(|()| f.sync_all())
         .map_err(|e| Error::io(path, "write the header", e))

@@ -38,7 +38,6 @@ use self::plan::{Plan, data_bytes};
 use self::source::{SourceImage, open_sources};
 use self::target::{OutputImage, backing_len, open_target};
 use crate::chain::Layers;
-use crate::status::lib_msg;
 
 /// Arguments of `qimg convert`.
 #[derive(clap::Args)]
@@ -289,12 +288,13 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
         .map_err(|e| {
             anyhow!(
                 "{dst_file}: error while converting raw: {}",
-                lib_msg(&e, dst_file)
+                crate::cmd::create::create_failure(&e, dst_file)
             )
         })?;
     } else {
         let mut create_options = settings.create_options.clone();
         create_options.size = Some(size);
+        let mut locked = false;
         let made = match (&settings.refused, create_options.validate()) {
             (Some(refused), _) => Err(anyhow!(
                 "{dst_file}: error while converting qcow2: {refused}"
@@ -306,13 +306,15 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
             (None, Ok(())) => create(dst_path, &create_options, &mut nop)
                 .map(|_| ())
                 .map_err(|e| {
+                    locked = crate::status::is_locked(&e);
                     anyhow!(
                         "{dst_file}: error while converting qcow2: {}",
-                        lib_msg(&e, dst_file)
+                        crate::cmd::create::create_failure(&e, dst_file)
                     )
                 }),
         };
-        if made.is_err() {
+        // A target another process holds was not touched: it stays.
+        if made.is_err() && !locked {
             crate::cmd::create::delete_refused(dst_path, &create_options);
         }
         made?;

@@ -194,6 +194,17 @@ impl Storage for OutStorage {
     fn direct_access(&self) -> Option<qimg::io::DirectAccess<'_>> {
         self.inner.direct_access()
     }
+    // The image locks (the engine takes QEMU's write lock through these: without them an
+    // image another process holds was written) and error injection's events go through.
+    fn lock_image(&self, lock: qimg::io::ImageLock) -> qimg::io::Result<()> {
+        self.inner.lock_image(lock)
+    }
+    fn unlock_image(&self) {
+        self.inner.unlock_image()
+    }
+    fn debug_event(&self, event: qimg::io::DebugEvent) {
+        self.inner.debug_event(event)
+    }
 }
 
 /// The output image.
@@ -333,6 +344,17 @@ pub(super) async fn open_target(
         ImageFormat::Raw => {
             let f = OutStorage::open(path, true, cache)
                 .map_err(|e| anyhow!("Could not open '{file}': {e}"))?;
+            // QEMU's write lock on a raw output too.
+            f.lock_image(qimg::io::ImageLock::ReadWrite)
+                .map_err(|e| match &e {
+                    StorageError::Locked { holder } if crate::status::program() != "qimg" => {
+                        anyhow!(
+                            "Could not open '{file}': {}",
+                            crate::status::lock_error(holder, file)
+                        )
+                    }
+                    _ => anyhow!("Could not open '{file}': {e}"),
+                })?;
             let len = f.len().await.map_err(|e| anyhow!("{file}: {e}"))?;
             if len < size {
                 bail!("output file is smaller than input file");

@@ -18,14 +18,38 @@ pub(super) fn allocate_first_block(file: &File, path: &Path, len: u64) -> Result
     Ok(())
 }
 
-pub(super) fn open_new(path: &Path) -> Result<File> {
-    OpenOptions::new()
+/// A file being created, with QEMU's write lock on it until creation ends.
+#[derive(Debug)]
+pub(super) struct NewFile {
+    file: File,
+    _lock: qimg_io::HeldImageLock,
+}
+
+impl std::ops::Deref for NewFile {
+    type Target = File;
+    fn deref(&self) -> &File {
+        &self.file
+    }
+}
+
+/// Opens `path` for creation: made if missing, QEMU's write lock taken (as QEMU's file
+/// driver takes it before truncating), then emptied. A file another process holds (a VM's
+/// disk, a `qemu-io` session) is refused with [`qimg_io::StorageError::Locked`] and left as
+/// it was.
+pub(super) fn open_new(path: &Path) -> Result<NewFile> {
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .open(path)
-        .map_err(|e| Error::io(path, "create", e))
+        .map_err(|e| Error::io(path, "create", e))?;
+    let lock = qimg_io::ImageLock::ReadWrite
+        .lock(&file)
+        .map_err(|e| Error::storage(path, e))?;
+    file.set_len(0)
+        .map_err(|e| Error::io(path, "truncate to 0 bytes", e))?;
+    Ok(NewFile { file, _lock: lock })
 }
 
 /// Reserves (`Falloc`) or zero-fills (`Full`) the given byte runs, reporting progress.
