@@ -26,6 +26,96 @@ pub fn pretty(v: &Value) -> String {
     out
 }
 
+/// `v` as QEMU's `qobject_to_json` writes it on one line (`json:` names): members in the
+/// same order as [`pretty`], `": "` and `", "` between.
+pub fn compact(v: &Value) -> String {
+    let mut out = String::new();
+    write_compact(v, &mut out);
+    out
+}
+
+fn write_compact(v: &Value, out: &mut String) {
+    match v {
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_compact(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            out.push('{');
+            for (j, (k, v)) in members(map).into_iter().enumerate() {
+                if j > 0 {
+                    out.push_str(", ");
+                }
+                quoted(k, out);
+                out.push_str(": ");
+                write_compact(v, out);
+            }
+            out.push('}');
+        }
+        scalar => write(scalar, 0, out),
+    }
+}
+
+/// An object's members in the order QEMU's `QDict` visits them: buckets in order; within
+/// one, the member inserted last first.
+fn members(map: &serde_json::Map<String, Value>) -> Vec<(&String, &Value)> {
+    let mut members: Vec<(u32, usize, &String, &Value)> = map
+        .iter()
+        .enumerate()
+        .map(|(i, (k, v))| (tdb_hash(k) % BUCKETS, i, k, v))
+        .collect();
+    members.sort_by_key(|&(bucket, i, _, _)| (bucket, std::cmp::Reverse(i)));
+    members.into_iter().map(|(_, _, k, v)| (k, v)).collect()
+}
+
+/// The `json:{...}` name QEMU shows for an image given as the option string or `json:` name
+/// `typed` (as `typed_name` keeps it): the options as a JSON object, each object's keys in
+/// the order of QEMU's `QDict` buckets (its `tdb_hash` modulo 512), `": "` and `", "`
+/// between. Option-string values stay strings, as QEMU keeps them. `None` for other names.
+pub fn qemu_json_name(typed: &str) -> Option<String> {
+    let v = options_value(typed)?;
+    Some(format!("json:{}", compact(&v)))
+}
+
+/// The object under key `key` of the options `typed` names, as [`qemu_json_name`] renders it
+/// (a child node's name: `file`).
+pub fn qemu_json_child(typed: &str, key: &str) -> Option<String> {
+    let v = options_value(typed)?;
+    let child = v.get(key)?;
+    child
+        .is_object()
+        .then(|| format!("json:{}", compact(child)))
+}
+
+fn options_value(typed: &str) -> Option<Value> {
+    if let Some(json) = typed.strip_prefix("json:") {
+        return serde_json::from_str::<Value>(json)
+            .ok()
+            .filter(Value::is_object);
+    }
+    let mut root = serde_json::Map::new();
+    for p in crate::args::split_opts(typed) {
+        let (k, v) = p.split_once('=')?;
+        let mut parts: Vec<&str> = k.split('.').collect();
+        let last = parts.pop()?;
+        let mut at = &mut root;
+        for part in parts {
+            let next = at
+                .entry(part.to_string())
+                .or_insert_with(|| Value::Object(serde_json::Map::new()));
+            at = next.as_object_mut()?;
+        }
+        at.insert(last.to_string(), Value::String(v.to_string()));
+    }
+    Some(Value::Object(root))
+}
+
 fn indent(level: usize, out: &mut String) {
     out.push_str(&"    ".repeat(level));
 }
@@ -48,15 +138,9 @@ fn write(v: &Value, level: usize, out: &mut String) {
         }
         Value::Object(map) => {
             out.push_str("{\n");
-            // Buckets in order; within one, the member inserted last comes first.
-            let mut members: Vec<(u32, usize, &String, &Value)> = map
-                .iter()
-                .enumerate()
-                .map(|(i, (k, v))| (tdb_hash(k) % BUCKETS, i, k, v))
-                .collect();
-            members.sort_by_key(|&(bucket, i, _, _)| (bucket, std::cmp::Reverse(i)));
+            let members = members(map);
             let n = members.len();
-            for (j, (_, _, k, v)) in members.into_iter().enumerate() {
+            for (j, (k, v)) in members.into_iter().enumerate() {
                 indent(level + 1, out);
                 quoted(k, out);
                 out.push_str(": ");
@@ -96,6 +180,29 @@ fn quoted(s: &str, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_of_option_sets_are_rendered_as_qemu_shows_them() {
+        // What qemu-img 10 prints for these names (`image:` of `info`).
+        assert_eq!(
+            qemu_json_name(r#"json:{"size":4096,"read-zeroes":true,"driver":"null-co"}"#).unwrap(),
+            r#"json:{"read-zeroes": true, "driver": "null-co", "size": 4096}"#
+        );
+        assert_eq!(
+            qemu_json_name("driver=null-co,read-zeroes=on").unwrap(),
+            r#"json:{"read-zeroes": "on", "driver": "null-co"}"#
+        );
+        let nested = r#"json:{"driver":"raw","file":{"driver":"null-co","size":4096}}"#;
+        assert_eq!(
+            qemu_json_name(nested).unwrap(),
+            r#"json:{"driver": "raw", "file": {"driver": "null-co", "size": 4096}}"#
+        );
+        assert_eq!(
+            qemu_json_child(nested, "file").unwrap(),
+            r#"json:{"driver": "null-co", "size": 4096}"#
+        );
+        assert_eq!(qemu_json_name("json:[1]"), None);
+    }
 
     #[test]
     fn members_come_in_qdict_order_with_qemus_layout() {

@@ -121,7 +121,7 @@ fn show_null_device(info: &mut qimg::tools::info::ImageInfo, file: &str, named: 
     let typed = crate::status::typed_name(file);
     let shown = typed
         .as_deref()
-        .and_then(crate::image_spec::qemu_json_name)
+        .and_then(crate::qjson::qemu_json_name)
         .unwrap_or_else(|| file.to_string());
     if node {
         info.format = "null-co".into();
@@ -133,7 +133,7 @@ fn show_null_device(info: &mut qimg::tools::info::ImageInfo, file: &str, named: 
     info.filename = shown;
     let child = typed
         .as_deref()
-        .and_then(|t| crate::image_spec::qemu_json_child(t, "file"));
+        .and_then(|t| crate::qjson::qemu_json_child(t, "file"));
     if let (Some(c), Some(name)) = (info.children.first_mut(), child) {
         c.info.filename = name;
     }
