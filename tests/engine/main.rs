@@ -19,6 +19,7 @@ mod metadata_io;
 mod model;
 mod queue;
 mod slice_loads;
+mod structure;
 mod uring;
 mod vectored;
 mod vmm_lease;

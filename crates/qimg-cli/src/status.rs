@@ -241,6 +241,23 @@ pub fn is_locked(e: &qimg::Error) -> bool {
     )
 }
 
+/// Another process's lock on `file` as the failed open qemu-img reports (`Could not open
+/// 'F': ...`; nothing was changed); `None` for any other error. Every command that writes
+/// words a lock refusal through this.
+pub fn lock_refusal(e: &qimg::Error, file: &str) -> Option<anyhow::Error> {
+    is_locked(e).then(|| anyhow::anyhow!("Could not open '{file}': {}", lib_msg(e, file)))
+}
+
+/// A storage of file `file` that did not open (or lock): `Could not open 'F': ...`, a lock
+/// in the words of [`lock_refusal`].
+pub fn storage_open_error(e: qimg::io::StorageError, file: &str) -> anyhow::Error {
+    let e = qimg::Error::Storage {
+        path: file.into(),
+        source: e,
+    };
+    anyhow::anyhow!("Could not open '{file}': {}", lib_msg(&e, file))
+}
+
 /// QEMU's message for a lock another process holds on `file`. The engine names the lock
 /// byte the other process holds: its "shared" byte (it does not share a permission this
 /// open uses) is QEMU's failure to get the lock, its use byte (it uses a permission this

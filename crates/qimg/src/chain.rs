@@ -59,6 +59,33 @@ pub(crate) fn cluster0_len(head: &[u8]) -> Option<u64> {
         .filter(|&c| (512..=MAX_CLUSTER0).contains(&c))
 }
 
+/// The bytes of cluster 0 of an image in `file` (`len` bytes long): its header first, then
+/// the rest of the cluster that header names ([`cluster0_len`]), zeros past the end of the
+/// file; without a usable cluster size, up to [`MAX_CLUSTER0`] bytes. The engine's open and
+/// `check` read cluster 0 through this (the path-based reader is [`read_cluster0`]).
+pub(crate) async fn cluster0_bytes<S: qimg_io::Storage>(
+    file: &S,
+    len: u64,
+) -> std::result::Result<Vec<u8>, qimg_io::StorageError> {
+    let head = len.clamp(512, HEADER_HEAD) as usize;
+    let mut bytes = vec![0u8; head];
+    file.read_at_zero_fill(&mut bytes, 0).await?;
+    let want = match cluster0_len(&bytes) {
+        Some(cs) => cs,
+        None => len.min(MAX_CLUSTER0).max(head as u64),
+    } as usize;
+    if want > head {
+        bytes.resize(want, 0);
+        if len > head as u64 {
+            file.read_at_zero_fill(&mut bytes[head..], head as u64)
+                .await?;
+        }
+    } else {
+        bytes.truncate(want);
+    }
+    Ok(bytes)
+}
+
 /// Most images in a backing chain below the opened one, for every walk down a chain (open,
 /// `info --backing-chain`, create's size probe). QEMU has no fixed limit; a chain deeper than
 /// this is almost certainly a loop through differently spelled names.
@@ -126,10 +153,10 @@ pub fn probe_format(path: &Path) -> Result<ImageFormat> {
 
 /// The virtual size of an image of the given format.
 pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
+    if let (ImageFormat::Raw, Some(null)) = (fmt, null_device(path)) {
+        return Ok(null.size);
+    }
     match fmt {
-        ImageFormat::Raw if null_device(path).is_some() => {
-            Ok(null_device(path).map_or(0, |n| n.size))
-        }
         ImageFormat::Raw => match nbd_export(path)? {
             Some(nbd) => Ok(nbd.size()),
             None => Ok(open(path)?

@@ -163,17 +163,8 @@ pub fn run(args: AmendArgs) -> Result<()> {
         // A header QEMU refuses at open, in its words.
         Some(words) => anyhow!("Could not open '{file}': {words}"),
         // Another process's lock: QEMU fails the open.
-        None if matches!(
-            &e,
-            qimg::Error::Storage {
-                source: qimg::io::StorageError::Locked { .. },
-                ..
-            }
-        ) && crate::status::program() != "qimg" =>
-        {
-            anyhow!("Could not open '{file}': {}", lib_msg(&e, &file))
-        }
-        None => anyhow!("{}", lib_msg(&e, &file)),
+        None => crate::status::lock_refusal(&e, &file)
+            .unwrap_or_else(|| anyhow!("{}", lib_msg(&e, &file))),
     })
 }
 

@@ -217,10 +217,10 @@ fn run(args: BitmapArgs) -> Result<()> {
             .clean_timer(false)
             .open(file)
             .await
-            .map_err(|e| match crate::status::is_locked(&e) {
+            .map_err(|e| {
                 // Another process's lock fails the open, as QEMU's.
-                true => anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),
-                false => open_msg(anyhow!(lib_msg(&e, file)), file),
+                crate::status::lock_refusal(&e, file)
+                    .unwrap_or_else(|| open_msg(anyhow!(lib_msg(&e, file)), file))
             })?;
         let mut result = Ok(());
         for action in &p.actions {

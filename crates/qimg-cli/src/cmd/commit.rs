@@ -130,14 +130,10 @@ async fn commit(
         .write(true)
         .open(path)
     {
-        if let Err(qimg::io::StorageError::Locked { holder }) =
+        if let Err(e @ qimg::io::StorageError::Locked { .. }) =
             qimg::io::ImageLock::ReadWrite.lock(&f)
         {
-            let words = match crate::status::program() {
-                "qimg" => format!("the image is in use ({holder})"),
-                _ => crate::status::lock_error(&holder, file),
-            };
-            bail!("Could not open '{file}': {words}");
+            return Err(crate::status::storage_open_error(e, file));
         }
     }
     // The chain, read without taking locks (the base is opened for writing below).

@@ -120,13 +120,8 @@ pub fn run(args: CreateArgs) -> Result<()> {
         if let Some(refused) = &given.refused {
             bail!("{file}: {refused}");
         }
-        return match qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress) {
-            Ok(()) => Ok(()),
-            Err(e) if crate::status::program() != "qimg" || crate::status::is_locked(&e) => {
-                Err(anyhow!("{file}: {}", create_failure(&e, &file)))
-            }
-            Err(e) => Err(anyhow::Error::new(e).context(file.clone())),
-        };
+        return qimg::tools::create::create_raw(path, size, o.preallocation, &mut progress)
+            .map_err(|e| create_error(e, &file));
     }
     // An export named as the backing file is reached once and held until the image is made:
     // every later open of it here shares the connection, so a server that serves one client
@@ -193,22 +188,24 @@ pub fn run(args: CreateArgs) -> Result<()> {
     let made = match (&given.refused, o.validate()) {
         (Some(refused), _) => Err(anyhow!("{file}: {refused}")),
         (None, Err(e)) => Err(anyhow!("{file}: {}", refusal_words(&e))),
-        (None, Ok(())) => match create(path, &o, &mut progress) {
-            Ok(_) => Ok(()),
-            // Another process holds the file: nothing was made, and the file stays theirs.
-            Err(e) if crate::status::is_locked(&e) => {
-                return Err(anyhow!("{file}: {}", create_failure(&e, &file)));
-            }
-            Err(e) if crate::status::program() != "qimg" => {
-                Err(anyhow!("{file}: {}", create_failure(&e, &file)))
-            }
-            Err(e) => Err(anyhow::Error::new(e).context(file.clone())),
-        },
+        (None, Ok(())) => create(path, &o, &mut progress)
+            .map(drop)
+            .map_err(|e| create_error(e, &file)),
     };
     if made.is_err() {
         delete_refused(path, &o);
     }
     made
+}
+
+/// `create`'s error for image file `file`: `FILE: ` and [`create_failure`]'s words as
+/// qemu-img (and for another process's lock), the library's error with its causes as qimg.
+fn create_error(e: qimg::Error, file: &str) -> anyhow::Error {
+    if crate::status::program() != "qimg" || crate::status::is_locked(&e) {
+        anyhow!("{file}: {}", create_failure(&e, file))
+    } else {
+        anyhow::Error::new(e).context(file.to_string())
+    }
 }
 
 /// Why making image file `file` failed, in QEMU's words: the file that could not be created
@@ -233,6 +230,14 @@ pub(crate) fn create_failure(e: &qimg::Error, file: &str) -> String {
 pub(crate) fn delete_refused(path: &Path, o: &CreateOptions) {
     if crate::status::program() != "qemu-img" {
         return;
+    }
+    // A file another process holds was not touched (creation takes QEMU's write lock before
+    // anything else): it stays theirs.
+    if let Ok(f) = std::fs::File::open(path) {
+        if let Err(qimg::io::StorageError::Locked { .. }) = qimg::io::ImageLock::ReadWrite.lock(&f)
+        {
+            return;
+        }
     }
     let _ = std::fs::remove_file(path);
     if let Some(d) = &o.data_file {

@@ -7,7 +7,6 @@ use anyhow::{Result, anyhow};
 use qimg::io::{FileStorage, ImageLock, Storage};
 use qimg::tools::info::{backing_chain, image_info};
 
-use crate::args::image_format;
 use crate::human;
 use crate::status::{lib_msg, open_msg};
 
@@ -37,31 +36,24 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let Some(filename) = args.filename else {
         anyhow::bail!("Expecting one image file name\nTry 'qimg info --help' for more info");
     };
-    let fmt = match args.fmt.as_deref() {
-        Some(name) => Some(
-            image_format(name)
-                .ok_or_else(|| anyhow!("Could not open '{filename}': Unknown driver '{name}'"))?,
-        ),
-        None => None,
-    };
     let path = Path::new(&filename);
-    if let Err(crate::chain::FormatError::Refused(why)) =
-        crate::chain::format_of(path, &filename, args.fmt.as_deref())
-    {
-        anyhow::bail!("Could not open '{filename}': {why}");
-    }
+    // The one format rule; a file that cannot be probed is left for `image_info` to report
+    // in its words.
+    use crate::chain::FormatError;
+    let fmt = match crate::chain::format_of(path, &filename, args.fmt.as_deref()) {
+        Ok(f) => Some(f),
+        Err(FormatError::UnknownDriver(name)) => {
+            anyhow::bail!("Could not open '{filename}': Unknown driver '{name}'")
+        }
+        Err(FormatError::Refused(why)) => anyhow::bail!("Could not open '{filename}': {why}"),
+        Err(FormatError::Probe(_)) => None,
+    };
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
-    let _lock = read_lock(path, args.force_share).map_err(|e| match &e {
-        // Another process's lock, in QEMU's words when qimg runs as qemu-img.
-        qimg::io::StorageError::Locked { holder } if crate::status::program() != "qimg" => {
-            anyhow!(
-                "Could not open '{filename}': {}",
-                crate::status::lock_error(holder, &filename)
-            )
-        }
-        _ => anyhow!("Could not open '{filename}': {e}"),
-    })?;
+    let _lock = match read_lock(path, args.force_share) {
+        Ok(lock) => lock,
+        Err(e) => return Err(crate::status::storage_open_error(e, &filename)),
+    };
     // A file that cannot be opened is worded as qemu-img words it.
     let file = &filename;
     let opened = |e: qimg::Error| match e {

@@ -172,9 +172,9 @@ fn finish(args: &RebaseArgs, file: &str, new: Option<&str>) -> Result<()> {
                 // A header QEMU refuses when it opens the image, before any change.
                 return anyhow!("Could not open '{file}': {words}");
             }
-            if crate::status::is_locked(&e) {
+            if let Some(refused) = crate::status::lock_refusal(&e, file) {
                 // Another process's lock: QEMU fails the open, before any change.
-                return anyhow!("Could not open '{file}': {}", lib_msg(&e, file));
+                return refused;
             }
             anyhow!(
                 "Could not change the backing file to '{}': {}",

@@ -172,7 +172,7 @@ const LOGGED_ERRORS: u32 = 16;
 impl QueueState {
     /// Reports why a request of virtqueue `q` failed, up to [`LOGGED_ERRORS`] times.
     fn report(&mut self, q: usize, what: &dyn std::fmt::Display) {
-        self.logged += 1;
+        self.logged = self.logged.saturating_add(1);
         if self.logged <= LOGGED_ERRORS {
             eprintln!("qimg: vhost-user-blk queue {q}: request failed: {what}");
         }

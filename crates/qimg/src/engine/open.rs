@@ -438,26 +438,9 @@ pub(crate) async fn read_cluster0<S: Storage>(
     mode: OpenMode,
 ) -> Result<Cluster0> {
     let len = file.len().await.map_err(|e| Error::storage(path, e))?;
-    // The header first; then the rest of the cluster it names (`chain::cluster0_len`).
-    let head = len.clamp(512, chain::HEADER_HEAD) as usize;
-    let mut bytes = vec![0u8; head];
-    file.read_at_zero_fill(&mut bytes, 0)
+    let bytes = chain::cluster0_bytes(file, len)
         .await
         .map_err(|e| Error::storage(path, e))?;
-    let want = match chain::cluster0_len(&bytes) {
-        Some(cs) => cs,
-        None => len.min(chain::MAX_CLUSTER0).max(head as u64),
-    } as usize;
-    if want > head {
-        bytes.resize(want, 0);
-        if len > head as u64 {
-            file.read_at_zero_fill(&mut bytes[head..], head as u64)
-                .await
-                .map_err(|e| Error::storage(path, e))?;
-        }
-    } else {
-        bytes.truncate(want);
-    }
     validate_cluster0(&bytes, mode).map_err(|e| Error::format(path, e))
 }
 

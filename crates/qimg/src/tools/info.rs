@@ -158,39 +158,28 @@ fn lossy(b: &[u8]) -> String {
 }
 
 fn file_info(path: &Path, name: &str) -> Result<ImageInfo> {
+    // Protocol nodes that are not files: only their name, driver and size (QEMU's null
+    // device also says it takes no disk space).
+    let node = |format: &str, virtual_size: u64, actual_size: Option<u64>| ImageInfo {
+        filename: name.to_string(),
+        format: format.into(),
+        virtual_size,
+        actual_size,
+        cluster_size: None,
+        dirty_flag: None,
+        backing_filename: None,
+        full_backing_filename: None,
+        backing_filename_format: None,
+        encrypted: None,
+        snapshots: None,
+        format_specific: None,
+        children: Vec::new(),
+    };
     if let Some(null) = crate::chain::null_device(path) {
-        return Ok(ImageInfo {
-            filename: name.to_string(),
-            format: "null-co".into(),
-            virtual_size: null.size,
-            actual_size: Some(0),
-            cluster_size: None,
-            dirty_flag: None,
-            backing_filename: None,
-            full_backing_filename: None,
-            backing_filename_format: None,
-            encrypted: None,
-            snapshots: None,
-            format_specific: None,
-            children: Vec::new(),
-        });
+        return Ok(node("null-co", null.size, Some(0)));
     }
     if let Some(nbd) = crate::chain::nbd_export(path)? {
-        return Ok(ImageInfo {
-            filename: name.to_string(),
-            format: "nbd".into(),
-            virtual_size: nbd.size(),
-            actual_size: None,
-            cluster_size: None,
-            dirty_flag: None,
-            backing_filename: None,
-            full_backing_filename: None,
-            backing_filename_format: None,
-            encrypted: None,
-            snapshots: None,
-            format_specific: None,
-            children: Vec::new(),
-        });
+        return Ok(node("nbd", nbd.size(), None));
     }
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "stat", e))?;
     Ok(ImageInfo {

@@ -294,7 +294,6 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
     } else {
         let mut create_options = settings.create_options.clone();
         create_options.size = Some(size);
-        let mut locked = false;
         let made = match (&settings.refused, create_options.validate()) {
             (Some(refused), _) => Err(anyhow!(
                 "{dst_file}: error while converting qcow2: {refused}"
@@ -306,15 +305,13 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
             (None, Ok(())) => create(dst_path, &create_options, &mut nop)
                 .map(|_| ())
                 .map_err(|e| {
-                    locked = crate::status::is_locked(&e);
                     anyhow!(
                         "{dst_file}: error while converting qcow2: {}",
                         crate::cmd::create::create_failure(&e, dst_file)
                     )
                 }),
         };
-        // A target another process holds was not touched: it stays.
-        if made.is_err() && !locked {
+        if made.is_err() {
             crate::cmd::create::delete_refused(dst_path, &create_options);
         }
         made?;

@@ -346,15 +346,7 @@ pub(super) async fn open_target(
                 .map_err(|e| anyhow!("Could not open '{file}': {e}"))?;
             // QEMU's write lock on a raw output too.
             f.lock_image(qimg::io::ImageLock::ReadWrite)
-                .map_err(|e| match &e {
-                    StorageError::Locked { holder } if crate::status::program() != "qimg" => {
-                        anyhow!(
-                            "Could not open '{file}': {}",
-                            crate::status::lock_error(holder, file)
-                        )
-                    }
-                    _ => anyhow!("Could not open '{file}': {e}"),
-                })?;
+                .map_err(|e| crate::status::storage_open_error(e, file))?;
             let len = f.len().await.map_err(|e| anyhow!("{file}: {e}"))?;
             if len < size {
                 bail!("output file is smaller than input file");

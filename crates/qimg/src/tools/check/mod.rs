@@ -317,29 +317,9 @@ async fn read_cluster0<S: Storage>(file: &S, path: &Path) -> Result<Cluster0> {
         .len()
         .await
         .map_err(|e| Error::io(path, "stat", storage_io_error(e)))?;
-    // The header first; then the rest of the cluster it names (`chain::cluster0_len`).
-    let read = |n: u64| async move {
-        let mut bytes = vec![0u8; len.clamp(512, n) as usize];
-        let got = len.min(n) as usize;
-        file.read_at(&mut bytes[..got], 0).await.map_err(|e| {
-            Error::io(
-                path,
-                format!("read {got} bytes at 0x0"),
-                storage_io_error(e),
-            )
-        })?;
-        Ok::<_, Error>(bytes)
-    };
-    let head = read(crate::chain::HEADER_HEAD).await?;
-    let cs = crate::chain::cluster0_len(&head);
-    let mut bytes = match cs {
-        Some(cs) if cs <= head.len() as u64 => head,
-        Some(cs) => read(cs).await?,
-        None => read(crate::chain::MAX_CLUSTER0).await?,
-    };
-    if let Some(cs) = cs {
-        bytes.resize(cs as usize, 0);
-    }
+    let bytes = crate::chain::cluster0_bytes(file, len)
+        .await
+        .map_err(|e| Error::io(path, "read cluster 0", storage_io_error(e)))?;
     let mut masked = bytes.clone();
     SnapshotPointer::clear_in(&mut masked);
     validate_cluster0(&masked, OpenMode::Check).map_err(|e| Error::format(path, e))?;
