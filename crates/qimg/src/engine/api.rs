@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 
 use qimg_io::Storage;
 
-use super::bitmaps::{BitmapInfo, DirtyBitmap};
+use super::bitmap_set::{BitmapInfo, DirtyBitmap};
 use super::checkpoint::{self, Action};
 use super::image::{Backing, Image, Stats};
 use super::lease::{self, WriteLease};

@@ -30,7 +30,7 @@
 use qimg_io::Storage;
 
 use super::image::Image;
-use super::rw::PreparedWrite;
+use super::plan::PreparedWrite;
 use crate::error::Result;
 
 /// Where one part of a leased guest range goes in the host file.

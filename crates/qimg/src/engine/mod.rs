@@ -5,6 +5,7 @@
 //! | `options` | [`OpenOptions`] (the open builder), [`Trust`], [`Allocation`] |
 //! | `open` | the [`Opener`] for referenced files, the backing-chain walk, checks at open |
 //! | `state` | what the metadata code works on: files, geometry, options, flags, request checks |
+//! | `bitmap_set` | the dirty bitmaps in memory (no I/O): what `state` holds of them |
 //! | `image` | the [`Image`] handle and what it shares: state, backing image, metadata lock, range locks |
 //! | `api` | every public method of [`Image`] (the bodies of some live with their mechanism below) |
 //! | `meta` | the metadata lock: L1 table, L2 and refcount slice caches, allocation, write ordering |
@@ -20,6 +21,7 @@
 //! | `blocking` | `BlockingImage`: a blocking facade over the async API (feature `blocking`) |
 
 mod api;
+pub(crate) mod bitmap_set;
 pub(crate) mod bitmaps;
 #[cfg(feature = "blocking")]
 pub mod blocking;
@@ -43,7 +45,7 @@ mod snapshot;
 mod state;
 pub(crate) mod walk;
 
-pub use bitmaps::{BitmapInfo, DirtyBitmap};
+pub use bitmap_set::{BitmapInfo, DirtyBitmap};
 #[cfg(feature = "blocking")]
 pub use blocking::BlockingImage;
 pub use checkpoint::Action;

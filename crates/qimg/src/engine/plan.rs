@@ -13,11 +13,64 @@
 //! both executors call too.
 
 use qimg_format::compressed::CompressedDescriptor;
-use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterState};
+use qimg_format::l2::{AnyL2Entry, L2Entry, SubclusterBitmap, SubclusterState};
 use qimg_io::Storage;
 
 use crate::engine::image::Inner;
-use crate::engine::rw::{Destination, PreparedWrite};
+
+/// Something a rewrite leaves without a reference.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Freed {
+    Cluster(u64),
+    Compressed(CompressedDescriptor),
+}
+
+/// Where the bytes of a write go: the cluster the entry names, or a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Destination {
+    /// The existing host cluster (COPIED), at this offset.
+    InPlace(u64),
+    /// A new host cluster.
+    New,
+}
+
+/// A write to one guest cluster between allocation and linking.
+#[derive(Debug, Clone)]
+pub(crate) struct PreparedWrite {
+    pub(super) gc: u64,
+    pub(super) a: usize,
+    pub(super) b: usize,
+    pub(super) old: AnyL2Entry,
+    pub(super) plan: WritePlan,
+    /// Host offset of the cluster the data goes to (the guest offset with a data file).
+    pub(crate) host: u64,
+    pub(super) fresh: bool,
+}
+
+impl PreparedWrite {
+    /// Where the guest bytes `[a, b)` go in the host file.
+    pub(crate) fn guest_span(&self) -> (u64, u64, u64) {
+        (
+            self.gc + self.a as u64,
+            self.host + self.a as u64,
+            (self.b - self.a) as u64,
+        )
+    }
+}
+
+/// What one write does to one cluster.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WritePlan {
+    pub(crate) target: Destination,
+    /// Cluster-relative range written to the target (the guest range plus copy-on-write).
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    /// The subcluster bitmap after the write (extended entries), or `None` for standard ones.
+    pub(super) bitmap: Option<SubclusterBitmap>,
+    /// Whether the L2 entry changes.
+    pub(crate) relink: bool,
+    pub(crate) freed: Option<Freed>,
+}
 
 /// Bytes `[start, end)` of one guest cluster, all in one subcluster state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

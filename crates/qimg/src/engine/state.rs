@@ -60,7 +60,7 @@ pub(crate) struct Shared<S: Storage> {
     /// L2 slices being read without the metadata lock (reads' cache misses).
     pub(crate) slice_loads: SliceLoads,
     /// Persistent dirty bitmaps loaded by a read-write open.
-    pub(crate) bitmaps: super::bitmaps::Bitmaps,
+    pub(crate) bitmaps: super::bitmap_set::Bitmaps,
 }
 
 /// The L2 slices reads are loading without the metadata lock, so that misses on different

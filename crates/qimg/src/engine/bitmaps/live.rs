@@ -32,68 +32,13 @@
 
 use std::sync::atomic::Ordering;
 
-use qimg_format::bitmap::{self, FLAG_IN_USE, TableEntry};
+use qimg_format::bitmap::{self, TableEntry};
 use qimg_io::Storage;
 
+use crate::engine::bitmap_set::SECTOR_WORDS;
 use crate::engine::image::Inner;
 use crate::engine::overlap::Writing;
 use crate::error::Result;
-
-/// Bytes of bitmap data one durable write covers: 4096 bits.
-const SECTOR: u64 = 512;
-/// Words of bitmap data a sector holds.
-const SECTOR_WORDS: usize = (SECTOR / 8) as usize;
-/// Durable writes a sector takes word by word; the next one sets the whole sector.
-const ESCALATE: u8 = 3;
-/// The first window of marks ahead of a request, and the largest (sequential writes), in
-/// guest bytes.
-const AHEAD_MIN: u64 = 0;
-const AHEAD_MAX: u64 = 64 << 20;
-
-/// How close after the reach of the previous marked request a request must start to count as
-/// continuing it.
-const CONTINUES_WITHIN: u64 = 8 << 20;
-
-/// What the group commit remembers between commits (under its lock).
-#[derive(Debug, Default)]
-pub(crate) struct Commits {
-    /// The previous request that needed a durable write: its start and how far its marks
-    /// reached; and the window of marks ahead.
-    prev_start: u64,
-    prev_reach: u64,
-    window: u64,
-    /// Durable writes so far, by bitmap name and sector.
-    per_sector: std::collections::HashMap<(Vec<u8>, usize), u8>,
-}
-
-impl Commits {
-    /// The end of the marks for a request `[start, end)` on a `size`-byte disk: nothing ahead
-    /// for a request that does not continue the previous one; a window that doubles (1 MiB,
-    /// then up to 64 MiB) while requests keep moving forward from where the previous marks
-    /// reached (sequential writes).
-    fn ahead(&mut self, start: u64, end: u64, size: u64) -> (u64, bool) {
-        let continues = self.prev_reach > 0
-            && start >= self.prev_start
-            && start <= self.prev_reach.saturating_add(CONTINUES_WITHIN);
-        self.window = if continues {
-            (self.window * 2).clamp(1 << 20, AHEAD_MAX)
-        } else {
-            AHEAD_MIN
-        };
-        let ahead = end.saturating_add(self.window).min(size);
-        self.prev_start = start;
-        self.prev_reach = ahead;
-        (ahead, continues)
-    }
-
-    /// Notes one more durable write of bitmap `name`'s sector `s`; true when the sector has
-    /// taken enough word by word and is to be set whole.
-    fn escalate(&mut self, name: &[u8], s: usize) -> bool {
-        let n = self.per_sector.entry((name.to_vec(), s)).or_insert(0);
-        *n = n.saturating_add(1);
-        *n > ESCALATE
-    }
-}
 
 /// What [`Inner::record_change`] saw: the bitmaps' epoch before it recorded.
 #[derive(Debug, Clone, Copy)]
@@ -361,9 +306,4 @@ impl<S: Storage> Inner<S> {
         self.shared.bitmaps.want_all_in_use();
         self.mark_in_use_pending().await
     }
-}
-
-/// Whether a bitmap's on-disk directory entry says `in_use`.
-pub(super) fn in_use(flags: u32) -> bool {
-    flags & FLAG_IN_USE != 0
 }

@@ -10,7 +10,9 @@ use qimg_format::lenient::decode_words;
 use qimg_format::validate::OpenMode;
 use qimg_io::Storage;
 
-use super::{Bitmap, BitmapInfo, Bitmaps, DirtyBitmap, MAX_NAME, State, inconsistent, not_found};
+use crate::engine::bitmap_set::{
+    Bitmap, BitmapInfo, Bitmaps, DirtyBitmap, MAX_NAME, State, inconsistent, not_found,
+};
 use crate::engine::checkpoint::Action;
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
@@ -675,7 +677,7 @@ impl<S: Storage> Inner<S> {
         let size = self.shared.size();
         self.with_bits(name, |b| {
             let word = |i: usize| b.words.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
-            super::extents(word, b.entry.granularity(), size, offset, len)
+            crate::engine::bitmap_set::extents(word, b.entry.granularity(), size, offset, len)
         })
         .await
     }

@@ -7,8 +7,9 @@ use qimg_io::Storage;
 
 use crate::engine::image::Inner;
 use crate::engine::meta::Meta;
+use crate::engine::plan::{Destination, PreparedWrite};
 use crate::engine::plan::{Planned, ReadSource, plan_read};
-use crate::engine::rw::{CowSource, Destination, PreparedWrite};
+use crate::engine::rw::CowSource;
 
 /// One piece of a request on the direct path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

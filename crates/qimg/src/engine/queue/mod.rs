@@ -113,7 +113,7 @@ use self::loads::SliceLoad;
 use self::own_ring::OwnRing;
 use self::worker::Worker;
 use super::image::{Image, Inner};
-use super::rw::PreparedWrite;
+use super::plan::PreparedWrite;
 use crate::error::{Error, Result};
 
 /// A direct request between submission and completion, in a slot of `Queue::pending` that

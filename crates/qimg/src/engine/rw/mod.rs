@@ -3,7 +3,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | this one | the types a write carries from planning to linking, request splitting |
+//! | this one | request splitting, subcluster masks (the types a write carries from planning to linking are the planner's, `engine/plan.rs`) |
 //! | `read` | reads: data, zeros, compressed clusters, the backing chain |
 //! | `cow` | copy-on-write planning: what one write does to one cluster |
 //! | `write` | writes: allocation, copy-on-write and guest data, linking; the pieces write leases use |
@@ -32,6 +32,8 @@ use super::meta::{CacheKind, Meta};
 use super::overlap::Writing;
 use crate::error::{Error, Result};
 
+use super::plan::{Destination, Freed, PreparedWrite, WritePlan};
+
 mod compressed;
 mod cow;
 pub(crate) use cow::CowSource;
@@ -45,22 +47,6 @@ mod zero;
 
 pub(super) const ALL: u32 = u32::MAX;
 
-/// Something a rewrite leaves without a reference.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Freed {
-    Cluster(u64),
-    Compressed(CompressedDescriptor),
-}
-
-/// Where the bytes of a write go: the cluster the entry names, or a new one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Destination {
-    /// The existing host cluster (COPIED), at this offset.
-    InPlace(u64),
-    /// A new host cluster.
-    New,
-}
-
 /// The requests that drop data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Unmap {
@@ -72,44 +58,6 @@ pub(super) enum Unmap {
     Discard,
     /// Whole subclusters become unallocated: the backing file shows through again.
     Unallocate,
-}
-
-/// A write to one guest cluster between allocation and linking.
-#[derive(Debug, Clone)]
-pub(crate) struct PreparedWrite {
-    pub(super) gc: u64,
-    pub(super) a: usize,
-    pub(super) b: usize,
-    pub(super) old: AnyL2Entry,
-    pub(super) plan: WritePlan,
-    /// Host offset of the cluster the data goes to (the guest offset with a data file).
-    pub(crate) host: u64,
-    pub(super) fresh: bool,
-}
-
-impl PreparedWrite {
-    /// Where the guest bytes `[a, b)` go in the host file.
-    pub(crate) fn guest_span(&self) -> (u64, u64, u64) {
-        (
-            self.gc + self.a as u64,
-            self.host + self.a as u64,
-            (self.b - self.a) as u64,
-        )
-    }
-}
-
-/// What one write does to one cluster.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct WritePlan {
-    pub(crate) target: Destination,
-    /// Cluster-relative range written to the target (the guest range plus copy-on-write).
-    pub(crate) start: usize,
-    pub(crate) end: usize,
-    /// The subcluster bitmap after the write (extended entries), or `None` for standard ones.
-    pub(super) bitmap: Option<SubclusterBitmap>,
-    /// Whether the L2 entry changes.
-    pub(crate) relink: bool,
-    pub(crate) freed: Option<Freed>,
 }
 
 pub(super) fn old_reference(e: &L2Entry) -> Option<Freed> {
