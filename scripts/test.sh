@@ -8,12 +8,6 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked --features qimg-serve/fuzzing -- -D warnings
 # The lean library a VMM can build: no blocking facade, no codecs, no JSON.
 cargo clippy -p qimg --no-default-features --lib --locked -- -D warnings
-# No module cycle inside any crate (needs python3; CI has it).
-if command -v python3 >/dev/null 2>&1; then
-  python3 scripts/module-cycles.py
-else
-  echo "SKIPPED module cycle check: python3 not found"
-fi
 cargo test --workspace --locked --features qimg-serve/fuzzing
 # The lean library (no compression codecs, JSON or blocking facade) and its unit tests.
 cargo test -p qimg --no-default-features --lib --locked
