@@ -3691,3 +3691,40 @@ fn the_null_device_behaves_as_qemus_null_co() {
         outs[0]
     );
 }
+
+#[test]
+fn metadata_preallocation_takes_one_contiguous_run_as_qemu_img() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("prealloc-run");
+    let ours = Ours::new(&s);
+    // Growing with falloc and full leaves a free cluster before the end of the file; QEMU's
+    // metadata preallocation allocates each L2 table's run in one piece past that hole.
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "10M"]),
+        (
+            "qemu-img",
+            &["resize", "--preallocation=falloc", "t.qcow2", "12M"],
+        ),
+        (
+            "qemu-img",
+            &["resize", "--preallocation=full", "t.qcow2", "13M"],
+        ),
+    ];
+    let steps: Prep = &[
+        (
+            "qemu-img",
+            &["resize", "--preallocation=metadata", "t.qcow2", "14M"],
+        ),
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        ("qemu-io", &["-c", "truncate -m metadata 15M", "t.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(
+        outs[0].contains("\"start\": 13631488, \"length\": 1048576"),
+        "{}",
+        outs[0]
+    );
+}

@@ -30,60 +30,75 @@ impl<S: Storage> Inner<S> {
         let backing = self.backing.is_some();
         let mut file_end = 0;
         let mut gc = first;
+        let coverage = self.shared.geo.l2_coverage();
         while gc < end {
-            let old = self.shared.lookup(&mut m, gc).await?;
-            let wanted = match old {
-                AnyL2Entry::Extended(x) => {
-                    x.entry.host_cluster().is_none() && !matches!(x.entry, L2Entry::Compressed(_))
+            // The run of clusters that want one, up to the end of their L2 table: allocated
+            // in one contiguous piece, as QEMU's `handle_alloc` does (a free hole shorter
+            // than the run is left alone).
+            let table_end = (gc / coverage + 1) * coverage;
+            let mut run = Vec::new();
+            while gc < end && gc < table_end {
+                let old = self.shared.lookup(&mut m, gc).await?;
+                if !self.wants_preallocation(&old, backing) {
+                    if run.is_empty() {
+                        gc += cs;
+                        continue;
+                    }
+                    break;
                 }
-                AnyL2Entry::Standard(e) => match e {
-                    L2Entry::Zero {
-                        preallocated: None, ..
-                    } => true,
-                    L2Entry::Unallocated => !backing,
-                    _ => false,
-                },
-            };
-            if !wanted {
+                run.push(old);
                 gc += cs;
+            }
+            if run.is_empty() {
                 continue;
             }
-            let host = if self.shared.data_file.is_some() {
+            let run_start = gc - run.len() as u64 * cs;
+            let n = run.len() as u64;
+            let base = if self.shared.data_file.is_some() {
                 // An external data file maps guest offsets to themselves.
-                gc
+                None
             } else {
-                self.table_before_data(&mut m, gc).await?;
+                self.table_before_data(&mut m, run_start).await?;
                 let unused_from = m.never_used_from();
-                let host = self.shared.alloc_clusters(&mut m, 1).await?;
+                let host = self.shared.alloc_clusters(&mut m, n).await?;
                 self.shared
                     .counters
                     .clusters_allocated
-                    .fetch_add(1, Ordering::Relaxed);
+                    .fetch_add(n, Ordering::Relaxed);
                 self.shared
-                    .guard_write(&mut m, host, cs, Writing::Data)
+                    .guard_write(&mut m, host, n * cs, Writing::Data)
                     .await?;
-                // Subclusters of an extended entry keep their states: nothing reads the
-                // cluster's bytes until a write allocates them.
-                if host < unused_from && matches!(old, AnyL2Entry::Standard(_)) {
-                    self.shared
-                        .file
-                        .write_zeroes(host, cs)
-                        .await
-                        .map_err(|e| self.shared.storage_error(e))?;
-                }
-                file_end = file_end.max(host + cs);
-                // Refcount increments reach the disk before the entry that uses them.
-                self.shared
-                    .set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
-                    .await?;
-                host
+                Some((host, unused_from))
             };
-            // Extended: the subclusters keep their states.
-            let entry = self.linked_entry(host, old.bitmap());
-            self.shared.set_entry(&mut m, gc, &entry).await?;
-            // The grown file (below) and any zeros are durable before the entry.
-            m.entries_wait_for_data();
-            gc += cs;
+            for (k, old) in run.into_iter().enumerate() {
+                let g = run_start + k as u64 * cs;
+                let host = match base {
+                    None => g,
+                    Some((start, unused_from)) => {
+                        let host = start + k as u64 * cs;
+                        // Subclusters of an extended entry keep their states: nothing reads
+                        // the cluster's bytes until a write allocates them.
+                        if host < unused_from && matches!(old, AnyL2Entry::Standard(_)) {
+                            self.shared
+                                .file
+                                .write_zeroes(host, cs)
+                                .await
+                                .map_err(|e| self.shared.storage_error(e))?;
+                        }
+                        file_end = file_end.max(host + cs);
+                        // Refcount increments reach the disk before the entry that uses them.
+                        self.shared
+                            .set_dependency(&mut m, CacheKind::L2, CacheKind::Refcount)
+                            .await?;
+                        host
+                    }
+                };
+                // Extended: the subclusters keep their states.
+                let entry = self.linked_entry(host, old.bitmap());
+                self.shared.set_entry(&mut m, g, &entry).await?;
+                // The grown file (below) and any zeros are durable before the entry.
+                m.entries_wait_for_data();
+            }
         }
         // The clusters past the end of the file become part of it, holes: an entry never
         // names a cluster past the end (`qemu-img check` would report it).
@@ -97,6 +112,23 @@ impl<S: Storage> Inner<S> {
                 .map_err(|e| self.shared.storage_error(e))?;
         }
         Ok(())
+    }
+
+    /// Whether metadata preallocation gives the cluster whose entry is `old` a host cluster:
+    /// one without (not compressed); with standard entries only where it reads as zeros.
+    fn wants_preallocation(&self, old: &AnyL2Entry, backing: bool) -> bool {
+        match old {
+            AnyL2Entry::Extended(x) => {
+                x.entry.host_cluster().is_none() && !matches!(x.entry, L2Entry::Compressed(_))
+            }
+            AnyL2Entry::Standard(e) => match e {
+                L2Entry::Zero {
+                    preallocated: None, ..
+                } => true,
+                L2Entry::Unallocated => !backing,
+                _ => false,
+            },
+        }
     }
 
     /// QEMU's growth with `falloc` or `full` preallocation (`qcow2_co_truncate`) of the
