@@ -3728,3 +3728,69 @@ fn metadata_preallocation_takes_one_contiguous_run_as_qemu_img() {
         outs[0]
     );
 }
+
+#[test]
+fn the_file_driver_as_the_image_and_plain_names_under_image_opts_as_qemus() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("file-driver");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[("qemu-img", &["create", "-f", "qcow2", "t.qcow2", "1M"])];
+    let steps: Prep = &[
+        // A plain name where an option string is wanted: qemu-img reads it as `file=NAME`,
+        // qemu-io as the short-form boolean `NAME=on`.
+        ("qemu-img", &["info", "--image-opts", "t.qcow2"]),
+        ("qemu-img", &["map", "--image-opts", "t.qcow2"]),
+        ("qemu-io", &["--image-opts", "t.qcow2", "-c", "read 0 512"]),
+        (
+            "qemu-io",
+            &["--image-opts", "t.qcow2,driver=qcow2", "-c", "read 0 512"],
+        ),
+        // QEMU's file driver named as the image: the file's own bytes, format `file`.
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                "driver=file,filename=t.qcow2",
+                "-c",
+                "read -v 0 16",
+                "-c",
+                "length",
+                "-c",
+                "info",
+            ],
+        ),
+        (
+            "qemu-img",
+            &["info", "--image-opts", "driver=file,filename=t.qcow2"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "info",
+                "--output=json",
+                "json:{\"driver\":\"file\",\"filename\":\"t.qcow2\"}",
+            ],
+        ),
+        ("qemu-img", &["info", "-f", "file", "t.qcow2"]),
+        ("qemu-img", &["create", "-f", "file", "c.img", "1M"]),
+        ("qemu-img", &["info", "c.img"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    let masked: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            o.lines()
+                .filter(|l| {
+                    !l.contains("ops/sec") && !l.contains("disk size") && !l.contains("actual-size")
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .collect();
+    assert_eq!(
+        masked[1], masked[0],
+        "qimg (left) differs from QEMU (right)"
+    );
+    assert!(masked[0].contains("file format: file"), "{}", masked[0]);
+    assert!(masked[0].contains("short-form boolean"), "{}", masked[0]);
+}

@@ -129,6 +129,8 @@ pub fn image_format(name: &str) -> Option<ImageFormat> {
     match name {
         // QEMU's null device reads and writes as a raw image would (see `is_null_driver`).
         "null-co" | "null-aio" => Some(ImageFormat::Raw),
+        // QEMU's file driver as the image: the file's bytes, as a raw image reads them.
+        "file" => Some(ImageFormat::Raw),
         _ => ImageFormat::from_name(name.as_bytes()),
     }
 }

@@ -27,11 +27,16 @@ impl Given {
     }
 }
 
+/// Whether `fmt` creates a plain file: raw, or QEMU's file driver named as the format.
+pub fn raw_like(fmt: &str) -> bool {
+    matches!(fmt, "raw" | "file")
+}
+
 /// Whether qimg takes option `key` when creating a `fmt` image: the format's and the file
 /// protocol's options as QEMU lists them (the `-o help` tables below), less those qimg does
 /// not implement (encryption, btrfs's `nocow`).
 pub fn takes(fmt: &str, key: &str) -> bool {
-    let own = if fmt == "raw" { RAW_HELP } else { QCOW2_HELP };
+    let own = if raw_like(fmt) { RAW_HELP } else { QCOW2_HELP };
     let implemented = !(key.starts_with("encrypt") || key == "nocow");
     implemented && own.iter().chain(FILE_HELP).any(|o| o.0 == key)
 }
@@ -150,7 +155,7 @@ const FILE_HELP: &[(&str, &str, &str)] = &[
 /// the protocol's when no target file is named (`with_file` false), else both, merged by name
 /// (the format's entry first when both have one).
 pub fn help_text(fmt: &str, with_file: bool) -> String {
-    let own = if fmt == "raw" { RAW_HELP } else { QCOW2_HELP };
+    let own = if raw_like(fmt) { RAW_HELP } else { QCOW2_HELP };
     let mut list: Vec<&(&str, &str, &str)> = own.iter().collect();
     if with_file {
         for o in FILE_HELP {
@@ -187,7 +192,7 @@ pub fn apply(
 ) -> Result<()> {
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
-        if fmt != "raw" && ENCRYPTION.contains(&k) {
+        if !raw_like(fmt) && ENCRYPTION.contains(&k) {
             // Shown on the `Formatting` line; refused after it (below).
             given.pairs.push((k.to_string(), v.to_string()));
             continue;
@@ -242,7 +247,7 @@ pub fn apply(
             },
             "preallocation" => match v {
                 "off" => opts.preallocation = Preallocation::Off,
-                "metadata" if fmt != "raw" => opts.preallocation = Preallocation::Metadata,
+                "metadata" if !raw_like(fmt) => opts.preallocation = Preallocation::Metadata,
                 "falloc" => opts.preallocation = Preallocation::Falloc,
                 "full" => opts.preallocation = Preallocation::Full,
                 // qemu's file driver words these two its own way.
@@ -251,7 +256,7 @@ pub fn apply(
                     format!("Unsupported preallocation mode: {v}"),
                     "(preallocation: raw files take off, falloc or full)",
                 ),
-                _ if fmt == "raw" => refuse(
+                _ if raw_like(fmt) => refuse(
                     given,
                     format!("invalid parameter value: {v}"),
                     "(preallocation: use off, falloc or full)",
@@ -337,7 +342,7 @@ pub fn formatting_line(
             .map(String::from)
             .unwrap_or_else(|| if value { "on" } else { "off" }.to_string())
     };
-    if fmt == "raw" {
+    if raw_like(fmt) {
         parts.push(format!("size={size}"));
         if let Some(p) = given.get("preallocation") {
             parts.push(format!("preallocation={p}"));

@@ -29,6 +29,10 @@ struct Overrides {
 
 static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
 
+/// Plain names given where `--image-opts` wants an option string: QEMU parses each as one,
+/// and no such string names an image (see [`plain_option_string`]).
+static PLAIN: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
+
 /// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
 static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
 
@@ -316,14 +320,15 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             flatten(&v, "", &mut pairs).map_err(|e| failed(s, e))?;
             pairs
         } else if (image_opts || (target_opts && i == last)) && is_option_string(s) {
-            split_opts(s)
-                .into_iter()
-                .map(|p| match p.split_once('=') {
-                    Some((k, v)) => (k.to_string(), v.to_string()),
-                    None => (p, String::new()),
-                })
-                .collect()
+            option_pairs(s, io)
         } else {
+            if image_opts && !s.starts_with('-') && !s.contains(['=', ',', ' ']) {
+                PLAIN
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((s.to_string(), io));
+                crate::status::remember_typed(s, s);
+            }
             continue;
         };
         let (name, ov) = file_name(&pairs, program).map_err(|e| failed(s, e))?;
@@ -335,6 +340,45 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         *a = name.into();
     }
     Ok(())
+}
+
+/// The `key=value` pairs of an `--image-opts` string, as QEMU's option parser reads them: an
+/// element without `=` is a short-form boolean (`NAME=on`, with QEMU's deprecation warning),
+/// except that qemu-img takes a first one as `file=NAME`.
+fn option_pairs(s: &str, io: bool) -> Vec<(String, String)> {
+    split_opts(s)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| match p.split_once('=') {
+            Some((k, v)) => (k.to_string(), v.to_string()),
+            None if i == 0 && !io => ("file".to_string(), p),
+            None => {
+                short_form_warning(&p);
+                (p, "on".to_string())
+            }
+        })
+        .collect()
+}
+
+/// QEMU's warning for a short-form boolean option (`NAME` for `NAME=on`).
+fn short_form_warning(name: &str) {
+    eprintln!(
+        "{}: warning: short-form boolean option '{name}' deprecated\nPlease use {name}=on instead",
+        crate::status::program()
+    );
+}
+
+/// Why `file`, given plainly where `--image-opts` wants an option string, opens nothing, in
+/// QEMU's words: qemu-img reads it as `file=NAME` (a node reference), qemu-io as the
+/// short-form boolean `NAME=on` (after its warning), which names no driver and no file.
+pub fn plain_option_string(file: &str) -> Option<String> {
+    let plain = PLAIN.lock().unwrap_or_else(|e| e.into_inner());
+    let (_, io) = plain.iter().find(|(p, _)| p == file)?;
+    if *io {
+        short_form_warning(file);
+        return Some("Must specify either driver or file".into());
+    }
+    node_reference(Some(&file.to_string())).err()
 }
 
 /// Whether `key` is a runtime option qimg takes and leaves to its own defaults.
@@ -562,7 +606,11 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
                 Some(other) => return Err(format!("the protocol '{other}' is not supported")),
             }
         }
-        "file" => get("filename").cloned(),
+        // The file itself as the image (QEMU's protocol node, format `file`): read as raw.
+        "file" => {
+            ov.format = Some("file".into());
+            get("filename").cloned()
+        }
         // QEMU's null device as the image, with no format layer.
         "null-co" | "null-aio" => {
             ov.format = Some(driver.to_string());
@@ -575,6 +623,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         }
         other => return Err(format!("Unknown driver '{other}'")),
     };
+    // QEMU opens the file node before the format checks its options.
+    if name.is_none() && !driver.is_empty() {
+        return Err("A block device must be specified for \"file\"".into());
+    }
     crate::runtime_opts::check(pairs, name.as_deref().map(Path::new))?;
     for (k, v) in pairs {
         let generic = if crate::args::is_null_driver(driver) {

@@ -61,6 +61,9 @@ pub(crate) fn format_of(
     file: &str,
     named: Option<&str>,
 ) -> std::result::Result<ImageFormat, FormatError> {
+    if let Some(why) = crate::image_spec::plain_option_string(file) {
+        return Err(FormatError::Refused(why));
+    }
     let given = crate::image_spec::format_for(file);
     match named.or(given.as_deref()) {
         Some(name)

@@ -100,20 +100,22 @@ pub fn run(args: CreateArgs) -> Result<()> {
             }
         }
     };
-    if args.fmt == "raw" {
+    // Raw, or QEMU's file driver named as the format: the same bytes.
+    if create_opts::raw_like(&args.fmt) {
+        let fmt = &args.fmt;
         // qemu-img's words (the raw driver has neither option).
         if o.backing_file.is_some() {
-            bail!("{file}: Backing file not supported for file format 'raw'");
+            bail!("{file}: Backing file not supported for file format '{fmt}'");
         }
         if o.backing_fmt.is_some() {
-            bail!("{file}: Backing file format not supported for file format 'raw'");
+            bail!("{file}: Backing file format not supported for file format '{fmt}'");
         }
         let size = qimg::tools::create::effective_size(path, &o).with_context(|| file.clone())?;
         if !args.quiet {
             let shown = o.size.unwrap_or(size);
             outln!(
                 "{}",
-                create_opts::formatting_line(&file, "raw", &o, &given, shown)
+                create_opts::formatting_line(&file, fmt, &o, &given, shown)
             );
             crate::out::flush();
         }

@@ -88,6 +88,12 @@ pub fn run(args: InfoArgs) -> Result<()> {
     if qimg::chain::null_device(path).is_some() {
         show_null_device(&mut list[0], &filename, args.fmt.as_deref());
     }
+    let given = crate::image_spec::format_for(&filename);
+    if args.fmt.as_deref().or(given.as_deref()) == Some("file") && !list[0].children.is_empty() {
+        // QEMU's file driver named as the image: its node is the file, shown as raw's
+        // protocol child is.
+        list[0] = *list[0].children.remove(0).info;
+    }
     if json {
         let v = if args.backing_chain {
             serde_json::to_value(&list)?

@@ -258,7 +258,18 @@ fn info(s: &mut Session) -> Outcome {
         }
     }
     if s.raw.is_some() {
-        outln!("format name: raw");
+        // QEMU's file driver as the image prints its name twice (its specific info is
+        // empty, and the name comes again in its place).
+        let file_node = s.opened.as_ref().is_some_and(|(file, spec)| {
+            let given = crate::image_spec::format_for(file);
+            spec.fmt.as_deref().or(given.as_deref()) == Some("file")
+        });
+        if file_node {
+            outln!("format name: file");
+            outln!("format name: file");
+        } else {
+            outln!("format name: raw");
+        }
         outln!("cluster size: 0 bytes");
         outln!("vm state offset: 0 bytes");
         return Ok(());
