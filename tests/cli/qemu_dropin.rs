@@ -3774,6 +3774,30 @@ fn the_file_driver_as_the_image_and_plain_names_under_image_opts_as_qemus() {
         ("qemu-img", &["info", "-f", "file", "t.qcow2"]),
         ("qemu-img", &["create", "-f", "file", "c.img", "1M"]),
         ("qemu-img", &["info", "c.img"]),
+        // Under --image-opts a `json:` name is an option string too.
+        (
+            "qemu-img",
+            &[
+                "compare",
+                "--image-opts",
+                "driver=qcow2,file.filename=t.qcow2",
+                "json:{\"driver\":\"qcow2\",\"file\":{\"driver\":\"file\",\"filename\":\"t.qcow2\"}}",
+            ],
+        ),
+        // A new data file that does not exist: the header changes, the reopen fails.
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "data_file=d.raw",
+                "e.qcow2",
+                "1M",
+            ],
+        ),
+        ("qemu-img", &["amend", "-o", "data_file=d2.raw", "e.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
     let masked: Vec<String> = outs

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use qimg::OpenOptions;
 use serde_json::Value;
 
-use crate::args::split_opts;
+use crate::option_string::{is_option_string, node_reference, option_pairs};
 
 /// What an option string or `json:` name says beyond its file name, recorded by [`rewrite`]
 /// for the name it became and applied where the command opens that image
@@ -28,10 +28,6 @@ struct Overrides {
 }
 
 static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
-
-/// Plain names given where `--image-opts` wants an option string: QEMU parses each as one,
-/// and no such string names an image (see [`plain_option_string`]).
-static PLAIN: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
 
 /// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
 static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
@@ -280,6 +276,7 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         (true, false) => format!("can't open: {e}"),
         (false, _) => format!("Could not open '{s}': {e}"),
     };
+    let args_are_convert = args.get(1).is_some_and(|a| a == "convert");
     for (i, a) in args.iter_mut().enumerate().skip(1) {
         let Some(s) = a.to_str() else { continue };
         if let Some(name) = s.strip_prefix("file:").filter(|n| !n.is_empty()) {
@@ -309,7 +306,11 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             *a = image.to_string().into();
             continue;
         }
-        let pairs = if let Some(json) = s.strip_prefix("json:") {
+        // With `--image-opts` every image name is an option string, a `json:` one too
+        // (convert's output excepted).
+        let convert_output = i == last && args_are_convert;
+        let opts = (image_opts && !convert_output) || (target_opts && i == last);
+        let pairs = if let Some(json) = s.strip_prefix("json:").filter(|_| !opts) {
             let v: Value = serde_json::from_str(json).map_err(|e| {
                 failed(
                     s,
@@ -319,14 +320,11 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
             let mut pairs = Vec::new();
             flatten(&v, "", &mut pairs).map_err(|e| failed(s, e))?;
             pairs
-        } else if (image_opts || (target_opts && i == last)) && is_option_string(s) {
+        } else if opts && (is_option_string(s) || s.starts_with("json:")) {
             option_pairs(s, io)
         } else {
             if image_opts && !s.starts_with('-') && !s.contains(['=', ',', ' ']) {
-                PLAIN
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push((s.to_string(), io));
+                crate::option_string::remember_plain(s, io);
                 crate::status::remember_typed(s, s);
             }
             continue;
@@ -340,45 +338,6 @@ pub fn rewrite(args: &mut Vec<std::ffi::OsString>, program: &str) -> Result<(), 
         *a = name.into();
     }
     Ok(())
-}
-
-/// The `key=value` pairs of an `--image-opts` string, as QEMU's option parser reads them: an
-/// element without `=` is a short-form boolean (`NAME=on`, with QEMU's deprecation warning),
-/// except that qemu-img takes a first one as `file=NAME`.
-fn option_pairs(s: &str, io: bool) -> Vec<(String, String)> {
-    split_opts(s)
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| match p.split_once('=') {
-            Some((k, v)) => (k.to_string(), v.to_string()),
-            None if i == 0 && !io => ("file".to_string(), p),
-            None => {
-                short_form_warning(&p);
-                (p, "on".to_string())
-            }
-        })
-        .collect()
-}
-
-/// QEMU's warning for a short-form boolean option (`NAME` for `NAME=on`).
-fn short_form_warning(name: &str) {
-    eprintln!(
-        "{}: warning: short-form boolean option '{name}' deprecated\nPlease use {name}=on instead",
-        crate::status::program()
-    );
-}
-
-/// Why `file`, given plainly where `--image-opts` wants an option string, opens nothing, in
-/// QEMU's words: qemu-img reads it as `file=NAME` (a node reference), qemu-io as the
-/// short-form boolean `NAME=on` (after its warning), which names no driver and no file.
-pub fn plain_option_string(file: &str) -> Option<String> {
-    let plain = PLAIN.lock().unwrap_or_else(|e| e.into_inner());
-    let (_, io) = plain.iter().find(|(p, _)| p == file)?;
-    if *io {
-        short_form_warning(file);
-        return Some("Must specify either driver or file".into());
-    }
-    node_reference(Some(&file.to_string())).err()
 }
 
 /// Whether `key` is a runtime option qimg takes and leaves to its own defaults.
@@ -433,23 +392,6 @@ pub fn open_options(
     let name = get("file.filename").or_else(|| get("filename"));
     let read_only = get("read-only").map(|v| v == "on" || v == "true");
     Ok((name.cloned(), driver, read_only))
-}
-
-/// `file=NAME` (a string, not an object): QEMU takes it as the name of a block node defined
-/// elsewhere (`--blockdev`), which qemu-img and qemu-io never have, and refuses it so.
-fn node_reference(file: Option<&String>) -> Result<(), String> {
-    match file {
-        Some(v) => Err(format!("Cannot find device='{v}' nor node-name='{v}'")),
-        None => Ok(()),
-    }
-}
-
-/// Whether `s` is an `--image-opts` option string rather than another argument.
-fn is_option_string(s: &str) -> bool {
-    split_opts(s).iter().any(|p| {
-        let key = p.split_once('=').map_or(p.as_str(), |(k, _)| k);
-        matches!(key, "driver" | "file" | "file.filename" | "filename")
-    })
 }
 
 /// The rules of a blkdebug config file, refused in QEMU's words.

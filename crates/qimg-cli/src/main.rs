@@ -18,6 +18,7 @@ mod cmd;
 mod create_opts;
 mod human;
 mod image_spec;
+mod option_string;
 mod progress;
 mod qjson;
 mod runtime_opts;
@@ -146,7 +147,9 @@ fn parse() -> Cli {
     }
     if let Err(e) = image_spec::rewrite(&mut args, name) {
         eprintln!("{name}: {e}");
-        crate::out::exit(1);
+        // compare's exit code for an image that does not open is 2.
+        let compare = args.get(1).is_some_and(|a| a == "compare");
+        crate::out::exit(if compare { 2 } else { 1 });
     }
     if name != "qimg" && asks_version(&args, name) {
         outln!(

@@ -61,7 +61,7 @@ pub(crate) fn format_of(
     file: &str,
     named: Option<&str>,
 ) -> std::result::Result<ImageFormat, FormatError> {
-    if let Some(why) = crate::image_spec::plain_option_string(file) {
+    if let Some(why) = crate::option_string::plain_option_string(file) {
         return Err(FormatError::Refused(why));
     }
     let given = crate::image_spec::format_for(file);

@@ -163,8 +163,18 @@ pub fn run(args: AmendArgs) -> Result<()> {
         // A header QEMU refuses at open, in its words.
         Some(words) => anyhow!("Could not open '{file}': {words}"),
         // Another process's lock: QEMU fails the open.
-        None => crate::status::lock_refusal(&e, &file)
-            .unwrap_or_else(|| anyhow!("{}", lib_msg(&e, &file))),
+        None => crate::status::lock_refusal(&e, &file).unwrap_or_else(|| {
+            let msg = lib_msg(&e, &file);
+            // A file the image names (a new data file) that does not open: QEMU's reopen of
+            // the image fails, and says so first.
+            if msg.starts_with("Could not open '")
+                && !msg.starts_with(&format!("Could not open '{file}'"))
+            {
+                anyhow!("Could not open '{file}': {msg}")
+            } else {
+                anyhow!("{msg}")
+            }
+        }),
     })
 }
 
