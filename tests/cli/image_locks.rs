@@ -6,7 +6,7 @@
 use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 
 use common::{QEMU_IMG, QEMU_IO, Scratch, qemu_create};
@@ -22,8 +22,13 @@ impl QemuHolder {
     /// Opens `file` in qemu-io (read-only with `read_only`) and waits until it has read from
     /// it, so the image is certainly open (and locked) when this returns.
     fn open(dir: &Path, file: &str, read_only: bool) -> Self {
-        let mut cmd = Command::new(QEMU_IO);
-        cmd.current_dir(dir).args(["-f", "qcow2"]);
+        Self::open_with(dir, Path::new(QEMU_IO), "qcow2", file, read_only)
+    }
+
+    /// [`open`](Self::open) with `program` (QEMU's qemu-io or ours) and format `fmt`.
+    fn open_with(dir: &Path, program: &Path, fmt: &str, file: &str, read_only: bool) -> Self {
+        let mut cmd = Command::new(program);
+        cmd.current_dir(dir).args(["-f", fmt]);
         if read_only {
             cmd.arg("-r");
         }
@@ -291,4 +296,59 @@ fn commands_that_write_refuse_an_image_qemu_holds_and_leave_it_alone() {
         assert!(now == before, "qemu-img {args:?} changed a held file");
     }
     drop(holder);
+}
+
+/// QEMU's raw driver passes qemu-io's permissions through and shares them all: a raw image
+/// held for writing by qemu-io takes bytes 100-101 only and refuses nobody: a second raw
+/// writer, readers and `info` (which refuses the writers of a qcow2 image) all get in. Ours
+/// holds and is held alike. Before, our qemu-io and info took qcow2's locks on a raw image
+/// (refusing others' writes, and refused beside a raw writer).
+#[test]
+fn raw_images_lock_as_qemus_raw_driver() {
+    qimg_testkit::require_qemu!();
+    let dir = Scratch::new("locks-raw");
+    let ours = crate::qemu_dropin::Ours::new(&dir);
+    assert!(
+        Command::new(QEMU_IMG)
+            .current_dir(&dir.0)
+            .args(["create", "-q", "-f", "raw", "r.raw", "1M"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let probes: &[(&str, &[&str])] = &[
+        ("qemu-io", &["-f", "raw", "-c", "write 0 512", "r.raw"]),
+        ("qemu-io", &["-f", "raw", "-r", "-c", "read 0 512", "r.raw"]),
+        ("qemu-img", &["info", "-U", "r.raw"]),
+        ("qemu-img", &["info", "r.raw"]),
+    ];
+    let mut seen = Vec::new();
+    for holder_prog in [PathBuf::from(QEMU_IO), ours.bin().join("qemu-io")] {
+        for read_only in [false, true] {
+            let holder = QemuHolder::open_with(&dir.0, &holder_prog, "raw", "r.raw", read_only);
+            let mut row = Vec::new();
+            for (tool, args) in probes {
+                for prog in [PathBuf::from(tool), ours.bin().join(tool)] {
+                    let (ok, err) = stderr_of(&dir.0, prog.to_str().unwrap(), args);
+                    let why = err.lines().last().unwrap_or("").replace("qimg", "qemu-img");
+                    row.push(format!("{tool} {args:?}: {ok} {why}"));
+                }
+            }
+            drop(holder);
+            seen.push((holder_prog.clone(), read_only, row));
+        }
+    }
+    for (holder, read_only, row) in &seen {
+        // Each probe ran with QEMU's tool, then ours: the same outcome.
+        for pair in row.chunks(2) {
+            assert_eq!(
+                pair[0], pair[1],
+                "held by {holder:?} (read-only {read_only}): QEMU's (left) vs ours"
+            );
+        }
+    }
+    // Both holders were seen alike, and a raw writer let another writer and info in.
+    assert_eq!(seen[0].2, seen[2].2);
+    assert!(seen[0].2[0].contains(": true"), "{:?}", seen[0].2);
+    assert!(seen[0].2[6].contains(": true"), "{:?}", seen[0].2);
 }

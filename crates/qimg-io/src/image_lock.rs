@@ -35,6 +35,10 @@ pub enum ImageLock {
     /// Read and let everyone do anything (`qemu-img -U`, QEMU's `force-share=on`): nobody is
     /// refused, so what is read may be changing underneath.
     SharedRead,
+    /// Read and write, and let everyone do anything: QEMU's raw format opened for writing by
+    /// `qemu-io` (the raw driver passes its user's permissions through, and qemu-io shares
+    /// them all), so that another raw writer or a `-U` reader is not refused.
+    SharedReadWrite,
 }
 
 /// QEMU's permission bits (`BLK_PERM_*`), as bit numbers.
@@ -87,6 +91,7 @@ impl ImageLock {
                 all & !(Write.bit() | Resize.bit()),
             ),
             Self::SharedRead => (ConsistentRead.bit(), all),
+            Self::SharedReadWrite => (ConsistentRead.bit() | Write.bit(), all),
         }
     }
 }

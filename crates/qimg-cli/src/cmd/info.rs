@@ -50,7 +50,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
     };
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
     // way round, as with qemu-img; `-U` takes a lock that keeps nobody out.
-    let _lock = match read_lock(path, args.force_share) {
+    // QEMU's raw driver shares everything with other processes (it passes its user's
+    // permissions through): a raw image takes no lock that refuses a writer.
+    let share_all = args.force_share || fmt == Some(qimg::chain::ImageFormat::Raw);
+    let _lock = match read_lock(path, share_all) {
         Ok(lock) => lock,
         Err(e) => return Err(crate::status::storage_open_error(e, &filename)),
     };
@@ -137,16 +140,16 @@ fn show_null_device(info: &mut qimg::tools::info::ImageInfo, file: &str, named: 
     }
 }
 
-/// Opens `path` and takes QEMU's read lock on it (a shared read with `force_share`); a file
+/// Opens `path` and takes QEMU's read lock on it (a shared read with `share_all`); a file
 /// that cannot be opened is left for `image_info` to report as it does.
 fn read_lock(
     path: &Path,
-    force_share: bool,
+    share_all: bool,
 ) -> std::result::Result<Option<FileStorage>, qimg::io::StorageError> {
     let Ok(file) = FileStorage::open(path) else {
         return Ok(None);
     };
-    let lock = if force_share {
+    let lock = if share_all {
         ImageLock::SharedRead
     } else {
         ImageLock::Read

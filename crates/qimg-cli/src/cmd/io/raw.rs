@@ -48,10 +48,13 @@ impl Session {
         spec: &OpenSpec,
     ) -> Result<(), StorageError> {
         let storage = AnyStorage::open(path, !spec.read_only, spec.backend, spec.cache.direct)?;
-        let lock = match (spec.read_only, spec.force_share) {
-            (false, _) => ImageLock::ReadWrite,
-            (true, false) => ImageLock::Read,
-            (true, true) => ImageLock::SharedRead,
+        // QEMU's raw driver passes qemu-io's permissions through to the file, and qemu-io
+        // shares them all: a raw image takes only the locks of what it uses (bytes 100 and,
+        // read-write, 101) and refuses nobody.
+        let lock = if spec.read_only {
+            ImageLock::SharedRead
+        } else {
+            ImageLock::SharedReadWrite
         };
         storage.lock_image(lock)?;
         let len = storage.len().await?;
