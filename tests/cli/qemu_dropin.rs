@@ -3818,3 +3818,112 @@ fn the_file_driver_as_the_image_and_plain_names_under_image_opts_as_qemus() {
     assert!(masked[0].contains("file format: file"), "{}", masked[0]);
     assert!(masked[0].contains("short-form boolean"), "{}", masked[0]);
 }
+
+#[test]
+fn raw_offset_and_size_make_a_window_as_qemus_raw_driver() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("raw-window");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "raw", "r.raw", "1M"]),
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 1 0 64k",
+                "-c",
+                "write -P 2 512k 64k",
+                "r.raw",
+            ],
+        ),
+    ];
+    const W: &str = "driver=raw,offset=32k,size=512k,file.filename=r.raw";
+    let steps: Prep = &[
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                W,
+                "-c",
+                "length",
+                "-c",
+                "map",
+                "-c",
+                "read -P 1 0 32k",
+                "-c",
+                "read -P 2 480k 32k",
+                "-c",
+                "write -P 3 4k 4k",
+                "-c",
+                "read 500k 20k",
+                "-c",
+                "truncate 1M",
+            ],
+        ),
+        ("qemu-io", &["-f", "raw", "-c", "read -P 3 36k 4k", "r.raw"]),
+        ("qemu-img", &["info", "--image-opts", W]),
+        ("qemu-img", &["map", "--output=json", "--image-opts", W]),
+        (
+            "qemu-img",
+            &["convert", "--image-opts", W, "-O", "qcow2", "c.qcow2"],
+        ),
+        ("qemu-img", &["info", "c.qcow2"]),
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                "driver=raw,offset=32k,file.filename=r.raw",
+                "-c",
+                "truncate 128k",
+                "-c",
+                "length",
+            ],
+        ),
+        ("qemu-img", &["info", "-f", "raw", "r.raw"]),
+        // Refusals, in QEMU's words and order.
+        ("qemu-io", &["--image-opts", W, "-c", "length"]),
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                "driver=raw,size=1000,file.filename=r.raw",
+                "-c",
+                "length",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--image-opts",
+                "driver=raw,offset=-1,file.filename=r.raw",
+                "-c",
+                "length",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "info",
+                "json:{\"driver\":\"raw\",\"offset\":\"abc\",\"file\":{\"driver\":\"file\",\"filename\":\"r.raw\"}}",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    let masked: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            o.lines()
+                .filter(|l| !l.contains("ops/sec") && !l.contains("disk size"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .collect();
+    assert_eq!(
+        masked[1], masked[0],
+        "qimg (left) differs from QEMU (right)"
+    );
+    assert!(masked[0].contains("fixed-size raw disks"), "{}", masked[0]);
+    assert!(masked[0].contains("\"offset\": 524288"), "{}", masked[0]);
+}

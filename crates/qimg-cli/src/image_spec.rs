@@ -569,6 +569,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
     if name.is_none() && !driver.is_empty() {
         return Err("A block device must be specified for \"file\"".into());
     }
+    let window = driver == "raw";
+    if let (true, Some(n)) = (window, &name) {
+        crate::raw_window::apply(n, get("offset"), get("size"))?;
+    }
     crate::runtime_opts::check(pairs, name.as_deref().map(Path::new))?;
     for (k, v) in pairs {
         let generic = if crate::args::is_null_driver(driver) {
@@ -579,8 +583,11 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
                 "driver" | "file" | "file.driver" | "file.filename" | "filename"
             )
         };
-        let known =
-            generic || nbd_keys.contains(k) || blkdebug_keys.contains(k) || null_keys.contains(k);
+        let known = generic
+            || nbd_keys.contains(k)
+            || blkdebug_keys.contains(k)
+            || null_keys.contains(k)
+            || (window && matches!(k.as_str(), "offset" | "size"));
         match k.as_str() {
             _ if known || ignored(k) => {}
             "backing" if v == NULL && driver == "qcow2" => ov.no_backing = true,

@@ -21,6 +21,7 @@ mod image_spec;
 mod option_string;
 mod progress;
 mod qjson;
+mod raw_window;
 mod runtime_opts;
 mod status;
 

@@ -94,6 +94,16 @@ pub fn qemu_json_child(typed: &str, key: &str) -> Option<String> {
 }
 
 fn options_value(typed: &str) -> Option<Value> {
+    let mut v = options_as_given(typed)?;
+    // The file child's protocol, when not given, is QEMU's default, which it names.
+    if let Some(Value::Object(file)) = v.get_mut("file") {
+        file.entry("driver")
+            .or_insert_with(|| Value::String("file".into()));
+    }
+    Some(v)
+}
+
+fn options_as_given(typed: &str) -> Option<Value> {
     if let Some(json) = typed.strip_prefix("json:") {
         return serde_json::from_str::<Value>(json)
             .ok()

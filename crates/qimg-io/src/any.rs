@@ -56,11 +56,41 @@ pub enum AnyStorage {
     Blkdebug(Box<BlkdebugStorage<FileStorage>>),
     /// The same with `O_DIRECT`, any alignment.
     BlkdebugDirect(Box<BlkdebugStorage<BounceStorage<FileStorage>>>),
+    /// A part of a buffered file ([`WindowStorage`](crate::WindowStorage)): a path given a
+    /// window with [`window::attach`](crate::window::attach), on the thread backend.
+    Window(Box<crate::WindowStorage<FileStorage>>),
+    /// The same with `O_DIRECT`, any alignment.
+    WindowDirect(Box<crate::WindowStorage<BounceStorage<FileStorage>>>),
 }
 
 impl AnyStorage {
     /// Opens `path` (read-only unless `writable`) with `backend`, with `O_DIRECT` if `direct`.
     pub fn open(
+        path: impl AsRef<Path>,
+        writable: bool,
+        backend: Backend,
+        direct: bool,
+    ) -> Result<Self> {
+        if let Some(window) = crate::window::attached(path.as_ref()) {
+            // Over the file itself, on the thread backend (as error injection).
+            let s = FileOptions::new()
+                .read_write(writable)
+                .direct(direct)
+                .open(path)?;
+            return Ok(if direct {
+                Self::WindowDirect(Box::new(crate::WindowStorage::new(
+                    BounceStorage::new(s),
+                    window,
+                )))
+            } else {
+                Self::Window(Box::new(crate::WindowStorage::new(s, window)))
+            });
+        }
+        Self::open_whole(path, writable, backend, direct)
+    }
+
+    /// [`open`](Self::open) without a window.
+    fn open_whole(
         path: impl AsRef<Path>,
         writable: bool,
         backend: Backend,
@@ -163,6 +193,8 @@ macro_rules! each {
             AnyStorage::Null($s) => $e,
             AnyStorage::Blkdebug($s) => $e,
             AnyStorage::BlkdebugDirect($s) => $e,
+            AnyStorage::Window($s) => $e,
+            AnyStorage::WindowDirect($s) => $e,
         }
     };
 }

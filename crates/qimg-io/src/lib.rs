@@ -121,6 +121,7 @@ pub mod threads;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 mod uring;
+pub mod window;
 
 pub use aligned::AlignedBuf;
 pub use any::{AnyStorage, Backend};
@@ -139,3 +140,4 @@ pub use null::{NullOptions, NullStorage};
 pub use storage::{AllocateOutcome, DirectAccess, DiscardOutcome, Storage, ZeroOutcome};
 #[cfg(target_os = "linux")]
 pub use uring::{UringOptions, UringStorage};
+pub use window::{WindowOptions, WindowStorage};

@@ -156,6 +156,17 @@ pub fn virtual_size_of(path: &Path, fmt: ImageFormat) -> Result<u64> {
     if let (ImageFormat::Raw, Some(null)) = (fmt, null_device(path)) {
         return Ok(null.size);
     }
+    if let (ImageFormat::Raw, Some(w)) = (fmt, qimg_io::window::attached(path)) {
+        // A window onto the file (raw's `offset` and `size`).
+        if let Some(size) = w.size {
+            return Ok(size);
+        }
+        let len = open(path)?
+            .metadata()
+            .map_err(|e| Error::io(path, "stat", e))?
+            .len();
+        return Ok(len.saturating_sub(w.offset));
+    }
     match fmt {
         ImageFormat::Raw => match nbd_export(path)? {
             Some(nbd) => Ok(nbd.size()),

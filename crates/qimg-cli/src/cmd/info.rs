@@ -91,6 +91,13 @@ pub fn run(args: InfoArgs) -> Result<()> {
     if qimg::chain::null_device(path).is_some() {
         show_null_device(&mut list[0], &filename, args.fmt.as_deref());
     }
+    if crate::raw_window::window(&filename).is_some() {
+        // Raw over a part of the file: QEMU names the node by its options.
+        let typed = crate::status::typed_name(&filename);
+        if let Some(shown) = typed.as_deref().and_then(crate::qjson::qemu_json_name) {
+            list[0].filename = shown;
+        }
+    }
     let given = crate::image_spec::format_for(&filename);
     if args.fmt.as_deref().or(given.as_deref()) == Some("file") && !list[0].children.is_empty() {
         // QEMU's file driver named as the image: its node is the file, shown as raw's

@@ -17,6 +17,8 @@ pub struct HostExtents {
     source: Source,
     path: PathBuf,
     len: u64,
+    /// Where byte 0 lies in the file (raw's `offset`: a window, [`qimg_io::window`]).
+    shift: u64,
     /// Drop cached pages of a range before asking for its holes.
     drop_cache: bool,
 }
@@ -39,6 +41,7 @@ impl HostExtents {
                 len: null.size,
                 source: Source::Null,
                 path: path.to_path_buf(),
+                shift: 0,
                 drop_cache: false,
             });
         }
@@ -46,6 +49,7 @@ impl HostExtents {
             return Ok(Self {
                 len: nbd.size(),
                 source: Source::Nbd(nbd),
+                shift: 0,
                 path: path.to_path_buf(),
                 drop_cache: false,
             });
@@ -56,11 +60,17 @@ impl HostExtents {
             move |source| Error::Io { path, op, source }
         };
         let file = File::open(path).map_err(io("open"))?;
-        let len = file.metadata().map_err(io("stat"))?.len();
+        let mut len = file.metadata().map_err(io("stat"))?.len();
+        let mut shift = 0;
+        if let Some(w) = qimg_io::window::attached(path) {
+            shift = w.offset;
+            len = w.size.unwrap_or(len.saturating_sub(w.offset));
+        }
         Ok(Self {
             source: Source::File(file),
             path: path.to_path_buf(),
             len,
+            shift,
             drop_cache: false,
         })
     }
@@ -76,6 +86,11 @@ impl HostExtents {
     /// The name it was opened with.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Where its byte 0 lies in the file (raw's `offset`; 0 but for a window).
+    pub fn shift(&self) -> u64 {
+        self.shift
     }
 
     /// Its length in bytes.
@@ -99,9 +114,10 @@ impl HostExtents {
     pub fn runs(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
         let nbd = match &self.source {
             Source::File(file) => {
-                return qimg_io::holes::runs(file, start, end, self.drop_cache)
+                let shift = self.shift;
+                return qimg_io::holes::runs(file, start + shift, end + shift, self.drop_cache)
                     .into_iter()
-                    .map(|r| (r.start, r.len, r.data))
+                    .map(|r| (r.start - shift, r.len, r.data))
                     .collect();
             }
             Source::Nbd(nbd) => nbd,

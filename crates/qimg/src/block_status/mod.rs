@@ -182,7 +182,7 @@ impl<S: Storage + 'static> Chain<S> {
                         out.push(Status {
                             zero: !data,
                             data,
-                            offset: Some(s),
+                            offset: Some(s + host.shift()),
                             ..at(s, l)
                         });
                     }

@@ -216,9 +216,14 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
     };
     let file = file_info(path, &name)?;
     if fmt == ImageFormat::Raw {
+        // Raw over a part of the file (`offset`, `size`) is as long as that part.
+        let virtual_size = match qimg_io::window::attached(path) {
+            Some(_) => crate::chain::virtual_size_of(path, fmt)?,
+            None => file.virtual_size,
+        };
         return Ok(ImageInfo {
             format: "raw".into(),
-            virtual_size: file.virtual_size,
+            virtual_size,
             format_specific: None,
             children: vec![ChildInfo {
                 name: "file".into(),

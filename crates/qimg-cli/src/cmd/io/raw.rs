@@ -105,7 +105,13 @@ impl Session {
             // QEMU's null driver has no truncate.
             return Err("Image format driver does not support resize".into());
         }
-        let failed = |e: StorageError| strerror(storage_errno(e));
+        // An error that is not the system's carries its own words (a fixed-size window).
+        let failed = |e: StorageError| match &e {
+            StorageError::Io { source, .. } if source.raw_os_error().is_none() => {
+                source.to_string()
+            }
+            _ => strerror(storage_errno(e)),
+        };
         let old = r.storage.len().await.map_err(failed)?;
         if prealloc != Prealloc::Off && size < old {
             return Err("Cannot use preallocation for shrinking files".into());
