@@ -3927,3 +3927,28 @@ fn raw_offset_and_size_make_a_window_as_qemus_raw_driver() {
     assert!(masked[0].contains("fixed-size raw disks"), "{}", masked[0]);
     assert!(masked[0].contains("\"offset\": 524288"), "{}", masked[0]);
 }
+
+#[test]
+fn qemu_io_usage_errors_print_its_whole_usage() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("io-usage");
+    let ours = Ours::new(&s);
+    let cases: &[&[&str]] = &[
+        &["-Z"],
+        &["--bogus"],
+        // A short option whose long name starts with another letter.
+        &["-t"],
+        &["-d"],
+        // An operand too many: the usage, and no reason.
+        &["a.qcow2", "b.qcow2"],
+    ];
+    for args in cases {
+        let (qemu, mine) = both(&s, &ours, "qemu-io", &[], args);
+        assert_eq!(mine, qemu, "qemu-io {args:?}: ours (left) vs QEMU's");
+        assert!(qemu.0.contains("QEMU Disk exerciser"), "{qemu:?}");
+    }
+    for args in [&["rebase", "-b"][..], &["create", "-F"]] {
+        let (qemu, mine) = both(&s, &ours, "qemu-img", &[], args);
+        assert_eq!(mine, qemu, "qemu-img {args:?}: ours (left) vs QEMU's");
+    }
+}

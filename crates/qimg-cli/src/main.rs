@@ -270,7 +270,21 @@ fn check_object(value: &str) -> Result<(), String> {
 /// Whether the short option `typed` (`-f`) is the one whose long form clap reported (`long`,
 /// `--format`): same first letter after the dashes, as every such pair of qemu's is named.
 fn short_of(_e: &clap::Error, long: &str, typed: &str) -> bool {
-    long.starts_with("--") && long[2..].chars().next() == typed[1..].chars().next()
+    let (Some(long), Some(short)) = (long.strip_prefix("--"), typed[1..].chars().next()) else {
+        return false;
+    };
+    // A short name some command declares for that long one.
+    let cli = Cli::command();
+    let mut declared = std::iter::once(&cli)
+        .chain(cli.get_subcommands())
+        .flat_map(|c| c.get_arguments())
+        .filter(|a| a.get_long() == Some(long))
+        .filter_map(|a| a.get_short())
+        .peekable();
+    if declared.peek().is_none() {
+        return long.starts_with(short);
+    }
+    declared.any(|d| d == short)
 }
 
 /// The QEMU release whose qemu-img and qemu-io command lines qimg implements (what
@@ -441,10 +455,12 @@ fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
         }
     };
     if name == "qemu-io" {
-        // qemu-io: the reason on stderr, the usage on stdout.
-        eprintln!("qemu-io: {why}");
-        outln!("Usage: qemu-io [OPTIONS]... [-c STRING]... [file]");
-        outln!("Try 'qemu-io --help' for the options, 'qemu-io -c help' for the commands.");
+        // qemu-io: getopt's reason on stderr (none for an operand too many), its whole usage
+        // on stdout.
+        if !(e.kind() == ErrorKind::UnknownArgument && !arg.starts_with('-')) {
+            eprintln!("qemu-io: {why}");
+        }
+        out!("{}", crate::cmd::io::USAGE);
     } else {
         let sub = std::env::args().nth(1).unwrap_or_default();
         eprintln!("qemu-img {sub}: {why}");
