@@ -457,7 +457,7 @@ fn refuse_as_qemu(name: &str, e: &clap::Error) -> ! {
     if name == "qemu-io" {
         // qemu-io: getopt's reason on stderr (none for an operand too many), its whole usage
         // on stdout.
-        if !(e.kind() == ErrorKind::UnknownArgument && !arg.starts_with('-')) {
+        if e.kind() != ErrorKind::UnknownArgument || arg.starts_with('-') {
             eprintln!("qemu-io: {why}");
         }
         out!("{}", crate::cmd::io::USAGE);
