@@ -3952,3 +3952,31 @@ fn qemu_io_usage_errors_print_its_whole_usage() {
         assert_eq!(mine, qemu, "qemu-img {args:?}: ours (left) vs QEMU's");
     }
 }
+
+#[test]
+fn create_without_a_format_makes_raw_as_qemu_img() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("create-default-raw");
+    let ours = Ours::new(&s);
+    let steps: Prep = &[
+        ("qemu-img", &["create", "t.img", "1M"]),
+        ("qemu-img", &["info", "t.img"]),
+        ("qemu-img", &["create", "-o", "help"]),
+        ("qemu-img", &["create", "-f", "file", "-o", "help"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], &[], steps);
+    let masked: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            o.lines()
+                .filter(|l| !l.contains("disk size"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .collect();
+    assert_eq!(
+        masked[1], masked[0],
+        "qimg (left) differs from QEMU (right)"
+    );
+    assert!(masked[0].contains("fmt=raw size=1048576"), "{}", masked[0]);
+}

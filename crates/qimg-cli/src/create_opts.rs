@@ -155,7 +155,12 @@ const FILE_HELP: &[(&str, &str, &str)] = &[
 /// the protocol's when no target file is named (`with_file` false), else both, merged by name
 /// (the format's entry first when both have one).
 pub fn help_text(fmt: &str, with_file: bool) -> String {
-    let own = if raw_like(fmt) { RAW_HELP } else { QCOW2_HELP };
+    // The file driver as the format lists its own options (the protocol's).
+    let own = match fmt {
+        "file" => FILE_HELP,
+        _ if raw_like(fmt) => RAW_HELP,
+        _ => QCOW2_HELP,
+    };
     let mut list: Vec<&(&str, &str, &str)> = own.iter().collect();
     if with_file {
         for o in FILE_HELP {

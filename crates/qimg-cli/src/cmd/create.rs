@@ -13,9 +13,10 @@ use crate::create_opts;
 /// Arguments of `qimg create`.
 #[derive(clap::Args)]
 pub struct CreateArgs {
-    /// Image format: qcow2 (default) or raw.
-    #[arg(short = 'f', default_value = "qcow2")]
-    fmt: String,
+    /// Image format: qcow2 or raw (the default: qcow2 as `qimg`, raw as `qemu-img`, as
+    /// qemu-img's).
+    #[arg(short = 'f')]
+    fmt: Option<String>,
     /// Backing file (same as -o backing_file=).
     #[arg(short = 'b')]
     backing: Option<String>,
@@ -39,7 +40,13 @@ pub struct CreateArgs {
 }
 
 /// Runs `qimg create`.
-pub fn run(args: CreateArgs) -> Result<()> {
+pub fn run(mut args: CreateArgs) -> Result<()> {
+    let default = if crate::status::program() == "qemu-img" {
+        "raw"
+    } else {
+        "qcow2"
+    };
+    let fmt = args.fmt.take().unwrap_or_else(|| default.to_string());
     // qemu-img's words; qimg adds what it supports.
     let unknown = |prefix: String| {
         let hint = if crate::status::program() == "qimg" {
@@ -47,18 +54,15 @@ pub fn run(args: CreateArgs) -> Result<()> {
         } else {
             ""
         };
-        anyhow::anyhow!("{prefix}Unknown file format '{}'{hint}", args.fmt)
+        anyhow::anyhow!("{prefix}Unknown file format '{}'{hint}", fmt)
     };
-    let known = image_format(&args.fmt).is_some();
+    let known = image_format(&fmt).is_some();
     let pairs = crate::args::option_list(&args.options)?;
     if pairs.iter().any(|p| p == "help" || p == "?") {
         if !known {
             return Err(unknown(String::new()));
         }
-        out!(
-            "{}",
-            create_opts::help_text(&args.fmt, args.filename.is_some())
-        );
+        out!("{}", create_opts::help_text(&fmt, args.filename.is_some()));
         return Ok(());
     }
     let Some(file) = args.filename.clone() else {
@@ -69,7 +73,7 @@ pub fn run(args: CreateArgs) -> Result<()> {
     }
     let mut o = CreateOptions::default();
     let mut given = create_opts::Given::default();
-    create_opts::apply(&mut o, &mut given, &pairs, &args.fmt).with_context(|| file.clone())?;
+    create_opts::apply(&mut o, &mut given, &pairs, &fmt).with_context(|| file.clone())?;
     if let Some(b) = args.backing {
         o.backing_file = Some(b);
     }
@@ -101,8 +105,8 @@ pub fn run(args: CreateArgs) -> Result<()> {
         }
     };
     // Raw, or QEMU's file driver named as the format: the same bytes.
-    if create_opts::raw_like(&args.fmt) {
-        let fmt = &args.fmt;
+    if create_opts::raw_like(&fmt) {
+        let fmt = &fmt;
         // qemu-img's words (the raw driver has neither option).
         if o.backing_file.is_some() {
             bail!("{file}: Backing file not supported for file format '{fmt}'");
