@@ -316,11 +316,29 @@ fn raw_images_lock_as_qemus_raw_driver() {
             .unwrap()
             .success()
     );
+    assert!(
+        Command::new(QEMU_IMG)
+            .current_dir(&dir.0)
+            .args(["create", "-q", "-f", "raw", "s.raw", "1M"])
+            .status()
+            .unwrap()
+            .success()
+    );
     let probes: &[(&str, &[&str])] = &[
         ("qemu-io", &["-f", "raw", "-c", "write 0 512", "r.raw"]),
         ("qemu-io", &["-f", "raw", "-r", "-c", "read 0 512", "r.raw"]),
         ("qemu-img", &["info", "-U", "r.raw"]),
         ("qemu-img", &["info", "r.raw"]),
+        // Writers of a raw image: let in beside a raw holder, as QEMU's.
+        (
+            "qemu-img",
+            &["convert", "-n", "-f", "raw", "-O", "raw", "s.raw", "r.raw"],
+        ),
+        (
+            "qemu-img",
+            &["dd", "-f", "raw", "-O", "raw", "if=s.raw", "of=r.raw"],
+        ),
+        ("qemu-img", &["create", "-f", "raw", "r.raw", "1M"]),
     ];
     let mut seen = Vec::new();
     for holder_prog in [PathBuf::from(QEMU_IO), ours.bin().join("qemu-io")] {

@@ -1303,3 +1303,40 @@ fn bench_and_refusals_on_an_export_speak_as_qemu_tools() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// `convert -n` into an NBD export (the export is the output, opened, not created): as
+/// qemu-img, the export then holds the source's data. Before, qimg looked for a file named
+/// by the URI and failed ("No such file or directory").
+#[test]
+fn convert_n_writes_into_an_nbd_export() {
+    if !have_qemu_tools("convert_n_writes_into_an_nbd_export") {
+        return;
+    }
+    let s = Scratch::new("nbd-convert-n");
+    create(&s.0, "out.qcow2", false, None);
+    create(&s.0, "src.qcow2", true, None);
+    qemu_io(&s.0, "qcow2", "src.qcow2", &["write -P 5 64k 1M".into()]);
+    let sock = s.path("out.sock");
+    let n = qemu_nbd(&s.0, "out.qcow2", &sock, &[]);
+    let target = uri("", &sock);
+    ok(
+        "convert -n into the export",
+        &run(
+            &s.0,
+            &qimg_bin(),
+            &[
+                "convert",
+                "-n",
+                "-f",
+                "qcow2",
+                "-O",
+                "raw",
+                "src.qcow2",
+                &target,
+            ],
+        ),
+    );
+    n.stop();
+    assert_same_content(&s.0, "src.qcow2", "out.qcow2");
+    assert_check_clean(&s.0, "out.qcow2");
+}

@@ -3980,3 +3980,55 @@ fn create_without_a_format_makes_raw_as_qemu_img() {
     );
     assert!(masked[0].contains("fmt=raw size=1048576"), "{}", masked[0]);
 }
+
+#[test]
+fn a_discard_on_a_raw_file_punches_a_hole_as_qemu_io() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("raw-discard");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        ("qemu-img", &["create", "-f", "raw", "t.img", "1M"]),
+        ("qemu-io", &["-f", "raw", "-c", "write -P 1 0 64k", "t.img"]),
+    ];
+    let steps: Prep = &[
+        // Discard gives the space back (the file's disk size shrinks); write-zeroes keeps it.
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "discard 32k 32k",
+                "-c",
+                "write -z 0 4k",
+                "-c",
+                "write -z -u 8k 4k",
+                "t.img",
+            ],
+        ),
+        ("qemu-img", &["info", "-f", "raw", "t.img"]),
+        ("qemu-img", &["map", "--output=json", "-f", "raw", "t.img"]),
+        (
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0 0 4k",
+                "-c",
+                "read -P 1 4k 4k",
+                "-c",
+                "read -P 0 8k 4k",
+                "-c",
+                "read -P 1 12k 20k",
+                "-c",
+                "read -P 0 32k 32k",
+                "t.img",
+            ],
+        ),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert_eq!(outs[1], outs[0], "qimg (left) differs from QEMU (right)");
+    assert!(outs[0].contains("disk size: 28 KiB"), "{}", outs[0]);
+    assert!(!outs[0].contains("verification failed"), "{}", outs[0]);
+}

@@ -319,7 +319,9 @@ pub(super) async fn open_target(
     size: u64,
     cache: CacheMode,
 ) -> Result<ConvertOutput> {
-    if let Err(e) = std::fs::metadata(path) {
+    // An NBD export or the null device is no file to look for.
+    let file_name = !qimg::io::nbd::is_nbd_name(file) && qimg::chain::null_device(path).is_none();
+    if let (true, Err(e)) = (file_name, std::fs::metadata(path)) {
         return Err(crate::status::open_msg(
             anyhow!("Could not open '{file}': {}", os_msg(&e)),
             file,
@@ -344,8 +346,8 @@ pub(super) async fn open_target(
         ImageFormat::Raw => {
             let f = OutStorage::open(path, true, cache)
                 .map_err(|e| anyhow!("Could not open '{file}': {e}"))?;
-            // QEMU's write lock on a raw output too.
-            f.lock_image(qimg::io::ImageLock::ReadWrite)
+            // QEMU's raw driver's lock on a raw output: what it uses, refusing nobody.
+            f.lock_image(qimg::io::ImageLock::SharedReadWrite)
                 .map_err(|e| crate::status::storage_open_error(e, file))?;
             let len = f.len().await.map_err(|e| anyhow!("{file}: {e}"))?;
             if len < size {

@@ -193,7 +193,15 @@ impl Session {
     ) -> Result<(), i32> {
         self.check_request(offset, len)?;
         if let Some(r) = &self.raw {
-            self.raw_zeroes(r, offset, len).await?;
+            // `-u` lets the file give the space back, as QEMU's file driver punches a hole
+            // for a zero write that may unmap; past the end of the file zeros grow it.
+            let inside = len.min(r.len.get().saturating_sub(offset));
+            if unmap {
+                self.raw_punch(r, offset, inside).await?;
+                self.raw_zeroes(r, offset + inside, len - inside).await?;
+            } else {
+                self.raw_zeroes(r, offset, len).await?;
+            }
         } else if len > 0 {
             self.zero_range(offset, len, unmap).await?;
         }
@@ -363,8 +371,10 @@ impl Session {
             return Ok(());
         }
         if let Some(r) = &self.raw {
-            // QEMU punches the range out of a raw file: it reads as zeros.
-            self.raw_zeroes(r, offset, len).await?;
+            // QEMU punches the range out of a raw file: past the end of the file there is
+            // nothing to punch (the file does not grow).
+            let inside = len.min(r.len.get().saturating_sub(offset));
+            self.raw_punch(r, offset, inside).await?;
             return self.after_write(false).await;
         }
         let img = self.image();

@@ -67,6 +67,20 @@ impl Session {
         Ok(())
     }
 
+    /// Punches `[offset, offset + len)`, which the file holds, out of a raw file, as QEMU's
+    /// file driver (`FALLOC_FL_PUNCH_HOLE`): it reads as zeros and no longer takes space;
+    /// where the file cannot punch, zeros are written instead.
+    pub(super) async fn raw_punch(&self, r: &RawFile, offset: u64, len: u64) -> Result<(), i32> {
+        if len == 0 {
+            return Ok(());
+        }
+        let punched = r.storage.discard(offset, len).await;
+        if !matches!(punched, Ok(qimg::io::DiscardOutcome::Deallocated)) {
+            self.raw_zeroes(r, offset, len).await?;
+        }
+        Ok(())
+    }
+
     /// Zeroes of a raw file (growing it when they reach past its end).
     pub(super) async fn raw_zeroes(&self, r: &RawFile, offset: u64, len: u64) -> Result<(), i32> {
         if len == 0 {

@@ -32,11 +32,12 @@ impl std::ops::Deref for NewFile {
     }
 }
 
-/// Opens `path` for creation: made if missing, QEMU's write lock taken (as QEMU's file
-/// driver takes it before truncating), then emptied. A file another process holds (a VM's
-/// disk, a `qemu-io` session) is refused with [`qimg_io::StorageError::Locked`] and left as
-/// it was.
-pub(super) fn open_new(path: &Path) -> Result<NewFile> {
+/// Opens `path` for creation: made if missing, QEMU's lock taken (`lock`: a qcow2 image's
+/// write lock, which refuses other writers; a raw image's, which refuses nobody, as QEMU's
+/// raw driver), as QEMU's file driver takes it before truncating, then emptied. A file
+/// another process holds against `lock` (a VM's disk, a `qemu-io` session) is refused with
+/// [`qimg_io::StorageError::Locked`] and left as it was.
+pub(super) fn open_new(path: &Path, lock: qimg_io::ImageLock) -> Result<NewFile> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -44,9 +45,7 @@ pub(super) fn open_new(path: &Path) -> Result<NewFile> {
         .truncate(false)
         .open(path)
         .map_err(|e| Error::io(path, "create", e))?;
-    let lock = qimg_io::ImageLock::ReadWrite
-        .lock(&file)
-        .map_err(|e| Error::storage(path, e))?;
+    let lock = lock.lock(&file).map_err(|e| Error::storage(path, e))?;
     file.set_len(0)
         .map_err(|e| Error::io(path, "truncate to 0 bytes", e))?;
     Ok(NewFile { file, _lock: lock })

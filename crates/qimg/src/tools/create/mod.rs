@@ -96,11 +96,11 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
             // As QEMU: the data file name is relative to the current directory, not to the
             // image (unlike a backing file name).
             let full = PathBuf::from(d);
-            Some((open_new(&full)?, full))
+            Some((open_new(&full, qimg_io::ImageLock::ReadWrite)?, full))
         }
         None => None,
     };
-    let file = open_new(path)?;
+    let file = open_new(path, qimg_io::ImageLock::ReadWrite)?;
     let w = |buf: &[u8], off: u64| {
         file.write_all_at(buf, off)
             .map_err(|e| Error::io(path, format!("write {} bytes at {off:#x}", buf.len()), e))
@@ -239,7 +239,7 @@ pub fn create_raw(
     prealloc: Preallocation,
     progress: Progress<'_>,
 ) -> Result<()> {
-    let file = open_new(path)?;
+    let file = open_new(path, qimg_io::ImageLock::SharedReadWrite)?;
     file.set_len(size)
         .map_err(|e| Error::io(path, format!("set length to {size}"), e))?;
     allocate_first_block(&file, path, size)?;
