@@ -1170,6 +1170,18 @@ pub(crate) type Prep<'a> = &'a [(&'a str, &'a [&'a str])];
 /// Runs `steps` in a directory for QEMU's tools and one for ours, each prepared alike (the
 /// `files` written, the `prepare` steps run with QEMU's tools), and returns the merged
 /// output of every step, QEMU's then ours.
+/// `outs` without the lines that contain any of `noise` (timings, disk usage).
+fn without_lines(outs: &[String], noise: &[&str]) -> Vec<String> {
+    outs.iter()
+        .map(|o| {
+            o.lines()
+                .filter(|l| !noise.iter().any(|n| l.contains(n)))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .collect()
+}
+
 pub(crate) fn side_by_side(
     s: &Scratch,
     ours: &Ours,
@@ -3800,17 +3812,7 @@ fn the_file_driver_as_the_image_and_plain_names_under_image_opts_as_qemus() {
         ("qemu-img", &["amend", "-o", "data_file=d2.raw", "e.qcow2"]),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
-    let masked: Vec<String> = outs
-        .iter()
-        .map(|o| {
-            o.lines()
-                .filter(|l| {
-                    !l.contains("ops/sec") && !l.contains("disk size") && !l.contains("actual-size")
-                })
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .collect();
+    let masked = without_lines(&outs, &["ops/sec", "disk size", "actual-size"]);
     assert_eq!(
         masked[1], masked[0],
         "qimg (left) differs from QEMU (right)"
@@ -3911,15 +3913,7 @@ fn raw_offset_and_size_make_a_window_as_qemus_raw_driver() {
         ),
     ];
     let outs = side_by_side(&s, &ours, &[], prepare, steps);
-    let masked: Vec<String> = outs
-        .iter()
-        .map(|o| {
-            o.lines()
-                .filter(|l| !l.contains("ops/sec") && !l.contains("disk size"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .collect();
+    let masked = without_lines(&outs, &["ops/sec", "disk size"]);
     assert_eq!(
         masked[1], masked[0],
         "qimg (left) differs from QEMU (right)"
@@ -3965,15 +3959,7 @@ fn create_without_a_format_makes_raw_as_qemu_img() {
         ("qemu-img", &["create", "-f", "file", "-o", "help"]),
     ];
     let outs = side_by_side(&s, &ours, &[], &[], steps);
-    let masked: Vec<String> = outs
-        .iter()
-        .map(|o| {
-            o.lines()
-                .filter(|l| !l.contains("disk size"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .collect();
+    let masked = without_lines(&outs, &["disk size"]);
     assert_eq!(
         masked[1], masked[0],
         "qimg (left) differs from QEMU (right)"

@@ -86,16 +86,6 @@ impl AnyStorage {
                 Self::Window(Box::new(crate::WindowStorage::new(s, window)))
             });
         }
-        Self::open_whole(path, writable, backend, direct)
-    }
-
-    /// [`open`](Self::open) without a window.
-    fn open_whole(
-        path: impl AsRef<Path>,
-        writable: bool,
-        backend: Backend,
-        direct: bool,
-    ) -> Result<Self> {
         // An NBD name (`nbd://`, `nbd+unix://`, `nbd:`) is an export, not a file.
         if let Some(name) = path.as_ref().to_str() {
             if crate::nbd::is_nbd_name(name) {

@@ -75,7 +75,16 @@ impl<S: Storage> Storage for WindowStorage<S> {
         if n == 0 {
             return Ok(0);
         }
-        let at = self.place(Op::Read, offset, n as u64).await?;
+        // Inside the window (`n` is clamped to its end): one length lookup, not two.
+        let at = self
+            .opts
+            .offset
+            .checked_add(offset)
+            .ok_or(StorageError::OutOfRange {
+                op: Op::Read,
+                offset,
+                len: n as u64,
+            })?;
         self.inner.read_at_most(&mut buf[..n], at).await
     }
 
