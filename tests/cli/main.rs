@@ -19,6 +19,7 @@ mod interop_info;
 mod io_interop;
 mod map_interop;
 mod nbd_interop;
+mod nbd_multi_conn;
 mod qemu_dropin;
 mod rebase_commit;
 mod resize_amend;

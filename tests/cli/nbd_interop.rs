@@ -38,14 +38,14 @@ fn have_tool(test: &str, tool: &str, package: &str) -> bool {
     ok
 }
 
-fn have_qemu_tools(test: &str) -> bool {
+pub(crate) fn have_qemu_tools(test: &str) -> bool {
     have_qemu(test)
         && have_tool(test, "qemu-io", "qemu-utils")
         && have_tool(test, "qemu-nbd", "qemu-utils")
 }
 
 /// A server process (qimg serve or qemu-nbd) that is stopped with SIGTERM.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     what: String,
 }
@@ -80,7 +80,7 @@ impl Server {
     }
 
     /// Sends SIGTERM and requires a clean exit within 30 seconds.
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         let pid = self.child.id().to_string();
         let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
         assert!(st.success());
@@ -111,7 +111,7 @@ impl Drop for Server {
 }
 
 /// `qimg serve --nbd unix:SOCK IMAGE --persistent` with `extra` options.
-fn qimg_serve(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
+pub(crate) fn qimg_serve(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
     let pid = dir.join(format!("{image}.qimg.pid"));
     let nbd = format!("unix:{}", sock.display());
     let pid_s = pid.display().to_string();
@@ -122,7 +122,7 @@ fn qimg_serve(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
 }
 
 /// `qemu-nbd --socket=SOCK --format=qcow2 --persistent IMAGE` with `extra` options.
-fn qemu_nbd(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
+pub(crate) fn qemu_nbd(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
     let pid = dir.join(format!("{image}.qemu.pid"));
     let sock_o = format!("--socket={}", sock.display());
     let pid_o = format!("--pid-file={}", pid.display());
@@ -132,7 +132,7 @@ fn qemu_nbd(dir: &Path, image: &str, sock: &Path, extra: &[&str]) -> Server {
     Server::start(dir, Path::new("qemu-nbd"), &args, &pid)
 }
 
-fn uri(name: &str, sock: &Path) -> String {
+pub(crate) fn uri(name: &str, sock: &Path) -> String {
     format!("nbd+unix:///{name}?socket={}", sock.display())
 }
 
@@ -153,7 +153,7 @@ fn qemu_io(dir: &Path, fmt: &str, target: &str, cmds: &[String]) -> String {
     out
 }
 
-fn create(dir: &Path, name: &str, extended_l2: bool, backing: Option<&str>) {
+pub(crate) fn create(dir: &Path, name: &str, extended_l2: bool, backing: Option<&str>) {
     let mut o = format!("extended_l2={}", if extended_l2 { "on" } else { "off" });
     if let Some(b) = backing {
         let fmt = if b.ends_with(".raw") { "raw" } else { "qcow2" };

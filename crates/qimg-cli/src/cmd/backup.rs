@@ -12,7 +12,8 @@
 //!   chain), as `qemu-img compare` does, with its words and exit status (0 equal, 1 not).
 //!
 //! Several requests are in flight: with `--connections N` (4 by default) and a server that
-//! offers multi-conn, N connections each copy a share of the extents; otherwise one. The
+//! offers multi-conn, N tasks copy the extents over the library's NBD client, which opens
+//! up to N connections as they find the open ones busy; otherwise one. The
 //! source is usually a checkpoint's frozen view (`qimg serve --monitor`, see
 //! `qimg_serve::monitor`), so nothing changes under the copy.
 
@@ -181,9 +182,9 @@ fn backup(
     }
     let ctx = incremental.map(|(b, _)| format!("qemu:dirty-bitmap:{b}"));
     let contexts: Vec<&str> = ctx.iter().map(String::as_str).collect();
-    let first = connect(source, &contexts)?;
-    let pieces = plan(&first, ctx.as_deref())?;
-    let size = first.size();
+    let nbd = connect(source, &contexts)?.with_max_connections(a.connections);
+    let pieces = plan(&nbd, ctx.as_deref())?;
+    let size = nbd.size();
 
     let mut o = CreateOptions::default();
     let pairs: Vec<String> = a
@@ -202,15 +203,14 @@ fn backup(
     create(output, &o, &mut |_, _| {})
         .with_context(|| format!("cannot create '{}'", output.display()))?;
 
-    let connections = if first.can_multi_conn() {
+    // One copy task per connection the client may open (it opens them as the tasks find
+    // the open ones busy).
+    let tasks_wanted = if nbd.can_multi_conn() {
         a.connections
     } else {
         1
     };
-    let mut conns = vec![Arc::new(first)];
-    for _ in 1..connections {
-        conns.push(Arc::new(connect(source, &[])?));
-    }
+    let nbd = Arc::new(nbd);
     let total: u64 = pieces.iter().map(|p| p.1).sum();
     let count = pieces.len();
     let progress = Arc::new(Mutex::new(Progress::start(a.progress && !a.quiet, total)));
@@ -223,10 +223,10 @@ fn backup(
             .await
             .with_context(|| format!("cannot open '{}'", output.display()))?;
         let mut tasks = tokio::task::JoinSet::new();
-        for nbd in conns {
+        for _ in 0..tasks_wanted {
             let (image, queue, progress) = (image.clone(), queue.clone(), progress.clone());
             tasks.spawn(copy_pieces(
-                nbd,
+                nbd.clone(),
                 image,
                 queue,
                 progress,
@@ -261,7 +261,7 @@ fn backup(
     Ok(())
 }
 
-/// One connection's share: takes pieces until none is left; reads each from the export and
+/// One task's share: takes pieces until none is left; reads each from the export and
 /// writes it (zeros as zero clusters in an overlay, not at all in a full backup).
 async fn copy_pieces(
     nbd: Arc<NbdStorage>,

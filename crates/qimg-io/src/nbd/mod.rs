@@ -3,8 +3,14 @@
 //! `nbd+unix:///export?socket=/run/disk.sock` works wherever a file name does.
 //!
 //! The client speaks the fixed newstyle handshake (`NBD_OPT_GO`, falling back to
-//! `NBD_OPT_EXPORT_NAME` for servers without it) and simple replies, one request at a time
-//! on one connection, each request at most 32 MiB (the protocol's default maximum). Names
+//! `NBD_OPT_EXPORT_NAME` for servers without it) and structured replies, one request at a
+//! time on each connection, each request at most 32 MiB (the protocol's default maximum).
+//! When the server offers multi-conn (`NBD_FLAG_CAN_MULTI_CONN`: qemu-nbd `-e 2` or more,
+//! `qimg serve --nbd --shared N`, nbdkit), a request that finds every connection busy opens
+//! another, up to [`MAX_CONNECTIONS`] (nbdcopy's default), so that callers on several threads
+//! (convert's parallel chunks, a VMM's queues) have requests in flight together; the server's
+//! promise makes a flush on one connection cover the writes completed on all of them. A server
+//! without multi-conn gets one connection, whatever the callers. Names
 //! are parsed as QEMU parses them: the URI forms `nbd://HOST[:PORT]/EXPORT` (also
 //! `nbd+tcp://`), `nbd+unix:///EXPORT?socket=PATH`, and the legacy forms
 //! `nbd:HOST:PORT[:exportname=NAME]` and `nbd:unix:PATH[:exportname=NAME]`. With the
@@ -16,7 +22,8 @@
 use std::io::{self, IoSlice, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, TryLockError, Weak};
 
 use crate::error::{Op, Result, StorageError};
 use crate::storage::{AllocateOutcome, DiscardOutcome, Storage, ZeroOutcome};
@@ -33,6 +40,11 @@ static SHARED: Mutex<Vec<(String, bool, Weak<NbdStorage>)>> = Mutex::new(Vec::ne
 
 /// The largest request sent (the protocol's default maximum payload).
 const MAX_REQUEST: u64 = 32 << 20;
+
+/// The most connections one [`NbdStorage`] opens to a server that offers multi-conn
+/// (nbdcopy's default; [`NbdStorage::with_max_connections`] sets another); one to a server
+/// that does not.
+pub const MAX_CONNECTIONS: usize = 4;
 
 mod address;
 mod handshake;
@@ -64,6 +76,32 @@ struct Conn {
     broken: bool,
 }
 
+impl Conn {
+    /// The id the server gave metadata context `name` on this connection.
+    fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, id)| id)
+    }
+}
+
+/// What opening another connection needs, kept when the server offers multi-conn.
+struct Growth {
+    addr: NbdAddress,
+    /// The extra metadata contexts the first connection asked for.
+    contexts: Vec<String>,
+    /// Opening one failed (or it disagreed with the first): no more are tried.
+    failed: bool,
+}
+
+/// The first connection's answers, which every other connection must repeat.
+struct Opened {
+    conn: Conn,
+    size: u64,
+    flags: u16,
+}
+
 /// One request's header fields.
 #[derive(Clone, Copy)]
 struct Req {
@@ -76,7 +114,17 @@ struct Req {
 
 /// An NBD export as [`Storage`]; see the [module docs](self).
 pub struct NbdStorage {
-    conn: Mutex<Conn>,
+    /// The open connections: one, or up to [`MAX_CONNECTIONS`] with multi-conn.
+    conns: RwLock<Vec<Arc<Mutex<Conn>>>>,
+    /// `Some` when the server offers multi-conn: how to open another connection.
+    growth: Option<Mutex<Growth>>,
+    /// Where a request waits when every connection is busy and no more may be opened.
+    next: AtomicUsize,
+    /// The most connections opened ([`MAX_CONNECTIONS`] unless
+    /// [`with_max_connections`](Self::with_max_connections) says otherwise).
+    limit: usize,
+    /// The metadata contexts the server agreed to, by name, sorted.
+    contexts: Vec<String>,
     size: u64,
     flags: u16,
     writable: bool,
@@ -104,76 +152,45 @@ impl NbdStorage {
     /// `qemu:dirty-bitmap:NAME`) beside `base:allocation`; one the server does not offer is
     /// refused when asked for ([`context_status`](Self::context_status)).
     pub fn connect_with(name: &str, writable: bool, contexts: &[&str]) -> Result<Self> {
-        let open_err = |source: io::Error| StorageError::Open {
-            path: name.into(),
-            source,
-        };
         let addr = NbdAddress::parse(name)
-            .map_err(|e| open_err(io::Error::new(io::ErrorKind::InvalidInput, e)))?
+            .map_err(|e| open_error(name, io::Error::new(io::ErrorKind::InvalidInput, e)))?
             .ok_or_else(|| {
-                open_err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "not an NBD name",
-                ))
+                open_error(
+                    name,
+                    io::Error::new(io::ErrorKind::InvalidInput, "not an NBD name"),
+                )
             })?;
-        let stream = match &addr.server {
-            NbdServer::Tcp(host, port) => {
-                let s = TcpStream::connect((host.as_str(), *port)).map_err(|e| {
-                    open_err(io::Error::new(
-                        e.kind(),
-                        format!("Failed to connect to '{host}:{port}': {}", os_text(&e)),
-                    ))
-                })?;
-                let _ = s.set_nodelay(true);
-                Stream::Tcp(s)
-            }
-            NbdServer::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
-                open_err(io::Error::new(
-                    e.kind(),
-                    format!("Failed to connect to '{path}': {}", os_text(&e)),
-                ))
-            })?),
-        };
-        let mut stream = stream;
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-        let no_zeroes = greet(&mut stream).map_err(open_err)?;
-        let mut stream = match &addr.tls {
-            None => stream,
-            Some(tls) => {
-                let host = match &addr.server {
-                    NbdServer::Tcp(host, _) => Some(host.as_str()),
-                    NbdServer::Unix(_) => None,
-                };
-                start_tls(stream, tls, host).map_err(open_err)?
-            }
-        };
-        let (size, flags, structured, agreed) =
-            handshake(&mut stream, no_zeroes, &addr.export, contexts).map_err(open_err)?;
-        stream.set_read_timeout(None);
-        if writable && flags & TFLAG_READ_ONLY != 0 {
-            return Err(open_err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "the export is read-only",
-            )));
+        let first = open_conn(&addr, contexts).map_err(|e| open_error(name, e))?;
+        if writable && first.flags & TFLAG_READ_ONLY != 0 {
+            return Err(open_error(
+                name,
+                io::Error::new(io::ErrorKind::PermissionDenied, "the export is read-only"),
+            ));
         }
+        let growth = (first.flags & TFLAG_CAN_MULTI_CONN != 0).then(|| {
+            Mutex::new(Growth {
+                addr,
+                contexts: contexts.iter().map(|c| c.to_string()).collect(),
+                failed: false,
+            })
+        });
         Ok(NbdStorage {
-            conn: Mutex::new(Conn {
-                stream,
-                cookie: 1,
-                structured,
-                contexts: agreed,
-                broken: false,
-            }),
-            size,
-            flags,
+            contexts: context_names(&first.conn),
+            conns: RwLock::new(vec![Arc::new(Mutex::new(first.conn))]),
+            growth,
+            next: AtomicUsize::new(0),
+            limit: MAX_CONNECTIONS,
+            size: first.size,
+            flags: first.flags,
             writable,
             name: name.to_string(),
         })
     }
 
-    /// The connection this process holds to export `name`, or a new one: one connection
-    /// per export and process, as QEMU keeps (a writable open upgrades nothing: it needs a
-    /// writable connection, and a read-only one is not reused for it).
+    /// The client this process holds for export `name`, or a new one: one client (one
+    /// connection, or a few with multi-conn) per export and process, as QEMU keeps one (a
+    /// writable open upgrades nothing: it needs a writable client, and a read-only one is not
+    /// reused for it).
     pub fn shared(name: &str, writable: bool) -> Result<Arc<Self>> {
         let mut all = SHARED.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|(_, _, w)| w.strong_count() > 0);
@@ -198,10 +215,10 @@ impl NbdStorage {
     /// ([`STATE_HOLE`], [`STATE_ZERO`]), from the server's `base:allocation` context; `None`
     /// when the server offers none (then everything is data, as QEMU assumes).
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Option<Vec<(u64, u32)>>> {
-        match self.context_id(BASE_ALLOCATION) {
-            None => Ok(None),
-            Some(id) => self.status_runs(id, offset, len).map(Some),
+        if !self.has_context(BASE_ALLOCATION) {
+            return Ok(None);
         }
+        self.status_runs(BASE_ALLOCATION, offset, len).map(Some)
     }
 
     /// The runs `(length, flags)` from `offset` that metadata context `context` (asked for
@@ -209,16 +226,18 @@ impl NbdStorage {
     /// `qemu:dirty-bitmap:NAME`, flag 1 is "dirty". Refused when the server did not agree to
     /// the context.
     pub fn context_status(&self, context: &str, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
-        let id = self.context_id(context).ok_or_else(|| StorageError::Io {
-            op: Op::Probe,
-            offset,
-            len,
-            source: io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!("the server offers no metadata context '{context}' for this export"),
-            ),
-        })?;
-        self.status_runs(id, offset, len)
+        if !self.has_context(context) {
+            return Err(StorageError::Io {
+                op: Op::Probe,
+                offset,
+                len,
+                source: io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("the server offers no metadata context '{context}' for this export"),
+                ),
+            });
+        }
+        self.status_runs(context, offset, len)
     }
 
     /// Whether the server says several connections may serve this export at once
@@ -228,17 +247,96 @@ impl NbdStorage {
         self.flags & TFLAG_CAN_MULTI_CONN != 0
     }
 
-    fn context_id(&self, name: &str) -> Option<u32> {
-        let c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        c.contexts
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|&(_, id)| id)
+    /// At most `n` connections (at least one) when the server offers multi-conn, instead of
+    /// [`MAX_CONNECTIONS`] (`qimg backup --connections N`).
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.limit = n.max(1);
+        self
     }
 
-    /// The runs of context `id` over `[offset, offset + len)`, asked for in pieces the
-    /// protocol can carry.
-    fn status_runs(&self, id: u32, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
+    /// How many connections are open to the server now: one, or more (up to
+    /// [`MAX_CONNECTIONS`]) when it offers multi-conn and requests were in flight together.
+    pub fn connections(&self) -> usize {
+        self.conns.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether the server agreed to metadata context `name` (every connection agrees alike).
+    fn has_context(&self, name: &str) -> bool {
+        self.contexts.iter().any(|c| c == name)
+    }
+
+    /// Runs `f` on a connection: a free one, else a new one (multi-conn, below the limit),
+    /// else the next in turn once it is free.
+    fn with_conn<R>(&self, f: impl FnOnce(&mut Conn) -> R) -> R {
+        let conns: Vec<Arc<Mutex<Conn>>> =
+            self.conns.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for c in &conns {
+            match c.try_lock() {
+                Ok(mut g) => return f(&mut g),
+                Err(TryLockError::Poisoned(e)) => return f(&mut e.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        let c = match self.grow(conns.len()) {
+            Some(c) => c,
+            None => {
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+                conns[i].clone()
+            }
+        };
+        let mut g = c.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut g)
+    }
+
+    /// Opens one more connection when the server offers multi-conn, fewer than the limit
+    /// ([`MAX_CONNECTIONS`]) are open (`seen` were when the caller found them all busy) and no
+    /// other caller is opening one; `None` otherwise. A connection that fails to open, or
+    /// whose export differs from the first's (size, flags, contexts), ends the growing: the
+    /// open ones carry on.
+    fn grow(&self, seen: usize) -> Option<Arc<Mutex<Conn>>> {
+        let mut g = match self.growth.as_ref()?.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        let open = self.connections();
+        if g.failed || open >= self.limit || open > seen {
+            // Another caller opened one meanwhile: take it if it is free.
+            return (open > seen && !g.failed)
+                .then(|| self.conns.read().unwrap_or_else(|e| e.into_inner())[open - 1].clone());
+        }
+        let contexts: Vec<&str> = g.contexts.iter().map(String::as_str).collect();
+        match open_conn(&g.addr, &contexts) {
+            Ok(o)
+                if o.size == self.size
+                    && o.flags == self.flags
+                    && context_names(&o.conn) == self.contexts =>
+            {
+                let c = Arc::new(Mutex::new(o.conn));
+                self.conns
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(c.clone());
+                Some(c)
+            }
+            Ok(o) => {
+                g.failed = true;
+                // The odd connection is closed in order, and never used.
+                let mut conn = o.conn;
+                let _ = exchange_on(&mut conn, DISCONNECT, &[], None, &mut |_, _, _| {});
+                None
+            }
+            Err(_) => {
+                g.failed = true;
+                None
+            }
+        }
+    }
+
+    /// The runs of context `context` over `[offset, offset + len)`, asked for in pieces the
+    /// protocol can carry (each on whichever connection is free, under that connection's id
+    /// for the context).
+    fn status_runs(&self, context: &str, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
         let end = offset.saturating_add(len).min(self.size);
         let mut runs: Vec<(u64, u32)> = Vec::new();
         let mut at = offset;
@@ -252,12 +350,15 @@ impl NbdStorage {
                 offset: at,
                 len: n,
             };
-            self.exchange(req, &[], None, &mut |ctx, l, f| {
-                let l = u64::from(l).min(n - got);
-                if ctx == id && l > 0 {
-                    runs.push((l, f));
-                    got += l;
-                }
+            self.with_conn(|c| {
+                let id = c.context_id(context);
+                exchange_on(c, req, &[], None, &mut |ctx, l, f| {
+                    let l = u64::from(l).min(n - got);
+                    if Some(ctx) == id && l > 0 {
+                        runs.push((l, f));
+                        got += l;
+                    }
+                })
             })?;
             if got == 0 {
                 return Err(StorageError::Io {
@@ -298,69 +399,10 @@ impl NbdStorage {
         Ok(done)
     }
 
-    /// Sends one request (with `data` for a write) and reads its reply (into `out` for a
-    /// read).
+    /// Sends one request (with `data` for a write) on a connection and reads its reply
+    /// (into `out` for a read).
     fn request(&self, req: Req, data: &[IoSlice<'_>], out: Option<&mut [u8]>) -> Result<()> {
-        self.exchange(req, data, out, &mut |_, _, _| {})
-    }
-
-    /// [`request`](Self::request), block status descriptors handed to `status`.
-    fn exchange(
-        &self,
-        req: Req,
-        data: &[IoSlice<'_>],
-        out: Option<&mut [u8]>,
-        status: &mut dyn FnMut(u32, u32, u32),
-    ) -> Result<()> {
-        let Req {
-            op,
-            cmd,
-            flags,
-            offset,
-            len,
-        } = req;
-        let err = |source: io::Error| StorageError::Io {
-            op,
-            offset,
-            len,
-            source,
-        };
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if c.broken {
-            return Err(err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "the NBD connection failed earlier",
-            )));
-        }
-        let cookie = c.cookie;
-        c.cookie += 1;
-        let mut head = [0u8; 28];
-        head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
-        head[4..6].copy_from_slice(&flags.to_be_bytes());
-        head[6..8].copy_from_slice(&cmd.to_be_bytes());
-        head[8..16].copy_from_slice(&cookie.to_be_bytes());
-        head[16..24].copy_from_slice(&offset.to_be_bytes());
-        head[24..28].copy_from_slice(&(len as u32).to_be_bytes());
-        let r = (|| -> io::Result<Option<i32>> {
-            c.stream.write_all(&head)?;
-            for d in data {
-                c.stream.write_all(d)?;
-            }
-            c.stream.flush()?;
-            if cmd == CMD_DISC {
-                return Ok(None);
-            }
-            let c = &mut *c;
-            read_reply(c, cookie, offset, out, status)
-        })();
-        match r {
-            Ok(None) => Ok(()),
-            Ok(Some(errno)) => Err(err(io::Error::from_raw_os_error(errno))),
-            Err(e) => {
-                c.broken = true;
-                Err(err(e))
-            }
-        }
+        self.with_conn(|c| exchange_on(c, req, data, out, &mut |_, _, _| {}))
     }
 
     fn check_writable(&self, op: Op, offset: u64, len: u64) -> Result<()> {
@@ -416,18 +458,12 @@ impl NbdStorage {
 
 impl Drop for NbdStorage {
     fn drop(&mut self) {
-        // NBD_CMD_DISC: the server closes the connection in order.
-        let _ = self.request(
-            Req {
-                op: Op::Flush,
-                cmd: CMD_DISC,
-                flags: 0,
-                offset: 0,
-                len: 0,
-            },
-            &[],
-            None,
-        );
+        // NBD_CMD_DISC on each connection: the server closes them in order.
+        let conns = std::mem::take(self.conns.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for c in conns {
+            let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = exchange_on(&mut c, DISCONNECT, &[], None, &mut |_, _, _| {});
+        }
     }
 }
 
@@ -563,4 +599,135 @@ impl Storage for NbdStorage {
             ),
         })
     }
+}
+
+/// Sends request `req` (with `data` for a write) on connection `c` and reads its reply (into
+/// `out` for a read; block status descriptors handed to `status`).
+fn exchange_on(
+    c: &mut Conn,
+    req: Req,
+    data: &[IoSlice<'_>],
+    out: Option<&mut [u8]>,
+    status: &mut dyn FnMut(u32, u32, u32),
+) -> Result<()> {
+    let Req {
+        op,
+        cmd,
+        flags,
+        offset,
+        len,
+    } = req;
+    let err = |source: io::Error| StorageError::Io {
+        op,
+        offset,
+        len,
+        source,
+    };
+    if c.broken {
+        return Err(err(io::Error::new(
+            io::ErrorKind::BrokenPipe,
+            "the NBD connection failed earlier",
+        )));
+    }
+    let cookie = c.cookie;
+    c.cookie += 1;
+    let mut head = [0u8; 28];
+    head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    head[4..6].copy_from_slice(&flags.to_be_bytes());
+    head[6..8].copy_from_slice(&cmd.to_be_bytes());
+    head[8..16].copy_from_slice(&cookie.to_be_bytes());
+    head[16..24].copy_from_slice(&offset.to_be_bytes());
+    head[24..28].copy_from_slice(&(len as u32).to_be_bytes());
+    let r = (|| -> io::Result<Option<i32>> {
+        c.stream.write_all(&head)?;
+        for d in data {
+            c.stream.write_all(d)?;
+        }
+        c.stream.flush()?;
+        if cmd == CMD_DISC {
+            return Ok(None);
+        }
+        read_reply(c, cookie, offset, out, status)
+    })();
+    match r {
+        Ok(None) => Ok(()),
+        Ok(Some(errno)) => Err(err(io::Error::from_raw_os_error(errno))),
+        Err(e) => {
+            c.broken = true;
+            Err(err(e))
+        }
+    }
+}
+
+/// The disconnect request (`NBD_CMD_DISC`): no reply comes.
+const DISCONNECT: Req = Req {
+    op: Op::Flush,
+    cmd: CMD_DISC,
+    flags: 0,
+    offset: 0,
+    len: 0,
+};
+
+/// The names of the metadata contexts connection `c` agreed to, sorted.
+fn context_names(c: &Conn) -> Vec<String> {
+    let mut names: Vec<String> = c.contexts.iter().map(|(n, _)| n.clone()).collect();
+    names.sort();
+    names
+}
+
+/// An open failure of `name`.
+fn open_error(name: &str, source: io::Error) -> StorageError {
+    StorageError::Open {
+        path: name.into(),
+        source,
+    }
+}
+
+/// Opens one connection to `addr` (TLS when it says so) and negotiates the export, asking
+/// for the metadata `contexts` beside `base:allocation`.
+fn open_conn(addr: &NbdAddress, contexts: &[&str]) -> io::Result<Opened> {
+    let mut stream = match &addr.server {
+        NbdServer::Tcp(host, port) => {
+            let s = TcpStream::connect((host.as_str(), *port)).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("Failed to connect to '{host}:{port}': {}", os_text(&e)),
+                )
+            })?;
+            let _ = s.set_nodelay(true);
+            Stream::Tcp(s)
+        }
+        NbdServer::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("Failed to connect to '{path}': {}", os_text(&e)),
+            )
+        })?),
+    };
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let no_zeroes = greet(&mut stream)?;
+    let mut stream = match &addr.tls {
+        None => stream,
+        Some(tls) => {
+            let host = match &addr.server {
+                NbdServer::Tcp(host, _) => Some(host.as_str()),
+                NbdServer::Unix(_) => None,
+            };
+            start_tls(stream, tls, host)?
+        }
+    };
+    let (size, flags, structured, agreed) =
+        handshake(&mut stream, no_zeroes, &addr.export, contexts)?;
+    stream.set_read_timeout(None);
+    Ok(Opened {
+        conn: Conn {
+            stream,
+            cookie: 1,
+            structured,
+            contexts: agreed,
+            broken: false,
+        },
+        size,
+        flags,
+    })
 }
