@@ -4018,3 +4018,162 @@ fn a_discard_on_a_raw_file_punches_a_hole_as_qemu_io() {
     assert!(outs[0].contains("disk size: 28 KiB"), "{}", outs[0]);
     assert!(!outs[0].contains("verification failed"), "{}", outs[0]);
 }
+
+/// Encrypted images (made by QEMU: qimg does not encrypt): `info` shows them as qemu-img does
+/// (`encrypted: yes`, the LUKS header's `encrypt` block, `aes`), with no key; every command
+/// that reads them refuses as QEMU's tools refuse without a key (`encrypt.key-secret`
+/// missing, naming no secret, a format or option the header does not take), also for an
+/// encrypted backing file and qemu-io's `open -o`. (With the right key QEMU goes on; qimg
+/// refuses in its own words, which no step here compares.)
+#[test]
+fn encrypted_images_show_and_refuse_as_qemus_tools_without_a_key() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("encrypted");
+    let ours = Ours::new(&s);
+    let secret = "secret,id=sec0,data=123456";
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "--object",
+                secret,
+                "-o",
+                "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10",
+                "l.qcow2",
+                "16M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "--object",
+                secret,
+                "-o",
+                "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10,\
+                 encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.ivgen-alg=essiv,\
+                 encrypt.hash-alg=sha1",
+                "c.qcow2",
+                "16M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "--object",
+                secret,
+                "-o",
+                "encrypt.format=aes,encrypt.key-secret=sec0",
+                "a.qcow2",
+                "16M",
+            ],
+        ),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "p.qcow2", "16M"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "-b", "l.qcow2", "-F", "qcow2", "t.qcow2",
+            ],
+        ),
+    ];
+    let mut steps: Vec<(&str, Vec<String>)> = Vec::new();
+    let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    for f in ["l.qcow2", "c.qcow2", "a.qcow2"] {
+        let opts = |extra: &str| format!("driver=qcow2,file.filename={f},{extra}");
+        steps.push(("qemu-img", v(&["info", f])));
+        steps.push(("qemu-img", v(&["info", "--output=json", f])));
+        for cmd in [
+            v(&["check", f]),
+            v(&["map", f]),
+            v(&["compare", f, f]),
+            v(&["convert", "-O", "raw", f, "x.raw"]),
+            v(&["snapshot", "-l", f]),
+            v(&["resize", f, "32M"]),
+            v(&["info", "--image-opts", &opts("encrypt.key-secret=sec9")]),
+            v(&["info", "--image-opts", &opts("encrypt.format=foo")]),
+            v(&["check", "--image-opts", &opts("encrypt.bogus=1")]),
+            v(&["check", "--image-opts", &opts("encrypt.key-secret=sec9")]),
+            v(&[
+                "check",
+                "--object",
+                secret,
+                "--image-opts",
+                &opts("encrypt.format=aes"),
+            ]),
+        ] {
+            steps.push(("qemu-img", cmd));
+        }
+        let json = format!(
+            "json:{{\"driver\":\"qcow2\",\"file\":{{\"filename\":\"{f}\"}},\"encrypt\":{{\"key-secret\":\"sec9\"}}}}"
+        );
+        steps.push(("qemu-img", v(&["check", &json])));
+        steps.push(("qemu-io", v(&["-c", "read 0 4k", f])));
+        steps.push(("qemu-io", v(&["-r", "-c", "read 0 4k", f])));
+        steps.push((
+            "qemu-io",
+            v(&[
+                "-c",
+                &format!("open -o driver=qcow2,encrypt.key-secret=sec9 {f}"),
+            ]),
+        ));
+    }
+    // An unencrypted image: a key secret is taken (and named in info), a format is refused.
+    steps.push((
+        "qemu-img",
+        v(&[
+            "info",
+            "--object",
+            secret,
+            "--image-opts",
+            "driver=qcow2,file.filename=p.qcow2,encrypt.key-secret=sec0",
+        ]),
+    ));
+    steps.push((
+        "qemu-img",
+        v(&[
+            "check",
+            "--image-opts",
+            "driver=qcow2,file.filename=p.qcow2,encrypt.format=luks",
+        ]),
+    ));
+    steps.push((
+        "qemu-io",
+        v(&[
+            "--object",
+            secret,
+            "-c",
+            "open -o encrypt.key-secret=sec0 p.qcow2",
+            "-c",
+            "read -P 0 0 4k",
+        ]),
+    ));
+    // An encrypted backing file.
+    steps.push(("qemu-img", v(&["info", "--backing-chain", "t.qcow2"])));
+    steps.push(("qemu-img", v(&["map", "t.qcow2"])));
+    steps.push(("qemu-io", v(&["-c", "read 0 4k", "t.qcow2"])));
+    let owned: Vec<(&str, Vec<&str>)> = steps
+        .iter()
+        .map(|(t, a)| (*t, a.iter().map(String::as_str).collect()))
+        .collect();
+    let refs: Vec<(&str, &[&str])> = owned.iter().map(|(t, a)| (*t, a.as_slice())).collect();
+    let outs = side_by_side(&s, &ours, &[], prepare, &refs);
+    // Each image has its own random UUID and the iterations QEMU measured while making it.
+    let outs = without_lines(&outs, &["uuid", "iters"]);
+    assert!(outs[0].contains("encrypted: yes") && outs[0].contains("cipher mode: cbc"));
+    assert!(outs[0].contains("Parameter 'encrypt.key-secret' is required for cipher"));
+    assert_eq!(outs[0], outs[1]);
+}

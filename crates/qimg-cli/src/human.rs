@@ -59,6 +59,32 @@ fn yes(b: &serde_json::Value) -> String {
     }
 }
 
+/// The members of `obj` as QEMU's `dump_qobject` prints format-specific information: in
+/// `QDict` order, `-` in keys as spaces, a nested object or list on the lines below its key
+/// (list items as `[N]:`), four more spaces for each level.
+fn dump_members(obj: &serde_json::Map<String, serde_json::Value>, indent: usize, s: &mut String) {
+    for (k, v) in crate::qjson::members(obj) {
+        dump_value(&k.replace('-', " "), v, indent, s);
+    }
+}
+
+fn dump_value(key: &str, v: &serde_json::Value, indent: usize, s: &mut String) {
+    let pad = " ".repeat(indent);
+    match v {
+        serde_json::Value::Object(o) => {
+            s.push_str(&format!("{pad}{key}:\n"));
+            dump_members(o, indent + 4, s);
+        }
+        serde_json::Value::Array(items) => {
+            s.push_str(&format!("{pad}{key}:\n"));
+            for (n, item) in items.iter().enumerate() {
+                dump_value(&format!("[{n}]"), item, indent + 4, s);
+            }
+        }
+        other => s.push_str(&format!("{pad}{key}: {}\n", yes(other))),
+    }
+}
+
 /// `disk size:` as qemu-img prints it (`unavailable` where it cannot be known).
 fn disk_size(size: Option<u64>) -> String {
     size.map_or_else(|| "unavailable".to_string(), size_to_str)
@@ -75,6 +101,9 @@ pub fn info(i: &ImageInfo) -> String {
         i.virtual_size
     );
     s += &format!("disk size: {}\n", disk_size(i.actual_size));
+    if i.encrypted == Some(true) {
+        s += "encrypted: yes\n";
+    }
     if let Some(cs) = i.cluster_size {
         s += &format!("cluster_size: {cs}\n");
     }
@@ -124,23 +153,7 @@ pub fn info(i: &ImageInfo) -> String {
     if let Some(fs) = &i.format_specific {
         if let Some(obj) = fs.data.as_object().filter(|o| !o.is_empty()) {
             s += "Format specific information:\n";
-            for (k, v) in obj {
-                let key = k.replace('-', " ");
-                if k == "bitmaps" {
-                    s += "    bitmaps:\n";
-                    for (n, b) in v.as_array().into_iter().flatten().enumerate() {
-                        s += &format!("        [{n}]:\n");
-                        s += "            flags:\n";
-                        for (n, f) in b["flags"].as_array().into_iter().flatten().enumerate() {
-                            s += &format!("                [{n}]: {}\n", yes(f));
-                        }
-                        s += &format!("            name: {}\n", yes(&b["name"]));
-                        s += &format!("            granularity: {}\n", b["granularity"]);
-                    }
-                    continue;
-                }
-                s += &format!("    {key}: {}\n", yes(v));
-            }
+            dump_members(obj, 4, &mut s);
         }
     }
     for c in &i.children {

@@ -25,6 +25,9 @@ struct Overrides {
     no_backing: bool,
     /// `data-file`: the external data file, instead of the one the image names.
     data_file: Option<String>,
+    /// `encrypt.*` options (the key without its prefix): checked against the image's
+    /// encryption by [`encryption_refusal`].
+    encrypt: Vec<(String, String)>,
 }
 
 static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
@@ -32,8 +35,8 @@ static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
 /// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
 static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
 
-/// `--object secret` ids (their data is checked when the object is made; qimg has no
-/// encrypted images to use it for yet).
+/// `--object secret` ids (their data is checked when the object is made; qimg does not
+/// decrypt images yet, so only their presence is used, by [`encryption_refusal`]).
 static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Records a `secret` object's id.
@@ -223,6 +226,55 @@ pub fn format_for(name: &str) -> Option<String> {
     overrides(name).and_then(|o| o.format)
 }
 
+/// QEMU's checks of image `name`'s `encrypt.*` options against the encryption its header
+/// (at `path`) reports, in QEMU's words: a format that differs, an option the format does not
+/// take, and, when the command reads or writes the image (`needs_key`; not `info`), the key
+/// (`encrypt.key-secret` naming a `--object secret`). An image that passes them all is still
+/// refused, in qimg's words: qimg does not decrypt yet. `None` for an unencrypted image without
+/// `encrypt.format`, or a header that cannot be read (the open reports that).
+pub fn encryption_refusal(path: &Path, name: &str, needs_key: bool) -> Option<String> {
+    let c0 = qimg::chain::read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly).ok()?;
+    let method = c0.header.crypt_method;
+    let opts = overrides(name).map(|o| o.encrypt).unwrap_or_default();
+    let get = |key: &str| opts.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+    let header = match method {
+        0 => None,
+        1 => Some("aes"),
+        _ => Some("luks"),
+    };
+    match (header, get("format")) {
+        (None, Some(f)) => {
+            return Some(format!(
+                "No encryption in image header, but options specified format '{f}'"
+            ));
+        }
+        (Some(h), Some(f)) if h != f => {
+            return Some(format!(
+                "Header reported '{h}' encryption format but options specify '{f}'"
+            ));
+        }
+        (None, None) => return None,
+        _ => {}
+    }
+    if let Some((k, _)) = opts
+        .iter()
+        .find(|(k, _)| k != "format" && k != "key-secret")
+    {
+        return Some(format!("Parameter '{k}' is unexpected"));
+    }
+    if !needs_key {
+        return None;
+    }
+    match get("key-secret") {
+        None => Some("Parameter 'encrypt.key-secret' is required for cipher".into()),
+        Some(id) if !has_secret(id) => Some(format!("No secret with id '{id}'")),
+        Some(_) => Some(format!(
+            "qimg cannot decrypt {} images yet (crypt_method {method} at offset 32)",
+            header.unwrap_or("encrypted").to_uppercase()
+        )),
+    }
+}
+
 /// Runtime options that do not change what a command prints or writes.
 const IGNORED: &[&str] = &[
     "l2-cache-size",
@@ -381,7 +433,7 @@ pub fn open_options(
         let known = matches!(
             k.as_str(),
             "driver" | "file" | "file.driver" | "file.filename" | "filename"
-        );
+        ) || (k.starts_with("encrypt.") && driver.as_deref() != Some("raw"));
         if !known && !ignored(k) {
             let d = driver.as_deref().unwrap_or("qcow2");
             return Err(format!(
@@ -390,6 +442,23 @@ pub fn open_options(
         }
     }
     let name = get("file.filename").or_else(|| get("filename"));
+    let encrypt: Vec<(String, String)> = pairs
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix("encrypt.")?.to_string(), v.clone())))
+        .collect();
+    let image = name
+        .cloned()
+        .or_else(|| operand.map(|p| p.display().to_string()));
+    if let (false, Some(image)) = (encrypt.is_empty(), image) {
+        // Checked against the image when it opens (`encryption_refusal`).
+        OVERRIDES.lock().unwrap_or_else(|e| e.into_inner()).push((
+            image,
+            Overrides {
+                encrypt,
+                ..Overrides::default()
+            },
+        ));
+    }
     let read_only = get("read-only").map(|v| v == "on" || v == "true");
     Ok((name.cloned(), driver, read_only))
 }
@@ -600,6 +669,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
                 ov.no_backing = true;
             }
             "data-file" if driver == "qcow2" => ov.data_file = Some(v.clone()),
+            k if k.starts_with("encrypt.") && matches!(driver, "qcow2" | "") => {
+                ov.encrypt
+                    .push((k["encrypt.".len()..].to_string(), v.clone()));
+            }
             "data-file.filename" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             "data-file.driver" if driver == "qcow2" && v == "file" => {}
             _ if crate::args::is_null_driver(driver) => {

@@ -64,7 +64,7 @@ fn write_compact(v: &Value, out: &mut String) {
 
 /// An object's members in the order QEMU's `QDict` visits them: buckets in order; within
 /// one, the member inserted last first.
-fn members(map: &serde_json::Map<String, Value>) -> Vec<(&String, &Value)> {
+pub(crate) fn members(map: &serde_json::Map<String, Value>) -> Vec<(&String, &Value)> {
     let mut members: Vec<(u32, usize, &String, &Value)> = map
         .iter()
         .enumerate()
@@ -91,6 +91,28 @@ pub fn qemu_json_child(typed: &str, key: &str) -> Option<String> {
     child
         .is_object()
         .then(|| format!("json:{}", compact(child)))
+}
+
+/// The `json:{...}` name QEMU shows for a qcow2 image opened with `encrypt.key-secret` (one
+/// of qcow2's "strong" options, which make QEMU name the node by its options): `driver`,
+/// `file` and the key secret, which QEMU keeps as the flat key `encrypt.key-secret`. `None`
+/// when `typed` gives no key secret.
+pub fn qemu_json_key_name(typed: &str) -> Option<String> {
+    let v = options_value(typed)?;
+    let Value::Object(mut all) = v else {
+        return None;
+    };
+    let secret = all
+        .remove("encrypt")
+        .and_then(|e| e.get("key-secret").cloned())?;
+    let mut shown = serde_json::Map::new();
+    shown.insert("encrypt.key-secret".into(), secret);
+    for key in ["driver", "file"] {
+        if let Some(v) = all.remove(key) {
+            shown.insert(key.into(), v);
+        }
+    }
+    Some(format!("json:{}", compact(&Value::Object(shown))))
 }
 
 fn options_value(typed: &str) -> Option<Value> {

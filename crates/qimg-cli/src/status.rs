@@ -171,6 +171,11 @@ pub fn lib_msg(e: &qimg::Error, file: &str) -> String {
             source: qimg::io::StorageError::Locked { holder },
         } if program() != "qimg" => return lock_error(holder, &path.display().to_string()),
         qimg::Error::Io { source, .. } => return os_msg(source),
+        // An encrypted image (a backing file: the named image is refused before its open by
+        // `encryption_refusal`, in QEMU's words): what QEMU says when no key is given.
+        qimg::Error::Encrypted { .. } if program() != "qimg" => {
+            return "Parameter 'encrypt.key-secret' is required for cipher".into();
+        }
         // Another file of the image (its data file, a backing file) that does not open, as
         // QEMU names it.
         qimg::Error::Storage {

@@ -22,6 +22,7 @@ pub mod header;
 pub mod l1;
 pub mod l2;
 pub mod lenient;
+pub mod luks;
 pub mod magic;
 pub mod refcount;
 pub mod snapshot;

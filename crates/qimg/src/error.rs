@@ -40,6 +40,17 @@ pub enum Error {
         /// The missing feature.
         what: String,
     },
+    /// The image is encrypted (`crypt_method` 1, AES, or 2, LUKS, at header offset 32): qimg
+    /// shows it (`info`) but does not decrypt it yet, so it opens no such image.
+    #[error(
+        "{path}: encrypted images (crypt_method {method} at offset 32) cannot be opened: qimg does not decrypt yet"
+    )]
+    Encrypted {
+        /// The image file.
+        path: PathBuf,
+        /// `crypt_method`.
+        method: u32,
+    },
     /// A storage operation of the engine failed.
     #[error("{path}: {source}")]
     Storage {
@@ -183,7 +194,7 @@ impl Error {
             Self::InvalidOption(_) | Self::OutOfRange { .. } | Self::Cache { .. } => {
                 io::ErrorKind::InvalidInput
             }
-            Self::Unsupported { .. } => io::ErrorKind::Unsupported,
+            Self::Unsupported { .. } | Self::Encrypted { .. } => io::ErrorKind::Unsupported,
             Self::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
             Self::SnapshotNotFound { .. } => io::ErrorKind::NotFound,
             Self::Halted { .. } => io::ErrorKind::Other,
@@ -216,7 +227,7 @@ impl Error {
             Self::OutOfRange { .. } | Self::InvalidOption(_) | Self::Cache { .. } => {
                 libc_errno::EINVAL
             }
-            Self::Unsupported { .. } => libc_errno::ENOTSUP,
+            Self::Unsupported { .. } | Self::Encrypted { .. } => libc_errno::ENOTSUP,
             Self::SnapshotNotFound { .. } => libc_errno::ENOENT,
             Self::Unusable { .. } => libc_errno::ENOMEDIUM,
             _ => libc_errno::EIO,

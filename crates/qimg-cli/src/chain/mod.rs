@@ -55,8 +55,27 @@ pub(crate) enum FormatError {
 
 /// The format of image `file` (at `path`): the one `-f` names (`named`), else the one its
 /// `json:` or `--image-opts` name gives, else the probed one. The one rule every command
-/// uses; each words the failure its tool's way ([`source_format`] as qemu-img does).
+/// uses; each words the failure its tool's way ([`source_format`] as qemu-img does). A qcow2
+/// image's `encrypt.*` options are checked here too
+/// ([`encryption_refusal`](crate::image_spec::encryption_refusal)); `needs_key` is false
+/// only for `info`, which QEMU lets show an encrypted image without its key.
 pub(crate) fn format_of(
+    path: &Path,
+    file: &str,
+    named: Option<&str>,
+    needs_key: bool,
+) -> std::result::Result<ImageFormat, FormatError> {
+    let format = format_without_key(path, file, named)?;
+    if format == ImageFormat::Qcow2 {
+        if let Some(why) = crate::image_spec::encryption_refusal(path, file, needs_key) {
+            return Err(FormatError::Refused(why));
+        }
+    }
+    Ok(format)
+}
+
+/// [`format_of`] before the encryption checks.
+fn format_without_key(
     path: &Path,
     file: &str,
     named: Option<&str>,
@@ -81,11 +100,15 @@ pub(crate) fn format_of(
 /// The format of source `file` ([`format_of`]), errors worded as qemu-img's "Could not open"
 /// for a source image.
 pub(crate) fn source_format(path: &Path, file: &str, named: Option<&str>) -> Result<ImageFormat> {
-    format_of(path, file, named).map_err(|e| match e {
+    format_of(path, file, named, true).map_err(|e| match e {
         FormatError::UnknownDriver(name) => {
             anyhow!("Could not open '{file}': Unknown driver '{name}'")
         }
-        FormatError::Refused(why) => anyhow!("Could not open '{file}': {why}"),
+        // QEMU names the image as the user typed it (an option string, a `json:` name).
+        FormatError::Refused(why) => {
+            let typed = crate::status::typed_name(file).unwrap_or_else(|| file.to_string());
+            anyhow!("Could not open '{typed}': {why}")
+        }
         // A file that is not there in qemu-img's words (`open_msg`).
         FormatError::Probe(e) => crate::status::open_msg(
             anyhow!("Could not open '{file}': {}", lib_msg(&e, file)),

@@ -40,12 +40,15 @@ pub fn run(args: InfoArgs) -> Result<()> {
     // The one format rule; a file that cannot be probed is left for `image_info` to report
     // in its words.
     use crate::chain::FormatError;
-    let fmt = match crate::chain::format_of(path, &filename, args.fmt.as_deref()) {
+    let fmt = match crate::chain::format_of(path, &filename, args.fmt.as_deref(), false) {
         Ok(f) => Some(f),
         Err(FormatError::UnknownDriver(name)) => {
             anyhow::bail!("Could not open '{filename}': Unknown driver '{name}'")
         }
-        Err(FormatError::Refused(why)) => anyhow::bail!("Could not open '{filename}': {why}"),
+        Err(FormatError::Refused(why)) => {
+            let typed = crate::status::typed_name(&filename).unwrap_or_else(|| filename.clone());
+            anyhow::bail!("Could not open '{typed}': {why}")
+        }
         Err(FormatError::Probe(_)) => None,
     };
     // Held while the image is read: a writer (QEMU or qimg) keeps `info` out, and the other
@@ -97,6 +100,13 @@ pub fn run(args: InfoArgs) -> Result<()> {
         if let Some(shown) = typed.as_deref().and_then(crate::qjson::qemu_json_name) {
             list[0].filename = shown;
         }
+    }
+    if let Some(shown) = crate::status::typed_name(&filename)
+        .as_deref()
+        .and_then(crate::qjson::qemu_json_key_name)
+    {
+        // qcow2 with `encrypt.key-secret`: QEMU names the node by its options.
+        list[0].filename = shown;
     }
     let given = crate::image_spec::format_for(&filename);
     if args.fmt.as_deref().or(given.as_deref()) == Some("file") && !list[0].children.is_empty() {

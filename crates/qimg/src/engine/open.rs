@@ -96,12 +96,9 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
         let h = &c0.header;
         within_limits(opts, &path, h)?;
         if h.crypt_method != 0 {
-            return Err(Error::Unsupported {
+            return Err(Error::Encrypted {
                 path,
-                what: format!(
-                    "encrypted images (crypt_method {} at offset 32) are not supported",
-                    h.crypt_method
-                ),
+                method: h.crypt_method,
             });
         }
         let geo =

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use qimg_format::bitmap::decode_directory;
+use qimg_format::cluster0::Cluster0;
 use qimg_format::features::{
     AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_CORRUPT,
     INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
@@ -76,6 +77,10 @@ pub struct Qcow2Specific {
     /// External data file name.
     #[serde(rename = "data-file", skip_serializing_if = "Option::is_none")]
     pub data_file: Option<String>,
+    /// Encrypted images: `{"format": "aes"}`, or the LUKS header's details as QEMU shows
+    /// them (members in QEMU's order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encrypt: Option<serde_json::Value>,
     /// Raw external data.
     #[serde(rename = "data-file-raw", skip_serializing_if = "Option::is_none")]
     pub data_file_raw: Option<bool>,
@@ -289,6 +294,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         _ => None,
     };
     let has_data_file = h.incompatible_features & INCOMPAT_DATA_FILE != 0;
+    let encrypt = encrypt_info(&f, path, &c0)?;
     let spec = Qcow2Specific {
         compat: if v3 { "1.1" } else { "0.10" }.into(),
         compression_type: h
@@ -301,6 +307,7 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         corrupt: v3.then_some(h.incompatible_features & INCOMPAT_CORRUPT != 0),
         extended_l2: v3.then_some(h.extended_l2()),
         data_file: c0.data_file().filter(|_| v3).map(lossy),
+        encrypt,
         data_file_raw: (v3 && has_data_file)
             .then_some(h.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0),
         bitmaps,
@@ -333,6 +340,63 @@ pub fn image_info(path: &Path, fmt: Option<ImageFormat>) -> Result<ImageInfo> {
         }),
         children,
     })
+}
+
+/// `encrypt` of an encrypted image's format-specific information: `aes`, or the LUKS
+/// header (read where the full disk encryption header extension says) as QEMU's
+/// `QCryptoBlockInfoLUKS`, its members inserted in QAPI order.
+fn encrypt_info(
+    f: &std::fs::File,
+    path: &Path,
+    c0: &Cluster0,
+) -> Result<Option<serde_json::Value>> {
+    use qimg_format::extension::Extension;
+    use qimg_format::luks::{LUKS_HEADER_LEN, LuksHeader};
+    use serde_json::json;
+    match c0.header.crypt_method {
+        0 => return Ok(None),
+        1 => return Ok(Some(json!({"format": "aes"}))),
+        _ => {}
+    }
+    let Some(offset) = c0.extensions.iter().find_map(|e| match e {
+        Extension::Crypto { offset, .. } => Some(*offset),
+        _ => None,
+    }) else {
+        // Refused by the header's validation before this.
+        return Ok(None);
+    };
+    let raw = read_at_most(f, path, offset, LUKS_HEADER_LEN as u64)?;
+    let l = LuksHeader::decode(&raw, offset).map_err(|e| Error::format(path, e))?;
+    let (ivgen, ivgen_hash) = l.ivgen();
+    let mut m = serde_json::Map::new();
+    m.insert("format".into(), json!("luks"));
+    m.insert("cipher-alg".into(), json!(l.cipher_alg()));
+    m.insert("cipher-mode".into(), json!(l.mode()));
+    m.insert("ivgen-alg".into(), json!(ivgen));
+    if let Some(hash) = ivgen_hash {
+        m.insert("ivgen-hash-alg".into(), json!(hash));
+    }
+    m.insert("hash-alg".into(), json!(l.hash_spec));
+    m.insert("detached-header".into(), json!(false));
+    m.insert("payload-offset".into(), json!(l.payload_offset));
+    m.insert("master-key-iters".into(), json!(l.master_key_iterations));
+    m.insert("uuid".into(), json!(l.uuid));
+    let slots: Vec<serde_json::Value> = l
+        .slots
+        .iter()
+        .map(|s| {
+            let mut o = serde_json::Map::new();
+            o.insert("active".into(), json!(s.active));
+            if s.active {
+                o.insert("iters".into(), json!(s.iterations));
+                o.insert("stripes".into(), json!(s.stripes));
+            }
+            o.insert("key-offset".into(), json!(s.key_offset));
+            serde_json::Value::Object(o)
+        })
+        .collect();
+    m.insert("slots".into(), json!(slots));
+    Ok(Some(serde_json::Value::Object(m)))
 }
 
 /// `info --backing-chain`: the image and every backing file below it, top first.

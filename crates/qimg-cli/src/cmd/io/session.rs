@@ -227,7 +227,7 @@ impl Session {
         self.discard_ignored = spec.discard_ignored;
         let path = Path::new(file);
         // qemu-io's words: the driver without the file's name.
-        let fmt = match crate::chain::format_of(path, file, spec.fmt.as_deref()) {
+        let fmt = match crate::chain::format_of(path, file, spec.fmt.as_deref(), true) {
             Ok(f) => f,
             Err(FormatError::UnknownDriver(name)) => {
                 return fail(format!("Unknown driver '{name}'"));
