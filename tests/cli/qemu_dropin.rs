@@ -4177,3 +4177,71 @@ fn encrypted_images_show_and_refuse_as_qemus_tools_without_a_key() {
     assert!(outs[0].contains("Parameter 'encrypt.key-secret' is required for cipher"));
     assert_eq!(outs[0], outs[1]);
 }
+
+/// A bitmaps extension that autoclear bit 0 does not vouch for (here: a v2 image made by
+/// QEMU's downgrade of an image with a bitmap): every open warns as QEMU's (without a final
+/// newline), a read-write open drops the extension from the header (later opens are quiet,
+/// the clusters stay leaked until `check -r`), and the upgrade back to v3 keeps no bitmap.
+/// Also `bitmap --merge` looking its target up before its source, and the raw-probe warning
+/// of `bitmap` and `rebase` on a raw image, as qemu-img.
+#[test]
+fn unvouched_bitmaps_warn_and_a_writer_drops_them_as_qemu() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("stale-bitmaps");
+    let ours = Ours::new(&s);
+    let prepare: Prep = &[
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "t.qcow2", "4M"],
+        ),
+        ("qemu-io", &["-c", "write -P 3 2M 1M", "t.qcow2"]),
+        ("qemu-img", &["bitmap", "--add", "t.qcow2", "b0"]),
+        ("qemu-img", &["amend", "-o", "compat=0.10", "t.qcow2"]),
+        ("qemu-img", &["create", "-q", "-f", "raw", "r.img", "1M"]),
+        (
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "m.qcow2", "4M"],
+        ),
+        ("qemu-img", &["bitmap", "--add", "m.qcow2", "a"]),
+    ];
+    let steps: Prep = &[
+        ("qemu-img", &["info", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-io", &["-r", "-c", "read -P 3 2M 1M", "t.qcow2"]),
+        ("qemu-img", &["map", "--output=json", "t.qcow2"]),
+        // The writer: warns, then drops the extension.
+        ("qemu-io", &["-c", "read -P 3 2M 1M", "t.qcow2"]),
+        ("qemu-io", &["-c", "read -P 3 2M 1M", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        ("qemu-img", &["amend", "-o", "compat=1.1", "t.qcow2"]),
+        ("qemu-img", &["info", "t.qcow2"]),
+        ("qemu-img", &["check", "-r", "all", "t.qcow2"]),
+        ("qemu-img", &["check", "t.qcow2"]),
+        // Merge: the missing target is named before the missing source.
+        (
+            "qemu-img",
+            &["bitmap", "--merge", "nosrc", "m.qcow2", "nodst"],
+        ),
+        ("qemu-img", &["bitmap", "--merge", "nosrc", "m.qcow2", "a"]),
+        (
+            "qemu-img",
+            &[
+                "bitmap", "--merge", "a", "-b", "m.qcow2", "m.qcow2", "nodst",
+            ],
+        ),
+        // A probed raw image.
+        ("qemu-img", &["rebase", "-b", "x", "r.img"]),
+    ];
+    let outs = side_by_side(&s, &ours, &[], prepare, steps);
+    assert!(
+        outs[0].contains("This qcow2 v2 image contains bitmaps"),
+        "{}",
+        outs[0]
+    );
+    assert!(
+        outs[0].contains("Dirty bitmap 'nodst' not found"),
+        "{}",
+        outs[0]
+    );
+    assert_eq!(outs[0], outs[1]);
+}

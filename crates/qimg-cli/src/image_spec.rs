@@ -227,13 +227,16 @@ pub fn format_for(name: &str) -> Option<String> {
 }
 
 /// QEMU's checks of image `name`'s `encrypt.*` options against the encryption its header
-/// (at `path`) reports, in QEMU's words: a format that differs, an option the format does not
+/// (`c0`) reports, in QEMU's words: a format that differs, an option the format does not
 /// take, and, when the command reads or writes the image (`needs_key`; not `info`), the key
 /// (`encrypt.key-secret` naming a `--object secret`). An image that passes them all is still
 /// refused, in qimg's words: qimg does not decrypt yet. `None` for an unencrypted image without
-/// `encrypt.format`, or a header that cannot be read (the open reports that).
-pub fn encryption_refusal(path: &Path, name: &str, needs_key: bool) -> Option<String> {
-    let c0 = qimg::chain::read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly).ok()?;
+/// `encrypt.format`.
+pub fn encryption_refusal(
+    c0: &qimg::format::cluster0::Cluster0,
+    name: &str,
+    needs_key: bool,
+) -> Option<String> {
     let method = c0.header.crypt_method;
     let opts = overrides(name).map(|o| o.encrypt).unwrap_or_default();
     let get = |key: &str| opts.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);

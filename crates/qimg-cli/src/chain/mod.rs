@@ -66,12 +66,44 @@ pub(crate) fn format_of(
     needs_key: bool,
 ) -> std::result::Result<ImageFormat, FormatError> {
     let format = format_without_key(path, file, named)?;
-    if format == ImageFormat::Qcow2 {
-        if let Some(why) = crate::image_spec::encryption_refusal(path, file, needs_key) {
-            return Err(FormatError::Refused(why));
-        }
+    if format != ImageFormat::Qcow2 {
+        return Ok(format);
     }
-    Ok(format)
+    // A header that cannot be read is left for the open to report.
+    let Ok(c0) = qimg::chain::read_cluster0(path, qimg::format::validate::OpenMode::ReadOnly)
+    else {
+        return Ok(format);
+    };
+    stale_bitmaps_warning(&c0);
+    match crate::image_spec::encryption_refusal(&c0, file, needs_key) {
+        Some(why) => Err(FormatError::Refused(why)),
+        None => Ok(format),
+    }
+}
+
+/// QEMU's warning when it opens a qcow2 image whose bitmaps extension autoclear bit 0 does not
+/// vouch for (a v2 image, or one a writer without bitmap support changed): the bitmaps are
+/// lost and their clusters leaked (a read-write open drops the extension, in the library).
+/// QEMU's text, without a final newline, as QEMU prints it.
+fn stale_bitmaps_warning(c0: &qimg::format::cluster0::Cluster0) {
+    let h = &c0.header;
+    let vouched =
+        h.version >= 3 && h.autoclear_features & qimg::format::features::AUTOCLEAR_BITMAPS != 0;
+    if c0.bitmaps().is_none() || vouched {
+        return;
+    }
+    let program = crate::status::program();
+    let what = if h.version < 3 {
+        "This qcow2 v2 image contains bitmaps, but they may have been modified by a program \
+         without persistent bitmap support; so now they must all be considered inconsistent"
+    } else {
+        "a program lacking bitmap support modified this file, so all bitmaps are now \
+         considered inconsistent"
+    };
+    eprint!(
+        "{program}: warning: {what}\nSome clusters may be leaked, run 'qemu-img check -r' on \
+         the image file to fix."
+    );
 }
 
 /// [`format_of`] before the encryption checks.

@@ -206,6 +206,9 @@ fn run(args: BitmapArgs) -> Result<()> {
             anyhow!("Operation {} on bitmap {name} failed: {msg}", action.word())
         };
         if format != ImageFormat::Qcow2 {
+            if let Some(warning) = crate::chain::raw_probe_warning(file, p.fmt.as_deref(), format) {
+                eprintln!("{warning}");
+            }
             let action = &p.actions[0];
             return Err(failed(
                 action,
@@ -230,9 +233,13 @@ fn run(args: BitmapArgs) -> Result<()> {
                 Action::Clear => img.clear_bitmap(name),
                 Action::Enable => img.enable_bitmap(name, true),
                 Action::Disable => img.enable_bitmap(name, false),
+                // As QEMU: the source file opens, then the target is looked up, then the
+                // source bitmap.
                 Action::Merge(source) => match merge_source(&p, &img, source).await {
-                    Ok(Ok(bits)) => img.merge_bitmap(name, &bits),
-                    Ok(Err(e)) => Err(e),
+                    Ok(bits) => img
+                        .bitmap(name)
+                        .and(bits)
+                        .and_then(|bits| img.merge_bitmap(name, &bits)),
                     // The source file did not open: qemu-img's open error, as is.
                     Err(e) => {
                         result = Err(e);
@@ -261,7 +268,7 @@ fn bitmap_msg(e: &qimg::Error) -> String {
 }
 
 /// The bits to merge: bitmap `source` of `-b FILE` (opened read-only), or of the image.
-/// The outer error is the source file's failure to open.
+/// The outer error is the source file's failure to open, the inner one the bitmap's.
 async fn merge_source(
     p: &Parsed,
     img: &qimg::Image<qimg::io::AnyStorage>,

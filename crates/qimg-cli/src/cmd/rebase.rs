@@ -85,6 +85,9 @@ pub fn run(args: RebaseArgs) -> Result<()> {
         if !path.exists() {
             bail!("Could not open '{file}': Could not open '{file}': No such file or directory");
         }
+        if let Some(warning) = crate::chain::raw_probe_warning(&file, args.fmt.as_deref(), fmt) {
+            eprintln!("{warning}");
+        }
         // A safe rebase opens the new backing file first (QEMU's order).
         if let (Some(n), false) = (new, args.unsafe_mode) {
             if !resolve_backing(path, n).exists() {

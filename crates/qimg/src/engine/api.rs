@@ -159,6 +159,11 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.bitmap_list()
     }
 
+    /// Persistent dirty bitmap `name`, or QEMU's refusal ("Dirty bitmap 'NAME' not found").
+    pub fn bitmap(&self, name: &str) -> Result<BitmapInfo> {
+        self.inner.bitmap_info(name)
+    }
+
     /// Adds an empty persistent bitmap (`qemu-img bitmap --add`): `granularity` (a power of
     /// two, 512 bytes to 2 GiB) defaults to the cluster size within 4 to 64 KiB, as QEMU's;
     /// `enabled` records every write from now on. It reaches the file when the image is

@@ -495,6 +495,14 @@ impl<S: Storage> Inner<S> {
                 .map_err(|e| self.shared.storage_error(e))?;
             self.shared.flush_file().await?;
         }
+        if bitmaps.is_some() && !loaded {
+            // A bitmaps extension that autoclear bit 0 does not vouch for (a v2 image, or a
+            // writer without bitmap support cleared the bit): its bitmaps are lost, and the
+            // header drops it as QEMU's read-write open does (their clusters stay leaked
+            // until `check -r`).
+            drop(m);
+            self.point_header_at_directory(None, 0).await?;
+        }
         Ok(())
     }
 }

@@ -396,7 +396,11 @@ impl<S: Storage> Inner<S> {
     /// Rewrites the header cluster so that its bitmaps extension names the directory at
     /// `dir` (`(offset, size)`, `nb` bitmaps) with autoclear bit 0 set, or drops the
     /// extension and the bit (`None`), and makes it durable.
-    async fn point_header_at_directory(&self, dir: Option<(u64, u64)>, nb: u32) -> Result<()> {
+    pub(crate) async fn point_header_at_directory(
+        &self,
+        dir: Option<(u64, u64)>,
+        nb: u32,
+    ) -> Result<()> {
         let mut c0 = crate::engine::open::read_cluster0(
             &self.shared.file,
             &self.shared.path,
@@ -423,6 +427,12 @@ impl<S: Storage> Inner<S> {
     pub(crate) fn bitmap_list(&self) -> Vec<BitmapInfo> {
         let state = self.shared.bitmaps.read();
         state.list.iter().map(Bitmap::info).collect()
+    }
+
+    /// Bitmap `name`, or QEMU's "not found" refusal.
+    pub(crate) fn bitmap_info(&self, name: &str) -> Result<BitmapInfo> {
+        let state = self.shared.bitmaps.read();
+        Ok(state.list[state.index(name)?].info())
     }
 
     /// Runs `change` on the consistent bitmap `name` of an image opened for writing.
