@@ -324,7 +324,7 @@ fn encryption_refusal(given: &Given) -> Option<String> {
     }
     match given.get("encrypt.key-secret") {
         None => Some("Parameter 'encrypt.key-secret' is required for cipher".into()),
-        Some(id) if !crate::image_spec::has_secret(id) => Some(format!("No secret with id '{id}'")),
+        Some(id) if !crate::encryption::has_secret(id) => Some(format!("No secret with id '{id}'")),
         Some(_) => Some(format!(
             "qimg does not create encrypted images (encrypt.format={format})"
         )),

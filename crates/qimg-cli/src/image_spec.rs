@@ -25,31 +25,12 @@ struct Overrides {
     no_backing: bool,
     /// `data-file`: the external data file, instead of the one the image names.
     data_file: Option<String>,
-    /// `encrypt.*` options (the key without its prefix): checked against the image's
-    /// encryption by [`encryption_refusal`].
-    encrypt: Vec<(String, String)>,
 }
 
 static OVERRIDES: Mutex<Vec<(String, Overrides)>> = Mutex::new(Vec::new());
 
 /// `--object tls-creds-x509` objects: `(id, directory, client endpoint)`.
 static TLS_CREDS: Mutex<Vec<(String, String, bool)>> = Mutex::new(Vec::new());
-
-/// `--object secret` ids (their data is checked when the object is made; qimg does not
-/// decrypt images yet, so only their presence is used, by [`encryption_refusal`]).
-static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-/// Records a `secret` object's id.
-pub fn add_secret(id: &str) {
-    let mut all = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
-    all.push(id.to_string());
-}
-
-/// Whether a `secret` object with id `id` was given.
-pub fn has_secret(id: &str) -> bool {
-    let all = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
-    all.iter().any(|s| s == id)
-}
 
 /// Records a `tls-creds-x509` object (its credentials directory) for `tls-creds=ID`.
 pub fn add_tls_creds(id: &str, dir: &str, client: bool) {
@@ -224,58 +205,6 @@ pub async fn open_writable(
 /// The format an option string or `json:` name gave the image the user named `name`.
 pub fn format_for(name: &str) -> Option<String> {
     overrides(name).and_then(|o| o.format)
-}
-
-/// QEMU's checks of image `name`'s `encrypt.*` options against the encryption its header
-/// (`c0`) reports, in QEMU's words: a format that differs, an option the format does not
-/// take, and, when the command reads or writes the image (`needs_key`; not `info`), the key
-/// (`encrypt.key-secret` naming a `--object secret`). An image that passes them all is still
-/// refused, in qimg's words: qimg does not decrypt yet. `None` for an unencrypted image without
-/// `encrypt.format`.
-pub fn encryption_refusal(
-    c0: &qimg::format::cluster0::Cluster0,
-    name: &str,
-    needs_key: bool,
-) -> Option<String> {
-    let method = c0.header.crypt_method;
-    let opts = overrides(name).map(|o| o.encrypt).unwrap_or_default();
-    let get = |key: &str| opts.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
-    let header = match method {
-        0 => None,
-        1 => Some("aes"),
-        _ => Some("luks"),
-    };
-    match (header, get("format")) {
-        (None, Some(f)) => {
-            return Some(format!(
-                "No encryption in image header, but options specified format '{f}'"
-            ));
-        }
-        (Some(h), Some(f)) if h != f => {
-            return Some(format!(
-                "Header reported '{h}' encryption format but options specify '{f}'"
-            ));
-        }
-        (None, None) => return None,
-        _ => {}
-    }
-    if let Some((k, _)) = opts
-        .iter()
-        .find(|(k, _)| k != "format" && k != "key-secret")
-    {
-        return Some(format!("Parameter '{k}' is unexpected"));
-    }
-    if !needs_key {
-        return None;
-    }
-    match get("key-secret") {
-        None => Some("Parameter 'encrypt.key-secret' is required for cipher".into()),
-        Some(id) if !has_secret(id) => Some(format!("No secret with id '{id}'")),
-        Some(_) => Some(format!(
-            "qimg cannot decrypt {} images yet (crypt_method {method} at offset 32)",
-            header.unwrap_or("encrypted").to_uppercase()
-        )),
-    }
 }
 
 /// Runtime options that do not change what a command prints or writes.
@@ -453,14 +382,7 @@ pub fn open_options(
         .cloned()
         .or_else(|| operand.map(|p| p.display().to_string()));
     if let (false, Some(image)) = (encrypt.is_empty(), image) {
-        // Checked against the image when it opens (`encryption_refusal`).
-        OVERRIDES.lock().unwrap_or_else(|e| e.into_inner()).push((
-            image,
-            Overrides {
-                encrypt,
-                ..Overrides::default()
-            },
-        ));
+        crate::encryption::remember_options(&image, encrypt);
     }
     let read_only = get("read-only").map(|v| v == "on" || v == "true");
     Ok((name.cloned(), driver, read_only))
@@ -576,6 +498,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
     let owned = |key: &str| get(key).cloned();
     let driver = get("driver").map(String::as_str).unwrap_or("");
     let mut ov = Overrides::default();
+    let mut encrypt = Vec::new();
     let mut nbd_keys = Vec::new();
     let mut nbd = |prefix: &str| -> Result<Option<String>, String> {
         let (name, used) = nbd_name(&owned, prefix)?;
@@ -673,8 +596,7 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             }
             "data-file" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             k if k.starts_with("encrypt.") && matches!(driver, "qcow2" | "") => {
-                ov.encrypt
-                    .push((k["encrypt.".len()..].to_string(), v.clone()));
+                encrypt.push((k["encrypt.".len()..].to_string(), v.clone()));
             }
             "data-file.filename" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             "data-file.driver" if driver == "qcow2" && v == "file" => {}
@@ -695,6 +617,9 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
         return Err("Parameter 'driver' is required".into());
     }
     let name = name.ok_or_else(|| "A block device must be specified for \"file\"".to_string())?;
+    if !encrypt.is_empty() {
+        crate::encryption::remember_options(&name, encrypt);
+    }
     Ok((name, ov))
 }
 

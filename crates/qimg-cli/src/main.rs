@@ -16,6 +16,7 @@ mod cache_mode;
 mod chain;
 mod cmd;
 mod create_opts;
+mod encryption;
 mod human;
 mod image_spec;
 mod option_string;
@@ -263,7 +264,7 @@ fn check_object(value: &str) -> Result<(), String> {
             .map_err(|e| format!("Unable to read {f}: {}", status::os_msg(&e))),
         (Some(_), None) => Ok(()),
     }?;
-    image_spec::add_secret(get("id").unwrap_or_default());
+    encryption::add_secret(get("id").unwrap_or_default());
     Ok(())
 }
 

@@ -57,7 +57,7 @@ pub(crate) enum FormatError {
 /// `json:` or `--image-opts` name gives, else the probed one. The one rule every command
 /// uses; each words the failure its tool's way ([`source_format`] as qemu-img does). A qcow2
 /// image's `encrypt.*` options are checked here too
-/// ([`encryption_refusal`](crate::image_spec::encryption_refusal)); `needs_key` is false
+/// ([`encryption_refusal`](crate::encryption::encryption_refusal)); `needs_key` is false
 /// only for `info`, which QEMU lets show an encrypted image without its key.
 pub(crate) fn format_of(
     path: &Path,
@@ -75,7 +75,7 @@ pub(crate) fn format_of(
         return Ok(format);
     };
     stale_bitmaps_warning(&c0);
-    match crate::image_spec::encryption_refusal(&c0, file, needs_key) {
+    match crate::encryption::encryption_refusal(&c0, file, needs_key) {
         Some(why) => Err(FormatError::Refused(why)),
         None => Ok(format),
     }

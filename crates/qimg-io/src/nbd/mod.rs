@@ -19,9 +19,7 @@
 //! CLI also makes of QEMU's `tls-creds=` option ([`NbdTls`]). Requests run inline on the
 //! calling thread, as the file backend's default strategy does.
 
-use std::io::{self, IoSlice, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
+use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, TryLockError, Weak};
 
@@ -47,8 +45,8 @@ const MAX_REQUEST: u64 = 32 << 20;
 pub const MAX_CONNECTIONS: usize = 4;
 
 mod address;
+mod conn;
 mod handshake;
-mod reply;
 
 mod stream;
 
@@ -56,35 +54,12 @@ mod stream;
 mod tls;
 mod wire;
 
+use conn::*;
 use handshake::*;
-use reply::*;
 use wire::*;
 
 pub use address::{NbdAddress, NbdServer, NbdTls, is_nbd_name};
 use stream::Stream;
-
-/// The connection and the next request's cookie.
-struct Conn {
-    stream: Stream,
-    cookie: u64,
-    /// Structured replies were negotiated.
-    structured: bool,
-    /// The metadata contexts the server agreed to, `(name, id)`: `base:allocation` when it
-    /// offers it, and those asked for by [`NbdStorage::connect_with`].
-    contexts: Vec<(String, u32)>,
-    /// A reply went wrong: the stream is out of step and takes no more requests.
-    broken: bool,
-}
-
-impl Conn {
-    /// The id the server gave metadata context `name` on this connection.
-    fn context_id(&self, name: &str) -> Option<u32> {
-        self.contexts
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|&(_, id)| id)
-    }
-}
 
 /// What opening another connection needs, kept when the server offers multi-conn.
 struct Growth {
@@ -93,23 +68,6 @@ struct Growth {
     contexts: Vec<String>,
     /// Opening one failed (or it disagreed with the first): no more are tried.
     failed: bool,
-}
-
-/// The first connection's answers, which every other connection must repeat.
-struct Opened {
-    conn: Conn,
-    size: u64,
-    flags: u16,
-}
-
-/// One request's header fields.
-#[derive(Clone, Copy)]
-struct Req {
-    op: Op,
-    cmd: u16,
-    flags: u16,
-    offset: u64,
-    len: u64,
 }
 
 /// An NBD export as [`Storage`]; see the [module docs](self).
@@ -601,133 +559,10 @@ impl Storage for NbdStorage {
     }
 }
 
-/// Sends request `req` (with `data` for a write) on connection `c` and reads its reply (into
-/// `out` for a read; block status descriptors handed to `status`).
-fn exchange_on(
-    c: &mut Conn,
-    req: Req,
-    data: &[IoSlice<'_>],
-    out: Option<&mut [u8]>,
-    status: &mut dyn FnMut(u32, u32, u32),
-) -> Result<()> {
-    let Req {
-        op,
-        cmd,
-        flags,
-        offset,
-        len,
-    } = req;
-    let err = |source: io::Error| StorageError::Io {
-        op,
-        offset,
-        len,
-        source,
-    };
-    if c.broken {
-        return Err(err(io::Error::new(
-            io::ErrorKind::BrokenPipe,
-            "the NBD connection failed earlier",
-        )));
-    }
-    let cookie = c.cookie;
-    c.cookie += 1;
-    let mut head = [0u8; 28];
-    head[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
-    head[4..6].copy_from_slice(&flags.to_be_bytes());
-    head[6..8].copy_from_slice(&cmd.to_be_bytes());
-    head[8..16].copy_from_slice(&cookie.to_be_bytes());
-    head[16..24].copy_from_slice(&offset.to_be_bytes());
-    head[24..28].copy_from_slice(&(len as u32).to_be_bytes());
-    let r = (|| -> io::Result<Option<i32>> {
-        c.stream.write_all(&head)?;
-        for d in data {
-            c.stream.write_all(d)?;
-        }
-        c.stream.flush()?;
-        if cmd == CMD_DISC {
-            return Ok(None);
-        }
-        read_reply(c, cookie, offset, out, status)
-    })();
-    match r {
-        Ok(None) => Ok(()),
-        Ok(Some(errno)) => Err(err(io::Error::from_raw_os_error(errno))),
-        Err(e) => {
-            c.broken = true;
-            Err(err(e))
-        }
-    }
-}
-
-/// The disconnect request (`NBD_CMD_DISC`): no reply comes.
-const DISCONNECT: Req = Req {
-    op: Op::Flush,
-    cmd: CMD_DISC,
-    flags: 0,
-    offset: 0,
-    len: 0,
-};
-
-/// The names of the metadata contexts connection `c` agreed to, sorted.
-fn context_names(c: &Conn) -> Vec<String> {
-    let mut names: Vec<String> = c.contexts.iter().map(|(n, _)| n.clone()).collect();
-    names.sort();
-    names
-}
-
 /// An open failure of `name`.
 fn open_error(name: &str, source: io::Error) -> StorageError {
     StorageError::Open {
         path: name.into(),
         source,
     }
-}
-
-/// Opens one connection to `addr` (TLS when it says so) and negotiates the export, asking
-/// for the metadata `contexts` beside `base:allocation`.
-fn open_conn(addr: &NbdAddress, contexts: &[&str]) -> io::Result<Opened> {
-    let mut stream = match &addr.server {
-        NbdServer::Tcp(host, port) => {
-            let s = TcpStream::connect((host.as_str(), *port)).map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("Failed to connect to '{host}:{port}': {}", os_text(&e)),
-                )
-            })?;
-            let _ = s.set_nodelay(true);
-            Stream::Tcp(s)
-        }
-        NbdServer::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("Failed to connect to '{path}': {}", os_text(&e)),
-            )
-        })?),
-    };
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let no_zeroes = greet(&mut stream)?;
-    let mut stream = match &addr.tls {
-        None => stream,
-        Some(tls) => {
-            let host = match &addr.server {
-                NbdServer::Tcp(host, _) => Some(host.as_str()),
-                NbdServer::Unix(_) => None,
-            };
-            start_tls(stream, tls, host)?
-        }
-    };
-    let (size, flags, structured, agreed) =
-        handshake(&mut stream, no_zeroes, &addr.export, contexts)?;
-    stream.set_read_timeout(None);
-    Ok(Opened {
-        conn: Conn {
-            stream,
-            cookie: 1,
-            structured,
-            contexts: agreed,
-            broken: false,
-        },
-        size,
-        flags,
-    })
 }
