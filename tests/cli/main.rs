@@ -13,6 +13,7 @@ mod compare_measure;
 mod convert_interop;
 mod corruption_parity;
 mod create_refusals;
+mod encryption;
 mod image_locks;
 mod interop_create;
 mod interop_info;

@@ -37,12 +37,11 @@ pub fn raw_like(fmt: &str) -> bool {
 /// not implement (encryption, btrfs's `nocow`).
 pub fn takes(fmt: &str, key: &str) -> bool {
     let own = if raw_like(fmt) { RAW_HELP } else { QCOW2_HELP };
-    let implemented = !(key.starts_with("encrypt") || key == "nocow");
+    let implemented = key != "nocow";
     implemented && own.iter().chain(FILE_HELP).any(|o| o.0 == key)
 }
 
-/// qcow2's creation options as QEMU 10 lists them for `-o help` (the encryption options
-/// included: QEMU names them; qimg refuses them when given).
+/// qcow2's creation options as QEMU 10 lists them for `-o help`.
 const QCOW2_HELP: &[(&str, &str, &str)] = &[
     ("backing_file", "<str>", "File name of a base image"),
     ("backing_fmt", "<str>", "Image format of the base image"),
@@ -276,8 +275,9 @@ pub fn apply(
         }
         given.pairs.push((k.to_string(), v.to_string()));
     }
-    if let Some(why) = encryption_refusal(given) {
-        refuse(given, why, "(qimg does not create encrypted images)");
+    match encryption(given) {
+        Ok(e) => opts.encryption = e,
+        Err(why) => refuse(given, why, ""),
     }
     Ok(())
 }
@@ -295,15 +295,19 @@ const ENCRYPTION: [&str; 9] = [
     "encrypt.iter-time",
 ];
 
-/// Why an image with the encryption options of `given` is not made: QEMU's refusals (no
-/// format, no secret, an unknown secret), then qimg's own (it does not encrypt).
-fn encryption_refusal(given: &Given) -> Option<String> {
+/// The encryption the options of `given` ask for (LUKS, keyed with the `--object secret`
+/// `encrypt.key-secret` names), or QEMU's refusal (no format, no secret, an unknown secret, a
+/// value the option does not take), or qimg's (the legacy AES format, a cipher or mode qimg
+/// does not implement).
+fn encryption(
+    given: &Given,
+) -> std::result::Result<Option<qimg::tools::create::Encryption>, String> {
     let any = given
         .pairs
         .iter()
         .any(|(k, _)| ENCRYPTION.contains(&k.as_str()));
     if !any {
-        return None;
+        return Ok(None);
     }
     let legacy = given
         .get("encryption")
@@ -313,22 +317,135 @@ fn encryption_refusal(given: &Given) -> Option<String> {
         let others = given.pairs.iter().any(|(k, _)| k.starts_with("encrypt."));
         if !others {
             // `encryption=off` and no `encrypt.` option: no encryption.
-            return None;
+            return Ok(None);
         }
-        return Some("Parameter 'encrypt.format' is missing".into());
+        return Err("Parameter 'encrypt.format' is missing".into());
     };
     if !matches!(format, "luks" | "aes") {
-        return Some(format!(
+        return Err(format!(
             "Parameter 'format' does not accept value '{format}'"
         ));
     }
-    match given.get("encrypt.key-secret") {
-        None => Some("Parameter 'encrypt.key-secret' is required for cipher".into()),
-        Some(id) if !crate::encryption::has_secret(id) => Some(format!("No secret with id '{id}'")),
-        Some(_) => Some(format!(
-            "qimg does not create encrypted images (encrypt.format={format})"
-        )),
+    let passphrase = match given.get("encrypt.key-secret") {
+        None => return Err("Parameter 'encrypt.key-secret' is required for cipher".into()),
+        Some(id) => {
+            crate::encryption::secret(id).ok_or_else(|| format!("No secret with id '{id}'"))?
+        }
+    };
+    if format == "aes" {
+        return Err("qimg does not create AES-CBC encrypted images (encrypt.format=aes); use encrypt.format=luks".into());
     }
+    let params = luks_params(&|k| given.get(k).map(str::to_string))?;
+    Ok(Some(qimg::tools::create::Encryption { params, passphrase }))
+}
+
+/// The LUKS parameters the `encrypt.*` options (`get`, by full key) ask for, checked as QEMU
+/// checks them (its words), then against what qimg implements (its own words).
+pub fn luks_params(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> std::result::Result<qimg::crypto::LuksParams, String> {
+    // QEMU's value checks, then what qimg implements.
+    let choice = |key: &str, default: &str, qemu: &[&str], ours: &[&str]| {
+        let v = get(&format!("encrypt.{key}")).unwrap_or_else(|| default.to_string());
+        if !qemu.contains(&v.as_str()) {
+            return Err(format!("Parameter '{key}' does not accept value '{v}'"));
+        }
+        if !ours.contains(&v.as_str()) {
+            return Err(format!("qimg does not encrypt with {key} '{v}'"));
+        }
+        Ok(v)
+    };
+    const CIPHERS: &[&str] = &[
+        "aes-128",
+        "aes-192",
+        "aes-256",
+        "des",
+        "3des",
+        "cast5-128",
+        "serpent-128",
+        "serpent-192",
+        "serpent-256",
+        "twofish-128",
+        "twofish-192",
+        "twofish-256",
+        "sm4",
+    ];
+    const HASHES: &[&str] = &[
+        "md5",
+        "sha1",
+        "sha224",
+        "sha256",
+        "sha384",
+        "sha512",
+        "ripemd160",
+        "sm3",
+    ];
+    let cipher_alg = choice(
+        "cipher-alg",
+        "aes-256",
+        CIPHERS,
+        &["aes-128", "aes-192", "aes-256"],
+    )?;
+    let cipher_mode = choice(
+        "cipher-mode",
+        "xts",
+        &["ecb", "cbc", "xts", "ctr"],
+        &["cbc", "xts"],
+    )?;
+    let ivgen_alg = choice(
+        "ivgen-alg",
+        "plain64",
+        &["plain", "plain64", "essiv"],
+        &["plain", "plain64", "essiv"],
+    )?;
+    let ivgen_hash = match ivgen_alg.as_str() {
+        "essiv" => {
+            let h = get("encrypt.ivgen-hash-alg").unwrap_or_else(|| "sha256".into());
+            let h = h.as_str();
+            if !HASHES.contains(&h) {
+                return Err(format!(
+                    "Parameter 'ivgen-hash-alg' does not accept value '{h}'"
+                ));
+            }
+            // ESSIV keys AES with the digest: its length must be an AES key's.
+            let len = match h {
+                "md5" => 16,
+                "sha1" | "ripemd160" => 20,
+                "sha224" => 28,
+                "sha384" => 48,
+                "sha512" => 64,
+                _ => 32,
+            };
+            if !matches!(len, 16 | 24 | 32) {
+                return Err(format!("No AES cipher with key size {len} available"));
+            }
+            if h != "sha256" {
+                return Err(format!("qimg does not encrypt with ivgen-hash-alg '{h}'"));
+            }
+            Some(h.to_string())
+        }
+        _ => None,
+    };
+    let hash_alg = choice(
+        "hash-alg",
+        "sha256",
+        HASHES,
+        &["sha1", "sha224", "sha256", "sha384", "sha512"],
+    )?;
+    let iter_time = match get("encrypt.iter-time") {
+        None => 2000,
+        Some(v) => v
+            .parse::<u64>()
+            .map_err(|_| "Parameter 'encrypt.iter-time' expects a number".to_string())?,
+    };
+    Ok(qimg::crypto::LuksParams {
+        cipher_alg,
+        cipher_mode,
+        ivgen_alg,
+        ivgen_hash_alg: ivgen_hash,
+        hash_alg,
+        iter_time_ms: iter_time,
+    })
 }
 
 /// The `Formatting '...', fmt=...` line qemu-img prints, in its field order.

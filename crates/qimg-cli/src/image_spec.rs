@@ -177,6 +177,9 @@ pub fn options_for(path: &Path) -> OpenOptions {
             o = o.data_file(d);
         }
     }
+    if let Some(key) = path.to_str().and_then(crate::encryption::key_for) {
+        o = o.encryption_key(key);
+    }
     o
 }
 

@@ -256,15 +256,29 @@ fn check_object(value: &str) -> Result<(), String> {
     if get("id").is_none() {
         return Err("Parameter 'id' is missing".into());
     }
-    match (get("data"), get("file")) {
-        (None, None) => Err("Either 'file' or 'data' must be provided".into()),
+    let raw = match (get("data"), get("file")) {
+        (None, None) => Err("Either 'file' or 'data' must be provided".to_string()),
         (Some(_), Some(_)) => Err("'data' and 'file' are mutually exclusive".into()),
-        (None, Some(f)) => std::fs::read(f)
-            .map(drop)
-            .map_err(|e| format!("Unable to read {f}: {}", status::os_msg(&e))),
-        (Some(_), None) => Ok(()),
+        (None, Some(f)) => {
+            std::fs::read(f).map_err(|e| format!("Unable to read {f}: {}", status::os_msg(&e)))
+        }
+        (Some(d), None) => Ok(d.as_bytes().to_vec()),
     }?;
-    encryption::add_secret(get("id").unwrap_or_default());
+    if get("keyid").is_some() || get("iv").is_some() {
+        return Err(
+            "qimg does not support secrets encrypted with another secret (keyid, iv)".into(),
+        );
+    }
+    let data = match get("format").unwrap_or("raw") {
+        "raw" => raw,
+        "base64" => encryption::base64_decode(&raw).ok_or("Unable to decode base64 data")?,
+        other => {
+            return Err(format!(
+                "Parameter 'format' does not accept value '{other}'"
+            ));
+        }
+    };
+    encryption::add_secret(get("id").unwrap_or_default(), data);
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! The LUKS (version 1) header that a LUKS-encrypted qcow2 image (`crypt_method` 2) keeps in
 //! the clusters its full disk encryption header extension (0x0537BE77) names: decoded for
 //! `info`, which shows it as QEMU does (`encrypt:` with the cipher, hash, key slots and
-//! payload offset). qimg does not decrypt; nothing here needs a key.
+//! payload offset), and encoded for a new image. Only bytes here: the key derivation and the
+//! ciphers are `qimg::crypto`'s.
 //!
 //! Layout (all integers big-endian): magic `LUKS\xba\xbe` (6 bytes), version (u16, 1), cipher
 //! name (32 bytes, NUL padded), cipher mode (32), hash spec (32), payload offset (u32,
@@ -33,6 +34,8 @@ pub struct LuksSlot {
     pub active: bool,
     /// PBKDF2 iterations of its passphrase.
     pub iterations: u32,
+    /// The PBKDF2 salt of its passphrase.
+    pub salt: [u8; 32],
     /// Where its key material starts, in bytes from the header's start.
     pub key_offset: u64,
     /// The anti-forensic stripes of its key material.
@@ -52,6 +55,10 @@ pub struct LuksHeader {
     pub payload_offset: u64,
     /// The master key's length in bytes.
     pub key_bytes: u32,
+    /// The master key's PBKDF2 digest (what a candidate key must hash to).
+    pub master_key_digest: [u8; 20],
+    /// Its salt.
+    pub master_key_salt: [u8; 32],
     /// PBKDF2 iterations of the master key digest.
     pub master_key_iterations: u32,
     /// The volume's UUID.
@@ -68,6 +75,18 @@ fn text(b: &[u8]) -> String {
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn array<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    out.copy_from_slice(&b[at..at + N]);
+    out
+}
+
+/// `text` into a NUL-padded field (cut to leave one NUL).
+fn put_text(field: &mut [u8], text: &str) {
+    let n = text.len().min(field.len() - 1);
+    field[..n].copy_from_slice(&text.as_bytes()[..n]);
 }
 
 impl LuksHeader {
@@ -115,6 +134,7 @@ impl LuksHeader {
                 Ok(LuksSlot {
                     active: active == SLOT_ACTIVE,
                     iterations: u32_at(bytes, at + 4),
+                    salt: array(bytes, at + 8),
                     key_offset: u64::from(u32_at(bytes, at + 40)) * SECTOR,
                     stripes: u32_at(bytes, at + 44),
                 })
@@ -126,10 +146,42 @@ impl LuksHeader {
             hash_spec: text(&bytes[72..104]),
             payload_offset: u64::from(u32_at(bytes, 104)) * SECTOR,
             key_bytes: u32_at(bytes, 108),
+            master_key_digest: array(bytes, 112),
+            master_key_salt: array(bytes, 132),
             master_key_iterations: u32_at(bytes, 164),
             uuid: text(&bytes[168..208]),
             slots,
         })
+    }
+
+    /// The header's bytes ([`decode`](Self::decode)'s inverse; offsets must be whole sectors).
+    pub fn encode(&self) -> [u8; LUKS_HEADER_LEN] {
+        let mut b = [0u8; LUKS_HEADER_LEN];
+        b[..6].copy_from_slice(&LUKS_MAGIC);
+        b[6..8].copy_from_slice(&1u16.to_be_bytes());
+        put_text(&mut b[8..40], &self.cipher_name);
+        put_text(&mut b[40..72], &self.cipher_mode);
+        put_text(&mut b[72..104], &self.hash_spec);
+        b[104..108].copy_from_slice(&((self.payload_offset / SECTOR) as u32).to_be_bytes());
+        b[108..112].copy_from_slice(&self.key_bytes.to_be_bytes());
+        b[112..132].copy_from_slice(&self.master_key_digest);
+        b[132..164].copy_from_slice(&self.master_key_salt);
+        b[164..168].copy_from_slice(&self.master_key_iterations.to_be_bytes());
+        put_text(&mut b[168..208], &self.uuid);
+        for (i, slot) in self.slots.iter().take(8).enumerate() {
+            let at = 208 + i * 48;
+            let state = if slot.active {
+                SLOT_ACTIVE
+            } else {
+                SLOT_INACTIVE
+            };
+            b[at..at + 4].copy_from_slice(&state.to_be_bytes());
+            b[at + 4..at + 8].copy_from_slice(&slot.iterations.to_be_bytes());
+            b[at + 8..at + 40].copy_from_slice(&slot.salt);
+            b[at + 40..at + 44].copy_from_slice(&((slot.key_offset / SECTOR) as u32).to_be_bytes());
+            b[at + 44..at + 48].copy_from_slice(&slot.stripes.to_be_bytes());
+        }
+        b
     }
 
     /// The cipher as QEMU names it (`aes-256`): the name and the key size in bits, the key
@@ -192,6 +244,7 @@ mod tests {
         assert_eq!(h.uuid, "abcd");
         assert!(h.slots[0].active && !h.slots[1].active);
         assert_eq!(h.slots[1].key_offset, 512 * 512);
+        assert_eq!(h.encode().to_vec(), header());
     }
 
     #[test]

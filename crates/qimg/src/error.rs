@@ -40,16 +40,29 @@ pub enum Error {
         /// The missing feature.
         what: String,
     },
-    /// The image is encrypted (`crypt_method` 1, AES, or 2, LUKS, at header offset 32): qimg
-    /// shows it (`info`) but does not decrypt it yet, so it opens no such image.
+    /// The image is encrypted (`crypt_method` 1, AES, or 2, LUKS, at header offset 32) and
+    /// cannot be opened: no passphrase was given
+    /// ([`OpenOptions::encryption_key`](crate::OpenOptions::encryption_key)), or it is the
+    /// legacy AES method, which qimg does not decrypt.
     #[error(
-        "{path}: encrypted images (crypt_method {method} at offset 32) cannot be opened: qimg does not decrypt yet"
+        "{path}: encrypted image (crypt_method {method} at offset 32): {}",
+        if *method == 2 { "no passphrase was given" } else { "qimg does not decrypt AES-CBC (crypt_method 1) images" }
     )]
     Encrypted {
         /// The image file.
         path: PathBuf,
         /// `crypt_method`.
         method: u32,
+    },
+    /// A LUKS header that does not open: a wrong passphrase (QEMU's "Invalid password,
+    /// cannot unlock any keyslot"), an algorithm qimg lacks, or a damaged header.
+    #[error("{path}: {source}")]
+    Crypto {
+        /// The image file.
+        path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: crate::crypto::CryptoError,
     },
     /// A storage operation of the engine failed.
     #[error("{path}: {source}")]
@@ -195,6 +208,7 @@ impl Error {
                 io::ErrorKind::InvalidInput
             }
             Self::Unsupported { .. } | Self::Encrypted { .. } => io::ErrorKind::Unsupported,
+            Self::Crypto { .. } => io::ErrorKind::PermissionDenied,
             Self::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
             Self::SnapshotNotFound { .. } => io::ErrorKind::NotFound,
             Self::Halted { .. } => io::ErrorKind::Other,
@@ -228,6 +242,7 @@ impl Error {
                 libc_errno::EINVAL
             }
             Self::Unsupported { .. } | Self::Encrypted { .. } => libc_errno::ENOTSUP,
+            Self::Crypto { .. } => libc_errno::EPERM,
             Self::SnapshotNotFound { .. } => libc_errno::ENOENT,
             Self::Unusable { .. } => libc_errno::ENOMEDIUM,
             _ => libc_errno::EIO,

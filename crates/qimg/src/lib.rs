@@ -146,6 +146,7 @@
 
 pub mod block_status;
 pub mod chain;
+pub mod crypto;
 pub mod engine;
 pub mod error;
 mod probe;

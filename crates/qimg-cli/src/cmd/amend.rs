@@ -66,7 +66,8 @@ const AMEND_OPTIONS: &[(&str, &str, &str)] = &[
 ];
 
 /// The LUKS keyslot options QEMU lists among amend's (between `data_file_raw` and
-/// `lazy_refcounts`); qimg has no encrypted images to amend, and refuses them.
+/// `lazy_refcounts`); qimg does not change an image's encryption (key slots), and refuses
+/// these.
 const AMEND_ENCRYPT_HELP: &[(&str, &str, &str)] = &[
     (
         "encrypt.iter-time",

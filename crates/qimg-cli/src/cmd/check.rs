@@ -76,6 +76,19 @@ pub fn run(args: CheckArgs) -> ExitCode {
     if fmt == ImageFormat::Raw {
         return fail("This image format does not support checks", 63);
     }
+    // An encrypted image opens with its passphrase first, as QEMU's check does: a wrong one
+    // stops the check (the engine's open tries the key slots; its other complaints are the
+    // check's to report).
+    if let Some(e) = wrong_passphrase(path) {
+        return fail(
+            format!(
+                "Could not open '{}': {}",
+                crate::status::typed_name(&file).unwrap_or_else(|| file.clone()),
+                crate::status::lib_msg(&e, &file)
+            ),
+            1,
+        );
+    }
     // QEMU opens the whole chain to check the top: a backing file that does not open stops
     // the check (other open errors are the check's to report).
     if let Err(e) = backing_chain_opens(path) {
@@ -248,4 +261,24 @@ fn backing_chain_opens(path: &Path) -> Result<(), qimg::Error> {
             Err(_) => Ok(()),
         }
     })
+}
+
+/// The error of an encrypted image whose passphrase (`encrypt.key-secret`) opens no key
+/// slot; `None` otherwise (no key given, not encrypted, or it opens).
+fn wrong_passphrase(path: &Path) -> Option<qimg::Error> {
+    path.to_str().and_then(crate::encryption::key_for)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    let opened = rt.block_on(
+        crate::image_spec::options_for(path)
+            .clean_timer(false)
+            .force_share(true)
+            .open(path),
+    );
+    match opened {
+        Err(e @ qimg::Error::Crypto { .. }) => Some(e),
+        _ => None,
+    }
 }

@@ -90,6 +90,7 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
             cluster_size: 65536,
             refcount_bits: 16,
             extended_l2: false,
+            luks_bytes: 0,
         },
         v3: true,
         prealloc_data: false,
@@ -128,6 +129,22 @@ fn target_options(pairs: &[String], fmt: &str) -> Result<Target> {
             );
         }
         t.opts.refcount_bits = bits;
+    }
+    // LUKS encryption: the header area the image will hold (QEMU's `qcow2_measure`).
+    let legacy = get
+        .get("encryption")
+        .is_some_and(|v| matches!(v.as_str(), "on" | "yes" | "true"));
+    match get.get("encrypt.format").map(String::as_str) {
+        Some("luks") => {
+            let params = crate::create_opts::luks_params(&|k| get.get(k).cloned())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            t.opts.luks_bytes =
+                qimg::crypto::area_len(&params).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        Some("aes") => {}
+        None if legacy => {}
+        None => {}
+        Some(other) => bail!("Parameter 'format' does not accept value '{other}'"),
     }
     if let Some(v) = get.get("preallocation") {
         t.prealloc_data = match v.as_str() {

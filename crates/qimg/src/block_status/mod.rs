@@ -190,6 +190,11 @@ impl<S: Storage + 'static> Chain<S> {
                 }
                 Layer::Qcow2 { image, holes } => (image, holes),
             };
+            // An encrypted layer's host bytes are ciphertext: no offset is reported (QEMU
+            // leaves BDRV_BLOCK_OFFSET_VALID out) and a hole in the file says nothing.
+            let encrypted = image.is_encrypted();
+            let holes = holes.as_ref().filter(|_| !encrypted);
+            let first = out.len();
             for x in image.map(start, len).await? {
                 match x.kind {
                     ExtentKind::Data { host_offset } => match holes {
@@ -238,6 +243,11 @@ impl<S: Storage + 'static> Chain<S> {
                             });
                         }
                     }
+                }
+            }
+            if encrypted {
+                for s in out[first..].iter_mut().filter(|s| s.depth == depth) {
+                    s.offset = None;
                 }
             }
             Ok(())

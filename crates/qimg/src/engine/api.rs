@@ -154,6 +154,12 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.discard(offset, len).await
     }
 
+    /// Whether the image is encrypted (LUKS, opened with its passphrase): its host bytes are
+    /// ciphertext, so host offsets (`map`, leases) mean nothing to a reader of the file.
+    pub fn is_encrypted(&self) -> bool {
+        self.inner.shared.crypt.is_some()
+    }
+
     /// The persistent dirty bitmaps, in directory order.
     pub fn bitmaps(&self) -> Vec<BitmapInfo> {
         self.inner.bitmap_list()
@@ -268,6 +274,8 @@ impl<S: Storage + 'static> Image<S> {
     /// entry that shows the backing file keeps it (extended entries keep every subcluster's
     /// state and take the host cluster).
     pub async fn preallocate(&self, offset: u64, len: u64) -> Result<()> {
+        // Preallocated clusters are holes of the file, which decrypt to noise.
+        self.inner.shared.check_not_encrypted("preallocation")?;
         self.inner.preallocate(offset, len).await
     }
 
@@ -280,6 +288,7 @@ impl<S: Storage + 'static> Image<S> {
     /// file would otherwise show through). With an external data file, or clusters of the
     /// new area already allocated, zeros are written over the new area instead.
     pub async fn resize_preallocated(&self, new_size: u64, full: bool) -> Result<()> {
+        self.inner.shared.check_not_encrypted("preallocation")?;
         self.inner.resize_preallocated(new_size, full).await
     }
 

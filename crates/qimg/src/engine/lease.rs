@@ -64,6 +64,7 @@ pub(crate) async fn write_lease<S: Storage + 'static>(
     let inner = &img.inner;
     inner.shared.check_writable()?;
     inner.shared.check_range(offset, len)?;
+    inner.shared.check_not_encrypted("a write lease")?;
     let mut lease = WriteLease {
         image: img.clone(),
         lock_id: None,

@@ -95,12 +95,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
         let c0 = read_cluster0(&file, &path, mode).await?;
         let h = &c0.header;
         within_limits(opts, &path, h)?;
-        if h.crypt_method != 0 {
-            return Err(Error::Encrypted {
-                path,
-                method: h.crypt_method,
-            });
-        }
+        let crypt = unlock(&file, &path, &c0, opts).await?;
         let geo =
             Geometry::new(h.cluster_bits, h.extended_l2()).map_err(|e| Error::format(&path, e))?;
         let rgeo = RefcountGeometry::new(h.cluster_bits, h.refcount_order)
@@ -237,6 +232,7 @@ pub(super) fn open_chain<'a, S: Storage + 'static>(
                 ctx,
                 data_file,
                 backing,
+                crypt,
             },
             opts,
         ))
@@ -255,6 +251,7 @@ struct Parts<S: Storage> {
     ctx: L2Context,
     data_file: Option<(PathBuf, S)>,
     backing: Option<Backing<S>>,
+    crypt: Option<Arc<dyn crate::crypto::SectorCipher>>,
 }
 
 /// The rest of [`open_chain`] once the backing chain is open: the metadata loaded, the
@@ -269,6 +266,7 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
         ctx,
         data_file,
         backing,
+        crypt,
     } = parts;
     let h = &c0.header;
     if opts.writable && backing.is_none() && c0.backing_file.is_some() && !opts.backing_null {
@@ -314,6 +312,7 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
         reservation,
         slice_loads: Default::default(),
         bitmaps: Default::default(),
+        crypt,
         path,
     };
     let inner = Arc::new(Inner {
@@ -344,6 +343,67 @@ async fn assemble<S: Storage + 'static>(parts: Parts<S>, opts: &OpenOptions) -> 
         }
     }
     Ok(Image { inner })
+}
+
+/// The largest LUKS header area read at an open (QEMU's default area is 2 MiB; eight slots
+/// of 4000 stripes of a 64-byte key need 2 MiB).
+const MAX_LUKS_AREA: u64 = 64 << 20;
+
+/// The sector cipher of an encrypted image, unlocked with the passphrase `opts` carries;
+/// `None` for an image that is not encrypted. Refused: an encrypted image without a
+/// passphrase, the legacy AES method, a passphrase no key slot takes (QEMU's "Invalid
+/// password, cannot unlock any keyslot"), a LUKS header qimg cannot use.
+async fn unlock<S: Storage>(
+    file: &S,
+    path: &Path,
+    c0: &Cluster0,
+    opts: &OpenOptions,
+) -> Result<Option<Arc<dyn crate::crypto::SectorCipher>>> {
+    let method = c0.header.crypt_method;
+    if method == 0 {
+        return Ok(None);
+    }
+    let key = match (&opts.key, method) {
+        (Some(key), 2) => key.clone(),
+        _ => {
+            return Err(Error::Encrypted {
+                path: path.to_path_buf(),
+                method,
+            });
+        }
+    };
+    let crypto_err = |source| Error::Crypto {
+        path: path.to_path_buf(),
+        source,
+    };
+    // The extension is there (the header's validation requires it for LUKS).
+    let (offset, length) = c0
+        .extensions
+        .iter()
+        .find_map(|e| match e {
+            qimg_format::extension::Extension::Crypto { offset, length } => {
+                Some((*offset, *length))
+            }
+            _ => None,
+        })
+        .unwrap_or((0, 0));
+    if length < qimg_format::luks::LUKS_HEADER_LEN as u64 || length > MAX_LUKS_AREA {
+        return Err(crypto_err(crate::crypto::CryptoError::Invalid(format!(
+            "the full disk encryption header extension gives the LUKS header {length} bytes \
+             at {offset:#x} (at least {} and at most {MAX_LUKS_AREA} expected)",
+            qimg_format::luks::LUKS_HEADER_LEN
+        ))));
+    }
+    let mut area = vec![0u8; length as usize];
+    file.read_at_zero_fill(&mut area, offset)
+        .await
+        .map_err(|e| Error::storage(path, e))?;
+    let header =
+        qimg_format::luks::LuksHeader::decode(&area, offset).map_err(|e| Error::format(path, e))?;
+    // PBKDF2 runs on this thread (as long as the header's iteration counts ask: QEMU's
+    // default is two seconds for a key slot), once per open.
+    let cipher = crate::crypto::unlock(&header, &area, &key.0).map_err(crypto_err)?;
+    Ok(Some(Arc::from(cipher)))
 }
 
 /// For an untrusted image ([`Trust::Untrusted`]), refuses a stored file name that is

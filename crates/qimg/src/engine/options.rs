@@ -126,6 +126,18 @@ pub struct OpenOptions {
     pub(super) timer_thread: bool,
     /// Where the driver's messages go as they happen ([`OpenOptions::on_message`]).
     pub(super) on_message: Option<MessageSink>,
+    /// The passphrase of an encrypted image ([`OpenOptions::encryption_key`]).
+    pub(super) key: Option<Passphrase>,
+}
+
+/// A LUKS passphrase; its `Debug` shows nothing of it.
+#[derive(Clone)]
+pub(crate) struct Passphrase(pub(crate) std::sync::Arc<Vec<u8>>);
+
+impl std::fmt::Debug for Passphrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Passphrase(..)")
+    }
 }
 
 /// A callback taking the driver's messages (see [`OpenOptions::on_message`]).
@@ -165,6 +177,7 @@ impl OpenOptions {
             crash_consistent_bitmaps: true,
             timer_thread: false,
             on_message: None,
+            key: None,
         }
     }
 
@@ -181,6 +194,16 @@ impl OpenOptions {
     /// Open for writing (the backing chain is always opened read-only).
     pub fn writable(mut self, writable: bool) -> Self {
         self.writable = writable;
+        self
+    }
+
+    /// The passphrase of a LUKS-encrypted image (QEMU's `encrypt.key-secret`): its key slots
+    /// are tried with it at the open, which fails with QEMU's "Invalid password, cannot
+    /// unlock any keyslot" when none opens; guest data is then decrypted as it is read and
+    /// encrypted as it is written. An image that is not encrypted ignores it. Without it an
+    /// encrypted image does not open ([`Error::Encrypted`](crate::Error::Encrypted)).
+    pub fn encryption_key(mut self, passphrase: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(Passphrase(std::sync::Arc::new(passphrase.into())));
         self
     }
 

@@ -41,6 +41,7 @@ pub(crate) async fn read_lease<S: Storage + 'static>(
 ) -> Result<ReadLease<S>> {
     let inner = &img.inner;
     inner.shared.check_range(offset, len)?;
+    inner.shared.check_not_encrypted("a read lease")?;
     let mut lease = ReadLease {
         image: img.clone(),
         lock_id: None,

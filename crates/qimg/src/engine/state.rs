@@ -61,6 +61,10 @@ pub(crate) struct Shared<S: Storage> {
     pub(crate) slice_loads: SliceLoads,
     /// Persistent dirty bitmaps loaded by a read-write open.
     pub(crate) bitmaps: super::bitmap_set::Bitmaps,
+    /// A LUKS-encrypted image's sector cipher (unlocked at the open): guest data is
+    /// encrypted by host offset in the data file ([`read_guest_data`](Self::read_guest_data),
+    /// [`write_guest_data`](Self::write_guest_data)).
+    pub(crate) crypt: Option<std::sync::Arc<dyn crate::crypto::SectorCipher>>,
 }
 
 /// The L2 slices reads are loading without the metadata lock, so that misses on different
@@ -335,6 +339,70 @@ impl<S: Storage> Shared<S> {
     /// The length of the image file, the error naming the image.
     pub(crate) async fn file_len(&self) -> Result<u64> {
         self.file.len().await.map_err(|e| self.storage_error(e))
+    }
+
+    /// Reads guest data at host offset `host` of the data file into `dst` (zeros past its
+    /// end), decrypted when the image is encrypted: the enclosing 512-byte sectors are read
+    /// and decrypted (a sector's IV is its host offset / 512, as QEMU's LUKS qcow2). The one
+    /// place guest data is read from the data file.
+    pub(crate) async fn read_guest_data(&self, dst: &mut [u8], host: u64) -> Result<()> {
+        let (data, path) = self.data();
+        let Some(crypt) = &self.crypt else {
+            return data
+                .read_at_zero_fill(dst, host)
+                .await
+                .map_err(|e| Error::storage(path, e));
+        };
+        let sector = crate::crypto::SECTOR as u64;
+        let start = host / sector * sector;
+        let end = (host + dst.len() as u64).next_multiple_of(sector);
+        let mut buf = self.io_buf((end - start) as usize)?;
+        data.read_at_zero_fill(&mut buf, start)
+            .await
+            .map_err(|e| Error::storage(path, e))?;
+        crypt.decrypt(start / sector, &mut buf);
+        let at = (host - start) as usize;
+        dst.copy_from_slice(&buf[at..at + dst.len()]);
+        Ok(())
+    }
+
+    /// Writes guest data `src` at host offset `host` of the data file, encrypted when the
+    /// image is encrypted (whole sectors only: the write planner widens an encrypted image's
+    /// writes to them, `plan_write`). The one place guest data is written to the data file.
+    pub(crate) async fn write_guest_data(&self, src: &[u8], host: u64) -> Result<()> {
+        let (data, path) = self.data();
+        let Some(crypt) = &self.crypt else {
+            return data
+                .write_at(src, host)
+                .await
+                .map_err(|e| Error::storage(path, e));
+        };
+        let sector = crate::crypto::SECTOR as u64;
+        if host % sector != 0 || src.len() as u64 % sector != 0 {
+            return Err(Error::InvalidOption(format!(
+                "{}: an encrypted write of {} bytes at host offset {host:#x} is not in whole \
+                 512-byte sectors",
+                path.display(),
+                src.len()
+            )));
+        }
+        let mut buf = self.io_copy(src)?;
+        crypt.encrypt(host / sector, &mut buf);
+        data.write_at(&buf, host)
+            .await
+            .map_err(|e| Error::storage(path, e))
+    }
+
+    /// Refuses `what` (a lease handing out host offsets, a compressed write) on an encrypted
+    /// image, whose host bytes are ciphertext.
+    pub(crate) fn check_not_encrypted(&self, what: &str) -> Result<()> {
+        match self.crypt {
+            None => Ok(()),
+            Some(_) => Err(Error::Unsupported {
+                path: self.path.clone(),
+                what: format!("{what} on an encrypted image (its host bytes are ciphertext)"),
+            }),
+        }
     }
 
     /// Where guest data lives: the external data file, or the image file.

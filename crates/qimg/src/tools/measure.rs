@@ -18,6 +18,9 @@ pub struct MeasureOptions {
     pub refcount_bits: u64,
     /// 128-bit L2 entries.
     pub extended_l2: bool,
+    /// The LUKS header area of an encrypted image (`crypto::area_len`; 0 for none), held in
+    /// whole clusters.
+    pub luks_bytes: u64,
 }
 
 impl MeasureOptions {
@@ -67,6 +70,7 @@ impl MeasureOptions {
             .ok_or_else(overflow)?;
         meta.checked_add(rc_bytes)
             .and_then(|m| m.checked_add(aligned))
+            .and_then(|m| m.checked_add(self.luks_bytes.next_multiple_of(cs)))
             .ok_or_else(overflow)
     }
 
@@ -133,6 +137,7 @@ mod tests {
             cluster_size: 65536,
             refcount_bits: 16,
             extended_l2: false,
+            luks_bytes: 0,
         };
         // `qemu-img measure -O qcow2 --size 1G`.
         assert_eq!(o.fully_allocated(1 << 30).unwrap(), 1_074_135_040);
@@ -144,6 +149,7 @@ mod tests {
             cluster_size: 2 << 20,
             refcount_bits: 16,
             extended_l2: true,
+            luks_bytes: 0,
         };
         assert_eq!(ext.required(1 << 30, 0).unwrap(), 10_485_760);
         assert_eq!(ext.fully_allocated(1 << 30).unwrap(), 1_084_227_584);

@@ -303,7 +303,12 @@ fn create_output(settings: &Settings, dst_path: &Path, size: u64) -> Result<()> 
                 crate::cmd::create::refusal_words(&e)
             )),
             (None, Ok(())) => create(dst_path, &create_options, &mut nop)
-                .map(|_| ())
+                .map(|_| {
+                    // An encrypted output opens with the passphrase it was made with.
+                    if let Some(e) = &create_options.encryption {
+                        crate::encryption::add_key(dst_file, e.passphrase.clone());
+                    }
+                })
                 .map_err(|e| {
                     anyhow!(
                         "{dst_file}: error while converting qcow2: {}",

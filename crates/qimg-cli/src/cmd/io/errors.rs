@@ -34,8 +34,9 @@ pub(super) fn open_error(e: &qimg::Error, file: &str) -> String {
     if let Some(words) = crate::status::qemu_header_words(e) {
         return words;
     }
-    // A backing file that does not open: the chain's words, without the image's name.
-    if let qimg::Error::Backing { .. } = e {
+    // A backing file that does not open, a LUKS header that does not: the chain's or the
+    // crypto layer's words, without the image's name.
+    if let qimg::Error::Backing { .. } | qimg::Error::Crypto { .. } = e {
         return crate::status::lib_msg(e, file);
     }
     // A read-write open of an image marked corrupt, in QEMU's words.

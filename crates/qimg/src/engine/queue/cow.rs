@@ -57,7 +57,11 @@ impl<S: Storage + 'static> Queue<S> {
         let inner = self.image.inner.clone();
         let len = buffers.len();
         let (data, _) = inner.shared.data();
-        let Some(access) = data.direct_access() else {
+        // An encrypted image's data goes through the engine, which encrypts it.
+        let Some(access) = data
+            .direct_access()
+            .filter(|_| inner.shared.crypt.is_none())
+        else {
             return Err(buffers);
         };
         let backing = match &inner.backing {

@@ -114,7 +114,11 @@ impl<S: Storage + 'static> Queue<S> {
             return Err(buffers);
         }
         let (data, _) = inner.shared.data();
-        let Some(access) = data.direct_access() else {
+        // An encrypted image's data goes through the engine, which decrypts it.
+        let Some(access) = data
+            .direct_access()
+            .filter(|_| inner.shared.crypt.is_none())
+        else {
             return Err(buffers);
         };
         let ra = access.request_alignment.max(1);

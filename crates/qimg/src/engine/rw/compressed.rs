@@ -14,6 +14,7 @@ impl<S: Storage> Inner<S> {
         let cs = self.shared.geo.cluster_size();
         let len = data.len() as u64;
         self.shared.check_range(offset, len)?;
+        self.shared.check_not_encrypted("a compressed write")?;
         if self.shared.data_file.is_some() {
             return Err(Error::Unsupported {
                 path: self.shared.path.clone(),

@@ -72,7 +72,22 @@ impl<S: Storage> Inner<S> {
             })
     }
 
+    /// What a write of `[a, b)` into the guest cluster mapped by `old` writes, and where.
+    /// An encrypted image's plan covers whole 512-byte sectors (the cipher's unit): the
+    /// bytes around the write in its first and last sector are read and written back with it
+    /// (under the write's exclusive cluster lock).
     pub(crate) fn plan_write(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
+        let mut plan = self.plan_write_bytes(old, a, b);
+        if self.shared.crypt.is_some() {
+            let sector = crate::crypto::SECTOR;
+            let cs = self.shared.geo.cluster_size() as usize;
+            plan.start = plan.start / sector * sector;
+            plan.end = plan.end.next_multiple_of(sector).min(cs);
+        }
+        plan
+    }
+
+    fn plan_write_bytes(&self, old: &AnyL2Entry, a: usize, b: usize) -> WritePlan {
         let cs = self.shared.geo.cluster_size() as usize;
         let external = self.shared.data_file.is_some();
         match old {

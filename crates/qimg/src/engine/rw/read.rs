@@ -118,11 +118,8 @@ impl<S: Storage> Inner<S> {
 
     /// Reads guest data at host offset `host` of the data file (zeros past its end).
     async fn read_data(&self, dst: &mut [u8], host: u64) -> Result<()> {
-        let (data, path) = self.shared.data();
-        data.debug_event(DebugEvent::ReadAio);
-        data.read_at_zero_fill(dst, host)
-            .await
-            .map_err(|e| Error::storage(path, e))
+        self.shared.data().0.debug_event(DebugEvent::ReadAio);
+        self.shared.read_guest_data(dst, host).await
     }
 
     /// The L2 entry of the guest cluster at `gc`, for a read. As [`lookup`](Self::lookup),

@@ -158,7 +158,12 @@ impl<S: Storage> Inner<S> {
                 p.host = next;
                 next += cs;
                 left -= 1;
-                if p.host >= unused_from && self.cow_reads_zero(&p.old, p.gc, &p.plan, p.a, p.b) {
+                // Fresh space reads as zeros, so zero copy-on-write parts need no writing;
+                // not in an encrypted image, where a hole decrypts to noise.
+                if p.host >= unused_from
+                    && self.shared.crypt.is_none()
+                    && self.cow_reads_zero(&p.old, p.gc, &p.plan, p.a, p.b)
+                {
                     (p.plan.start, p.plan.end) = (p.a, p.b);
                 }
             }
@@ -269,7 +274,7 @@ impl<S: Storage> Inner<S> {
     /// head `[plan.start, a)` and tail `[b, plan.end)` around the guest bytes, which the caller
     /// writes itself.
     pub(crate) async fn write_cow(&self, p: &PreparedWrite) -> Result<()> {
-        let (storage, path) = self.shared.data();
+        let (storage, _) = self.shared.data();
         if p.fresh {
             self.prepare_fresh(p.host, &p.plan).await?;
         }
@@ -280,10 +285,9 @@ impl<S: Storage> Inner<S> {
                 storage.debug_event(DebugEvent::CowRead);
                 self.read_entry_range(&p.old, p.gc, from, &mut buf).await?;
                 storage.debug_event(DebugEvent::CowWrite);
-                storage
-                    .write_at(&buf, p.host + from as u64)
-                    .await
-                    .map_err(|e| Error::storage(path, e))?;
+                self.shared
+                    .write_guest_data(&buf, p.host + from as u64)
+                    .await?;
             }
         }
         Ok(())
@@ -314,6 +318,9 @@ impl<S: Storage> Inner<S> {
     /// counts) what QEMU's holds. A write that covers all of that needs none, nor does one to
     /// an external data file.
     async fn prepare_fresh(&self, host: u64, plan: &WritePlan) -> Result<()> {
+        if self.shared.crypt.is_some() {
+            return self.fill_fresh_encrypted(host, plan).await;
+        }
         if self.shared.allocation != crate::Allocation::Sparse {
             return self.shared.reserve_fresh(host).await;
         }
@@ -342,6 +349,34 @@ impl<S: Storage> Inner<S> {
         Ok(())
     }
 
+    /// [`prepare_fresh`](Self::prepare_fresh) of an encrypted image: a hole would decrypt to
+    /// noise, so what the write leaves of the new cluster (or of its touched subclusters)
+    /// is written as encrypted zeros, as QEMU writes them.
+    async fn fill_fresh_encrypted(&self, host: u64, plan: &WritePlan) -> Result<()> {
+        if self.shared.allocation != crate::Allocation::Sparse {
+            self.shared.reserve_fresh(host).await?;
+        }
+        let cs = self.shared.geo.cluster_size() as usize;
+        let (start, end) = if self.shared.geo.extended_l2() {
+            let scs = self.shared.geo.subcluster_size() as usize;
+            (
+                plan.start / scs * scs,
+                plan.end.next_multiple_of(scs).min(cs),
+            )
+        } else {
+            (0, cs)
+        };
+        for (from, to) in [(start, plan.start), (plan.end, end)] {
+            if from < to {
+                let zeros = self.shared.io_buf(to - from)?;
+                self.shared
+                    .write_guest_data(&zeros, host + from as u64)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn write_data(
         &self,
@@ -353,17 +388,14 @@ impl<S: Storage> Inner<S> {
         host: u64,
         fresh: bool,
     ) -> Result<()> {
-        let (storage, path) = self.shared.data();
+        let (storage, _) = self.shared.data();
         if fresh {
             self.prepare_fresh(host, plan).await?;
         }
         let b = a + data.len();
         if plan.start == a && plan.end == b {
             storage.debug_event(DebugEvent::WriteAio);
-            return storage
-                .write_at(data, host + a as u64)
-                .await
-                .map_err(|e| Error::storage(path, e));
+            return self.shared.write_guest_data(data, host + a as u64).await;
         }
         let mut buf = self.shared.io_buf(plan.end - plan.start)?;
         // QEMU's events for a write merged with its copy-on-write (`merge_cow`).
@@ -378,10 +410,9 @@ impl<S: Storage> Inner<S> {
                 .await?;
         }
         storage.debug_event(DebugEvent::CowWrite);
-        storage
-            .write_at(&buf, host + plan.start as u64)
+        self.shared
+            .write_guest_data(&buf, host + plan.start as u64)
             .await
-            .map_err(|e| Error::storage(path, e))
     }
 }
 

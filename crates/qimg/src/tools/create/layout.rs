@@ -18,6 +18,9 @@ pub(super) struct Layout {
     pub(super) l1_clusters: u64,
     /// Clusters of L2 tables plus mapped data, in the order they are laid out.
     pub(super) prealloc_clusters: u64,
+    /// Clusters of the LUKS header area of an encrypted image, after everything else (QEMU
+    /// sets up encryption last).
+    pub(super) luks_clusters: u64,
 }
 
 impl Layout {
@@ -33,12 +36,16 @@ impl Layout {
     pub(super) fn prealloc_at(&self) -> u64 {
         self.l1_at() + self.l1_clusters
     }
-    pub(super) fn total(&self) -> u64 {
+    pub(super) fn luks_at(&self) -> u64 {
         self.prealloc_at() + self.prealloc_clusters
+    }
+    pub(super) fn total(&self) -> u64 {
+        self.luks_at() + self.luks_clusters
     }
 }
 
-pub(super) fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
+/// `luks_bytes`: the LUKS header area of an encrypted image (0 for none).
+pub(super) fn plan(opts: &CreateOptions, size: u64, luks_bytes: u64) -> Result<Layout> {
     let cs = opts.cluster_size;
     let bits = cs.trailing_zeros();
     let l1_entries = l1_entries_for(size, bits, opts.extended_l2);
@@ -56,7 +63,8 @@ pub(super) fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
     // Refcount table and blocks must cover everything, themselves included.
     let rg = RefcountGeometry::new(bits, rb_order(opts.refcount_bits))
         .map_err(|e| Error::InvalidOption(format!("refcount_bits {}: {e}", opts.refcount_bits)))?;
-    let others = 1 + l1_clusters + prealloc_clusters;
+    let luks_clusters = luks_bytes.div_ceil(cs);
+    let others = 1 + l1_clusters + prealloc_clusters + luks_clusters;
     let meta = rg
         .refcount_metadata_for(others)
         .map_err(|e| Error::InvalidOption(format!("size {size}: {e}")))?;
@@ -67,6 +75,7 @@ pub(super) fn plan(opts: &CreateOptions, size: u64) -> Result<Layout> {
         l1_entries,
         l1_clusters,
         prealloc_clusters,
+        luks_clusters,
     };
     if layout.reftable_clusters * cs > qimg_format::validate::MAX_REFTABLE_BYTES {
         return Err(Error::InvalidOption(format!(

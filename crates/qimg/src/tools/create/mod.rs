@@ -11,7 +11,7 @@ mod file;
 mod layout;
 mod options;
 
-pub use options::{Compat, CreateOptions, Preallocation, Progress, effective_size};
+pub use options::{Compat, CreateOptions, Encryption, Preallocation, Progress, effective_size};
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -41,7 +41,18 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     let mut checked = opts.clone();
     checked.size = Some(size);
     checked.validate()?;
-    let layout = plan(opts, size)?;
+    // The LUKS header area first (PBKDF2 takes `iter-time`): its size sets the layout.
+    let luks = match &opts.encryption {
+        Some(e) => Some(
+            crate::crypto::create(&e.params, &e.passphrase).map_err(|source| Error::Crypto {
+                path: path.to_path_buf(),
+                source,
+            })?,
+        ),
+        None => None,
+    };
+    let luks_bytes = luks.as_ref().map_or(0, |(area, _)| area.len() as u64);
+    let layout = plan(opts, size, luks_bytes)?;
     let cs = layout.cluster_size;
 
     let mut header = match opts.compat {
@@ -77,6 +88,13 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     }
     if let Some(d) = &opts.data_file {
         extensions.push(Extension::DataFile(d.as_bytes().to_vec()));
+    }
+    if luks.is_some() {
+        header.crypt_method = 2;
+        extensions.push(Extension::Crypto {
+            offset: layout.luks_at() * cs,
+            length: luks_bytes,
+        });
     }
     if opts.compat == Compat::V3 && cs > 4096 {
         extensions.push(Extension::FeatureTable(qemu_feature_table()));
@@ -193,8 +211,17 @@ pub fn create(path: &Path, opts: &CreateOptions, progress: Progress<'_>) -> Resu
     header_cluster.resize(header_cluster.len().max(cs as usize), 0);
     w(&header_cluster, 0)?;
 
-    // File length: the end of the L1 table as QEMU leaves it, or of the preallocated area.
-    let end = if layout.prealloc_clusters > 0 {
+    // The LUKS header area, zero to the end of its last cluster (as QEMU's
+    // `qcow2_crypto_hdr_init_func` leaves it).
+    if let Some((area, _)) = &luks {
+        let mut whole = area.clone();
+        whole.resize((layout.luks_clusters * cs) as usize, 0);
+        w(&whole, layout.luks_at() * cs)?;
+    }
+
+    // File length: the end of the L1 table as QEMU leaves it, or of the preallocated area
+    // (or LUKS header area).
+    let end = if layout.prealloc_clusters > 0 || layout.luks_clusters > 0 {
         layout.total() * cs
     } else if layout.l1_entries > 0 {
         layout.l1_at() * cs + l1::table_bytes(layout.l1_entries)
@@ -256,7 +283,7 @@ mod tests {
     #[test]
     fn small_images_get_qemus_layout() {
         let o = CreateOptions::default();
-        let l = plan(&o, 1 << 30).unwrap();
+        let l = plan(&o, 1 << 30, 0).unwrap();
         assert_eq!((l.reftable_at(), l.refblocks_at(), l.l1_at()), (1, 2, 3));
         assert_eq!(l.l1_entries, 2);
     }
@@ -272,7 +299,7 @@ mod tests {
                     ..Default::default()
                 };
                 let size = if cs == 512 { 64 << 20 } else { 4 << 30 };
-                let l = plan(&o, size).unwrap();
+                let l = plan(&o, size, 0).unwrap();
                 let per_block = cs * 8 / bits;
                 assert!(l.refblocks * per_block >= l.total(), "{l:?}");
                 assert!(l.reftable_clusters * cs / 8 >= l.refblocks, "{l:?}");

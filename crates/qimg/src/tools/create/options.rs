@@ -71,6 +71,26 @@ pub struct CreateOptions {
     pub data_file_raw: bool,
     /// Do not open the backing file (qemu-img `-u`); then `size` is required.
     pub unsafe_backing: bool,
+    /// LUKS encryption (QEMU's `encrypt.format=luks`): the header's parameters and the
+    /// passphrase of its key slot 0.
+    pub encryption: Option<Encryption>,
+}
+
+/// How a new image is encrypted (QEMU's `encrypt.*` options, `encrypt.format=luks`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Encryption {
+    /// Cipher, mode, IV generator, hash and PBKDF2 time.
+    pub params: crate::crypto::LuksParams,
+    /// The passphrase (QEMU's `encrypt.key-secret`'s data).
+    pub passphrase: Vec<u8>,
+}
+
+impl std::fmt::Debug for Encryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Encryption")
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for CreateOptions {
@@ -89,6 +109,7 @@ impl Default for CreateOptions {
             data_file: None,
             data_file_raw: false,
             unsafe_backing: false,
+            encryption: None,
         }
     }
 }
@@ -154,6 +175,20 @@ impl CreateOptions {
                 "backing_file with data_file_raw: Backing file and data-file-raw cannot be used at the same time"
                     .into(),
             );
+        }
+        if self.encryption.is_some() && self.data_file_raw {
+            return bad(
+                "data_file_raw: qimg does not encrypt a raw external data file (it would not \
+                 stay a raw image)"
+                    .into(),
+            );
+        }
+        if self.encryption.is_some() && self.preallocation != Preallocation::Off {
+            return bad(format!(
+                "preallocation={}: qimg does not preallocate encrypted images (preallocated \
+                 clusters would read as noise)",
+                self.preallocation.name()
+            ));
         }
         if self.backing_fmt.is_some() && self.backing_file.is_none() {
             return bad("backing_fmt: Backing format cannot be used without backing file".into());
