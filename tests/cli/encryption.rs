@@ -352,3 +352,230 @@ fn measure_counts_the_luks_header_as_qemu_img() {
         assert_eq!(theirs, ok("qimg measure", &ours.img(dir, &args)), "{o}");
     }
 }
+
+/// The commands around an encrypted image, side by side with QEMU's tools (its images made by
+/// QEMU in both runs): qemu-io through the key, `check`, `map`, snapshots, `resize`,
+/// `convert`, an encrypted backing file opened with `backing.encrypt.key-secret`, `amend`
+/// with the key (and QEMU's refusal of key slot options without `encrypt.state`), `bench`
+/// (which takes no `--object` in qemu-img), `dd`.
+#[test]
+fn commands_on_an_encrypted_image_speak_as_qemus() {
+    qimg_testkit::require_qemu!();
+    let s = Scratch::new("luks-commands");
+    let ours = Ours::new(&s);
+    let o = "driver=qcow2,file.filename=t.qcow2,encrypt.key-secret=sec0";
+    let create = create_opts("");
+    let prepare: crate::qemu_dropin::Prep = &[
+        (
+            "qemu-img",
+            &[
+                "create", "-q", "-f", "qcow2", "--object", SECRET, "-o", &create, "t.qcow2", "4M",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "-c",
+                "write -P 0xa 0 64k",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                "t.qcow2",
+                "-F",
+                "qcow2",
+                "top.qcow2",
+            ],
+        ),
+    ];
+    let top = "driver=qcow2,file.filename=top.qcow2,backing.encrypt.key-secret=sec0";
+    let steps: crate::qemu_dropin::Prep = &[
+        (
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "-c",
+                "write -P 0xb 1000 100",
+                "-c",
+                "read -P 0xb 1000 100",
+                "-c",
+                "write -z 4k 4k",
+                "-c",
+                "discard 64k 64k",
+                "-c",
+                "alloc 0 128k",
+                "-c",
+                "map",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &["check", "--object", SECRET, "--image-opts", o],
+        ),
+        ("qemu-img", &["map", "--object", SECRET, "--image-opts", o]),
+        (
+            "qemu-img",
+            &[
+                "map",
+                "--output=json",
+                "--object",
+                SECRET,
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "snapshot",
+                "--object",
+                SECRET,
+                "-c",
+                "s1",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "-c",
+                "write -P 0xc 0 4k",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "snapshot",
+                "--object",
+                SECRET,
+                "-a",
+                "s1",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "-c",
+                "read -P 0xa 0 4k",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &["resize", "--object", SECRET, "--image-opts", o, "8M"],
+        ),
+        (
+            "qemu-img",
+            &[
+                "convert",
+                "--object",
+                SECRET,
+                "-O",
+                "raw",
+                "--image-opts",
+                o,
+                "out.raw",
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "compare",
+                "--object",
+                SECRET,
+                "--image-opts",
+                o,
+                "driver=raw,file.filename=out.raw",
+            ],
+        ),
+        (
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "-c",
+                "read -P 0xa 0 4k",
+                "--image-opts",
+                top,
+            ],
+        ),
+        ("qemu-io", &["-c", "read -P 0xa 0 4k", "top.qcow2"]),
+        (
+            "qemu-img",
+            &[
+                "amend",
+                "--object",
+                SECRET,
+                "-o",
+                "lazy_refcounts=on",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &[
+                "amend",
+                "--object",
+                SECRET,
+                "-o",
+                "encrypt.iter-time=10",
+                "--image-opts",
+                o,
+            ],
+        ),
+        (
+            "qemu-img",
+            &["check", "--object", SECRET, "--image-opts", o],
+        ),
+        (
+            "qemu-img",
+            &["bench", "--object", SECRET, "-c", "10", "--image-opts", o],
+        ),
+        (
+            "qemu-img",
+            &[
+                "dd",
+                "--object",
+                SECRET,
+                "if=t.qcow2",
+                "of=dd.raw",
+                "bs=64k",
+                "count=2",
+                "-O",
+                "raw",
+            ],
+        ),
+    ];
+    let outs = crate::qemu_dropin::side_by_side(&s, &ours, &[], prepare, steps);
+    let outs = crate::qemu_dropin::without_lines(&outs, &["ops/sec", "Run completed"]);
+    assert!(
+        outs[0].contains("Parameter 'state' is missing"),
+        "{}",
+        outs[0]
+    );
+    assert_eq!(outs[0], outs[1]);
+}

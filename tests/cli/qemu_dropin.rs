@@ -1171,7 +1171,7 @@ pub(crate) type Prep<'a> = &'a [(&'a str, &'a [&'a str])];
 /// `files` written, the `prepare` steps run with QEMU's tools), and returns the merged
 /// output of every step, QEMU's then ours.
 /// `outs` without the lines that contain any of `noise` (timings, disk usage).
-fn without_lines(outs: &[String], noise: &[&str]) -> Vec<String> {
+pub(crate) fn without_lines(outs: &[String], noise: &[&str]) -> Vec<String> {
     outs.iter()
         .map(|o| {
             o.lines()

@@ -46,11 +46,14 @@ pub fn add_key(name: &str, passphrase: Vec<u8>) {
 /// The passphrase of image `name`: the secret its `encrypt.key-secret` names, or the one
 /// this command made it with ([`add_key`]).
 pub fn key_for(name: &str) -> Option<Vec<u8>> {
-    let given = options(name)
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "key-secret")
-        .and_then(|(_, id)| secret(id));
+    let opts = options(name);
+    let named = |key: &str| {
+        opts.iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, id)| secret(id))
+    };
+    let given = named("key-secret").or_else(|| named("backing.key-secret"));
     given.or_else(|| {
         let all = KEYS.lock().unwrap_or_else(|e| e.into_inner());
         all.iter()
@@ -149,7 +152,7 @@ pub fn encryption_refusal(
     }
     if let Some((k, _)) = opts
         .iter()
-        .find(|(k, _)| k != "format" && k != "key-secret")
+        .find(|(k, _)| k != "format" && k != "key-secret" && !k.starts_with("backing."))
     {
         return Some(format!("Parameter '{k}' is unexpected"));
     }

@@ -601,6 +601,10 @@ fn file_name(pairs: &[(String, String)], program: &str) -> Result<(String, Overr
             k if k.starts_with("encrypt.") && matches!(driver, "qcow2" | "") => {
                 encrypt.push((k["encrypt.".len()..].to_string(), v.clone()));
             }
+            // An encrypted backing file's key (the engine tries the one key on each file).
+            "backing.encrypt.key-secret" if matches!(driver, "qcow2" | "") => {
+                encrypt.push(("backing.key-secret".to_string(), v.clone()));
+            }
             "data-file.filename" if driver == "qcow2" => ov.data_file = Some(v.clone()),
             "data-file.driver" if driver == "qcow2" && v == "file" => {}
             _ if crate::args::is_null_driver(driver) => {

@@ -176,9 +176,30 @@ fn parse() -> Cli {
 
 /// `--object TYPE,id=ID,...` (QEMU's user-creatable objects, any number, anywhere on the
 /// line): taken off the command line and checked as QEMU checks them. Secrets
-/// (`secret,id=ID,data=VALUE|file=PATH`) are accepted (no image qimg opens is encrypted, so
-/// none is used yet); other object types are refused.
+/// (`secret,id=ID,data=VALUE|file=PATH[,format=base64]`: passphrases of encrypted images) and
+/// TLS credentials are kept; other object types are refused. qemu-img's `bench` takes none,
+/// as QEMU's.
 fn take_objects(args: &mut Vec<std::ffi::OsString>) -> Result<(), String> {
+    let bench = args.get(1).is_some_and(|a| a == "bench")
+        && args.first().is_some_and(|p| {
+            std::path::Path::new(p)
+                .file_name()
+                .is_some_and(|n| n == "qemu-img")
+        });
+    if bench {
+        if args
+            .iter()
+            .any(|a| a.to_string_lossy().starts_with("--object"))
+        {
+            // getopt's words, with the command's name.
+            eprintln!(
+                "qemu-img bench: unrecognized option '--object'\nTry 'qemu-img bench --help' for \
+                 more info"
+            );
+            crate::out::exit(1);
+        }
+        return Ok(());
+    }
     let mut i = 1;
     while i < args.len() {
         let a = args[i].to_string_lossy().into_owned();

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
 use qimg::chain::ImageFormat;
-use qimg::tools::amend::{AmendOptions, amend};
+use qimg::tools::amend::{AmendOptions, amend_with};
 use qimg::tools::create::Compat;
 
 use crate::args::{on_off, parse_size};
@@ -158,7 +158,12 @@ pub fn run(args: AmendArgs) -> Result<()> {
             done = done.max(pct);
         }
     };
-    let r = rt.block_on(amend(path, &opts, &mut report));
+    // An encrypted image opens with its passphrase (`encrypt.key-secret`).
+    let mut base = qimg::OpenOptions::new();
+    if let Some(key) = crate::encryption::key_for(&file) {
+        base = base.encryption_key(key);
+    }
+    let r = rt.block_on(amend_with(path, &opts, &base, &mut report));
     progress.end();
     r.map_err(|e| match crate::status::qemu_header_words(&e) {
         // A header QEMU refuses at open, in its words.
@@ -188,6 +193,18 @@ enum Parsed {
 fn parse(pairs: &[String]) -> Result<Parsed> {
     let mut o = AmendOptions::default();
     let mut backing = false;
+    // Key slot changes: QEMU wants `encrypt.state` first; qimg does not change key slots.
+    let keyslot = |p: &String| {
+        AMEND_ENCRYPT_HELP
+            .iter()
+            .any(|a| p.starts_with(&format!("{}=", a.0)))
+    };
+    if pairs.iter().any(keyslot) {
+        if !pairs.iter().any(|p| p.starts_with("encrypt.state=")) {
+            bail!("Parameter 'state' is missing");
+        }
+        bail!("qimg does not change the key slots of an encrypted image (encrypt.state)");
+    }
     for p in pairs {
         let (k, v) = p.split_once('=').unwrap_or((p.as_str(), ""));
         if CREATE_ONLY.contains(&k) {

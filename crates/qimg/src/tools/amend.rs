@@ -64,6 +64,17 @@ pub async fn amend(
     opts: &AmendOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
+    amend_with(path, opts, &OpenOptions::new(), progress).await
+}
+
+/// [`amend`], the image opened with `base` (the passphrase of an encrypted image, QEMU's
+/// allocation behaviour) where it is opened through the engine.
+pub async fn amend_with(
+    path: &Path,
+    opts: &AmendOptions,
+    base: &OpenOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let c0 = read_cluster0(path, OpenMode::ReadOnly)?;
     let h = &c0.header;
     let v3 = h.version >= 3;
@@ -145,7 +156,7 @@ pub async fn amend(
         // v3 snapshot entries carry at least 16 bytes of extra data: QEMU rewrites the
         // table of a v2 image whose entries have less.
         if h.nb_snapshots > 0 {
-            let img = open(path).await?;
+            let img = open(path, base).await?;
             let r = img.inner.complete_snapshot_table().await;
             img.close().await?;
             r?;
@@ -159,14 +170,14 @@ pub async fn amend(
                 .header
                 .refcount_order
         {
-            change_refcount_width(path, order).await?;
+            change_refcount_width(path, order, base).await?;
         }
     }
     // Lazy refcounts, data file name.
     let drop_raw = opts.data_file_raw == Some(false) && raw;
     if opts.lazy_refcounts.is_some() || opts.data_file.is_some() || drop_raw {
         // A dirty image gets its refcounts rebuilt by a writable open; close it clean.
-        let img = open(path).await?;
+        let img = open(path, base).await?;
         img.close().await?;
         rewrite_header(path, |c0| {
             if let Some(lazy) = opts.lazy_refcounts {
@@ -191,7 +202,7 @@ pub async fn amend(
     }
     // Size.
     if let Some(size) = opts.size {
-        let img = open(path).await?;
+        let img = open(path, base).await?;
         let r = img.shrink(size).await;
         img.close().await?;
         r?;
@@ -199,7 +210,7 @@ pub async fn amend(
     progress(1, steps);
     // Downgrade.
     if downgrade {
-        expand_zero_clusters(path).await?;
+        expand_zero_clusters(path, base).await?;
         rewrite_header(path, |c0| {
             let h = &mut c0.header;
             h.version = 2;
@@ -218,8 +229,8 @@ pub async fn amend(
     Ok(())
 }
 
-async fn open(path: &Path) -> Result<Image<crate::io::AnyStorage>> {
-    OpenOptions::new()
+async fn open(path: &Path, base: &OpenOptions) -> Result<Image<crate::io::AnyStorage>> {
+    base.clone()
         .writable(true)
         .clean_timer(false)
         .open(path)
@@ -248,8 +259,8 @@ fn rewrite_header(path: &Path, change: impl FnOnce(&mut Cluster0) -> Result<()>)
 
 /// Before a downgrade: v2 has no zero clusters. Without a backing file they become
 /// unallocated; with one they are written with zeros. zstd-compressed clusters cannot stay.
-async fn expand_zero_clusters(path: &Path) -> Result<()> {
-    let img = open(path).await?;
+async fn expand_zero_clusters(path: &Path, base: &OpenOptions) -> Result<()> {
+    let img = open(path, base).await?;
     let r = expand(&img).await;
     let closed = img.close().await;
     r.and(closed)
@@ -277,12 +288,12 @@ async fn expand(img: &Image<crate::io::AnyStorage>) -> Result<()> {
 
 /// Replaces the refcount structure with one of width `1 << order`, computed from every
 /// reference in the image and placed past its end; then switches the header.
-async fn change_refcount_width(path: &Path, order: u32) -> Result<()> {
+async fn change_refcount_width(path: &Path, order: u32, base: &OpenOptions) -> Result<()> {
     // A read-write open and close first (a dirty image repaired, the bitmaps stored: a
     // close moves them to new clusters, as QEMU's does); the plan is then made on a
     // read-only open, whose close writes nothing the plan did not count.
-    open(path).await?.close().await?;
-    let img = OpenOptions::new().clean_timer(false).open(path).await?;
+    open(path, base).await?.close().await?;
+    let img = base.clone().clean_timer(false).open(path).await?;
     let planned = plan_refcounts(&img, order).await;
     img.close().await?;
     let (blocks, table, table_at, table_clusters) = planned?;
