@@ -207,6 +207,66 @@ impl LuksHeader {
     }
 }
 
+/// A hash of the concatenation of its parts (the header's `hash_spec`, which the caller
+/// computes: this crate has no cryptography).
+pub type HashFn<'a> = &'a dyn Fn(&[&[u8]]) -> Vec<u8>;
+
+/// The anti-forensic splitter's diffusion: each digest-sized block of `buf` replaced by the
+/// hash of its index (big-endian u32) and itself, a last partial block by a prefix of it.
+fn diffuse(hash: HashFn<'_>, digest_len: usize, buf: &mut [u8]) {
+    for (i, block) in buf.chunks_mut(digest_len.max(1)).enumerate() {
+        let d = hash(&[&(i as u32).to_be_bytes(), block]);
+        let len = block.len();
+        block.copy_from_slice(&d[..len]);
+    }
+}
+
+fn xor(dst: &mut [u8], src: &[u8]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d ^= s;
+    }
+}
+
+/// AF merge: the key of `key_len` bytes that `stripes` stripes of `split` make (a key slot's
+/// decrypted key material).
+pub fn af_merge(
+    split: &[u8],
+    key_len: usize,
+    stripes: usize,
+    hash: HashFn<'_>,
+    digest_len: usize,
+) -> Vec<u8> {
+    let mut buf = vec![0u8; key_len];
+    for i in 0..stripes.saturating_sub(1) {
+        xor(&mut buf, &split[i * key_len..(i + 1) * key_len]);
+        diffuse(hash, digest_len, &mut buf);
+    }
+    let last = stripes.saturating_sub(1) * key_len;
+    xor(&mut buf, &split[last..last + key_len]);
+    buf
+}
+
+/// AF split: `key` into `stripes` stripes, the first `stripes - 1` being `random` (that many
+/// key lengths of random bytes), the last made so that [`af_merge`] gives `key` back.
+pub fn af_split(
+    key: &[u8],
+    random: &[u8],
+    stripes: usize,
+    hash: HashFn<'_>,
+    digest_len: usize,
+) -> Vec<u8> {
+    let n = key.len();
+    let mut out = random[..n * stripes.saturating_sub(1)].to_vec();
+    let mut buf = vec![0u8; n];
+    for i in 0..stripes.saturating_sub(1) {
+        xor(&mut buf, &out[i * n..(i + 1) * n]);
+        diffuse(hash, digest_len, &mut buf);
+    }
+    xor(&mut buf, key);
+    out.extend_from_slice(&buf);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,6 +305,26 @@ mod tests {
         assert!(h.slots[0].active && !h.slots[1].active);
         assert_eq!(h.slots[1].key_offset, 512 * 512);
         assert_eq!(h.encode().to_vec(), header());
+    }
+
+    #[test]
+    fn af_merge_undoes_af_split() {
+        // Any function works as the hash for the layout; a byte sum spread over 20 bytes.
+        let hash = |parts: &[&[u8]]| {
+            let sum: u32 = parts
+                .iter()
+                .flat_map(|p| p.iter())
+                .map(|&b| u32::from(b))
+                .sum();
+            (0..20)
+                .map(|i| (sum >> (i % 4)) as u8 ^ i)
+                .collect::<Vec<u8>>()
+        };
+        let key: Vec<u8> = (0..64u8).collect();
+        let random: Vec<u8> = (0..64 * 39).map(|i| (i * 7) as u8).collect();
+        let split = af_split(&key, &random, 40, &hash, 20);
+        assert_eq!(split.len(), 64 * 40);
+        assert_eq!(af_merge(&split, 64, 40, &hash, 20), key);
     }
 
     #[test]

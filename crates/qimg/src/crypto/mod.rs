@@ -107,47 +107,28 @@ impl Hash {
     }
 }
 
-/// The anti-forensic splitter's diffusion: each digest-sized block of `buf` replaced by the
-/// hash of its index (big-endian u32) and itself, the last partial block by a prefix of it.
-fn diffuse(hash: Hash, buf: &mut [u8]) {
-    let n = hash.digest_len();
-    for (i, block) in buf.chunks_mut(n).enumerate() {
-        let d = hash.digest(&[&(i as u32).to_be_bytes(), block]);
-        let len = block.len();
-        block.copy_from_slice(&d[..len]);
-    }
-}
-
-/// AF merge: the key of `key_len` bytes that `stripes` pieces of `split` make.
+/// AF merge with `hash` (`qimg-format` lays the stripes out).
 fn af_merge(hash: Hash, split: &[u8], key_len: usize, stripes: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; key_len];
-    for i in 0..stripes - 1 {
-        xor(&mut buf, &split[i * key_len..(i + 1) * key_len]);
-        diffuse(hash, &mut buf);
-    }
-    xor(&mut buf, &split[(stripes - 1) * key_len..stripes * key_len]);
-    buf
+    qimg_format::luks::af_merge(
+        split,
+        key_len,
+        stripes,
+        &|p| hash.digest(p),
+        hash.digest_len(),
+    )
 }
 
-/// AF split: `key` into `stripes` pieces, all but the last random.
+/// AF split with `hash`, all stripes but the last random.
 fn af_split(hash: Hash, key: &[u8], stripes: usize) -> Result<Vec<u8>, CryptoError> {
-    let n = key.len();
-    let mut out = vec![0u8; n * stripes];
-    random(&mut out[..n * (stripes - 1)])?;
-    let mut buf = vec![0u8; n];
-    for i in 0..stripes - 1 {
-        xor(&mut buf, &out[i * n..(i + 1) * n]);
-        diffuse(hash, &mut buf);
-    }
-    xor(&mut buf, key);
-    out[(stripes - 1) * n..].copy_from_slice(&buf);
-    Ok(out)
-}
-
-fn xor(dst: &mut [u8], src: &[u8]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d ^= s;
-    }
+    let mut r = vec![0u8; key.len() * (stripes - 1)];
+    random(&mut r)?;
+    Ok(qimg_format::luks::af_split(
+        key,
+        &r,
+        stripes,
+        &|p| hash.digest(p),
+        hash.digest_len(),
+    ))
 }
 
 /// Fills `buf` with the kernel's random bytes.

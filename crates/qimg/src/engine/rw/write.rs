@@ -318,13 +318,13 @@ impl<S: Storage> Inner<S> {
     /// counts) what QEMU's holds. A write that covers all of that needs none, nor does one to
     /// an external data file.
     async fn prepare_fresh(&self, host: u64, plan: &WritePlan) -> Result<()> {
-        if self.shared.crypt.is_some() {
-            return self.fill_fresh_encrypted(host, plan).await;
-        }
+        // An encrypted image's plan for a new cluster covers all it allocates (its zero parts
+        // are not dropped in `prepare_chunks`: a hole would decrypt to noise), so nothing is
+        // left to zero here.
         if self.shared.allocation != crate::Allocation::Sparse {
             return self.shared.reserve_fresh(host).await;
         }
-        if self.shared.data_file.is_some() {
+        if self.shared.data_file.is_some() || self.shared.crypt.is_some() {
             return Ok(());
         }
         // What the write allocates: the cluster, or with extended L2 entries the subclusters
@@ -345,34 +345,6 @@ impl<S: Storage> Inner<S> {
                 .write_zeroes(host + start as u64, (end - start) as u64)
                 .await
                 .map_err(|e| self.shared.storage_error(e))?;
-        }
-        Ok(())
-    }
-
-    /// [`prepare_fresh`](Self::prepare_fresh) of an encrypted image: a hole would decrypt to
-    /// noise, so what the write leaves of the new cluster (or of its touched subclusters)
-    /// is written as encrypted zeros, as QEMU writes them.
-    async fn fill_fresh_encrypted(&self, host: u64, plan: &WritePlan) -> Result<()> {
-        if self.shared.allocation != crate::Allocation::Sparse {
-            self.shared.reserve_fresh(host).await?;
-        }
-        let cs = self.shared.geo.cluster_size() as usize;
-        let (start, end) = if self.shared.geo.extended_l2() {
-            let scs = self.shared.geo.subcluster_size() as usize;
-            (
-                plan.start / scs * scs,
-                plan.end.next_multiple_of(scs).min(cs),
-            )
-        } else {
-            (0, cs)
-        };
-        for (from, to) in [(start, plan.start), (plan.end, end)] {
-            if from < to {
-                let zeros = self.shared.io_buf(to - from)?;
-                self.shared
-                    .write_guest_data(&zeros, host + from as u64)
-                    .await?;
-            }
         }
         Ok(())
     }
